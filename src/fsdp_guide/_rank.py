@@ -1,0 +1,114 @@
+"""The program each rank of :func:`fsdp_guide.launch` runs, and the process-group set-up it shares with torchrun.
+
+A child is started as ``python -m fsdp_guide._rank RUN_DIR RANK``. It reads the
+function and its arguments from ``RUN_DIR/payload.pkl``, joins the process
+group, runs the function and writes ``("ok", value)`` or ``("error", ...)`` to
+``RUN_DIR/rank{RANK}.pkl`` for the parent to collect.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import cloudpickle
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``"auto"`` means NCCL when every rank can have its own GPU, else gloo on CPU."""
+    import torch
+
+    if backend != "auto":
+        return backend
+    has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    return "nccl" if has_gpus else "gloo"
+
+
+def init_process_group(backend: str, *, store=None, timeout: float = 300.0) -> str:
+    """Join the process group described by the torchrun environment variables; returns the backend used."""
+    import torch
+    import torch.distributed as dist
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = resolve_backend(backend, world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=int(os.environ["RANK"]) if store is not None else -1,
+        world_size=world_size if store is not None else -1,
+        timeout=timedelta(seconds=timeout),
+    )
+    return backend
+
+
+def _store(rank: int, world_size: int, timeout: float):
+    """The rendezvous store. Rank 0 serves it on the socket the parent already bound
+    to 127.0.0.1 and is listening on, so there is no port race, nothing listens on
+    other interfaces, and the other ranks connect at once instead of retrying."""
+    import torch.distributed as dist
+
+    listen_fd = int(os.environ["FSDP_GUIDE_STORE_FD"]) if rank == 0 else None
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=listen_fd,
+    )
+
+
+def _exit_when_parent_dies() -> None:
+    # The parent holds our stdin open and never writes to it: end of file means it is
+    # gone (killed kernel, crashed script), and a rank must not outlive it.
+    # os.read, not sys.stdin: a daemon thread holding the stdin lock aborts interpreter shutdown.
+    try:
+        while os.read(0, 4096):
+            pass
+    finally:
+        os._exit(70)
+
+
+def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
+    tmp = run_dir / f"rank{rank}.tmp"
+    tmp.write_bytes(cloudpickle.dumps(record))
+    tmp.rename(run_dir / f"rank{rank}.pkl")  # the parent never sees half a file
+
+
+def main(run_dir: Path, rank: int) -> None:
+    threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
+    config = pickle.loads((run_dir / "config.pkl").read_bytes())
+    sys.path[:] = config["sys_path"]  # functions pickled by reference import as in the parent
+    try:
+        fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
+        import torch.distributed as dist
+
+        store = _store(rank, config["world_size"], config["timeout"])
+        init_process_group(config["backend"], store=store, timeout=config["timeout"])
+        result = fn(*args, **kwargs)
+        dist.destroy_process_group()
+        try:
+            _write_result(run_dir, rank, ("ok", result))
+        except Exception as exc:
+            raise TypeError(f"the value returned by rank {rank} cannot be sent back to the parent: {exc}") from exc
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        sys.stdout.flush()
+        _write_result(run_dir, rank, ("error", time.time(), type(exc).__name__, traceback.format_exc()))
+        sys.stderr.flush()
+        # Skip interpreter shutdown: other ranks may be blocked in a collective with us,
+        # and tearing down the process group could wait on them.
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,380 @@
+"""fsdp_guide.launch on real gloo process groups: results, environment, output, and every failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+
+from fsdp_guide import LaunchError, launch
+from isolation import loopback_only
+
+
+def _processes_with(token: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if token in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Every test ends with no rank process (nor anything a rank started) still alive."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    time.sleep(0.05)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    left += _processes_with("fsdp_guide._rank")
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+
+
+# ---- what each rank sees --------------------------------------------------------------
+
+
+def _describe_rank(offset, *, scale):
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "sum_of_ranks": total.item(),
+        "value": offset + scale * dist.get_rank(),
+        "env": env,
+        "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ranks_run_in_a_real_process_group_and_return_in_rank_order(world_size, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = launch(_describe_rank, 10, scale=3, world_size=world_size, output="none")
+
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert [r["value"] for r in results] == [10 + 3 * r for r in range(world_size)]
+    assert all(r["sum_of_ranks"] == sum(range(world_size)) for r in results)
+    assert {r["backend"] for r in results} == {"gloo"}
+    assert len({r["pid"] for r in results}) == world_size and os.getpid() not in {r["pid"] for r in results}
+    cores = len(os.sched_getaffinity(0))
+    for rank, r in enumerate(results):
+        env = r["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == (str(rank), str(rank), str(world_size))
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert r["gloo_ifname"] == "lo"
+        assert r["threads"] == max(1, cores // world_size)
+    assert len({r["env"]["MASTER_PORT"] for r in results}) == 1
+
+
+def test_the_parent_does_not_import_torch():
+    script = "import sys; from fsdp_guide import launch; print(launch(len, [1, 2])); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[2,", "2]", "False"]
+
+
+def _listening_addresses():
+    import psutil
+
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"})
+
+
+def test_nothing_listens_outside_loopback():
+    results = launch(_listening_addresses, world_size=2, output="none")
+    assert results[0] == ["127.0.0.1"]  # rank 0 serves the rendezvous store
+    assert all(set(addrs) <= {"127.0.0.1"} for addrs in results)
+
+
+def _all_reduce_sum(value):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_two_launches_at_the_same_time_do_not_collide():
+    results = {}
+
+    def run(name, value):
+        results[name] = launch(_all_reduce_sum, value, world_size=2, output="none")
+
+    threads = [threading.Thread(target=run, args=(n, v)) for n, v in (("a", 1), ("b", 100))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == {"a": [2.0, 2.0], "b": [200.0, 200.0]}
+
+
+# ---- output ----------------------------------------------------------------------------
+
+
+def _chatty():
+    import torch.distributed as dist
+
+    print(f"hello from rank {dist.get_rank()}")
+    print(f"warning on stderr from {dist.get_rank()}", file=sys.stderr)
+    return dist.get_rank()
+
+
+def test_rank_output_is_streamed_with_a_rank_prefix(capfd):
+    assert launch(_chatty, world_size=2) == [0, 1]
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[rank0] hello from rank 0", "[rank1] hello from rank 1"]
+    assert sorted(err.splitlines()) == ["[rank0] warning on stderr from 0", "[rank1] warning on stderr from 1"]
+
+
+def test_output_can_be_limited_to_rank_0_or_silenced(capfd):
+    launch(_chatty, world_size=2, output="rank0")
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["[rank0] hello from rank 0"] and err.splitlines() == ["[rank0] warning on stderr from 0"]
+    launch(_chatty, world_size=2, output="none")
+    assert capfd.readouterr() == ("", "")
+
+
+def test_a_function_defined_in_a_scripts_main_is_shipped_by_value(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch.distributed as dist
+            from fsdp_guide import launch
+
+            SCALE = 7
+
+            def worker():
+                return dist.get_rank() * SCALE
+
+            if __name__ == "__main__":
+                print("results", launch(worker, world_size=2, output="none"))
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "results [0, 7]"
+
+
+def test_under_torchrun_launch_runs_in_process_on_each_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            import torch.distributed as dist
+            from fsdp_guide import launch
+
+            def worker(offset):
+                return (dist.get_rank(), dist.get_world_size(), os.getpid(), offset)
+
+            (result,) = launch(worker, 5, world_size=2)
+            print(f"rank {result[0]} of {result[1]} pid_is_mine={result[2] == os.getpid()} offset={result[3]} initialised_after={dist.is_initialized()}")
+            """
+        )
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    torchrun += ["--master-port=29511", "--tee=3", str(script)]
+    out = subprocess.run(loopback_only(torchrun), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = sorted(line.split(":", 1)[1].strip() for line in out.stdout.splitlines() if "rank " in line)
+    assert lines == [
+        "rank 0 of 2 pid_is_mine=True offset=5 initialised_after=False",
+        "rank 1 of 2 pid_is_mine=True offset=5 initialised_after=False",
+    ]
+
+
+# ---- failures --------------------------------------------------------------------------
+
+
+def _raise_on(bad_rank):
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad_rank:
+        print("step 1 ok")
+        print("about to fail")
+        raise ValueError(f"bad batch on rank {bad_rank}")
+    dist.barrier()  # the others wait for a peer that never comes
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_raises_is_reported_with_its_traceback_and_output(bad_rank):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_on, bad_rank, world_size=2, output="none")
+    elapsed = time.monotonic() - start
+
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert err.rank == bad_rank and err.exit_code == 1
+    message = str(err)
+    assert message.startswith(f"rank {bad_rank} raised ValueError: bad batch on rank {bad_rank}")
+    assert "Traceback (most recent call last)" in err.remote_traceback and "in _raise_on" in err.remote_traceback
+    assert "Traceback from rank" in message and "about to fail" in message and "step 1 ok" in message
+    assert err.output[-2:] == ["step 1 ok", "about to fail"]
+    assert elapsed < 20, f"took {elapsed:.1f} s to report"
+
+
+def _exit_on_rank_0(code):
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print("leaving now")
+        os._exit(code)
+    dist.barrier()
+
+
+def test_a_rank_that_exits_without_raising_is_reported_with_its_exit_code():
+    with pytest.raises(LaunchError) as info:
+        launch(_exit_on_rank_0, 3, world_size=2, output="none")
+    err = info.value
+    assert err.rank == 0 and err.exit_code == 3 and err.remote_traceback is None
+    assert str(err).startswith("rank 0 exited with code 3 without raising a Python exception")
+    assert "leaving now" in str(err)
+
+
+def test_a_rank_that_exits_0_before_returning_is_reported():
+    with pytest.raises(LaunchError, match="rank 0 exited with code 0 before returning a result"):
+        launch(_exit_on_rank_0, 0, world_size=2, output="none")
+
+
+def _kill_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_the_signal():
+    with pytest.raises(LaunchError) as info:
+        launch(_kill_rank_1, world_size=2, output="none")
+    assert info.value.rank == 1 and info.value.exit_code == -signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in str(info.value)
+
+
+def _sleep(seconds):
+    print("working")
+    time.sleep(seconds)
+
+
+def test_a_timeout_names_the_ranks_still_running_and_stops_them():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(_sleep, 120, world_size=2, timeout=4, output="none")
+    assert time.monotonic() - start < 15
+    assert info.value.rank is None and info.value.ranks == [0, 1]
+    assert "did not finish within timeout=4 s; still running: ranks 0, 1" in str(info.value)
+    assert "[rank0] working" in info.value.output
+
+
+def _only_rank_0_waits():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never joins: a real hang
+    else:
+        time.sleep(120)
+
+
+def test_a_hang_in_a_collective_ends_at_the_timeout():
+    with pytest.raises(LaunchError, match="still running: ranks 0, 1"):
+        launch(_only_rank_0_waits, world_size=2, timeout=5, output="none")
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # what Ctrl-C and Jupyter's interrupt send
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_sleep, 120, world_size=2, output="none")
+    finally:
+        timer.cancel()
+    # the autouse fixture checks that no rank survived
+
+
+def _start_a_child_then_fail(token):
+    import torch.distributed as dist
+
+    subprocess.Popen(["sleep", "300", token])  # e.g. a data-loader worker
+    dist.barrier()
+    raise RuntimeError("failed after starting a child")
+
+
+def test_what_a_rank_started_is_stopped_with_it():
+    token = f"fsdp-guide-test-{uuid.uuid4().hex}"
+    with pytest.raises(LaunchError, match="failed after starting a child"):
+        launch(_start_a_child_then_fail, token, world_size=2, output="none")
+    time.sleep(0.2)
+    assert _processes_with(token) == []
+
+
+def _rank_0_returns_a_lock():
+    import torch.distributed as dist
+
+    return threading.Lock() if dist.get_rank() == 0 else None
+
+
+def test_a_result_that_cannot_be_sent_back_is_an_error():
+    with pytest.raises(LaunchError, match="the value returned by rank 0 cannot be sent back"):
+        launch(_rank_0_returns_a_lock, world_size=2, output="none")
+
+
+# ---- bad input: a clear error before anything starts ---------------------------------
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", True])
+def test_world_size_must_be_a_positive_int(world_size):
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        launch(len, [], world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [("backend", "mpi", "backend must be one of"), ("output", "rank1", "output must be one of"),
+     ("timeout", 0, "timeout must be a number"), ("timeout", "10", "timeout must be a number")],
+)
+def test_bad_options_are_rejected(option, value, match):
+    with pytest.raises(ValueError, match=match):
+        launch(len, [], **{option: value})
+
+
+def test_an_argument_that_cannot_be_serialised_is_named():
+    with pytest.raises(TypeError, match=r"cannot send positional argument 1 \(a lock\)"):
+        launch(_sleep, 1, threading.Lock())
+    with pytest.raises(TypeError, match=r"cannot send keyword argument 'seconds' \(a lock\)"):
+        launch(_sleep, seconds=threading.Lock())
+
+
+def test_a_function_that_cannot_be_serialised_is_named():
+    lock = threading.Lock()
+
+    def uses_a_lock():
+        with lock:
+            return 1
+
+    with pytest.raises(TypeError, match=r"cannot send the function .*uses_a_lock"):
+        launch(uses_a_lock)
+
+
+def test_nccl_without_a_gpu_per_rank_is_refused():
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(RuntimeError, match=rf"needs one GPU per rank: world_size={gpus + 1} but {gpus} GPU"):
+        launch(len, [], world_size=gpus + 1, backend="nccl")
