@@ -1,0 +1,148 @@
+"""How fast ranks start, and how fast the site builds.
+
+Prints, from one run (each timing the median of --repeat runs):
+- the latency of 2 ranks doing one all-reduce, as a whole process, for
+  `fsdp_guide.launch`, `torchrun --nproc-per-node=2`, a bare
+  `torch.multiprocessing.spawn` script, and the floor: two
+  `python -c "import torch.distributed"` in parallel (what any launcher pays);
+- the site build: cold (empty _build, every tutorial executed), no-change
+  rebuild, and a fresh build that takes executed notebooks from the cache.
+
+Run it in the pinned environment: `nox -s bench` (or `python bench/bench_launch.py`
+with the package installed). Every variant runs in a network namespace of its own
+with only loopback, as torchrun's store would otherwise listen on every interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from isolation import loopback_only  # noqa: E402
+
+WORK = '''
+import torch, torch.distributed as dist
+
+def all_reduce_once():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+'''
+
+SCRIPTS = {
+    # The parent of a launch needs no torch: the worker imports it, on each rank.
+    "launch": textwrap.dedent(
+        """
+        from fsdp_guide import launch
+
+        def all_reduce_once():
+            import torch, torch.distributed as dist
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return t.item()
+
+        if __name__ == "__main__":
+            assert launch(all_reduce_once, world_size=2, output="none") == [2.0, 2.0]
+        """
+    ),
+    "torchrun": WORK + textwrap.dedent(
+        """
+        dist.init_process_group("gloo")
+        assert all_reduce_once() == 2.0
+        dist.destroy_process_group()
+        """
+    ),
+    "mp.spawn": WORK + textwrap.dedent(
+        """
+        import os
+        import torch.multiprocessing as mp
+
+        def worker(rank):
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            assert all_reduce_once() == 2.0
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+            mp.spawn(worker, nprocs=2)
+        """
+    ),
+}
+
+
+def commands(tmp: Path) -> dict[str, list[str]]:
+    for name, source in SCRIPTS.items():
+        (tmp / f"{name}.py").write_text(source)
+    py = sys.executable
+    floor = f'{py} -c "import torch.distributed" & {py} -c "import torch.distributed" & wait'
+    return {
+        "floor (2 x import torch.distributed)": ["sh", "-c", floor],
+        "fsdp_guide.launch": [py, str(tmp / "launch.py")],
+        "torchrun --nproc-per-node=2": [py, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                        "--master-addr=127.0.0.1", "--master-port=29522", str(tmp / "torchrun.py")],
+        "torch.multiprocessing.spawn": [py, str(tmp / "mp.spawn.py")],
+    }
+
+
+def seconds(argv: list[str], cwd: Path | None = None) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True, cwd=cwd)
+    return time.perf_counter() - start
+
+
+def bench_launchers(repeat: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cmds = {name: loopback_only(argv) for name, argv in commands(tmp).items()}
+        times = {name: [] for name in cmds}
+        for _ in range(repeat):  # interleaved, so drift affects every variant alike
+            for name, argv in cmds.items():
+                times[name].append(seconds(argv, cwd=tmp))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    floor, ours, torchrun = (median[n] for n in ("floor (2 x import torch.distributed)", "fsdp_guide.launch",
+                                                 "torchrun --nproc-per-node=2"))
+    print(f"\n2 ranks, one all-reduce, whole process (median of {repeat}):")
+    print(f"{'':38} {'seconds':>8} {'x floor':>8}")
+    for name, t in median.items():
+        print(f"{name:38} {t:8.2f} {t / floor:8.2f}")
+    print(f"launch / floor = {ours / floor:.2f} (goal <= 1.2); launch / torchrun = {ours / torchrun:.2f} (goal <= 0.6)")
+
+
+def bench_site() -> None:
+    out = Path(tempfile.mkdtemp(prefix="fsdp_guide-site-"))
+    build = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
+             "-D", f"nb_execution_cache_path={out / 'cache'}", "-d", str(out / "doctrees"), str(ROOT)]
+    try:
+        cold = seconds(build + [str(out / "html")], cwd=ROOT)
+        unchanged = seconds(build + [str(out / "html")], cwd=ROOT)
+        shutil.rmtree(out / "doctrees")
+        from_cache = seconds(build + [str(out / "html2")], cwd=ROOT)
+    finally:
+        shutil.rmtree(out)
+    print("\nsite build:")
+    print(f"{'cold (every tutorial executed)':38} {cold:8.1f} s")
+    print(f"{'rebuild, nothing changed':38} {unchanged:8.1f} s")
+    print(f"{'fresh build, notebooks from the cache':38} {from_cache:8.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each launcher variant (median reported)")
+    parser.add_argument("--skip-site", action="store_true", help="only the launcher latencies")
+    args = parser.parse_args()
+    bench_launchers(args.repeat)
+    if not args.skip_site:
+        bench_site()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Sphinx configuration of the FSDP Guide (the site's sources are index.rst, docs/ and tutorials/)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath("src"))  # autodoc reads the package from the checkout
+
+project = "The FSDP Guide"
+author = "The FSDP Guide authors"
+copyright = "2026, The FSDP Guide authors"
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+    "sphinx_copybutton",
+]
+
+root_doc = "index"
+# Only these are pages: with a .py notebook format, Sphinx would otherwise read conf.py,
+# noxfile.py, src/ and tests/ as notebooks.
+include_patterns = ["index.rst", "docs/**", "tutorials/*.py"]
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/__pycache__"]
+
+# Tutorials are jupytext py:percent notebooks, executed at build time.
+nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
+nb_execution_mode = "cache"  # nox -s docs passes force; `nox -s docs -- --cached` reuses this cache
+nb_execution_cache_path = "_build/.jupyter_cache"
+nb_execution_timeout = 180  # seconds per cell
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_merge_streams = True
+myst_enable_extensions = ["colon_fence", "dollarmath"]
+myst_heading_anchors = 3
+
+nitpicky = True
+nitpick_ignore_regex = [
+    # No intersphinx (the build is offline): names from the standard library and torch stay plain text.
+    ("py:class", r"(collections\.abc\.)?Callable|Any|typing\..*|torch\..*"),
+]
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# Only the explicit doctest/testcode blocks of the pages run under the doctest builder;
+# the package's docstring examples run under pytest --doctest-modules.
+doctest_test_doctest_blocks = ""
+
+html_theme = "sphinx_book_theme"
+html_title = "The FSDP Guide"
+html_theme_options = {
+    "use_download_button": True,
+    "show_toc_level": 2,
+    "home_page_in_toc": True,
+    "navigation_with_keys": True,
+}
+html_static_path = []
+copybutton_exclude = ".linenos, .gp, .go"
+
+
+def _offer_executed_notebook(app, pagename, templatename, context, doctree):
+    """Serve each tutorial's executed notebook next to its .py source, for the download button.
+
+    myst-nb writes the executed notebook to ``jupyter_execute/``; sphinx-book-theme only
+    offers it for Markdown notebooks with launch buttons, so copy it and point the theme at it.
+    """
+    import shutil
+    from pathlib import Path
+
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if not pagename.startswith("tutorials/") or not executed.exists():
+        return
+    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(executed, target)
+    context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def setup(app):
+    app.connect("html-page-context", _offer_executed_notebook, priority=400)  # before the theme's buttons

@@ -1,0 +1,40 @@
+"""The two commands of the README: `nox -s docs` builds the site, `nox -s tests` runs every test."""
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-b", "html"]
+
+
+def install(session: nox.Session) -> None:
+    # The pinned environment the site is executed with (torch==2.13.0 among it).
+    session.install("-c", "constraints.txt", "-e", ".[test,docs]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit and multi-process tests, every tutorial as a notebook, the doctests, and the site build."""
+    install(session)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the site into _build/html, executing every tutorial.
+
+    `nox -s docs -- --cached` reuses the execution cache for notebooks whose cells did not
+    change (the cache keys on the notebook alone: it does not see edits to src/).
+    """
+    install(session)
+    mode = "cache" if "--cached" in session.posargs else "force"
+    session.run(*SPHINX, "-D", f"nb_execution_mode={mode}", ".", "_build/html")
+    session.log("open _build/html/index.html, or: python -m http.server -b 127.0.0.1 -d _build/html 8000")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Launcher latency against torchrun and the floor, and site build times (see bench/)."""
+    install(session)
+    session.run("python", "bench/bench_launch.py", *session.posargs)

@@ -1,0 +1,92 @@
+"""The site builds from scratch with every tutorial executed and no warning; its pages link up; its doctests pass."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from conftest import ROOT, TUTORIALS
+
+
+def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", builder, *options]
+    cmd += ["-d", str(out / "doctrees"), str(ROOT), str(out / builder)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    build = sphinx("html", out, "-D", "nb_execution_mode=force")
+    assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
+    return out / "html"
+
+
+def test_landing_page_maps_the_site(site):
+    index = (site / "index.html").read_text()
+    for target in ("tutorials/quickstart.html", "docs/fsdp_tips.html", "docs/fsdp.html"):
+        assert f'href="{target}' in index
+
+
+def test_quickstart_page_shows_executed_rank_output_and_the_check(site):
+    page = (site / "tutorials" / "quickstart.html").read_text()
+    assert "[rank0] step  0  loss" in page
+    assert "FSDP2 on 2 ranks vs 1 process, 40 steps: max |loss difference| =" in page
+    assert "FSDP1 on 2 ranks vs 1 process, 40 steps: max |loss difference| =" in page
+    assert re.search(r"torch 2\.\d+\.\d+", page)
+    assert re.search(r'<img alt="\S+" src="\.\./_images/\w+\.png"', page)  # the loss curves
+
+
+@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+def test_each_tutorial_downloads_as_executed_ipynb_and_py(site, tutorial):
+    page = (site / "tutorials" / f"{tutorial.stem}.html").read_text()
+    for suffix in (".ipynb", ".py"):
+        assert f'href="../_sources/tutorials/{tutorial.stem}{suffix}"' in page
+    notebook = nbformat.read(site / "_sources" / "tutorials" / f"{tutorial.stem}.ipynb", as_version=4)
+    nbformat.validate(notebook)
+    assert sum(len(c.get("outputs", [])) for c in notebook.cells if c.cell_type == "code") > 0
+
+
+def _anchors(page) -> set[str]:
+    return set(re.findall(r'id="([^"]+)"', page.read_text()))
+
+
+def _links(page, target: str) -> list[str]:
+    return re.findall(rf'href="{re.escape(target)}#([^"]+)"', page.read_text())
+
+
+def test_fsdp_and_tips_pages_link_each_other_to_existing_anchors(site):
+    fsdp, tips = site / "docs" / "fsdp.html", site / "docs" / "fsdp_tips.html"
+    to_fsdp, to_tips = _links(tips, "fsdp.html"), _links(fsdp, "fsdp_tips.html")
+    assert len(set(to_fsdp)) >= 2 and len(set(to_tips)) >= 4  # section-level links, both ways
+    assert set(to_fsdp) <= _anchors(fsdp) and set(to_tips) <= _anchors(tips)
+    assert 'href="fsdp_tips.html"' in fsdp.read_text() and 'href="fsdp.html"' in tips.read_text()  # near the top
+
+
+def test_every_tip_links_to_its_tutorial_and_back(site):
+    tips_page = site / "docs" / "fsdp_tips.html"
+    parts = re.split(r'id="(tip-[^"]+)"', tips_page.read_text())[1:]  # each tip's label, then its text
+    tips = dict(zip(parts[::2], parts[1::2]))
+    assert len(tips) >= 5
+    for tip, body in tips.items():
+        tutorial_links = re.findall(r'href="\.\./tutorials/(\w+)\.html#?([^"]*)"', body)
+        assert tutorial_links, f"tip {tip} links to no tutorial"
+        for name, anchor in tutorial_links:
+            tutorial = site / "tutorials" / f"{name}.html"
+            assert tutorial.exists() and (not anchor or anchor in _anchors(tutorial))
+    quickstart = site / "tutorials" / "quickstart.html"
+    back = set(_links(quickstart, "../docs/fsdp_tips.html"))
+    assert back and back <= set(tips), back
+
+
+def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_path):
+    run = sphinx("doctest", tmp_path, "-D", "nb_execution_mode=off")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (tmp_path / "doctest" / "output.txt").read_text()
+    assert re.search(r"\b[1-9]\d* tests\s+0 failures in tests", report), report
+    for written in (tmp_path / "jupyter_execute").rglob("*.ipynb"):  # myst-nb still writes them, unexecuted
+        notebook = nbformat.read(written, as_version=4)
+        assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code"), written
