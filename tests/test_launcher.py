@@ -308,10 +308,17 @@ def test_keyboard_interrupt_stops_every_rank():
     # the autouse fixture checks that no rank survived
 
 
+def _sleeper(token: str) -> list[str]:
+    """A child process that sleeps, findable by the token on its command line."""
+    return [sys.executable, "-c", "import time; time.sleep(300)", token]
+
+
 def _start_a_child_then_fail(token):
     import torch.distributed as dist
 
-    subprocess.Popen(["sleep", "300", token])  # e.g. a data-loader worker
+    child = subprocess.Popen(_sleeper(token))  # e.g. a data-loader worker
+    time.sleep(0.5)
+    assert child.poll() is None, "the child should still be running"
     dist.barrier()
     raise RuntimeError("failed after starting a child")
 
@@ -378,3 +385,38 @@ def test_nccl_without_a_gpu_per_rank_is_refused():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(RuntimeError, match=rf"needs one GPU per rank: world_size={gpus + 1} but {gpus} GPU"):
         launch(len, [], world_size=gpus + 1, backend="nccl")
+
+
+def test_interrupting_the_notebook_kernel_stops_every_rank():
+    """The Jupyter path: a cell running launch, interrupted from the notebook's stop button."""
+    from jupyter_client.manager import start_new_kernel
+
+    token = f"fsdp-guide-test-{uuid.uuid4().hex}"
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        cell = textwrap.dedent(
+            f"""
+            import subprocess, time
+            from fsdp_guide import launch
+            def work():
+                subprocess.Popen({_sleeper(token)!r})
+                print("started", flush=True)
+                time.sleep(300)
+            launch(work, world_size=2)
+            """
+        )
+        msg_id = client.execute(cell)
+        deadline = time.monotonic() + 60
+        while len(_processes_with(token)) < 2 and time.monotonic() < deadline:  # both ranks are working
+            time.sleep(0.2)
+        assert len(_processes_with(token)) == 2, "the ranks did not start"
+        manager.interrupt_kernel()
+        reply = client.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = client.get_shell_msg(timeout=30)
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        time.sleep(0.2)
+        assert _processes_with(token) == [] and _processes_with("fsdp_guide._rank") == []
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

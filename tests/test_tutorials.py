@@ -50,7 +50,7 @@ def test_tutorial_executes(tutorial, tmp_path_factory):
 def test_quickstart_shows_real_rank_output_and_the_equality_check(tmp_path_factory):
     text = _text_outputs(executed(ROOT / "tutorials" / "quickstart.py", tmp_path_factory.getbasetemp()))
     assert "[rank0] step  0  loss" in text and "[rank1]" not in text
-    assert "layers.0.weight        (64, 16)       (32, 16)       (32, 16)" in text
+    assert "layers.0.weight    (64, 16)      (32, 16)      (32, 16)" in text
     for api in ("FSDP2", "FSDP1"):
         line = next(l for l in text.splitlines() if l.startswith(f"{api} on 2 ranks vs 1 process"))
         assert float(line.rsplit("=", 1)[1]) <= 1e-5

@@ -51,7 +51,10 @@ GLOBAL_BATCH, STEPS, LR = 64, 40, 1e-2
 class MLP(nn.Module):
     def __init__(self, dim=16, hidden=64, out=4):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(dim, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, out)])
+        sizes = [dim, hidden, hidden, out]
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])
+        )
 
     def forward(self, x):
         for layer in self.layers[:-1]:
@@ -60,14 +63,16 @@ class MLP(nn.Module):
 
 
 def build_model():
-    torch.manual_seed(0)  # the same seed everywhere: every rank starts from identical weights
+    torch.manual_seed(0)  # same seed: every rank builds the same weights
     return MLP()
 
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 16, generator=g)
-    y = torch.stack([x[:, :4].sum(1), x[:, 4:8].prod(1), x[:, 8:].sin().sum(1), x.norm(dim=1)], dim=1)
+    targets = [x[:, :4].sum(1), x[:, 4:8].prod(1), x[:, 8:].sin().sum(1),
+               x.norm(dim=1)]
+    y = torch.stack(targets, dim=1)
     return x, y
 
 
@@ -86,7 +91,7 @@ def train_single_process():
 
 
 baseline = train_single_process()
-print(f"single process: loss {baseline[0]:.4f} -> {baseline[-1]:.4f} in {STEPS} steps")
+print(f"single process: loss {baseline[0]:.4f} -> {baseline[-1]:.4f}")
 
 # %% [markdown]
 # ## Training with FSDP2 on two ranks
@@ -120,13 +125,14 @@ def mean_over_ranks(value):
 
 def train_fsdp2():
     model = build_model()
-    full_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for layer in model.layers:
-        fully_shard(layer)  # each layer is its own unit: only one is unsharded at a time
-    fully_shard(model)  # the root takes whatever is left (nothing here) and drives the schedule
-    local_shapes = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+        fully_shard(layer)  # one unit per layer: one is unsharded at a time
+    fully_shard(model)  # the root: whatever is left, and the schedule
+    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # built after sharding: it sees the shards
+    # Built after sharding, so it holds (and updates) the shards.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
@@ -138,8 +144,9 @@ def train_fsdp2():
         if step % 10 == 0:
             print(f"step {step:2d}  loss {losses[-1]:.4f}")
     rows = len(my_slice(torch.arange(GLOBAL_BATCH)))
-    return {"full": full_shapes, "local": local_shapes, "losses": losses, "rows": rows,
-            "placement": str(model.layers[0].weight.placements)}
+    placement = str(model.layers[0].weight.placements)
+    return dict(full=full, local=local, losses=losses, rows=rows,
+                placement=placement)
 
 
 fsdp2 = launch(train_fsdp2, world_size=2, output="rank0")
@@ -152,11 +159,14 @@ fsdp2 = launch(train_fsdp2, world_size=2, output="rank0")
 
 # %%
 rank0, rank1 = fsdp2
-print(f"each parameter is a DTensor with placement {rank0['placement']}")
-print(f"{'parameter':18} {'full shape':>12} {'rank 0 holds':>14} {'rank 1 holds':>14}")
+print(f"every parameter is a DTensor with placement {rank0['placement']}")
+header = ("parameter", "full shape", "rank 0 holds", "rank 1 holds")
+print(f"{header[0]:16} {header[1]:>10} {header[2]:>13} {header[3]:>13}")
 for name, full in rank0["full"].items():
-    print(f"{name:18} {str(full):>12} {str(rank0['local'][name]):>14} {str(rank1['local'][name]):>14}")
-print(f"rows of each {GLOBAL_BATCH}-sample batch: rank 0 trained on {rank0['rows']}, rank 1 on {rank1['rows']}")
+    local0, local1 = str(rank0["local"][name]), str(rank1["local"][name])
+    print(f"{name:16} {str(full):>10} {local0:>13} {local1:>13}")
+print(f"rows of each {GLOBAL_BATCH}-sample batch: "
+      f"rank 0 trained on {rank0['rows']}, rank 1 on {rank1['rows']}")
 
 # %% [markdown]
 # ## Sharding changes memory, not math
@@ -169,9 +179,10 @@ def max_abs_difference(a, b):
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-assert rank0["losses"] == rank1["losses"]  # every rank reports the same averaged loss
+assert rank0["losses"] == rank1["losses"]  # both report the averaged loss
 diff2 = max_abs_difference(rank0["losses"], baseline)
-print(f"FSDP2 on 2 ranks vs 1 process, {STEPS} steps: max |loss difference| = {diff2:.2e}")
+print(f"FSDP2 on 2 ranks vs 1 process, {STEPS} steps: "
+      f"max |loss difference| = {diff2:.2e}")
 assert diff2 <= 1e-5
 
 # %% [markdown]
@@ -191,8 +202,12 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
 def train_fsdp1():
-    model = FSDP(build_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
-    local_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    model = FSDP(
+        build_model(),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),  # one unit per Linear
+        device_id=torch.device("cpu"),
+    )
+    local = {name: tuple(p.shape) for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -202,14 +217,16 @@ def train_fsdp1():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(mean_over_ranks(loss.item()))
-    return {"local": local_shapes, "losses": losses}
+    return {"local": local, "losses": losses}
 
 
 fsdp1 = launch(train_fsdp1, world_size=2, output="none")
 for name, shape in fsdp1[0]["local"].items():
-    print(f"rank 0 holds {name.replace('_fsdp_wrapped_module.', '')}: {shape}")
+    name = name.replace("_fsdp_wrapped_module.", "")
+    print(f"rank 0 holds {name}: {shape}")
 diff1 = max_abs_difference(fsdp1[0]["losses"], baseline)
-print(f"FSDP1 on 2 ranks vs 1 process, {STEPS} steps: max |loss difference| = {diff1:.2e}")
+print(f"FSDP1 on 2 ranks vs 1 process, {STEPS} steps: "
+      f"max |loss difference| = {diff1:.2e}")
 assert diff1 <= 1e-5
 
 # %% [markdown]
@@ -224,10 +241,12 @@ assert diff1 <= 1e-5
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 3.2))
-ax.plot(baseline, color="black", linewidth=3, alpha=0.3, label="1 process, whole batch")
+ax.plot(baseline, color="black", linewidth=3, alpha=0.3,
+        label="1 process, whole batch")
 ax.plot(rank0["losses"], "o", markersize=3, label="FSDP2, 2 ranks")
 ax.plot(fsdp1[0]["losses"], "x", markersize=4, label="FSDP1, 2 ranks")
-ax.set(xlabel="step", ylabel="MSE loss (global batch)", yscale="log", title="Sharded training = single-process training")
+ax.set(xlabel="step", ylabel="MSE loss (global batch)", yscale="log",
+       title="Sharded training = single-process training")
 ax.legend()
 fig.tight_layout()
 
