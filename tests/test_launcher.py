@@ -171,6 +171,16 @@ def test_a_function_defined_in_a_scripts_main_is_shipped_by_value(tmp_path):
     assert out.stdout.strip() == "results [0, 7]"
 
 
+def test_ranks_import_from_the_parents_sys_path(tmp_path, monkeypatch):
+    # A function from a module importable only through a sys.path entry the parent added
+    # at run time (a notebook's sys.path.insert): cloudpickle sends it by reference.
+    (tmp_path / "helper_module_for_launch.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import helper_module_for_launch
+
+    assert launch(helper_module_for_launch.triple, 5, world_size=2, output="none") == [15, 15]
+
+
 def test_under_torchrun_launch_runs_in_process_on_each_rank(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(

@@ -1,9 +1,12 @@
 """The program each rank of :func:`fsdp_guide.launch` runs, and the process-group set-up it shares with torchrun.
 
-A child is started as ``python -m fsdp_guide._rank RUN_DIR RANK``. It reads the
-function and its arguments from ``RUN_DIR/payload.pkl``, joins the process
-group, runs the function and writes ``("ok", value)`` or ``("error", ...)`` to
-``RUN_DIR/rank{RANK}.pkl`` for the parent to collect.
+A child starts with :data:`BOOTSTRAP` (``python -c BOOTSTRAP RUN_DIR RANK``):
+it takes the parent's ``sys.path`` from ``RUN_DIR/config.pkl`` before importing
+anything else, so it imports this package, and the modules the function was
+pickled by reference against, exactly as the parent does (a source checkout on
+``sys.path`` included). :func:`main` then reads the function and its arguments
+from ``RUN_DIR/payload.pkl``, joins the process group, runs the function and
+writes ``("ok", value)`` or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import cloudpickle
+
+BOOTSTRAP = (
+    "import pickle, sys; "
+    "sys.path[:] = pickle.load(open(sys.argv[1] + '/config.pkl', 'rb'))['sys_path']; "
+    "from fsdp_guide._rank import main; main()"
+)
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -83,10 +92,10 @@ def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
     tmp.rename(run_dir / f"rank{rank}.pkl")  # the parent never sees half a file
 
 
-def main(run_dir: Path, rank: int) -> None:
+def main() -> None:
     threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
+    run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
-    sys.path[:] = config["sys_path"]  # functions pickled by reference import as in the parent
     try:
         fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
         import torch.distributed as dist
@@ -109,6 +118,3 @@ def main(run_dir: Path, rank: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
 
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -12,8 +12,8 @@ Why not ``torch.multiprocessing.spawn``? It pickles the function by reference
 (which fails for a function defined in a notebook cell), it makes the parent
 import torch (a second or more before any rank starts), and its ranks
 rendezvous over a TCP port that a concurrent launch may also pick. Here the
-parent stays torch-free and starts plain ``python -m fsdp_guide._rank``
-processes with the standard library's :mod:`subprocess`, ships the function
+parent stays torch-free and starts plain Python processes with the standard
+library's :mod:`subprocess` (see :mod:`fsdp_guide._rank`), ships the function
 by value with ``cloudpickle``, and hands rank 0 an already-listening
 loopback socket for torch's own ``TCPStore``.
 """
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
+
+from fsdp_guide._rank import BOOTSTRAP
 
 __all__ = ["launch", "LaunchError"]
 
@@ -81,6 +83,12 @@ def launch(
     it is shipped by value. Return plain Python data (numbers, lists, dicts);
     what a rank prints is streamed to this process's output while it runs,
     each line prefixed with ``[rankN]``.
+
+    The ranks rendezvous on a free port of 127.0.0.1 (``MASTER_PORT``) and talk
+    over loopback (``GLOO_SOCKET_IFNAME=lo``), so concurrent launches never
+    collide. Each rank gets ``cores // world_size`` CPU threads
+    (``OMP_NUM_THREADS``, unless already set) so the ranks do not oversubscribe
+    the machine. A rank imports modules from the same ``sys.path`` as this process.
 
     Args:
         fn: the function every rank runs.
@@ -221,7 +229,6 @@ class _Ranks:
             sock.close()  # rank 0 holds its own copy
 
     def _start_rank(self, rank: int, sock: socket.socket) -> subprocess.Popen:
-        package_parent = str(Path(__file__).resolve().parent.parent)
         env = dict(
             os.environ,
             RANK=str(rank),
@@ -233,13 +240,12 @@ class _Ranks:
             MASTER_PORT=str(sock.getsockname()[1]),
             GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo",
             PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
         if rank == 0:
             env["FSDP_GUIDE_STORE_FD"] = str(sock.fileno())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fsdp_guide._rank", str(self.run_dir), str(rank)],
+            [sys.executable, "-c", BOOTSTRAP, str(self.run_dir), str(rank)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
