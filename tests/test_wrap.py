@@ -1,0 +1,122 @@
+"""fsdp_guide.auto_wrap chooses the same FSDP units as FSDP1's auto_wrap_policy, and trains the same."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
+
+from fsdp_guide import auto_wrap, launch
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attn(x))
+
+
+class Tiny(nn.Module):
+    def __init__(self, dim=8, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(4, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+POLICIES = {
+    "blocks": lambda: ModuleWrapPolicy({Block}),
+    "linears": lambda: ModuleWrapPolicy({nn.Linear}),
+    "size>=300": lambda: functools.partial(size_based_auto_wrap_policy, min_num_params=300),
+    "custom": lambda: CustomPolicy(lambda m: isinstance(m, nn.Sequential)),
+}
+
+
+def _units(policy_name):
+    fsdp1 = FSDP(Tiny(), auto_wrap_policy=POLICIES[policy_name](), device_id=torch.device("cpu"))
+    fsdp1_units = sorted(n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+                         for n, m in fsdp1.named_modules() if isinstance(m, FSDP))
+    fsdp2 = auto_wrap(Tiny(), POLICIES[policy_name]())
+    fsdp2_units = sorted(n for n, m in fsdp2.named_modules() if isinstance(m, FSDPModule))
+    return fsdp1_units, fsdp2_units
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_auto_wrap_chooses_the_units_fsdp1_chooses(policy_name):
+    fsdp1_units, fsdp2_units = launch(_units, policy_name, world_size=2, output="none")[0]
+    assert fsdp2_units == fsdp1_units
+    assert "" in fsdp2_units and len(fsdp2_units) > 1  # the root, and at least one nested unit
+
+
+def _train_losses(sharded):
+    import torch.distributed as dist
+
+    model = Tiny()
+    if sharded:
+        auto_wrap(model, ModuleWrapPolicy({Block}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        if sharded:
+            x, y = x.chunk(2)[dist.get_rank()], y.chunk(2)[dist.get_rank()]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if sharded:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= 2
+        losses.append(loss.item())
+    return losses
+
+
+def test_auto_wrapped_model_trains_like_one_process():
+    sharded = launch(_train_losses, True, world_size=2, output="none")[0]
+    single = _train_losses(False)
+    assert max(abs(a - b) for a, b in zip(sharded, single, strict=True)) < 1e-5
+
+
+def _forward_dtypes():
+    model = auto_wrap(Tiny(), ModuleWrapPolicy({Block}), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen = {}
+
+    def record(name):
+        def hook(module, args, output):
+            seen[name] = str(module.weight.dtype)
+
+        return hook
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(record(name))
+    model(torch.randn(2, 4))
+    return seen
+
+
+def test_fully_shard_kwargs_reach_every_unit():
+    seen = launch(_forward_dtypes, world_size=2, output="none")[0]
+    assert seen and set(seen.values()) == {"torch.bfloat16"}, seen
+
+
+def test_a_policy_that_is_not_a_policy_is_refused():
+    with pytest.raises(TypeError, match="policy must be a torch wrap policy"):
+        auto_wrap(Tiny(), {nn.Linear})
