@@ -31,6 +31,12 @@ def test_landing_page_maps_the_site(site):
         assert f'href="{target}' in index
 
 
+def test_every_tutorial_is_in_the_navigation(site):
+    index = (site / "index.html").read_text()
+    for tutorial in TUTORIALS:
+        assert f'href="tutorials/{tutorial.stem}.html"' in index
+
+
 def test_quickstart_page_shows_executed_rank_output_and_the_check(site):
     page = (site / "tutorials" / "quickstart.html").read_text()
     assert "[rank0] step  0  loss" in page
@@ -77,9 +83,13 @@ def test_every_tip_links_to_its_tutorial_and_back(site):
         for name, anchor in tutorial_links:
             tutorial = site / "tutorials" / f"{name}.html"
             assert tutorial.exists() and (not anchor or anchor in _anchors(tutorial))
-    quickstart = site / "tutorials" / "quickstart.html"
-    back = set(_links(quickstart, "../docs/fsdp_tips.html"))
-    assert back and back <= set(tips), back
+    linked_from_tips = set()
+    for body in tips.values():
+        linked_from_tips |= set(re.findall(r'href="\.\./tutorials/(\w+)\.html', body))
+    for tutorial in TUTORIALS:
+        assert tutorial.stem in linked_from_tips, f"no tip links to {tutorial.stem}"
+        back = set(_links(site / "tutorials" / f"{tutorial.stem}.html", "../docs/fsdp_tips.html"))
+        assert back and back <= set(tips), (tutorial.stem, back)
 
 
 def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_path):

@@ -37,7 +37,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["quickstart"]
+    assert [t.stem for t in TUTORIALS] == ["quickstart", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -54,3 +54,11 @@ def test_quickstart_shows_real_rank_output_and_the_equality_check(tmp_path_facto
     for api in ("FSDP2", "FSDP1"):
         line = next(l for l in text.splitlines() if l.startswith(f"{api} on 2 ranks vs 1 process"))
         assert float(line.rsplit("=", 1)[1]) <= 1e-5
+
+
+def test_summon_full_params_tutorial_shows_exact_init_and_training(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "summon_full_params.py", tmp_path_factory.getbasetemp()))
+    assert "rank 0: FSDP2 init equals single process exactly: True" in text
+    assert "rank 1: FSDP2 init equals single process exactly: True" in text
+    assert "FSDP1 init equals single process exactly: True" in text
+    assert "tied inside the context: True" in text and "still tied: True" in text
