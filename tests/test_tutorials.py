@@ -37,7 +37,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["quickstart", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["enable_wrap", "quickstart", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -62,3 +62,13 @@ def test_summon_full_params_tutorial_shows_exact_init_and_training(tmp_path_fact
     assert "rank 1: FSDP2 init equals single process exactly: True" in text
     assert "FSDP1 init equals single process exactly: True" in text
     assert "tied inside the context: True" in text and "still tied: True" in text
+
+
+def test_enable_wrap_tutorial_measures_wrap_as_you_build(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "enable_wrap.py", tmp_path_factory.getbasetemp()))
+    assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
+    assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
+    assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
+    ratios = {line.split()[0]: float(line.split()[-2]) for line in text.splitlines()
+              if line.startswith(("build, then wrap", "wrap as you build", "meta device"))}
+    assert ratios == {"build,": 1.0, "wrap": 0.53, "meta": 0.5}
