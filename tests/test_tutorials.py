@@ -37,7 +37,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["enable_wrap", "quickstart", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "quickstart", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -72,3 +72,11 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(tmp_path_factory):
     ratios = {line.split()[0]: float(line.split()[-2]) for line in text.splitlines()
               if line.startswith(("build, then wrap", "wrap as you build", "meta device"))}
     assert ratios == {"build,": 1.0, "wrap": 0.53, "meta": 0.5}
+
+
+def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "deterministic_init.py", tmp_path_factory.getbasetemp()))
+    assert text.count("rank 0's rows == rank 1's rows: True") == 2  # on purpose, and via meta + to_empty
+    assert "16x16 weight initialised after sharding: rank 8 of 16" in text
+    assert "DTensor random operators may not have complete support on cpu device mesh" in text
+    assert text.count("equals the single process exactly: True") == 4
