@@ -37,7 +37,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "quickstart", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -80,3 +80,13 @@ def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(tmp_path_f
     assert "16x16 weight initialised after sharding: rank 8 of 16" in text
     assert "DTensor random operators may not have complete support on cpu device mesh" in text
     assert text.count("equals the single process exactly: True") == 4
+
+
+def test_state_attributes_tutorial_shows_the_timelines(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "state_attributes.py", tmp_path_factory.getbasetemp()))
+    lines = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in text.splitlines()
+             if line.startswith(("inside forward", "after backward"))}
+    assert "_shard_param_infos" in text and "_unpadded_unsharded_size" in text
+    assert "rank 1  placements           (Shard(dim=0),)" in text
+    assert text.count("inside forward") == 2 and text.count("after optimizer step") == 2
+    assert lines  # the two timeline tables were printed

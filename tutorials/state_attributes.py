@@ -1,0 +1,230 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-state-attributes)=
+# # What FSDP keeps on each parameter, and when
+#
+# **What you will learn**
+#
+# - what a rank holds for each parameter, in one table, with
+#   {func}`fsdp_guide.describe_sharding` (FSDP2, FSDP1 and plain modules);
+# - the state FSDP2 keeps: `DTensor` parameters with `placements`, a `device_mesh` and a
+#   local shard;
+# - the state FSDP1 keeps on its `FlatParameter`: every attribute this torch version sets,
+#   most of them private;
+# - a timeline, observed with hooks: what the module sees as its weight before, inside and
+#   after forward and backward, and after the optimizer step.
+#
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds. Private attributes
+# change between torch versions; this page was executed with:
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## One table per rank: `describe_sharding`
+
+# %%
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_guide import describe_sharding, launch
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def fsdp2_model():
+    model = make_model()
+    fully_shard(model[0])
+    fully_shard(model[2])
+    return fully_shard(model)
+
+
+def fsdp1_model():
+    return FSDP(make_model(), device_id=torch.device("cpu"))
+
+
+def tables():
+    return {"FSDP2": describe_sharding(fsdp2_model()),
+            "FSDP1": describe_sharding(fsdp1_model())}
+
+
+per_rank = launch(tables, world_size=2, output="none")
+for api in ("FSDP2", "FSDP1"):
+    for rank in (0, 1):
+        print(f"{api}, rank {rank}:\n{per_rank[rank][api]}\n")
+
+# %% [markdown]
+# FSDP2 gives each rank a block of rows of every parameter (`torch.chunk` on dim 0, so the
+# 2x6 weight splits 1 + 1 and a 6x8 one 3 + 3). FSDP1 concatenates all the parameters of a
+# unit into one flat vector of 68 numbers and gives each rank 34 of them, so a parameter
+# may sit wholly on one rank (`0.bias` on rank 1) or straddle both (`0.weight`).
+# In a notebook, `describe_sharding(model)` as the last line of a cell displays as an
+# HTML table.
+#
+# ## FSDP2: parameters are DTensors
+
+# %%
+def dtensor_state():
+    model = fsdp2_model()
+    w = model[0].weight
+    return {"type": type(w).__name__, "placements": w.placements,
+            "mesh": str(w.device_mesh), "global shape": tuple(w.shape),
+            "to_local().shape": tuple(w.to_local().shape),
+            "full_tensor().shape": tuple(w.full_tensor().shape),
+            "module class": type(model[0]).__name__}
+
+
+for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
+    print(f"rank 1  {key:20} {value}")
+
+# %% [markdown]
+# The parameter keeps its name and its global shape; `to_local()` is what this rank
+# stores, `full_tensor()` all-gathers the whole (a collective: every rank must call it).
+# `fully_shard` also changed the module's class to `FSDPLinear`, a subclass that adds
+# `reshard()`, `unshard()` and friends.
+#
+# ## FSDP1: the `FlatParameter` and its private attributes
+#
+# Everything FSDP1 knows about a unit hangs on one `FlatParameter`. Here is every
+# attribute it sets on it in this torch version (the underscore means private: read them
+# to understand, not to build on):
+
+# %%
+def flat_param_attributes():
+    flat = fsdp1_model()._handle.flat_param
+    def text(value):  # a set prints in hash order: sort it, so the page is the same every run
+        return repr(sorted(value, key=repr)) if isinstance(value, set) else repr(value)
+
+    return {name: (type(value).__name__, text(value)) for name, value in vars(flat).items()}
+
+
+def short(text, width=58):
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+for name, (kind, value) in launch(flat_param_attributes, world_size=2,
+                                  output="none")[0].items():
+    print(f"{name:26} {kind:9} {short(value)}")
+
+# %% [markdown]
+# The ones worth knowing: `_fqns`, `_shapes` and `_numels` describe the original
+# parameters in flattening order; `_unpadded_unsharded_size` is the flat length (68) and
+# `_sharded_size` a rank's share of it after padding; `_shard_param_infos` says which part
+# of each original parameter lies in this rank's shard (what `describe_sharding` reads);
+# `_shard_numel_padded` is the padding at the end of this rank's shard.
+#
+# ## A timeline: what the module sees, step by step
+#
+# Hooks record, for the first layer, what its `weight` attribute is and how much storage
+# backs it: before the forward, inside it (a forward pre-hook), after it, inside the
+# backward (a hook on the layer's output gradient), after the backward and after the
+# optimizer step.
+
+# %%
+from torch.distributed.tensor import DTensor
+
+
+def record_timeline(model, layer, snapshot):
+    rows = [snapshot("before forward")]
+    layer.register_forward_pre_hook(lambda m, args: rows.append(snapshot("inside forward")))
+
+    def on_output(module, args, output):
+        output.register_hook(lambda grad: rows.append(snapshot("inside backward")))
+
+    layer.register_forward_hook(on_output)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(torch.randn(4, 8))
+    rows.append(snapshot("after forward"))
+    out.sum().backward()
+    rows.append(snapshot("after backward"))
+    optimizer.step()
+    rows.append(snapshot("after optimizer step"))
+    return rows
+
+
+def fsdp2_timeline():
+    model = fsdp2_model()
+    layer = model[0]
+
+    def snapshot(when):
+        w = layer.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        grad = w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
+        return (when, type(w).__name__, tuple(w.shape), local.untyped_storage().nbytes(),
+                None if grad is None else tuple(grad.shape))
+
+    return record_timeline(model, layer, snapshot)
+
+
+def show(rows, header):
+    print(f"{'':22}" + "".join(f"{h:>18}" for h in header))
+    for when, *values in rows:
+        print(f"{when:22}" + "".join(f"{str(v):>18}" for v in values))
+
+
+show(launch(fsdp2_timeline, world_size=2, output="none")[0],
+     ["weight is a", "its shape", "bytes stored", "local grad"])
+
+# %% [markdown]
+# FSDP2 swaps what is registered on the module: the sharded `DTensor` outside, the full
+# plain `Parameter` (192 bytes instead of 96) while the layer computes, in forward and
+# again in backward. The gradient arrives after backward as a sharded `DTensor`, and the
+# optimizer updates the shard in place.
+
+# %%
+def fsdp1_timeline():
+    model = fsdp1_model()
+    layer = model.module[0]
+    flat = model._handle.flat_param
+
+    def snapshot(when):
+        w = layer.weight
+        return (when, type(w).__name__, tuple(w.shape), w.untyped_storage().nbytes(),
+                flat.untyped_storage().nbytes(),
+                None if flat.grad is None else tuple(flat.grad.shape))
+
+    return record_timeline(model, layer, snapshot)
+
+
+show(launch(fsdp1_timeline, world_size=2, output="none")[0],
+     ["weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"])
+
+# %% [markdown]
+# FSDP1 (with the default `use_orig_params=False`) leaves `layer.weight` a plain tensor
+# of the full shape at all times, but it is a *view* into the unsharded flat parameter.
+# Before the first forward and after backward its storage is freed (0 bytes): reading or
+# editing `layer.weight` there touches nothing real. Right after forward it still holds
+# the gathered values, because FSDP1 does not reshard the *root* unit after forward
+# (backward needs it at once); this model has only the root unit. The `FlatParameter`
+# itself points at its 34-number shard (136 bytes) outside the computation and at the
+# full 68 numbers (272 bytes) inside it, and its gradient is a flat shard too. To read or
+# change weights outside forward, use {func}`fsdp_guide.summon_full_params`.
+#
+# (state-attributes-tips)=
+# ## What this showed, and the tips behind it
+#
+# - `describe_sharding` shows what a rank holds, the same way for FSDP1 and FSDP2:
+#   {ref}`tip-describe-sharding`.
+# - FSDP1's `FlatParameter` attributes are private and version-dependent; FSDP2's
+#   DTensor parameters are the public state: {ref}`tip-private-state`.
+# - Outside forward and backward, a module's weights are shards (FSDP2) or stale views
+#   (FSDP1): {ref}`tip-custom-init-summon`.
