@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -13,6 +12,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_guide import launch, summon_full_params
+from training import my_slice, train
 
 
 def _run(fn, *args):
@@ -40,10 +40,6 @@ def _batch(step, n=8):
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
 
 
-def _my_half(t):
-    return t.chunk(dist.get_world_size())[dist.get_rank()]
-
-
 def _custom_init(model):
     """A deterministic per-layer init: weight[i, j] = (i - j) / (depth + 1), bias = depth."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
@@ -57,21 +53,7 @@ def _custom_init(model):
 
 def _train(model, steps, sharded):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        x, y = _batch(step)
-        if sharded:
-            x, y = _my_half(x), _my_half(y)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if sharded:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
-    return losses
+    return train(model, optimizer, (_batch(step) for step in range(steps)), sharded=sharded)
 
 
 def _single_process_losses(steps=5):
@@ -87,7 +69,7 @@ def _writeback_survives_training(writeback):
     model = _fsdp2(_mlp())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before the context
     x, y = _batch(100)
-    F.mse_loss(model(_my_half(x)), _my_half(y)).backward()  # a forward (lazy init) already ran
+    F.mse_loss(model(my_slice(x)), my_slice(y)).backward()  # a forward (lazy init) already ran
     optimizer.zero_grad()
     before = {name: id(p) for name, p in model.named_parameters()}
     before_local = {name: p.to_local().clone() for name, p in model.named_parameters()}
@@ -102,16 +84,7 @@ def _writeback_survives_training(writeback):
     )
     unchanged = all(torch.equal(before_local[n], p.to_local()) for n, p in model.named_parameters())
     # Train on: the optimizer built before the context must update the edited weights.
-    losses = []
-    for step in range(5):
-        x, y = _batch(step)
-        loss = F.mse_loss(model(_my_half(x)), _my_half(y))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / 2)
+    losses = train(model, optimizer, (_batch(step) for step in range(5)), sharded=True)
     return {"inside": inside, "same_ids": before == after, "in_optimizer": same_objects_in_optimizer,
             "unchanged": unchanged, "losses": losses,
             "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
@@ -197,7 +170,7 @@ def test_nested_units_and_recurse_false():
 def _full_grads():
     model = _fsdp2(_mlp())
     x, y = _batch(0)
-    F.mse_loss(model(_my_half(x)), _my_half(y)).backward()
+    F.mse_loss(model(my_slice(x)), my_slice(y)).backward()
     with summon_full_params(model, with_grads=True):
         grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         for p in model.parameters():

@@ -37,7 +37,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -90,3 +90,11 @@ def test_state_attributes_tutorial_shows_the_timelines(tmp_path_factory):
     assert "rank 1  placements           (Shard(dim=0),)" in text
     assert text.count("inside forward") == 2 and text.count("after optimizer step") == 2
     assert lines  # the two timeline tables were printed
+
+
+def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "pitfalls.py", tmp_path_factory.getbasetemp()))
+    assert "optimizer built before sharding: losses [1.15356, 1.15356, 1.15356]" in text
+    assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
+    assert "registered:   [1, 1]" in text
+    assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text

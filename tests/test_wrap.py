@@ -7,12 +7,12 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
 
 from fsdp_guide import auto_wrap, launch
+from training import train
 
 
 class Block(nn.Module):
@@ -64,29 +64,18 @@ def test_auto_wrap_chooses_the_units_fsdp1_chooses(policy_name):
     assert "" in fsdp2_units and len(fsdp2_units) > 1  # the root, and at least one nested unit
 
 
-def _train_losses(sharded):
-    import torch.distributed as dist
+def _batches(steps=4):
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        yield torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
 
+
+def _train_losses(sharded):
     model = Tiny()
     if sharded:
         auto_wrap(model, ModuleWrapPolicy({Block}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        if sharded:
-            x, y = x.chunk(2)[dist.get_rank()], y.chunk(2)[dist.get_rank()]
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if sharded:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= 2
-        losses.append(loss.item())
-    return losses
+    return train(model, optimizer, _batches(), sharded=sharded)
 
 
 def test_auto_wrapped_model_trains_like_one_process():

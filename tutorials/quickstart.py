@@ -123,14 +123,8 @@ def mean_over_ranks(value):
     return t.item() / dist.get_world_size()
 
 
-def train_fsdp2():
-    model = build_model()
-    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    for layer in model.layers:
-        fully_shard(layer)  # one unit per layer: one is unsharded at a time
-    fully_shard(model)  # the root: whatever is left, and the schedule
-    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-
+def train_steps(model):
+    """Train a sharded model, each rank on its slice of every global batch."""
     # Built after sharding, so it holds (and updates) the shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -143,6 +137,17 @@ def train_fsdp2():
         losses.append(mean_over_ranks(loss.item()))
         if step % 10 == 0:
             print(f"step {step:2d}  loss {losses[-1]:.4f}")
+    return losses
+
+
+def train_fsdp2():
+    model = build_model()
+    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for layer in model.layers:
+        fully_shard(layer)  # one unit per layer: one is unsharded at a time
+    fully_shard(model)  # the root: whatever is left, and the schedule
+    local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    losses = train_steps(model)
     rows = len(my_slice(torch.arange(GLOBAL_BATCH)))
     placement = str(model.layers[0].weight.placements)
     return dict(full=full, local=local, losses=losses, rows=rows,
@@ -194,7 +199,7 @@ assert diff2 <= 1e-5
 # FSDP1 wraps modules instead of changing them in place. An `auto_wrap_policy` makes
 # each `nn.Linear` its own FSDP unit. FSDP1 flattens each unit's parameters into one
 # 1-D `FlatParameter` and shards that, so a rank's shard is a flat slice, not a block
-# of rows.
+# of rows. The training loop is the same `train_steps` as above.
 
 # %%
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -208,16 +213,7 @@ def train_fsdp1():
         device_id=torch.device("cpu"),
     )
     local = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step)
-        loss = F.mse_loss(model(my_slice(x)), my_slice(y))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss.item()))
-    return {"local": local, "losses": losses}
+    return {"local": local, "losses": train_steps(model)}
 
 
 fsdp1 = launch(train_fsdp1, world_size=2, output="none")
