@@ -149,6 +149,18 @@ def test_output_can_be_limited_to_rank_0_or_silenced(capfd):
     assert capfd.readouterr() == ("", "")
 
 
+def _tear_down_the_group_itself():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def test_a_function_may_destroy_the_process_group_itself():
+    assert launch(_tear_down_the_group_itself, world_size=2, output="none") == [0, 1]
+
+
 def test_a_function_defined_in_a_scripts_main_is_shipped_by_value(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(

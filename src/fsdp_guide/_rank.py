@@ -103,7 +103,8 @@ def main() -> None:
         store = _store(rank, config["world_size"], config["timeout"])
         init_process_group(config["backend"], store=store, timeout=config["timeout"])
         result = fn(*args, **kwargs)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the function may have torn it down itself
+            dist.destroy_process_group()
         try:
             _write_result(run_dir, rank, ("ok", result))
         except Exception as exc:

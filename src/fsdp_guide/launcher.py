@@ -154,7 +154,7 @@ def _run_in_this_process(fn, args, kwargs, backend, timeout):
     try:
         return fn(*args, **kwargs)
     finally:
-        if created:
+        if created and dist.is_initialized():  # fn may have torn it down itself
             dist.destroy_process_group()
 
 
