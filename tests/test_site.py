@@ -17,10 +17,20 @@ def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
+# An intermittent crash of the notebook *kernel* process (libzmq aborts with
+# "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)"), seen in about 1 of 10
+# full builds with ipykernel 7.4: the build is retried once for that crash alone, so a
+# real failure (a cell error, a warning, a second crash) still fails the test.
+KERNEL_CRASH = "Assertion failed: pfd.revents & POLLIN"
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
-    build = sphinx("html", out, "-D", "nb_execution_mode=force")
+    for attempt in range(2):
+        out = tmp_path_factory.mktemp("site")
+        build = sphinx("html", out, "-D", "nb_execution_mode=force")
+        if build.returncode == 0 or KERNEL_CRASH not in build.stdout + build.stderr:
+            break
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
     return out / "html"
 
