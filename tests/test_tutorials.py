@@ -102,3 +102,17 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(tmp_path_fac
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
     assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text
+    rows = {tuple(line.split()[:2]): line.split(maxsplit=2)[2] for line in text.splitlines()
+            if line.startswith(("AdamW ", "Adafactor ", "Muon "))}
+    assert rows[("AdamW", "FSDP2")] == rows[("AdamW", "FSDP1")] == "0.0e+00"  # pointwise: exactly DDP
+    assert rows[("Adafactor", "FSDP2")].startswith("RuntimeError") and float(rows[("Adafactor", "FSDP1")]) > 1e-3
+    assert float(rows[("Muon", "FSDP2")]) > 1e-4 and rows[("Muon", "FSDP1")].startswith("ValueError: Muon only supports 2D")
+    in_float32 = float(next(l for l in text.splitlines() if l.startswith("Muon, FSDP2, iterating in float32")).split()[-1])
+    assert in_float32 < 1e-6  # the Muon difference is bfloat16 rounding, nothing else
+    gathers = {tuple(line.split()[:3]): line.split()[-3:] for line in text.splitlines()
+               if line.startswith(("FSDP1 ", "FSDP2 ")) and line.split()[2] in ("inside", "around", "whole-model")}
+    assert len(gathers) == 12  # 2 APIs x 2 checkpoint implementations x 3 placements
+    assert gathers[("FSDP1", "reentrant", "around")][0] == "9"  # checkpoint around the unit re-gathers
+    assert gathers[("FSDP1", "no_reentrant", "whole-model")][0] == "8"
+    assert all(g[0] == "6" for (api, _, where), g in gathers.items() if api == "FSDP2" or where == "inside")
+    assert all(float(g[2]) < 1e-6 for g in gathers.values())  # every arrangement trains correctly

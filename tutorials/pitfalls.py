@@ -14,18 +14,21 @@
 # (tutorial-pitfalls)=
 # # Pitfalls: the wrong way failing, the right way working
 #
-# **What you will learn**: four mistakes FSDP users keep making, each shown failing and
+# **What you will learn**: six mistakes FSDP users keep making, each shown failing and
 # then fixed, on FSDP2 and, where it differs, FSDP1:
 #
 # 1. clipping gradients by a shard's norm instead of the global norm;
 # 2. building the optimizer before sharding;
 # 3. calling a method other than `forward` on an FSDP2 module;
-# 4. editing weights outside forward and backward.
+# 4. editing weights outside forward and backward;
+# 5. expecting DDP's results from an optimizer that is not pointwise;
+# 6. putting activation checkpointing around an FSDP unit instead of inside it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds. The tips are listed
+# **What you need**: a CPU; 2 processes on gloo; about 40 seconds. The tips are listed
 # {ref}`at the end <pitfalls-tips>`.
 
 # %%
+import itertools
 import sys
 
 import torch
@@ -38,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from fsdp_guide import launch, summon_full_params
 
@@ -105,11 +109,13 @@ def fsdp1_grad_norms():
 
 truth = single_process_grad_norm()
 print(f"one process, whole batch:               total norm {truth:.6f}")
-for rank, (shard_norm, total) in enumerate(launch(fsdp2_grad_norms, output="none")):
+# One launch runs both (starting 2 ranks takes seconds; a process group is reusable).
+results = launch(lambda: (fsdp2_grad_norms(), fsdp1_grad_norms()), output="none")
+for rank, ((shard_norm, total), _) in enumerate(results):
     print(f"FSDP2 rank {rank}: norm of its shard {shard_norm:.6f}, "
           f"clip_grad_norm_ {total:.6f}")
     assert abs(total - truth) < 1e-5 and abs(shard_norm - truth) > 0.1
-for rank, (local, total) in enumerate(launch(fsdp1_grad_norms, output="none")):
+for rank, (_, (local, total)) in enumerate(results):
     print(f"FSDP1 rank {rank}: torch.nn.utils.clip_grad_norm_ {local:.6f}, "
           f"model.clip_grad_norm_ {total:.6f}")
     assert abs(total - truth) < 1e-5 and abs(local - truth) > 0.1
@@ -144,10 +150,10 @@ def train_three_steps(optimizer_first):
     return losses
 
 
-for first, label in ((True, "optimizer built before sharding"),
-                     (False, "optimizer built after sharding ")):
-    losses = launch(train_three_steps, first, output="none")[0]
-    print(f"{label}: losses {losses}")
+before, after = launch(lambda: [train_three_steps(first) for first in (True, False)],
+                       output="none")[0]
+print(f"optimizer built before sharding: losses {before}")
+print(f"optimizer built after sharding:  losses {after}")
 
 # %% [markdown]
 # ## 3. Methods other than `forward` on FSDP2 modules
@@ -185,8 +191,10 @@ def call_generate(register):
         return f"RuntimeError: {str(err).splitlines()[0][:96]}..."
 
 
-print("unregistered:", launch(call_generate, False, output="none")[0])
-print("registered:  ", launch(call_generate, True, output="none")[0])
+unregistered, registered = launch(
+    lambda: [call_generate(register) for register in (False, True)], output="none")[0]
+print("unregistered:", unregistered)
+print("registered:  ", registered)
 print("one process: ", Generator().generate(torch.ones(2, 4)).tolist())
 
 # %% [markdown]
@@ -218,10 +226,190 @@ def edit_bias(use_summon):
     return seen[0]
 
 
-print("new Parameter assigned: the next forward sees",
-      [round(v, 4) for v in launch(edit_bias, False, output="none")[0]])
-print("summon_full_params:     the next forward sees",
-      launch(edit_bias, True, output="none")[0])
+assigned, summoned = launch(lambda: [edit_bias(summon) for summon in (False, True)],
+                            output="none")[0]
+print("new Parameter assigned: the next forward sees", [round(v, 4) for v in assigned])
+print("summon_full_params:     the next forward sees", summoned)
+
+# %% [markdown]
+# ## 5. Only pointwise optimizers give DDP's results
+#
+# DDP keeps every parameter whole on every rank; FSDP gives each rank a shard. An
+# optimizer whose update for an element depends only on that element's own gradient and
+# state (SGD, Adam, AdamW: *pointwise*) computes the same numbers on a shard as on the
+# whole tensor. One that looks across a tensor does not: Adafactor factors its second
+# moment over rows and columns and scales the step by the parameter's RMS; Muon
+# orthogonalises the whole gradient matrix. Five steps of each, on the same data, against
+# DDP on the same 2 ranks:
+
+# %%
+from unittest import mock
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+OPTIMIZERS = {
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "Adafactor": lambda params: torch.optim.Adafactor(params, lr=1e-2),
+    "Muon": lambda params: torch.optim.Muon(params, lr=1e-2),
+}
+
+
+def make_matrix_model():  # Muon takes only 2-D parameters: no biases
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 4, bias=False))
+
+
+def full_weights(model):
+    if FSDP.fsdp_modules(model):  # FSDP1: gather the shards (flat ones, too) first
+        with FSDP.summon_full_params(model):
+            return torch.cat([p.detach().flatten() for p in model.parameters()])
+    full = [getattr(p, "full_tensor", p.detach)() for p in model.parameters()]  # DTensor or not
+    return torch.cat([p.flatten() for p in full])
+
+
+def five_steps(model, make_optimizer):
+    optimizer = make_optimizer(list(model.parameters()))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        F.mse_loss(model(my_slice(x)), my_slice(y)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return full_weights(model)
+
+
+def difference_from_ddp(make_optimizer, build):
+    ddp = five_steps(DDP(make_matrix_model()), make_optimizer)
+    try:
+        return f"{(five_steps(build(), make_optimizer) - ddp).abs().max().item():.1e}"
+    except (RuntimeError, ValueError) as err:
+        return f"{type(err).__name__}: {str(err)[:48]}..."
+
+
+def compare_optimizers():
+    builds = {"FSDP2": lambda: shard(make_matrix_model()),
+              "FSDP1": lambda: FSDP(make_matrix_model(), device_id=torch.device("cpu"))}
+    return {(opt, api): difference_from_ddp(make_optimizer, build)
+            for opt, make_optimizer in OPTIMIZERS.items() for api, build in builds.items()}
+
+
+print("optimizer  API    max |weight - DDP| after 5 steps")
+for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
+    print(f"{opt:10} {api:6} {result}")
+
+# %% [markdown]
+# AdamW matches DDP exactly, on both. The others fail in three different ways:
+#
+# - **Adafactor on FSDP1 runs and silently computes something else**: FSDP1 hands the
+#   optimizer one flat 1-D shard per unit, so nothing is factored and the RMS is the
+#   shard's. On FSDP2 it stops with an error, because its in-place update of a norm
+#   needs a redistribution DTensor will not do in place.
+# - **Muon on FSDP1 refuses** the flat 1-D parameters.
+# - **Muon on FSDP2 runs the right algorithm**: DTensor turns its matrix products into
+#   collectives over the whole matrix. It is still not bit-equal, because Muon iterates in
+#   bfloat16 and a sharded matrix product adds its partial sums in another order. An
+#   experiment (not a recipe) shows that this is all of the difference: let `.bfloat16()`
+#   mean float32 for one run.
+
+# %%
+def muon_in_float32():
+    with mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.float):
+        return difference_from_ddp(OPTIMIZERS["Muon"], lambda: shard(make_matrix_model()))
+
+
+print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",
+      launch(muon_in_float32, output="none")[0])
+
+# %% [markdown]
+# So: with a pointwise optimizer, FSDP and DDP agree. With any other, check the
+# optimizer against DDP on a small model before a long run: it must either work on
+# DTensors through DTensor operations (as Muon does, paying collectives inside every
+# step), or gather what it needs itself.
+#
+# ## 6. Activation checkpointing goes inside the FSDP unit
+#
+# Activation checkpointing drops a block's activations in forward and recomputes them in
+# backward. Apply it *inside* the FSDP unit, `FSDP(checkpoint_wrapper(block))` or
+# `fully_shard(checkpoint_wrapper(block))`, so the recomputation runs while FSDP has the
+# unit's parameters gathered for its backward. Wrapped *around* the unit (or around the
+# whole model), the recomputation runs the unit's forward again. The cell counts the
+# collectives in one forward and backward of three units for every arrangement, with
+# torch's two checkpoint implementations, and checks the weights after one SGD step
+# against one process:
+
+# %%
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+
+
+def make_blocks():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+
+
+def one_sgd_step(model, x):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CommDebugMode() as comm:
+        model(x).square().mean().backward()
+    optimizer.step()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    return counts, model
+
+
+PLACEMENTS = ("inside", "around", "whole-model")  # the last: one checkpoint around it all
+
+
+def checkpointed(wrap, impl, where):
+    """Three blocks, each an FSDP unit made by `wrap`, checkpointed at `where`."""
+    def checkpoint(module):
+        return checkpoint_wrapper(module, checkpoint_impl=impl)
+
+    model = make_blocks()
+    for i, block in enumerate(model):
+        if where == "inside":
+            model[i] = wrap(checkpoint(block))
+        elif where == "around":
+            model[i] = checkpoint(wrap(block))
+        else:
+            model[i] = wrap(block)
+    model = wrap(model)
+    return checkpoint(model) if where == "whole-model" else model
+
+
+def compare_checkpoint_placements():
+    # requires_grad: reentrant checkpointing only records a graph for inputs that need one
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    _, reference = one_sgd_step(make_blocks(), x)  # one process, the whole batch
+    wraps = {"FSDP1": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True),
+             "FSDP2": fully_shard}
+    rows = []
+    for api, impl, where in itertools.product(wraps, CheckpointImpl, PLACEMENTS):
+        counts, model = one_sgd_step(checkpointed(wraps[api], impl, where), my_slice(x))
+        all_gathers = counts.get("allgather_", 0) + counts.get("_allgather_base_", 0)
+        error = (full_weights(model) - full_weights(reference)).abs().max().item()
+        reduce_scatters = counts["_reduce_scatter_base_"]
+        rows.append((api, impl.name.lower(), where, all_gathers, reduce_scatters, error))
+    return rows
+
+
+print(f"{'':6} {'checkpoint':12} {'placement':12} all-gathers  reduce-scatters  "
+      "max |w - 1 process|")
+rows = launch(compare_checkpoint_placements, output="none")[0]
+for api, impl, where, gathers, scatters, error in rows:
+    print(f"{api:6} {impl:12} {where:12} {gathers:11}  {scatters:15}  {error:.1e}")
+
+# %% [markdown]
+# Every arrangement trains correctly, but not at the same cost. With FSDP1 and the
+# reentrant implementation (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`,
+# still common in older code) around each unit, the recomputation all-gathers every unit
+# a second time: 9 all-gathers instead of 6, half as much parameter traffic again. Around
+# the whole model, even the non-reentrant one makes 8. FSDP2 recognises the recomputation
+# (its pre-forward hook returns early while the unit is in `TrainingState.PRE_BACKWARD`),
+# so on this torch it makes 6 in every arrangement. Inside the unit is the arrangement
+# that is cheapest on both, and the order torchtitan uses: checkpoint each block, then
+# `fully_shard` it.
 
 # %% [markdown]
 # (pitfalls-tips)=
@@ -231,5 +419,7 @@ print("summon_full_params:     the next forward sees",
 # 2. {ref}`tip-optimizer-after-sharding`
 # 3. {ref}`tip-fsdp-forward-method`
 # 4. {ref}`tip-edit-weights-summon`
+# 5. {ref}`tip-pointwise-optimizers`
+# 6. {ref}`tip-checkpoint-inside-unit`
 #
 # Why a rank holds only part of each tensor: {ref}`fsdp-how-it-works`.
