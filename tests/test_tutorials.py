@@ -41,7 +41,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "fsdp_config", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -116,3 +116,22 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(tmp_path_fac
     assert gathers[("FSDP1", "no_reentrant", "whole-model")][0] == "8"
     assert all(g[0] == "6" for (api, _, where), g in gathers.items() if api == "FSDP2" or where == "inside")
     assert all(float(g[2]) < 1e-6 for g in gathers.values())  # every arrangement trains correctly
+
+
+def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "fsdp_config.py", tmp_path_factory.getbasetemp()))
+    assert text.count("[rank0] fsdp_config -> ") == 2 and "[rank1]" not in text
+    assert "[rank0]     blocks.0                 Sequential            1,056  checkpoint" in text
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))}
+    for api in ("fsdp2", "fsdp1"):  # stored share, all-gathers, reduce-scatters, all-reduces, loss difference
+        assert rows[(api, "FULL_SHARD")][:4] == ["0.250", "7", "4", "0"]
+        assert rows[(api, "SHARD_GRAD_OP")][:4] == ["0.250", "4", "4", "0"]
+        assert rows[(api, "NO_SHARD")][:4] == ["1.000", "0", "0", "4"]
+        assert rows[(api, "HYBRID_SHARD")][0] == "0.500" and rows[(api, "HYBRID_SHARD")][3] == "4"
+        assert all(float(rows[(api, s)][4]) < 1e-6 for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
+    presets = [line.split() for line in text.splitlines() if line.split()[1:2] in (["FULL"], ["DEFAULT"], ["PURE"])]
+    assert ["fsdp2", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "float32"] in presets
+    assert ["fsdp1", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "bfloat16"] in presets  # FSDP1 casts buffers
+    assert ["fsdp2", "PURE", "bf16", "bfloat16", "bfloat16", "bfloat16", "float32"] in presets
+    assert "did you mean 'sharding_strategy'?" in text and "did you mean 'DEFAULT'?" in text
+    assert "cpu_offload=True with api='fsdp1' needs an accelerator" in text

@@ -9,13 +9,14 @@ from importlib import import_module
 
 from fsdp_guide.launcher import LaunchError, launch
 
-__all__ = ["launch", "LaunchError", "summon_full_params", "auto_wrap", "describe_sharding"]
+__all__ = ["launch", "LaunchError", "summon_full_params", "auto_wrap", "describe_sharding", "shard"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "summon_full_params": "fsdp_guide.summon",
     "auto_wrap": "fsdp_guide.wrap",
     "describe_sharding": "fsdp_guide.describe",
+    "shard": "fsdp_guide.config",
 }
 
 

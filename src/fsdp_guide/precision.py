@@ -1,0 +1,97 @@
+"""``record_dtypes``: which dtype each kind of operation really runs in.
+
+Mixed precision has three layers that each cast (FSDP's parameter cast,
+autocast's per-op casts, the dtype of the gradient reduction), and reading
+configuration objects says what was asked for, not what ran. A
+``TorchDispatchMode`` sees every operation after autocast and FSDP have done
+their casting, which is what this records. (torch's ``CommDebugMode`` counts
+collectives but does not keep their dtypes.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["record_dtypes", "DtypeRecord"]
+
+# Schema names (without overload) -> the kind reported. Collectives as c10d
+# dispatches them on gloo and NCCL; their dtype is that of the tensor sent.
+_KINDS = {
+    "aten::mm": "matmul",
+    "aten::addmm": "matmul",
+    "aten::bmm": "matmul",
+    "aten::baddbmm": "matmul",
+    "aten::_softmax": "softmax",
+    "aten::_log_softmax": "softmax",
+    "c10d::_allgather_base_": "all-gather",
+    "c10d::allgather_": "all-gather",
+    "c10d::allgather_into_tensor_coalesced_": "all-gather",
+    "c10d::_reduce_scatter_base_": "reduce-scatter",
+    "c10d::reduce_scatter_": "reduce-scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce-scatter",
+    "c10d::allreduce_": "all-reduce",
+    "c10d::allreduce_coalesced_": "all-reduce",
+}
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class DtypeRecord(TorchDispatchMode):
+    """The dtypes seen, as ``{(phase, kind): {dtype names}}``; phase is ``forward`` or ``backward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict[tuple[str, str], set[str]] = defaultdict(set)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        kind = _KINDS.get(func._schema.name)
+        if kind is not None:
+            # A collective's input is what goes on the wire (after an all-gather its
+            # first argument is the output buffer: same dtype); a compute op's output
+            # is the dtype it ran in.
+            tensor = _first_tensor(args[1] if kind == "reduce-scatter" else args) if kind in (
+                "all-gather", "reduce-scatter", "all-reduce") else _first_tensor(out)
+            if tensor is not None:
+                # Private but long-standing: -1 outside autograd's backward pass.
+                phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
+                self.seen[(phase, kind)].add(_short(tensor.dtype))
+        return out
+
+    def get(self, phase: str, kind: str) -> str:
+        """The dtypes seen for ``kind`` in ``phase``, e.g. ``'bfloat16'``; ``'-'`` if none ran."""
+        return "/".join(sorted(self.seen.get((phase, kind), ()))) or "-"
+
+
+def record_dtypes() -> DtypeRecord:
+    """A context manager that records the dtype of each matmul, softmax and collective.
+
+    Example:
+
+    >>> import torch
+    >>> from fsdp_guide.precision import record_dtypes
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> with record_dtypes() as dtypes, torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     layer(torch.ones(2, 4)).float().softmax(-1).sum().backward()
+    >>> dtypes.get("forward", "matmul"), dtypes.get("forward", "softmax"), dtypes.get("backward", "matmul")
+    ('bfloat16', 'float32', 'bfloat16')
+    >>> layer.weight.grad.dtype  # the gradient is accumulated into the fp32 parameter's dtype
+    torch.float32
+    """
+    return DtypeRecord()

@@ -1,0 +1,265 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-fsdp-config)=
+# # Configuring FSDP with a dictionary
+#
+# **What you will learn**
+#
+# - how {func}`fsdp_guide.shard` applies a trainer-style `fsdp_config` dictionary with
+#   FSDP2 (`fully_shard`) or FSDP1 (`FullyShardedDataParallel`), and how a model steers
+#   it with `fsdp_wrap_fn` and `activation_checkpointing_fn`;
+# - what each `sharding_strategy` stores on a rank and sends per step, measured on 4
+#   ranks;
+# - which dtypes the `mixed_precision` presets `FULL`, `DEFAULT` and `PURE` really compute
+#   and reduce in;
+# - what a mistake in the dictionary tells you.
+#
+# **What you need**: a CPU; 2 and 4 processes on gloo (NCCL on GPUs with the same code);
+# about 40 seconds. The full key-by-key mapping is in the reference,
+# {ref}`fsdp-config-reference`; the tips are listed {ref}`at the end <fsdp-config-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## A dictionary, a model, and the plan
+#
+# This is the dictionary trainer libraries such as MosaicML Composer take. The model
+# marks its FSDP units with `fsdp_wrap_fn` (here: each block) and the modules to
+# checkpoint with `activation_checkpointing_fn`; `shard` looks for both on the model
+# and on `model.model`. With `verbose`, rank 0 prints the plan: each setting as the
+# chosen API received it, and the units with the parameters each one all-gathers.
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_guide import launch, shard
+
+fsdp_config = {
+    "sharding_strategy": "FULL_SHARD", "min_params": 1e8, "cpu_offload": False,
+    "mixed_precision": "DEFAULT", "backward_prefetch": "BACKWARD_POST",
+    "activation_checkpointing": False, "activation_cpu_offload": False, "verbose": True,
+}
+
+
+class Model(nn.Module):
+    def __init__(self, width=32, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+        self.register_buffer("temperature", torch.tensor(2.0))  # a buffer, to see its dtype
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) / self.temperature
+
+    def fsdp_wrap_fn(self, module):
+        return module in self.blocks
+
+    def activation_checkpointing_fn(self, module):
+        return module in self.blocks
+
+
+def apply_config(api, config):
+    model = shard(Model(), config, api=api)
+    model(torch.randn(4, 32)).sum().backward()  # it trains
+
+
+for api, config in (("fsdp2", fsdp_config),
+                    ("fsdp1", {**fsdp_config, "activation_checkpointing": True})):
+    launch(apply_config, api, config, output="rank0")
+
+# %% [markdown]
+# `min_params` is 1e8, so no module is a unit by size: the blocks are units because
+# `fsdp_wrap_fn` says so, and the head stays in the root unit. With
+# `activation_checkpointing` on, each unit is checkpointed *inside* its FSDP wrapper
+# (the order the {ref}`pitfalls tutorial <tutorial-pitfalls>` shows is cheaper).
+# `DEFAULT` computes in bfloat16 and reduces gradients in float32; `precision: "auto"`
+# (the default) picks bfloat16 where the hardware has it, as it does on any CPU.
+#
+# ## What each sharding strategy stores and sends
+#
+# One step of each strategy on 4 ranks, in full precision so that the loss can be
+# compared with one process exactly: the share of the parameters a rank keeps between
+# steps, the collectives of one forward and backward, and the loss difference.
+
+# %%
+from torch.distributed.tensor.debug import CommDebugMode
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def stored_share(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    full = sum(p.numel() for p in Model().parameters())
+    units = FSDP.fsdp_modules(model)
+    if units:  # FSDP1: each unit's flat parameter holds this rank's shard
+        return sum(u._flat_param.numel() for u in units if u._flat_param is not None) / full
+    return sum(p.to_local().numel() for p in model.parameters()) / full
+
+
+def one_step(model, x, y):
+    with CommDebugMode() as comm:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    sent = {kind: sum(n for op, n in counts.items() if key in op)
+            for kind, key in (("all-gather", "allgather"), ("reduce-scatter", "reduce_scatter"),
+                              ("all-reduce", "allreduce"))}
+    return loss, sent
+
+
+def strategy_table(api):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+    reference = F.mse_loss(Model()(x), y).item()
+    my_rows = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
+    rows = []
+    for strategy in STRATEGIES:
+        config = {"sharding_strategy": strategy, "mixed_precision": "FULL",
+                  "data_parallel_shard_degree": 2}  # HYBRID_SHARD: 2 groups of 2 ranks
+        model = shard(Model(), config, api=api)
+        loss, sent = one_step(model, x[my_rows], y[my_rows])
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)  # the mean over ranks is the loss of the whole batch
+        rows.append((strategy, stored_share(model), sent, abs(loss.item() / 4 - reference)))
+    return rows
+
+
+print(f"{'':5} {'strategy':14} stored  all-gathers  reduce-scatters  all-reduces  |loss - 1 process|")
+for api in ("fsdp2", "fsdp1"):
+    for strategy, share, sent, error in launch(strategy_table, api, world_size=4,
+                                               output="none")[0]:
+        print(f"{api:5} {strategy:14} {share:6.3f}  {sent['all-gather']:11}  "
+              f"{sent['reduce-scatter']:15}  {sent['all-reduce']:11}  {error:.1e}")
+
+# %% [markdown]
+# - `FULL_SHARD` (ZeRO-3) keeps a quarter and all-gathers each unit twice, once for
+#   forward and again for backward, because it frees the gathered parameters after
+#   forward; except the root unit, whose backward comes first: both APIs keep it
+#   gathered (7 all-gathers for 4 units).
+# - `SHARD_GRAD_OP` (ZeRO-2) keeps them gathered from forward to backward: one
+#   all-gather per unit instead of two, for more memory during the step.
+# - `NO_SHARD` is DDP: a full copy, gradients all-reduced. (FSDP2 has no such mode;
+#   `shard` gives it a `(replicate, shard)` mesh with shards of one rank.)
+# - `HYBRID_SHARD` shards inside groups of `data_parallel_shard_degree` ranks (by default
+#   the ranks of one node) and replicates across the groups: half of the parameters on
+#   each of the 4 ranks here, with a reduce-scatter inside the group and an all-reduce
+#   across groups.
+#
+# The loss is the same for all of them: they trade memory for communication, and do
+# not change the mathematics. (FSDP1's share is a little above 1/4 because it pads each
+# flat parameter to a multiple of the world size.)
+#
+# ## Mixed precision presets: the dtypes that actually ran
+#
+# {func}`fsdp_guide.precision.record_dtypes` records the dtype of every matmul and
+# collective as it runs, after FSDP's casts. For each preset, on 2 ranks:
+
+# %%
+from fsdp_guide.precision import record_dtypes
+
+PRESETS = (("FULL", "bf16"), ("DEFAULT", "bf16"), ("PURE", "bf16"), ("DEFAULT", "fp16"))
+
+
+def preset_dtypes(api):
+    rows = []
+    for preset, precision in PRESETS:
+        config = {"mixed_precision": preset, "precision": precision}
+        model = shard(Model(), config, api=api)
+        seen = {}
+
+        def buffer_dtype(module, args):  # inside the root's forward, after FSDP's casts
+            seen["buffer"] = model.temperature.dtype
+
+        model.head.register_forward_pre_hook(buffer_dtype)
+        with record_dtypes() as dtypes:
+            model(torch.randn(4, 32)).float().sum().backward()
+        rows.append((preset, precision, dtypes.get("forward", "matmul"),
+                     dtypes.get("backward", "matmul"), dtypes.get("backward", "reduce-scatter"),
+                     str(seen["buffer"]).removeprefix("torch.")))
+    return rows
+
+
+print(f"{'':5} {'preset':8} {'low':5} {'forward matmul':15} {'grad matmul':12} "
+      f"{'reduce-scatter':15} buffer")
+for api in ("fsdp2", "fsdp1"):
+    for row in launch(preset_dtypes, api, output="none")[0]:
+        print(f"{api:5} " + " ".join(f"{v:{w}}" for v, w in zip(row, (8, 5, 15, 12, 15, 0))))
+
+# %% [markdown]
+# `FULL` is all float32. `DEFAULT` computes forward and backward in the low-precision
+# dtype and reduces gradients in float32; `PURE` reduces them in low precision too,
+# halving the bytes of the reduction at the cost of accuracy. The difference between the
+# APIs is the buffer: FSDP1 casts buffers to `buffer_dtype`; FSDP2's
+# `MixedPrecisionPolicy` has no buffer dtype, so they keep their own. `precision` picks
+# the low dtype for the whole dictionary: `"auto"` is bfloat16 where the hardware has
+# it (every CPU, CUDA from compute capability 8), otherwise float16.
+#
+# ## Mistakes say what would be right
+#
+# Every check that needs no process group is in {func}`fsdp_guide.config.validate`,
+# which `shard` calls first; a mistake is a `ValueError` that names the key, lists the
+# valid choices and suggests the closest one:
+
+# %%
+from fsdp_guide.config import validate
+
+for mistake in ({"sharding_stratgy": "FULL_SHARD"}, {"sharding_strategy": "FULL_SHRAD"},
+                {"mixed_precision": "DEFALUT"}, {"min_params": "1e8"}):
+    try:
+        validate(mistake)
+    except ValueError as err:
+        print(f"{str(mistake):40} -> {str(err)[:150]}")
+
+# %% [markdown]
+# Settings that pass the checks but cannot work together fail on the ranks, before any
+# sharding, with the same kind of message:
+
+
+# %%
+def mistakes():
+    messages = []
+    for config, api in (({"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 3}, "fsdp2"),
+                        ({"backward_prefetch": "NONE"}, "fsdp2"),
+                        ({"cpu_offload": True}, "fsdp1")):
+        try:
+            shard(Model(), config, api=api)
+        except ValueError as err:
+            messages.append(f"{api}: {err}")
+    return messages
+
+
+for message in launch(mistakes, output="none")[0]:
+    print(message, end="\n\n")
+
+# %% [markdown]
+# (fsdp-config-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-fsdp-config`
+# - {ref}`tip-mixed-precision-presets`
+# - {ref}`tip-checkpoint-inside-unit`
+#
+# Every key, its FSDP1 argument and its FSDP2 equivalent: {ref}`fsdp-config-reference`.
