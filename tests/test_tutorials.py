@@ -41,7 +41,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "enable_wrap", "fsdp_config", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fsdp_config", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -135,3 +135,14 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(tmp_p
     assert ["fsdp2", "PURE", "bf16", "bfloat16", "bfloat16", "bfloat16", "float32"] in presets
     assert "did you mean 'sharding_strategy'?" in text and "did you mean 'DEFAULT'?" in text
     assert "cpu_offload=True with api='fsdp1' needs an accelerator" in text
+
+
+def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "digits.py", tmp_path_factory.getbasetemp()))
+    assert "1437 training and 360 test images of shape (1, 8, 8)" in text
+    epochs = [line for line in text.splitlines() if line.startswith("Train Epoch: ")]
+    tests = [line for line in text.splitlines() if line.startswith("Test set: Average loss: ")]
+    assert len(epochs) == len(tests) == 8
+    correct = int(tests[-1].split("Accuracy: ")[1].split("/")[0])
+    assert correct / 360 >= 0.97
+    assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text
