@@ -41,7 +41,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fsdp_config", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fsdp_config", "memory", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -146,3 +146,16 @@ def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(tm
     correct = int(tests[-1].split("Accuracy: ")[1].split("/")[0])
     assert correct / 360 >= 0.97
     assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text
+
+
+def test_memory_tutorial_reproduces_zero_and_matches_measurements(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "memory.py", tmp_path_factory.getbasetemp()))
+    totals = {line.split()[0]: line.split()[-1] for line in text.splitlines()
+              if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line}
+    assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD"))
+            and len(line.split()) == 7]
+    assert len(rows) == 10  # DDP, NO_SHARD x 2 APIs, FULL_SHARD x 2 APIs; on 2 and 4 ranks
+    assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
+    in_step = [float(line.split()[5]) for line in text.splitlines() if line.strip().startswith("in step")]
+    assert [round(r, 2) for r in in_step] == [1.5, 1.5, 1.26, 1.25]  # SHARD_GRAD_OP: full parameters + FSDP's shard

@@ -1,0 +1,180 @@
+"""``estimate`` and ``measure``: per-rank memory of model states, predicted and counted.
+
+Model states are what training keeps for every parameter: the parameter itself,
+its gradient, and the optimizer's state (for Adam two moments, plus an fp32
+master copy when parameters are in low precision). ``estimate`` predicts the
+bytes per rank for each sharding strategy, with the accounting of the ZeRO paper
+(Rajbhandari et al., 2020); ``measure`` counts the same three quantities from the
+tensors a rank actually holds, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = ["MemoryBreakdown", "estimate", "measure", "STRATEGIES"]
+
+STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+_STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes of parameters, gradients and optimizer state on one rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def __str__(self) -> str:
+        gb = lambda n: f"{n / 1e9:.4g} GB"  # noqa: E731  (decimal GB, as the ZeRO paper uses)
+        return (f"params {gb(self.params)}, grads {gb(self.grads)}, optimizer {gb(self.optimizer)}, "
+                f"total {gb(self.total)}")
+
+
+def _itemsize(dtype: torch.dtype, name: str) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name}={dtype!r}: expected a torch dtype such as torch.float32 or torch.bfloat16")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def estimate(
+    num_params: int,
+    world_size: int,
+    strategy: str,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    grad_dtype: torch.dtype | None = None,
+    optimizer: str = "adam",
+    master_weights: bool = False,
+) -> MemoryBreakdown:
+    """Per-rank bytes of model states for ``strategy``, as the ZeRO paper counts them.
+
+    ``DDP`` and ``NO_SHARD`` keep everything on every rank; ``SHARD_GRAD_OP`` (ZeRO
+    stage 2) shards gradients and optimizer state and keeps full parameters (FSDP
+    holds them from forward through backward); ``FULL_SHARD`` (ZeRO stage 3)
+    shards all three. Optimizer state is kept in the parameters' dtype (as
+    ``torch.optim`` does), or in fp32 with a 4-byte fp32 master copy per parameter
+    when ``master_weights=True`` (mixed-precision Adam: the paper's K = 12).
+
+    Example, the paper's Figure 1 (7.5B parameters, 64 devices, fp16 parameters
+    and gradients, mixed-precision Adam):
+
+    >>> import torch
+    >>> from fsdp_guide.memory import estimate
+    >>> for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
+    ...     m = estimate(7.5e9, 64, strategy, param_dtype=torch.float16, master_weights=True)
+    ...     print(f"{strategy:14} {m.total / 1e9:.1f} GB")
+    DDP            120.0 GB
+    SHARD_GRAD_OP  16.6 GB
+    FULL_SHARD     1.9 GB
+    """
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or not num_params >= 0:
+        raise ValueError(f"num_params={num_params!r}: expected a number of parameters >= 0")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive int")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    if optimizer not in _STATES_PER_PARAM:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {', '.join(_STATES_PER_PARAM)}")
+    param = _itemsize(param_dtype, "param_dtype")
+    grad = _itemsize(param_dtype if grad_dtype is None else grad_dtype, "grad_dtype")
+    state = 4 if master_weights else param
+    per_param_optimizer = _STATES_PER_PARAM[optimizer] * state + (4 if master_weights else 0)
+
+    def sharded(nbytes: float) -> int:
+        return math.ceil(nbytes / world_size)
+
+    p, g, o = num_params * param, num_params * grad, num_params * per_param_optimizer
+    if strategy in ("DDP", "NO_SHARD"):
+        return MemoryBreakdown(math.ceil(p), math.ceil(g), math.ceil(o))
+    if strategy == "SHARD_GRAD_OP":
+        return MemoryBreakdown(math.ceil(p), sharded(g), sharded(o))
+    return MemoryBreakdown(sharded(p), sharded(g), sharded(o))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor: this rank's part
+    return to_local() if callable(to_local) else t
+
+
+def _fsdp2_sharded_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's own sharded parameters: between forward and backward they are not the registered ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    params = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()  # private: there is no public way to reach them
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            for group in filter(None, groups):
+                params += [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+    return params
+
+
+def _fsdp1_flat_shards(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP1's flat parameters and their local shards: while gathered, the modules see only the full one."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    tensors = []
+    for unit in FSDP.fsdp_modules(model):
+        flat = getattr(unit, "_flat_param", None)  # private: FSDP1 has no public handle on it
+        if flat is not None:
+            tensors += [flat, getattr(flat, "_local_shard", None)]
+    return tensors
+
+
+class _Storages:
+    """Bytes of distinct storages: views into one buffer count once, at the buffer's full size."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+
+    def bytes(self, tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = _local(t).untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+
+def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:
+    """The model states this rank holds now, counted from the live tensors.
+
+    Parameters are the ones the modules hold (this rank's shard of each DTensor, or
+    FSDP1's flat shard) plus FSDP's own sharded copies while the modules hold
+    gathered ones (from forward to backward); gradients are those parameters' ``.grad``; optimizer state is
+    every tensor in ``optimizer.state`` except the 0-dimensional step counters. Each
+    storage counts once, at its full size, so FSDP's padding is included.
+
+    Example:
+
+    >>> import torch
+    >>> from fsdp_guide.memory import measure
+    >>> model = torch.nn.Linear(1000, 1000)
+    >>> optimizer = torch.optim.Adam(model.parameters())
+    >>> model(torch.ones(1, 1000)).sum().backward(); optimizer.step()
+    >>> print(measure(model, optimizer))
+    params 0.004004 GB, grads 0.004004 GB, optimizer 0.008008 GB, total 0.01602 GB
+    """
+    storages = _Storages()
+    params = list(model.parameters()) + _fsdp2_sharded_params(model)
+    param_bytes = storages.bytes(params + _fsdp1_flat_shards(model))
+    grad_bytes = storages.bytes(p.grad for p in params)
+    state = [] if optimizer is None else [
+        t for per_param in optimizer.state.values() for t in per_param.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    ]
+    return MemoryBreakdown(param_bytes, grad_bytes, storages.bytes(state))

@@ -1,0 +1,100 @@
+"""fsdp_guide.memory: the ZeRO paper's figures, and estimates checked against live tensors on gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_guide import launch, shard
+from fsdp_guide.memory import estimate, measure
+
+PSI = 7.5e9  # the ZeRO paper's Figure 1: 7.5B parameters, 64 devices, fp16, mixed-precision Adam (K = 12)
+
+
+@pytest.mark.parametrize(
+    "strategy, params, grads, optimizer",
+    [
+        ("DDP", 2 * PSI, 2 * PSI, 12 * PSI),  # baseline: (2 + 2 + K) psi = 120 GB
+        ("NO_SHARD", 2 * PSI, 2 * PSI, 12 * PSI),
+        ("SHARD_GRAD_OP", 2 * PSI, 2 * PSI / 64, 12 * PSI / 64),  # P_os+g: 2 psi + (2 + K) psi / Nd = 16.6 GB
+        ("FULL_SHARD", 2 * PSI / 64, 2 * PSI / 64, 12 * PSI / 64),  # P_os+g+p: (2 + 2 + K) psi / Nd = 1.9 GB
+    ],
+)
+def test_estimate_reproduces_the_zero_papers_figure_1(strategy, params, grads, optimizer):
+    m = estimate(PSI, 64, strategy, param_dtype=torch.float16, optimizer="adam", master_weights=True)
+    assert (m.params, m.grads, m.optimizer) == (params, grads, optimizer)
+    assert round(m.total / 1e9, 1) == {"DDP": 120.0, "NO_SHARD": 120.0, "SHARD_GRAD_OP": 16.6, "FULL_SHARD": 1.9}[strategy]
+
+
+def test_estimate_counts_dtypes_and_optimizers():
+    fp32_adam = estimate(1000, 1, "DDP")
+    assert (fp32_adam.params, fp32_adam.grads, fp32_adam.optimizer) == (4000, 4000, 8000)
+    bf16_sgd = estimate(1000, 4, "FULL_SHARD", param_dtype=torch.bfloat16, grad_dtype=torch.float32, optimizer="sgd")
+    assert (bf16_sgd.params, bf16_sgd.grads, bf16_sgd.optimizer) == (500, 1000, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_params=-1, world_size=2, strategy="DDP"), "num_params=-1: expected a number of parameters >= 0"),
+        (dict(num_params=10, world_size=0, strategy="DDP"), "world_size=0: expected a positive int"),
+        (dict(num_params=10, world_size=2, strategy="ZERO3"), "strategy='ZERO3': expected one of DDP, NO_SHARD"),
+        (dict(num_params=10, world_size=2, strategy="DDP", optimizer="lion"), "optimizer='lion': expected one of adam"),
+        (dict(num_params=10, world_size=2, strategy="DDP", param_dtype="bf16"), "param_dtype='bf16': expected a torch dtype"),
+    ],
+)
+def test_estimate_rejects_bad_input_with_a_clear_message(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimate(**kwargs)
+
+
+def test_measure_counts_a_tied_parameter_once():
+    embedding = nn.Embedding(100, 16)
+    head = nn.Linear(16, 100, bias=False)
+    head.weight = embedding.weight
+    assert measure(nn.ModuleList([embedding, head])).params == 100 * 16 * 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)), nn.Linear(64, 10))
+
+
+def _measured_over_estimated():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n, world = sum(p.numel() for p in _model().parameters()), dist.get_world_size()
+    ratios = {}
+    for strategy in ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"):
+        for api in ("ddp",) if strategy == "DDP" else ("fsdp2", "fsdp1"):
+            config = {"sharding_strategy": strategy, "min_params": 1000, "mixed_precision": "FULL"}
+            model = DDP(_model()) if api == "ddp" else shard(_model(), config, api=api)
+            optimizer = torch.optim.Adam(model.parameters())
+            x = torch.randn(4, 64)
+            model(x).sum().backward()
+            optimizer.step()
+            predicted = estimate(n, world, strategy)
+            at_rest = measure(model, optimizer)
+            ratios[(strategy, api)] = [at_rest.params / predicted.params, at_rest.grads / predicted.grads,
+                                       at_rest.optimizer / predicted.optimizer]
+            if strategy == "SHARD_GRAD_OP":  # its full parameters exist from forward to backward
+                optimizer.zero_grad()
+                model(x)
+                ratios[(strategy + " in step", api)] = [measure(model, optimizer).params / predicted.params]
+    return ratios
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_measure_matches_estimate_up_to_padding_on_real_ranks(world_size):
+    ratios = launch(_measured_over_estimated, world_size=world_size, output="none")[0]
+    for (strategy, api), values in ratios.items():
+        if strategy == "SHARD_GRAD_OP":  # at rest FSDP keeps only shards: params are 1/N, like FULL_SHARD
+            expected = [1 / world_size, 1, 1]
+        elif strategy == "SHARD_GRAD_OP in step":  # the gathered parameters, and FSDP's shard beside them
+            expected = [1 + 1 / world_size]
+        else:
+            expected = [1, 1, 1]
+        for value, want in zip(values, expected):
+            assert want <= value <= want * 1.01, (strategy, api, values)  # padding only adds, and little

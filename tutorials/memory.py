@@ -1,0 +1,162 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-memory)=
+# # How much memory does each rank need? A model checked against ZeRO
+#
+# **What you will learn**
+#
+# - the ZeRO paper's accounting of model states (parameters, gradients, optimizer
+#   state), reproduced by {func}`fsdp_guide.memory.estimate` for its Figure 1;
+# - how to count what a rank really holds with {func}`fsdp_guide.memory.measure`, and
+#   that the two agree on real ranks for every sharding strategy, up to FSDP's padding;
+# - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2.
+#
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 25 seconds. The tips are
+# listed {ref}`at the end <memory-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## The ZeRO paper's Figure 1
+#
+# A 7.5-billion-parameter model on 64 devices, fp16 parameters and gradients (2 bytes
+# each), and mixed-precision Adam, which keeps an fp32 master copy, momentum and
+# variance: K = 12 bytes per parameter. DDP keeps all of it on every device; ZeRO stage
+# 2 (`SHARD_GRAD_OP`) shards gradients and optimizer state; stage 3 (`FULL_SHARD`) shards
+# the parameters too.
+
+# %%
+from fsdp_guide.memory import estimate
+
+print(f"{'strategy':14} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}   (GB per device)")
+for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
+    m = estimate(7.5e9, 64, strategy, param_dtype=torch.float16, optimizer="adam",
+                 master_weights=True)
+    print(f"{strategy:14} {m.params / 1e9:9.2f} {m.grads / 1e9:9.2f} {m.optimizer / 1e9:10.2f} "
+          f"{m.total / 1e9:9.1f}")
+
+# %% [markdown]
+# 120 GB, 16.6 GB and 1.9 GB: the paper's numbers for the baseline, P<sub>os+g</sub> and
+# P<sub>os+g+p</sub>. (Its stage 1, which shards only the optimizer state, has no FSDP
+# counterpart.) The estimate is model states only: activations, temporary buffers and
+# the gathered parameters of the unit being computed come on top.
+#
+# ## Estimated against measured, on real ranks
+#
+# A small transformer (4 encoder layers of width 126, on purpose not a multiple of 4),
+# each layer its own FSDP unit, trained one step with Adam in fp32 under every strategy,
+# on 2 and then 4 ranks.
+# `measure` counts this rank's distinct tensor storages: parameters (its shard of each),
+# their gradients, and the optimizer's moment tensors.
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_guide import launch, shard
+from fsdp_guide.memory import measure
+
+
+def transformer():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=126, nhead=3, dim_feedforward=510,
+                                       batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+
+
+def one_step(model, optimizer):
+    model(torch.randn(2, 16, 126)).square().mean().backward()
+    optimizer.step()
+
+
+def compare(strategy, api):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    config = {"sharding_strategy": strategy, "min_params": 100_000, "mixed_precision": "FULL"}
+    model = DDP(transformer()) if api == "ddp" else shard(transformer(), config, api=api)
+    optimizer = torch.optim.Adam(model.parameters())
+    one_step(model, optimizer)
+    num_params = sum(p.numel() for p in transformer().parameters())
+    rows = [(strategy, api, estimate(num_params, dist.get_world_size(), strategy),
+             measure(model, optimizer))]
+    if strategy == "SHARD_GRAD_OP":  # measure again between forward and backward
+        optimizer.zero_grad()
+        model(torch.randn(2, 16, 126))
+        rows.append(("  in step", api, rows[0][2], measure(model, optimizer)))
+    return rows
+
+
+def compare_all():
+    cases = [("DDP", "ddp")] + [(s, api) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+                                for api in ("fsdp2", "fsdp1")]
+    return [row for strategy, api in cases for row in compare(strategy, api)]
+
+
+results = {}
+for world_size in (2, 4):
+    results[world_size] = launch(compare_all, world_size=world_size, output="none")[0]
+    print(f"\n{world_size} ranks  {'':14} {'':6} estimated  measured   measured / estimated")
+    print(f"{'':8} {'strategy':14} {'api':6} {'MB total':>9} {'MB total':>9}   "
+          f"params  grads   optimizer")
+    for strategy, api, est, got in results[world_size]:
+        ratios = [got.params / est.params, got.grads / est.grads, got.optimizer / est.optimizer]
+        print(f"{'':8} {strategy:14} {api:6} {est.total / 1e6:9.3f} {got.total / 1e6:9.3f}   "
+              + "  ".join(f"{r:6.4f}" for r in ratios))
+
+# %% [markdown]
+# For DDP, `NO_SHARD` and `FULL_SHARD` the measurement is the estimate, up to padding:
+# FSDP makes all shards equal, and the padding is real memory. FSDP2 pads each
+# parameter's first dimension to a multiple of the world size (on 4 ranks, 126 and 510
+# rows become 128 and 512: 0.9% here; on 2 ranks nothing), FSDP1 pads each unit's flat
+# parameter once (0.01%).
+#
+# `SHARD_GRAD_OP` is the exception, and instructive. Between steps FSDP keeps only the
+# shards, so at rest it holds exactly what `FULL_SHARD` holds: 1/N of the parameters.
+# From forward to backward it keeps every unit's gathered parameters, and then holds the
+# full parameters *and* its shard of them: 1 + 1/N of ZeRO stage 2's figure (1.5 on 2
+# ranks, 1.25 on 4, grads not yet produced). ZeRO's stage 2 has no such extra copy
+# because its fp32 master weights are part of the optimizer state (K); in FSDP the fp32
+# shard *is* the master copy, which is why the extra 1/N disappears in mixed precision
+# when the optimizer does not keep masters of its own (the {ref}`FP8 tutorial
+# <tutorial-fp8>` measures that case).
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+for ax, world_size in zip(axes, (2, 4)):
+    rows = [(f"{s.strip()}\n{api}", got) for s, api, _, got in results[world_size]]
+    labels = [label for label, _ in rows]
+    bottom = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer"):
+        values = [getattr(got, part) / 1e6 for _, got in rows]
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_title(f"measured per rank, {world_size} ranks")
+    ax.tick_params(axis="x", labelsize=7)
+axes[0].set_ylabel("MB")
+axes[0].legend()
+fig.tight_layout()
+
+# %% [markdown]
+# (memory-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-memory-estimate`
+# - {ref}`tip-fsdp-config`: the strategies come from one dictionary.
