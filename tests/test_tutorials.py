@@ -41,7 +41,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fsdp_config", "memory", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "memory", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -159,3 +159,23 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(tmp_path_facto
     assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
     in_step = [float(line.split()[5]) for line in text.splitlines() if line.strip().startswith("in step")]
     assert [round(r, 2) for r in in_step] == [1.5, 1.5, 1.26, 1.25]  # SHARD_GRAD_OP: full parameters + FSDP's shard
+
+
+def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "fp8.py", tmp_path_factory.getbasetemp()))
+    assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
+    gathered = {tuple(l.split()[:2]): l.split() for l in text.splitlines() if " all-gather " in l}
+    assert gathered[("fp32", "forward")][-2:] == ["3", "196608"]
+    assert gathered[("bf16", "forward")][-3:] == ["bfloat16", "3", "98304"]
+    assert gathered[("fp8", "forward")][-3:] == ["uint8", "3", "49152"]  # one byte per element, as uint8 on gloo
+    memory = {l.split()[0]: [int(v) for v in l.split()[1:]] for l in text.splitlines()
+              if l.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"]) and len(l.split()) == 5}
+    assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
+    saved = {mode: v[3] for mode, v in memory.items()}
+    assert saved["fp8"] > saved["fp32"] > saved["bf16"] and saved["fp8+bf16"] < saved["fp8"]
+    assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
+    assert "{'c10d_functional.all_reduce': 1}" in text
+    accumulation = {l.split("relative difference")[0].strip(): float(l.split()[-1]) for l in text.splitlines()
+                    if "relative difference" in l}
+    assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
+    assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]

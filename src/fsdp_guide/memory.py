@@ -143,11 +143,22 @@ class _Storages:
         for t in tensors:
             if t is None:
                 continue
-            storage = _local(t).untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in self.seen:
-                self.seen.add(storage.data_ptr())
-                total += storage.nbytes()
+            for plain in _plain_tensors(_local(t)):
+                storage = plain.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in self.seen:
+                    self.seen.add(storage.data_ptr())
+                    total += storage.nbytes()
         return total
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that own memory: a wrapper subclass (e.g. torchao's float8 weight) holds them inside."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner_names, _ = t.__tensor_flatten__()
+    return [plain for name in inner_names for plain in _plain_tensors(getattr(t, name))]
 
 
 def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdown:

@@ -34,6 +34,8 @@ _KINDS = {
     "c10d::reduce_scatter_tensor_coalesced_": "reduce-scatter",
     "c10d::allreduce_": "all-reduce",
     "c10d::allreduce_coalesced_": "all-reduce",
+    "_c10d_functional::all_reduce": "all-reduce",
+    "_c10d_functional::all_reduce_": "all-reduce",
 }
 
 
@@ -48,30 +50,52 @@ def _first_tensor(value):
     return None
 
 
+def _storage_tensor(t):
+    """For a wrapper subclass (torchao's float8 tensors report their original dtype), the data inside."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while t is not None and is_traceable_wrapper_subclass(t):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
+
+
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 class DtypeRecord(TorchDispatchMode):
-    """The dtypes seen, as ``{(phase, kind): {dtype names}}``; phase is ``forward`` or ``backward``."""
+    """What ran, per ``(phase, kind)``; phase is ``forward`` or ``backward``.
+
+    ``seen``: the dtype names; ``count``: how many operations; ``nbytes``: for a
+    collective, the bytes of the tensor it sent or filled (an all-gather's whole
+    gathered output, a reduce-scatter's input, an all-reduce's buffer).
+    """
 
     def __init__(self):
         super().__init__()
         self.seen: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self.count: dict[tuple[str, str], int] = defaultdict(int)
+        self.nbytes: dict[tuple[str, str], int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         kind = _KINDS.get(func._schema.name)
         if kind is not None:
-            # A collective's input is what goes on the wire (after an all-gather its
-            # first argument is the output buffer: same dtype); a compute op's output
-            # is the dtype it ran in.
-            tensor = _first_tensor(args[1] if kind == "reduce-scatter" else args) if kind in (
-                "all-gather", "reduce-scatter", "all-reduce") else _first_tensor(out)
+            # A collective's input is what goes on the wire (for an all-gather the first
+            # argument is the gathered buffer: same dtype, all the bytes); a matmul's
+            # operands are what it computes in; a softmax's output is.
+            if kind == "matmul":
+                tensor = _storage_tensor(_first_tensor(args))
+            elif kind == "softmax":
+                tensor = _first_tensor(out)
+            else:
+                tensor = _first_tensor(args[1] if kind == "reduce-scatter" else args)
             if tensor is not None:
                 # Private but long-standing: -1 outside autograd's backward pass.
                 phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
                 self.seen[(phase, kind)].add(_short(tensor.dtype))
+                self.count[(phase, kind)] += 1
+                self.nbytes[(phase, kind)] += tensor.numel() * tensor.element_size()
         return out
 
     def get(self, phase: str, kind: str) -> str:
@@ -80,7 +104,7 @@ class DtypeRecord(TorchDispatchMode):
 
 
 def record_dtypes() -> DtypeRecord:
-    """A context manager that records the dtype of each matmul, softmax and collective.
+    """A context manager that records the dtype of each matmul (its operands), softmax and collective.
 
     Example:
 

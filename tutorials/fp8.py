@@ -1,0 +1,292 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-fp8)=
+# # FP8 training with FSDP2 and torchao
+#
+# **What you will learn**
+#
+# - how torchao's float8 training composes with FSDP2: convert the Linears, *then* shard,
+#   with the all-gather itself in float8;
+# - what FP8 changes and what it does not, measured against FP32 and BF16 mixed precision
+#   on 2 ranks: the loss, the bytes all-gathered per step, the model states kept per rank,
+#   and the activations saved for backward;
+# - why "FP8 used more memory than BF16" happens, and the setting that fixes it;
+# - where the FP8 scaling factors are synchronised across ranks, and what gradient
+#   accumulation does with FP8.
+#
+# **What you need**: torchao; a CPU (where torch runs the float8 matmul, slowly) or a
+# GPU with FP8 support; 2 processes on gloo; about 45 seconds. The tips are listed
+# {ref}`at the end <fp8-tips>`.
+
+# %%
+import sys
+
+from fsdp_guide.fp8 import quiet_torchao
+
+quiet_torchao()  # before importing torchao: its CUDA-kernel warnings are noise on CPU
+import torch
+import torchao
+
+print(f"torch {torch.__version__}, torchao {torchao.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## Three ways to train the same model
+#
+# The model is three 128x128 Linears. FP32 shards it as it is; BF16 adds FSDP2's
+# `MixedPrecisionPolicy` (compute in bfloat16, reduce gradients in float32); FP8 uses
+# {func}`fsdp_guide.fp8.float8_fully_shard`: torchao's `convert_to_float8_training` with
+# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (afterwards the swap fails on
+# DTensor weights), and torchao's `precompute_float8_dynamic_scale_for_fsdp` after every
+# optimizer step. FP8 + BF16 combines the last two.
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdp_guide import launch
+from fsdp_guide.fp8 import float8_fully_shard
+from fsdp_guide.memory import measure
+from fsdp_guide.precision import record_dtypes
+
+WIDTH, STEPS = 128, 12
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+MODES = ("fp32", "bf16", "fp8", "fp8+bf16")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU(),
+                         nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU(),
+                         nn.Linear(WIDTH, WIDTH, bias=False))
+
+
+def build(mode):
+    model = make_model()
+    mp_policy = BF16 if "bf16" in mode else MixedPrecisionPolicy()
+    if mode.startswith("fp8"):
+        return float8_fully_shard(model, mp_policy=mp_policy)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mp_policy)
+    return fully_shard(model, mp_policy=mp_policy)
+
+
+def batch(step, rank, rows=32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(rows, WIDTH, generator=g)
+    target = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
+    return x, torch.tanh(x @ target)
+
+
+# %% [markdown]
+# Each mode trains 12 steps with AdamW. During the last step, `record_dtypes` records
+# every collective (dtype, count, bytes), and a `saved_tensors_hooks` pair counts the
+# bytes autograd saves for backward; after it, {func}`fsdp_guide.memory.measure` counts
+# the model states.
+
+# %%
+def saved_bytes_counter():
+    saved = {"bytes": 0}
+
+    def pack(t):
+        saved["bytes"] += t.numel() * t.element_size()
+        return t
+
+    return saved, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def train(mode):
+    from fsdp_guide.fp8 import quiet_torchao
+
+    quiet_torchao()  # each rank is a fresh process: silence torchao before importing it
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    model = build(mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, dist.get_rank())
+        saved, hooks = saved_bytes_counter()
+        with record_dtypes() as comm, hooks:
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+        optimizer.step()
+        if mode.startswith("fp8"):
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        optimizer.zero_grad()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / dist.get_world_size())
+    collectives = {key: (comm.get(*key), comm.count[key], comm.nbytes[key]) for key in comm.seen}
+    # measure after a backward, so the gradients exist
+    F.mse_loss(model(x).float(), y).backward()
+    return dict(losses=losses, collectives=collectives, states=measure(model, optimizer),
+                saved=saved["bytes"])
+
+
+def train_all_modes():
+    return {mode: train(mode) for mode in MODES}
+
+
+results = launch(train_all_modes, output="none")[0]
+
+print(f"{'step':>4}  " + "  ".join(f"{mode:>9}" for mode in MODES))
+for step in range(0, STEPS, 3):
+    print(f"{step:4}  " + "  ".join(f"{results[m]['losses'][step]:9.5f}" for m in MODES))
+print(f"{'last':>4}  " + "  ".join(f"{results[m]['losses'][-1]:9.5f}" for m in MODES))
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(6, 3))
+for mode in MODES:
+    ax.plot(results[mode]["losses"], label=mode)
+ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="the same model, four precisions")
+ax.legend()
+fig.tight_layout()
+
+# %% [markdown]
+# The four curves lie almost on top of each other (the last losses within 1%): for this
+# model, FP8's rounding does not change the course of training.
+#
+# ## What goes over the wire
+#
+# The collectives of one step, per rank:
+
+# %%
+print(f"{'mode':9} {'phase':9} {'collective':15} {'dtype':9} {'count':>5} {'bytes':>8}")
+for mode in MODES:
+    for (phase, kind), (dtype, count, nbytes) in sorted(results[mode]["collectives"].items()):
+        if kind != "matmul":
+            print(f"{mode:9} {phase:9} {kind:15} {dtype:9} {count:5} {nbytes:8}")
+print("\nmatmul operands, forward | backward:")
+for mode in MODES:
+    matmuls = results[mode]["collectives"]
+    print(f"{mode:9} {matmuls[('forward', 'matmul')][0]:14} | {matmuls[('backward', 'matmul')][0]}")
+
+# %% [markdown]
+# - **All-gather**: forward and backward each gather the three 64 KiB weights, 196,608
+#   bytes in FP32; half that in BF16, a quarter in FP8, one byte per element. On gloo the
+#   float8 bytes travel as `uint8` (gloo has no float8 type, so `float8_fully_shard`
+#   reinterprets them; NCCL sends `float8_e4m3fn` as it is).
+# - **Reduce-scatter** of gradients stays in float32 in every mode: FP8 is used for the
+#   matmuls (operands `float8_e4m3fn` forward, `float8_e5m2` gradients backward) and the
+#   weight all-gather, not for the gradient reduction.
+# - **All-reduce**: none in the step itself. The FP8 scaling factor of each weight comes
+#   from the largest absolute value (amax) of the *whole* weight, so the ranks must
+#   agree on it; `precompute_float8_dynamic_scale_for_fsdp`, after the optimizer step,
+#   does it for all weights at once:
+
+# %%
+def amax_collectives():
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp_guide.fp8 import quiet_torchao
+
+    quiet_torchao()
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    counts = {}
+    for precompute in (False, True):
+        model = build("fp8")
+        if precompute:
+            with CommDebugMode() as comm:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+            counts["precompute_float8_dynamic_scale_for_fsdp"] = {
+                str(op): n for op, n in comm.get_comm_counts().items()}
+        with record_dtypes() as seen:
+            F.mse_loss(model(batch(0, dist.get_rank())[0]), torch.zeros(32, WIDTH)).backward()
+        counts[f"forward+backward, scales precomputed: {precompute}"] = {
+            f"{phase} {kind}": f"{seen.count[(phase, kind)]} x {seen.get(phase, kind)}"
+            for phase, kind in seen.seen if kind == "all-reduce"}
+    return counts
+
+
+for where, counts in launch(amax_collectives, output="none")[0].items():
+    print(f"{where}:\n    {counts or 'none'}")
+
+# %% [markdown]
+# Without the precomputed scales, every all-gather of a float8 weight first all-reduces
+# its amax (a 4-byte float32 `max`): one per weight in forward and again in backward.
+# With them, the step has none, and one all-reduce after the optimizer step covers all
+# weights. The scale must be recomputed after *every* step: torchao stores it on the
+# weight, and a stale one silently saturates values that have grown since.
+#
+# ## Memory: model states, and what is saved for backward
+
+# %%
+print(f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  saved for backward")
+for mode in MODES:
+    states, saved = results[mode]["states"], results[mode]["saved"]
+    print(f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:8}")
+
+# %% [markdown]
+# Model states are the same in every mode (49,152 parameters: 24,576 per rank, 4 bytes
+# each): FSDP2 keeps each rank's shard in float32 and casts while it gathers (to
+# bfloat16, or to float8 with the scale), so that shard *is* the master copy the
+# optimizer updates. There is no second float32 copy.
+#
+# What grows is the activation memory. **FP8 alone saves more for backward than BF16**:
+# `Float8Linear` keeps its input in the precision it arrives in, float32 here, so it
+# saves float32 activations (and float8 weights), where BF16 mixed precision saves
+# bfloat16 ones: here more than FP32 itself, and more than twice BF16. That is the
+# classic "FP8 used more memory than BF16". The fix is to give FP8 low-precision inputs
+# too: FP8 with the BF16 policy (`fp8+bf16`) saves bfloat16 activations and float8
+# weights, close to BF16.
+#
+# ## Gradient accumulation with FP8
+#
+# Two micro-batches of 16 with `set_requires_gradient_sync(False)` on the first, against
+# one batch of 32, compared by the relative difference of the gradients:
+
+# %%
+def accumulation():
+    from fsdp_guide.fp8 import quiet_torchao
+
+    quiet_torchao()
+    x, y = batch(0, dist.get_rank())
+
+    def gradients(mode, micro_batches):
+        model = build(mode)
+        for i, rows in enumerate(torch.arange(32).chunk(micro_batches)):
+            model.set_requires_gradient_sync(i == micro_batches - 1)  # reduce once, at the end
+            (F.mse_loss(model(x[rows]), y[rows]) / micro_batches).backward()
+        return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+
+    def relative(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    fp32, fp8 = gradients("fp32", 1), gradients("fp8", 1)
+    return {"fp32: 2 micro-batches vs 1 batch": relative(gradients("fp32", 2), fp32),
+            "fp8:  2 micro-batches vs 1 batch": relative(gradients("fp8", 2), fp8),
+            "fp8 vs fp32, 1 batch": relative(fp8, fp32)}
+
+
+for comparison, difference in launch(accumulation, output="none")[0].items():
+    print(f"{comparison:34} relative difference {difference:.1e}")
+
+# %% [markdown]
+# Accumulation works with FP8 (nothing raises, and gradients are reduced once), but it
+# cannot be bit-equal to the large batch: with dynamic scaling each micro-batch computes
+# its own scales for its inputs and output gradients, so it rounds differently. The
+# difference is the size of FP8's own error against FP32 for this small model, the same
+# kind of difference, not a bug; FP32 accumulation is equal to rounding.
+#
+# (fp8-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-fp8-fsdp`
+# - {ref}`tip-memory-estimate`: model states per rank, estimated and measured.
