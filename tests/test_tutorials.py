@@ -41,7 +41,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "memory", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "memory", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -179,3 +179,18 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(tmp_path_fac
                     if "relative difference" in l}
     assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
     assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
+
+
+def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(tmp_path_factory):
+    text = _text_outputs(executed(ROOT / "tutorials" / "mixed_precision.py", tmp_path_factory.getbasetemp()))
+    rows = {line[:22].strip(): line[22:].split() for line in text.splitlines() if line[:22].strip() in (
+        "no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")}
+    assert rows["no mixed precision"] == ["float32"] * 6
+    assert rows["autocast bf16 only"][:2] == ["float32", "bfloat16"]  # fp32 weights, cast per matmul
+    assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 4 + ["float32"] * 2
+    assert "torch.autocast('cuda') without dtype= computes in torch.float16" in text
+    runs = {line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line}
+    assert runs["fp16, no scaler"][0] == runs["fp16, no scaler"][1] and runs["fp16, no scaler"][2] == "100%"
+    assert float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
+    assert runs["FSDP1 fp16, no scaler"][2] == "100%" and runs["FSDP1 fp16, ShardedGradScaler"][2] == "0%"
+    assert text.count("step skipped: True, scale 65536 -> 32768") == 2

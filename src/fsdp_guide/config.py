@@ -115,12 +115,10 @@ def _dtype(key: str, value: Any) -> torch.dtype | None:
 
 def _low_precision(value: Any) -> torch.dtype:
     """``precision``: 'auto' is bf16 where the hardware has it (every CPU; CUDA from compute capability 8), else fp16."""
+    from fsdp_guide.precision import low_precision_dtype
+
     choice = _choice("precision", value, _PRECISIONS)
-    if choice == "auto":
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
-            return torch.float16
-        return torch.bfloat16
-    return _DTYPE_NAMES[choice]
+    return low_precision_dtype() if choice == "auto" else _DTYPE_NAMES[choice]
 
 
 def _mixed_precision(value: Any, low: torch.dtype) -> dict:

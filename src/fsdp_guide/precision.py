@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["record_dtypes", "DtypeRecord"]
+__all__ = ["record_dtypes", "DtypeRecord", "low_precision_dtype"]
 
 # Schema names (without overload) -> the kind reported. Collectives as c10d
 # dispatches them on gloo and NCCL; their dtype is that of the tensor sent.
@@ -119,3 +119,21 @@ def record_dtypes() -> DtypeRecord:
     torch.float32
     """
     return DtypeRecord()
+
+
+def low_precision_dtype() -> torch.dtype:
+    """bfloat16 where the hardware computes in it, else float16: the one setting to fall back on.
+
+    Every CPU has bfloat16 (emulated where it lacks the instructions); on CUDA it needs
+    compute capability 8.0 (Ampere) or newer, else float16, which needs a gradient
+    scaler. ``fsdp_config``'s ``"precision": "auto"`` is this choice.
+
+    Example:
+
+    >>> from fsdp_guide.precision import low_precision_dtype
+    >>> low_precision_dtype()  # on any CPU and Ampere or newer GPUs; float16 on older GPUs
+    torch.bfloat16
+    """
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.float16
+    return torch.bfloat16

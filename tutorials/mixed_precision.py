@@ -1,0 +1,252 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-mixed-precision)=
+# # Mixed precision with FSDP, made visible
+#
+# **What you will learn**: in which dtype the forward weights, the matmuls, the softmax,
+# the gradients and their reduction actually run, measured, under
+#
+# - no mixed precision, autocast only, FSDP's mixed precision only, and both;
+# - bfloat16 against float16;
+#
+# and when you need a gradient scaler (`torch.amp.GradScaler` with FSDP2,
+# `ShardedGradScaler` with FSDP1): a float16 run without one that stops learning, and
+# the same run with it.
+#
+# **What you need**: a CPU; 2 processes on gloo (NCCL on GPUs with the same code);
+# about 30 seconds. The tips are listed {ref}`at the end <mixed-precision-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## The three knobs
+#
+# - **FSDP's mixed precision** (`MixedPrecisionPolicy` for FSDP2, `MixedPrecision` for
+#   FSDP1) casts each unit's parameters to `param_dtype` when it gathers them, and
+#   reduces gradients in `reduce_dtype`. The sharded parameters, and the optimizer step,
+#   stay in float32.
+# - **Autocast** (`torch.autocast`) casts per operation: matmuls to the low dtype,
+#   precision-sensitive ones such as softmax to float32 on CUDA.
+# - **The low dtype itself**: bfloat16 has float32's range; float16 has more mantissa
+#   but a range that ends at 65,504 and, for small values, at about 6e-8.
+#
+# The model below has a matmul, a softmax and a second matmul. Each case runs one
+# forward and backward on 2 ranks while {func}`fsdp_guide.precision.record_dtypes`
+# records what each operation ran in.
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+from fsdp_guide import launch
+from fsdp_guide.precision import record_dtypes
+
+
+class Attentionish(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scores = nn.Linear(width, width, bias=False)
+        self.values = nn.Linear(width, 4, bias=False)
+
+    def forward(self, x):
+        return self.values(torch.softmax(self.scores(x), dim=-1))
+
+
+def shard(model, api, low):
+    """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
+    if api == "fsdp1":
+        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
+        return FSDP(model, device_id=torch.device("cpu"), mixed_precision=policy)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    for layer in (model.scores, model.values):
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+# (name, API, FSDP's param_dtype, autocast dtype)
+CASES = [
+    ("no mixed precision", "fsdp2", None, None),
+    ("autocast bf16 only", "fsdp2", None, torch.bfloat16),
+    ("FSDP bf16 only", "fsdp2", torch.bfloat16, None),
+    ("FSDP1 bf16 only", "fsdp1", torch.bfloat16, None),
+    ("FSDP + autocast bf16", "fsdp2", torch.bfloat16, torch.bfloat16),
+    ("autocast fp16 only", "fsdp2", None, torch.float16),
+    ("FSDP fp16 only", "fsdp2", torch.float16, None),
+]
+
+
+def dtypes_of(api, low, autocast):
+    model = shard(Attentionish(), api, low)
+    seen_weight = []
+    inner = model.module if isinstance(model, FSDP) else model
+    inner.scores.register_forward_pre_hook(lambda m, args: seen_weight.append(m.weight.dtype) and None)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with record_dtypes() as seen, torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                                 enabled=autocast is not None):
+        loss = model(x).float().square().mean()
+    with record_dtypes() as seen_backward:
+        loss.backward()
+    grad = next(model.parameters()).grad
+    reduce = seen_backward.get("backward", "reduce-scatter")
+    return [str(seen_weight[0]).removeprefix("torch."), seen.get("forward", "matmul"),
+            seen.get("forward", "softmax"), seen_backward.get("backward", "matmul"),
+            str(grad.dtype).removeprefix("torch."), reduce]
+
+
+def all_cases():
+    return [dtypes_of(api, low, autocast) for _, api, low, autocast in CASES]
+
+
+columns = ("forward weight", "matmul", "softmax", "grad matmul", "stored grad", "reduce")
+print(f"{'':22}" + "".join(f"{c:>15}" for c in columns))
+for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
+    print(f"{name:22}" + "".join(f"{v:>15}" for v in row))
+
+# %% [markdown]
+# What the table shows:
+#
+# - **Autocast only**: the weights stay float32 (FSDP gathers 4 bytes per element) and
+#   autocast casts them at every matmul; gradients are stored and reduced in float32.
+# - **FSDP's mixed precision only**: the gathered weights are bfloat16, so *every*
+#   operation that touches them runs in bfloat16, the softmax included: without autocast
+#   nothing raises precision-sensitive operations back to float32. Gradients are computed
+#   in bfloat16, then reduced in float32 (`reduce_dtype`) and stored in float32 on the
+#   float32 shard. FSDP1 does the same.
+# - **Both**: the weights arrive already in bfloat16 (half the all-gather bytes) and
+#   autocast decides per operation. This is the usual combination.
+# - **float16** behaves the same way, with float16 in place of bfloat16.
+#
+# On CPU, autocast keeps this softmax in the low dtype; on CUDA, autocast runs softmax in
+# float32. The device also changes autocast's *default* dtype, which is why the cells
+# above always pass `dtype=`:
+
+# %%
+for device in ("cpu", "cuda"):
+    print(f"torch.autocast({device!r}) without dtype= computes in "
+          f"{torch.get_autocast_dtype(device)}")
+
+# %% [markdown]
+# The same code moved from a CPU to a GPU silently switches from bfloat16 to float16,
+# which needs a gradient scaler. Choose the dtype once, by what the hardware supports:
+# {func}`fsdp_guide.precision.low_precision_dtype` gives bfloat16 where it is supported
+# (every CPU; CUDA from compute capability 8.0) and float16 otherwise, and
+# `fsdp_config`'s `"precision": "auto"` means the same.
+
+# %%
+from fsdp_guide.precision import low_precision_dtype
+
+print("low_precision_dtype() here:", low_precision_dtype())
+if torch.cuda.is_available():
+    print("CUDA compute capability", torch.cuda.get_device_capability(),
+          "bf16 supported:", torch.cuda.is_bf16_supported())
+
+# %% [markdown]
+# ## float16 needs a gradient scaler; bfloat16 does not
+#
+# Small gradients are normal (late layers, long sequences, a loss averaged over many
+# tokens). Below about 6e-8, float16 rounds them to zero: the parameters stop moving.
+# Here the loss is scaled by 1e-6 to make every gradient that small, and the model
+# trains 8 steps with FSDP computing in float16 or bfloat16, with and without a scaler.
+# `torch.amp.GradScaler` multiplies the loss before backward and divides the gradients
+# before the step, skipping steps whose gradients overflowed. FSDP1 needs its own
+# `ShardedGradScaler`.
+
+# %%
+import torch.nn.functional as F
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+def train_small_gradients(api, low, use_scaler, steps=8):
+    model = shard(Attentionish(), api, low)
+    optimizer = torch.optim.SGD(model.parameters(), lr=2e5)  # undoes the 1e-6 for the update
+    scaler = (ShardedGradScaler("cpu") if api == "fsdp1" else torch.amp.GradScaler("cpu")) \
+        if use_scaler else None
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+    losses, zero_fraction = [], []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x).float(), y)
+        small = loss * 1e-6
+        (scaler.scale(small) if scaler else small).backward()
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in model.parameters()]
+        zero_fraction.append(sum((g == 0).sum().item() for g in grads) / sum(g.numel() for g in grads))
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, zero_fraction
+
+
+def scaler_runs():
+    runs = [("fp16, no scaler", "fsdp2", torch.float16, False),
+            ("fp16, GradScaler", "fsdp2", torch.float16, True),
+            ("bf16, no scaler", "fsdp2", torch.bfloat16, False),
+            ("FSDP1 fp16, no scaler", "fsdp1", torch.float16, False),
+            ("FSDP1 fp16, ShardedGradScaler", "fsdp1", torch.float16, True)]
+    return {name: train_small_gradients(api, low, scaler) for name, api, low, scaler in runs}
+
+
+runs = launch(scaler_runs, output="none")[0]
+print(f"{'':30} {'loss at step 0':>15} {'loss at step 7':>15}  zero gradients")
+for name, (losses, zeros) in runs.items():
+    print(f"{name:30} {losses[0]:15.5f} {losses[-1]:15.5f}  {zeros[-1]:6.0%}")
+
+# %% [markdown]
+# Without a scaler, float16 turns every gradient to zero and the loss does not move at
+# all; with one, the same run learns exactly as bfloat16 does. bfloat16's range reaches
+# float32's, so its gradients survive without a scaler.
+#
+# A skipped step must be skipped on *every* rank, or the ranks' weights diverge. A
+# rank holds only a shard of the gradients, so an overflow may be seen by one rank only.
+# With FSDP2's DTensor gradients, `torch.amp.GradScaler`'s check covers the whole
+# gradient: here only rank 0's shard gets an infinity, and both ranks skip.
+
+
+# %%
+def overflow_on_rank_0_only():
+    model = shard(Attentionish(), "fsdp2", torch.float16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(2, 32)).float().sum()).backward()
+    if dist.get_rank() == 0:
+        next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+    before = [p.full_tensor() for p in model.parameters()]
+    scale_before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+    return unchanged, scale_before, scaler.get_scale()
+
+
+for rank, (unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, output="none")):
+    print(f"rank {rank}: step skipped: {unchanged}, scale {old:.0f} -> {new:.0f}")
+
+# %% [markdown]
+# (mixed-precision-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-mixed-precision-dtypes`
+# - {ref}`tip-mixed-precision-presets`: the `FULL`/`DEFAULT`/`PURE` configuration presets.
