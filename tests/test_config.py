@@ -300,7 +300,7 @@ def test_shard_outside_a_process_group_says_how_to_start_one():
 # Anything at all, for validate; for shard, mostly valid dictionaries with at most one bad value,
 # so that the real sharding code runs for many combinations and every check is reached.
 _ANY = st.one_of(
-    st.booleans(), st.none(), st.integers(-3, 10**9), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+    st.booleans(), st.none(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
     st.sampled_from(["FULL_SHRAD", "", "fp8", "bf16", "NONE", "DEFAULT"]),
     st.dictionaries(st.sampled_from(["param_dtype", "reduce_dtype", "buffer_dtype", "x"]),
                     st.sampled_from(["bf16", "fp16", "fp32", None, "f16", 3]), max_size=3),
@@ -360,3 +360,59 @@ def _shard_any_config(api):
 def test_shard_raises_nothing_but_value_error_for_any_dictionary(api):
     outcomes = launch(_shard_any_config, api, output="none", timeout=600)[0]
     assert outcomes["sharded"] >= 5 and outcomes["ValueError"] >= 5, outcomes  # both paths were exercised
+
+
+class WithBuffer(Blocks):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("temperature", torch.tensor(2.0))
+
+    def forward(self, x):
+        return super().forward(x) / self.temperature
+
+
+def _buffer_dtype_in_forward(api):
+    model = shard(WithBuffer(), {"mixed_precision": "DEFAULT", "precision": "bf16", "min_params": 200}, api=api)
+    seen = []
+    inner = model.module if api == "fsdp1" else model
+    inner.head.register_forward_pre_hook(lambda module, args: seen.append(inner.temperature.dtype))
+    model(torch.ones(2, 16))
+    return str(seen[0])
+
+
+def test_fsdp1_casts_buffers_to_the_preset_dtype_and_fsdp2_keeps_them():
+    assert launch(lambda: [_buffer_dtype_in_forward(api) for api in APIS], output="none")[0] == [
+        "torch.float32", "torch.bfloat16"]  # FSDP2's MixedPrecisionPolicy has no buffer dtype
+
+
+def _model_after_a_refused_config():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    model = Blocks()
+    before = [name for name, _ in model.named_modules()]
+    try:
+        shard(model, {"backward_prefetch": "NONE", "activation_checkpointing": True, "min_params": 200})
+    except ValueError:
+        pass
+    return before == [name for name, _ in model.named_modules()] and not any(
+        isinstance(m, ActivationWrapper) for m in model.modules())
+
+
+def test_a_refused_config_leaves_the_model_untouched():
+    assert launch(_model_after_a_refused_config, output="none")[0] is True
+
+
+def _checkpoint_around_units():
+    class ChecksTheWholeStack(Blocks):
+        def activation_checkpointing_fn(self, module):
+            return module is self.blocks  # a ModuleList holding three units
+
+    try:
+        shard(ChecksTheWholeStack(), {"activation_checkpointing": True, "min_params": 200})
+    except ValueError as err:
+        return str(err)
+
+
+def test_checkpointing_a_module_that_contains_units_is_refused():
+    message = launch(_checkpoint_around_units, output="none")[0]
+    assert "activation_checkpointing_fn chose 'blocks', which contains FSDP units" in message

@@ -444,3 +444,29 @@ def test_interrupting_the_notebook_kernel_stops_every_rank():
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def _fsdp1_meta_init():
+    import torch
+    import torch.nn as nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def materialise(module):
+        module.to_empty(device="cpu", recurse=False)
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+    fsdp = FSDP(model, param_init_fn=materialise, device_id=torch.device("cpu"), use_orig_params=True)
+    with FSDP.summon_full_params(fsdp, writeback=False):
+        full = {name: p.detach().clone() for name, p in fsdp.named_parameters()}
+    return sum(t.numel() for t in full.values())
+
+
+def test_ranks_exit_cleanly_after_their_work_every_time():
+    # Normal interpreter shutdown of this worker aborted with "terminate called without an
+    # active exception" in about 1 run of 6 (torch 2.13); ranks now leave without it.
+    for _ in range(12):
+        assert launch(_fsdp1_meta_init, world_size=2, output="none") == [340, 340]

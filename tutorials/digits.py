@@ -109,16 +109,13 @@ def test(model, loader):
 # it.
 
 # %%
-import time
-
-
 def train_digits(api, epochs=8):
     train_set, test_set = digits()
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=0)
     train_loader = DataLoader(train_set, batch_size=16, sampler=train_sampler)
     test_loader = DataLoader(test_set, batch_size=180,
                              sampler=DistributedSampler(test_set, shuffle=False))
-    torch.manual_seed(0)  # the same initial model on every rank, and per-rank dropout
+    torch.manual_seed(0)  # the same initial model on every rank
     model = shard(Net(), {"min_params": 10_000, "mixed_precision": "FULL"}, api=api)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
@@ -133,15 +130,13 @@ def train_digits(api, epochs=8):
     return history
 
 
-start = time.perf_counter()
 fsdp2 = launch(train_digits, "fsdp2", output="none")[0]
-seconds = time.perf_counter() - start
 for h in fsdp2:
     print(f"Train Epoch: {h['epoch']} \tLoss: {h['train_loss']:.6f}")
     print(f"Test set: Average loss: {h['test_loss']:.4f}, Accuracy: {h['correct']}/{h['total']} "
           f"({100 * h['correct'] / h['total']:.2f}%)")
-assert fsdp2[-1]["correct"] / fsdp2[-1]["total"] >= 0.97 and seconds < 60
-print("\nFSDP2: at least 97% test accuracy, in under a minute including starting the ranks")
+assert fsdp2[-1]["correct"] / fsdp2[-1]["total"] >= 0.97
+print("\nFSDP2: at least 97% test accuracy")
 
 # %% [markdown]
 # ## The same run with FSDP1

@@ -93,19 +93,12 @@ def batch(step, rank, rows=32):
 
 # %% [markdown]
 # Each mode trains 12 steps with AdamW. During the last step, `record_dtypes` records
-# every collective (dtype, count, bytes), and a `saved_tensors_hooks` pair counts the
-# bytes autograd saves for backward; after it, {func}`fsdp_guide.memory.measure` counts
-# the model states.
+# every collective (dtype, count, bytes), and {func}`fsdp_guide.memory.saved_for_backward`
+# counts the bytes autograd saves for backward (float8 tensors at one byte per element);
+# after it, {func}`fsdp_guide.memory.measure` counts the model states.
 
 # %%
-def saved_bytes_counter():
-    saved = {"bytes": 0}
-
-    def pack(t):
-        saved["bytes"] += t.numel() * t.element_size()
-        return t
-
-    return saved, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+from fsdp_guide.memory import saved_for_backward
 
 
 def train(mode):
@@ -119,8 +112,7 @@ def train(mode):
     losses = []
     for step in range(STEPS):
         x, y = batch(step, dist.get_rank())
-        saved, hooks = saved_bytes_counter()
-        with record_dtypes() as comm, hooks:
+        with record_dtypes() as comm, saved_for_backward() as saved:
             loss = F.mse_loss(model(x).float(), y)
             loss.backward()
         optimizer.step()
@@ -134,7 +126,7 @@ def train(mode):
     # measure after a backward, so the gradients exist
     F.mse_loss(model(x).float(), y).backward()
     return dict(losses=losses, collectives=collectives, states=measure(model, optimizer),
-                saved=saved["bytes"])
+                saved=saved.nbytes)
 
 
 def train_all_modes():
@@ -183,8 +175,9 @@ for mode in MODES:
 #   float8 bytes travel as `uint8` (gloo has no float8 type, so `float8_fully_shard`
 #   reinterprets them; NCCL sends `float8_e4m3fn` as it is).
 # - **Reduce-scatter** of gradients stays in float32 in every mode: FP8 is used for the
-#   matmuls (operands `float8_e4m3fn` forward, `float8_e5m2` gradients backward) and the
-#   weight all-gather, not for the gradient reduction.
+#   matmuls (operands `float8_e4m3fn` forward; backward, `float8_e5m2` gradients with
+#   `float8_e4m3fn` weights and inputs) and the weight all-gather, not for the gradient
+#   reduction.
 # - **All-reduce**: none in the step itself. The FP8 scaling factor of each weight comes
 #   from the largest absolute value (amax) of the *whole* weight, so the ranks must
 #   agree on it; `precompute_float8_dynamic_scale_for_fsdp`, after the optimizer step,
@@ -222,8 +215,8 @@ for where, counts in launch(amax_collectives, output="none")[0].items():
 # Without the precomputed scales, every all-gather of a float8 weight first all-reduces
 # its amax (a 4-byte float32 `max`): one per weight in forward and again in backward.
 # With them, the step has none, and one all-reduce after the optimizer step covers all
-# weights. The scale must be recomputed after *every* step: torchao stores it on the
-# weight, and a stale one silently saturates values that have grown since.
+# weights. Call it after *every* step: torchao stores the scale on the weight, and the
+# next all-gathers use it as it is.
 #
 # ## Memory: model states, and what is saved for backward
 
@@ -241,11 +234,10 @@ for mode in MODES:
 #
 # What grows is the activation memory. **FP8 alone saves more for backward than BF16**:
 # `Float8Linear` keeps its input in the precision it arrives in, float32 here, so it
-# saves float32 activations (and float8 weights), where BF16 mixed precision saves
-# bfloat16 ones: here more than FP32 itself, and more than twice BF16. That is the
-# classic "FP8 used more memory than BF16". The fix is to give FP8 low-precision inputs
-# too: FP8 with the BF16 policy (`fp8+bf16`) saves bfloat16 activations and float8
-# weights, close to BF16.
+# saves float32 activations (beside float8 weights), where BF16 mixed precision saves
+# bfloat16 ones. That is the classic "FP8 used more memory than BF16". The fix is to give
+# FP8 low-precision inputs too: FP8 with the BF16 policy (`fp8+bf16`) saves bfloat16
+# activations and float8 weights, the least of the four.
 #
 # ## Gradient accumulation with FP8
 #

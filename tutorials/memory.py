@@ -19,7 +19,7 @@
 # - the ZeRO paper's accounting of model states (parameters, gradients, optimizer
 #   state), reproduced by {func}`fsdp_guide.memory.estimate` for its Figure 1;
 # - how to count what a rank really holds with {func}`fsdp_guide.memory.measure`, and
-#   that the two agree on real ranks for every sharding strategy, up to FSDP's padding;
+#   that the two agree on real ranks, up to FSDP's padding;
 # - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2.
 #
 # **What you need**: a CPU; 2 and 4 processes on gloo; about 25 seconds. The tips are
@@ -132,9 +132,8 @@ for world_size in (2, 4):
 # full parameters *and* its shard of them: 1 + 1/N of ZeRO stage 2's figure (1.5 on 2
 # ranks, 1.25 on 4, grads not yet produced). ZeRO's stage 2 has no such extra copy
 # because its fp32 master weights are part of the optimizer state (K); in FSDP the fp32
-# shard *is* the master copy, which is why the extra 1/N disappears in mixed precision
-# when the optimizer does not keep masters of its own (the {ref}`FP8 tutorial
-# <tutorial-fp8>` measures that case).
+# shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2
+# keeps no other).
 
 # %%
 import matplotlib.pyplot as plt

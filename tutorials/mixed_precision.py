@@ -71,7 +71,7 @@ class Attentionish(nn.Module):
         return self.values(torch.softmax(self.scores(x), dim=-1))
 
 
-def shard(model, api, low):
+def shard_with_policy(model, api, low):
     """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
     if api == "fsdp1":
         policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
@@ -95,10 +95,10 @@ CASES = [
 
 
 def dtypes_of(api, low, autocast):
-    model = shard(Attentionish(), api, low)
+    model = shard_with_policy(Attentionish(), api, low)
     seen_weight = []
     inner = model.module if isinstance(model, FSDP) else model
-    inner.scores.register_forward_pre_hook(lambda m, args: seen_weight.append(m.weight.dtype) and None)
+    inner.scores.register_forward_pre_hook(lambda m, args: seen_weight.append(m.weight.dtype))
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
     with record_dtypes() as seen, torch.autocast("cpu", dtype=autocast or torch.bfloat16,
                                                  enabled=autocast is not None):
@@ -107,7 +107,8 @@ def dtypes_of(api, low, autocast):
         loss.backward()
     grad = next(model.parameters()).grad
     reduce = seen_backward.get("backward", "reduce-scatter")
-    return [str(seen_weight[0]).removeprefix("torch."), seen.get("forward", "matmul"),
+    return [seen.get("forward", "all-gather"), str(seen_weight[0]).removeprefix("torch."),
+            seen.get("forward", "matmul"),
             seen.get("forward", "softmax"), seen_backward.get("backward", "matmul"),
             str(grad.dtype).removeprefix("torch."), reduce]
 
@@ -116,7 +117,8 @@ def all_cases():
     return [dtypes_of(api, low, autocast) for _, api, low, autocast in CASES]
 
 
-columns = ("forward weight", "matmul", "softmax", "grad matmul", "stored grad", "reduce")
+columns = ("all-gather", "forward weight", "matmul", "softmax", "grad matmul", "stored grad",
+           "reduce")
 print(f"{'':22}" + "".join(f"{c:>15}" for c in columns))
 for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
     print(f"{name:22}" + "".join(f"{v:>15}" for v in row))
@@ -124,15 +126,15 @@ for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
 # %% [markdown]
 # What the table shows:
 #
-# - **Autocast only**: the weights stay float32 (FSDP gathers 4 bytes per element) and
+# - **Autocast only**: the weights stay float32 (FSDP gathers them in float32) and
 #   autocast casts them at every matmul; gradients are stored and reduced in float32.
 # - **FSDP's mixed precision only**: the gathered weights are bfloat16, so *every*
 #   operation that touches them runs in bfloat16, the softmax included: without autocast
 #   nothing raises precision-sensitive operations back to float32. Gradients are computed
 #   in bfloat16, then reduced in float32 (`reduce_dtype`) and stored in float32 on the
 #   float32 shard. FSDP1 does the same.
-# - **Both**: the weights arrive already in bfloat16 (half the all-gather bytes) and
-#   autocast decides per operation. This is the usual combination.
+# - **Both**: the weights arrive already in bfloat16 (gathered in bfloat16: half the
+#   bytes) and autocast decides per operation. This is the usual combination.
 # - **float16** behaves the same way, with float16 in place of bfloat16.
 #
 # On CPU, autocast keeps this softmax in the low dtype; on CUDA, autocast runs softmax in
@@ -176,7 +178,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def train_small_gradients(api, low, use_scaler, steps=8):
-    model = shard(Attentionish(), api, low)
+    model = shard_with_policy(Attentionish(), api, low)
     optimizer = torch.optim.SGD(model.parameters(), lr=2e5)  # undoes the 1e-6 for the update
     scaler = (ShardedGradScaler("cpu") if api == "fsdp1" else torch.amp.GradScaler("cpu")) \
         if use_scaler else None
@@ -189,7 +191,8 @@ def train_small_gradients(api, low, use_scaler, steps=8):
         (scaler.scale(small) if scaler else small).backward()
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                  for p in model.parameters()]
-        zero_fraction.append(sum((g == 0).sum().item() for g in grads) / sum(g.numel() for g in grads))
+        zeros = sum((g == 0).sum().item() for g in grads)
+        zero_fraction.append(zeros / sum(g.numel() for g in grads))
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -216,7 +219,7 @@ for name, (losses, zeros) in runs.items():
 
 # %% [markdown]
 # Without a scaler, float16 turns every gradient to zero and the loss does not move at
-# all; with one, the same run learns exactly as bfloat16 does. bfloat16's range reaches
+# all; with one, the same run learns as bfloat16 does. bfloat16's range reaches
 # float32's, so its gradients survive without a scaler.
 #
 # A skipped step must be skipped on *every* rank, or the ranks' weights diverge. A
@@ -227,7 +230,7 @@ for name, (losses, zeros) in runs.items():
 
 # %%
 def overflow_on_rank_0_only():
-    model = shard(Attentionish(), "fsdp2", torch.float16)
+    model = shard_with_policy(Attentionish(), "fsdp2", torch.float16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.ones(2, 32)).float().sum()).backward()

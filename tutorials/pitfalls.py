@@ -51,7 +51,7 @@ def make_model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def shard(model):
+def shard_each_linear(model):
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -89,7 +89,7 @@ def single_process_grad_norm():
 
 
 def fsdp2_grad_norms():
-    model = shard(make_model())
+    model = shard_each_linear(make_model())
     backward_on_my_slice(model)
     shard_norm = torch.linalg.vector_norm(
         torch.stack([p.grad.to_local().norm() for p in model.parameters()])).item()
@@ -136,7 +136,7 @@ def train_three_steps(optimizer_first):
     model = make_model()
     if optimizer_first:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    shard(model)
+    shard_each_linear(model)
     if not optimizer_first:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = batch()
@@ -209,7 +209,7 @@ print("one process: ", Generator().generate(torch.ones(2, 4)).tolist())
 
 # %%
 def edit_bias(use_summon):
-    model = shard(make_model())
+    model = shard_each_linear(make_model())
     model(torch.ones(2, 8))  # a first forward: FSDP2 has initialised itself
     if use_summon:
         with summon_full_params(model), torch.no_grad():
@@ -287,7 +287,7 @@ def difference_from_ddp(make_optimizer, build):
 
 
 def compare_optimizers():
-    builds = {"FSDP2": lambda: shard(make_matrix_model()),
+    builds = {"FSDP2": lambda: shard_each_linear(make_matrix_model()),
               "FSDP1": lambda: FSDP(make_matrix_model(), device_id=torch.device("cpu"))}
     return {(opt, api): difference_from_ddp(make_optimizer, build)
             for opt, make_optimizer in OPTIMIZERS.items() for api, build in builds.items()}
@@ -314,7 +314,8 @@ for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
 # %%
 def muon_in_float32():
     with mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.float):
-        return difference_from_ddp(OPTIMIZERS["Muon"], lambda: shard(make_matrix_model()))
+        return difference_from_ddp(OPTIMIZERS["Muon"],
+                                   lambda: shard_each_linear(make_matrix_model()))
 
 
 print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",

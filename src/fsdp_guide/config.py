@@ -3,8 +3,10 @@
 Trainer libraries (MosaicML Composer first) configure FSDP with a flat
 dictionary of strings and numbers. ``shard`` reads the same dictionary and
 returns the model sharded either by ``FullyShardedDataParallel`` (FSDP1) or by
-``fully_shard`` (FSDP2). Where FSDP2 has no equivalent of a setting it says so
-with a ``ValueError`` instead of ignoring it.
+``fully_shard`` (FSDP2). A setting FSDP2 has no equivalent for is a ``ValueError``
+when asked for explicitly (``backward_prefetch="NONE"``, a ``buffer_dtype``); where
+FSDP2 does something close instead (``BACKWARD_POST`` prefetching, the presets'
+buffer dtype), the ``verbose`` plan and the reference table say what.
 
 Two functions, so the checks can run without a process group:
 ``validate`` normalises the dictionary (every mistake is a ``ValueError``
@@ -132,7 +134,9 @@ def _mixed_precision(value: Any, low: torch.dtype) -> dict:
 
 
 def _min_params(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    # isfinite only on floats: math.isfinite(10**400) raises OverflowError
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or isinstance(value, float) and not math.isfinite(value) or value < 0):
         raise _bad("min_params", value, "a number of parameters >= 0, such as 1e8")
     return int(value)
 
@@ -214,6 +218,7 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
         raise ValueError(f"api={api!r}: expected 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard() needs the process group: call it on every rank, inside fsdp_guide.launch or torchrun")
+    _check_combination(config, api)  # before anything changes the model
     units = _plan_units(model, config)
     checkpointed = _apply_activation_checkpointing(model, config, units)
     units = [checkpointed.get(unit, unit) for unit in units]  # the checkpoint wrapper becomes the unit
@@ -222,6 +227,35 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
     if config.verbose and dist.get_rank() == 0:
         print(_plan(sharded, api, settings, sizes))
     return sharded
+
+
+def _check_combination(config: FsdpConfig, api: str) -> None:
+    """Valid settings that cannot work together, or with this API, or on this machine."""
+    world = dist.get_world_size()
+    if config.sharding_strategy == "HYBRID_SHARD":
+        if world < 2:
+            raise ValueError("HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least "
+                             "2 ranks, and there is 1. Use FULL_SHARD, or launch more ranks.")
+        if world % _hybrid_shard_size(config):
+            raise ValueError(f"HYBRID_SHARD with data_parallel_shard_degree={_hybrid_shard_size(config)} needs a world "
+                             f"size divisible by it; it is {world}. Choose a divisor of {world}.")
+    if api == "fsdp2" and config.mixed_precision_name == "custom" and config.mixed_precision["buffer_dtype"] is not None:
+        raise ValueError("mixed_precision['buffer_dtype'] cannot be honoured by FSDP2: MixedPrecisionPolicy has no buffer "
+                         "dtype (buffers keep their own). Remove the key, or use api='fsdp1'.")
+    if api == "fsdp2" and config.backward_prefetch == "NONE":
+        raise ValueError("backward_prefetch='NONE' cannot be honoured by FSDP2: it always prefetches the next unit in "
+                         "backward. Use 'BACKWARD_PRE' or 'BACKWARD_POST' (both mean that), or api='fsdp1'.")
+    if api == "fsdp1" and config.cpu_offload and not torch.cuda.is_available():
+        raise ValueError("cpu_offload=True with api='fsdp1' needs an accelerator: FSDP1 pins the host memory it offloads "
+                         "to, and on a CPU-only machine the parameters already live in host memory. Use api='fsdp2' "
+                         "(CPUOffloadPolicy(pin_memory=False)) or cpu_offload=False.")
+
+
+def _hybrid_shard_size(config: FsdpConfig) -> int:
+    """Ranks per shard group: the setting, or by default the ranks of one node as torchrun reports them."""
+    if config.data_parallel_shard_degree != -1:
+        return config.data_parallel_shard_degree
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
 def _model_hook(model: nn.Module, name: str) -> Callable[[nn.Module], Any] | None:
@@ -271,9 +305,19 @@ def _apply_activation_checkpointing(model: nn.Module, config: FsdpConfig, units:
             module = checkpoint_wrapper(module, checkpoint_impl=impl)
         return offload_wrapper(module) if config.activation_cpu_offload else module
 
-    def check(module: nn.Module) -> bool:
-        return bool(chosen_by_model(module)) if chosen_by_model is not None else module in unit_set
+    def contains_a_unit(module: nn.Module) -> bool:
+        return any(m in unit_set for m in list(module.modules())[1:])
 
+    def check(module: nn.Module) -> bool:
+        if chosen_by_model is not None:
+            return bool(chosen_by_model(module))
+        return module in unit_set and not contains_a_unit(module)  # default: the innermost units
+
+    for name, module in model.named_modules():
+        if module is not model and check(module) and contains_a_unit(module):
+            raise ValueError(f"activation_checkpointing_fn chose {name!r}, which contains FSDP units: the checkpoint "
+                             "would sit around them and gather them again in backward. Choose the units themselves, "
+                             "or modules inside them.")
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=check)
     outermost = {}
     for module in model.modules():  # pre-order: an outer wrapper comes before the one inside it
@@ -286,7 +330,8 @@ def _apply_activation_checkpointing(model: nn.Module, config: FsdpConfig, units:
 
 
 def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    """CUDA unless the group is gloo-only ("nccl", "cpu:gloo,cuda:nccl", or "undefined" when torch chose)."""
+    return "cuda" if torch.cuda.is_available() and str(dist.get_backend()) != "gloo" else "cpu"
 
 
 def _mesh(config: FsdpConfig):
@@ -296,18 +341,7 @@ def _mesh(config: FsdpConfig):
     world = dist.get_world_size()
     if config.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         return init_device_mesh(_device_type(), (world,), mesh_dim_names=("shard",))
-    if config.sharding_strategy == "NO_SHARD":
-        shard_size = 1
-    else:
-        if world < 2:
-            raise ValueError("HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least 2 ranks, "
-                             "and there is 1. Use FULL_SHARD, or launch more ranks.")
-        shard_size = config.data_parallel_shard_degree
-        if shard_size == -1:  # ranks per node, as torchrun reports it
-            shard_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if world % shard_size:
-            raise ValueError(f"HYBRID_SHARD with data_parallel_shard_degree={shard_size} needs a world size divisible by it; "
-                             f"it is {world}. Choose a divisor of {world}.")
+    shard_size = 1 if config.sharding_strategy == "NO_SHARD" else _hybrid_shard_size(config)
     return init_device_mesh(_device_type(), (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
@@ -322,12 +356,6 @@ def _shard_fsdp2(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
     from fsdp_guide.wrap import auto_wrap
 
     mp = config.mixed_precision
-    if config.mixed_precision_name == "custom" and mp["buffer_dtype"] is not None:
-        raise ValueError("mixed_precision['buffer_dtype'] cannot be honoured by FSDP2: MixedPrecisionPolicy has no buffer "
-                         "dtype (buffers keep their own). Remove the key, or use api='fsdp1'.")
-    if config.backward_prefetch == "NONE":
-        raise ValueError("backward_prefetch='NONE' cannot be honoured by FSDP2: it always prefetches the next unit in "
-                         "backward. Use 'BACKWARD_PRE' or 'BACKWARD_POST' (both mean that), or api='fsdp1'.")
     mesh = _mesh(config)
     reshard = config.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     pin = torch.cuda.is_available()  # pinning needs an accelerator; on a CPU-only machine host memory is all there is
@@ -359,10 +387,6 @@ def _shard_fsdp1(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import CustomPolicy
 
-    if config.cpu_offload and not torch.cuda.is_available():
-        raise ValueError("cpu_offload=True with api='fsdp1' needs an accelerator: FSDP1 pins the host memory it offloads "
-                         "to, and on a CPU-only machine the parameters already live in host memory. Use api='fsdp2' "
-                         "(CPUOffloadPolicy(pin_memory=False)) or cpu_offload=False.")
     mp = config.mixed_precision
     hybrid = config.sharding_strategy == "HYBRID_SHARD"
     device = torch.device(_device_type(), torch.cuda.current_device() if _device_type() == "cuda" else None)

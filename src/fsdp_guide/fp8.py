@@ -46,7 +46,8 @@ def _float8_as_bytes_all_gather():
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
                 output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the new name, if present
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
 
     return Float8AsBytesAllGather()
 
@@ -54,6 +55,7 @@ def _float8_as_bytes_all_gather():
 def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     """Convert ``model``'s Linears to torchao ``Float8Linear`` (float8 all-gather on), then shard.
 
+    Returns the sharded model (a new object only when ``model`` itself is a Linear).
     Each ``Float8Linear`` becomes an FSDP2 unit, then the root. ``fully_shard_kwargs``
     (``mp_policy``, ``mesh``, ...) go to every ``fully_shard`` call. After each
     ``optimizer.step()``, call torchao's ``precompute_float8_dynamic_scale_for_fsdp(model)``:
@@ -81,9 +83,14 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
 
     # Before fully_shard: afterwards the weights are DTensors and the swap fails
     # ("aten.mm.default got mixed torch.Tensor and DTensor").
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
-                               module_filter_fn=fp8_capable)
+    model = convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                       module_filter_fn=fp8_capable)  # returns a new root if the root is a Linear
+    from torch.distributed.fsdp import FSDPModule
     from torchao.float8.float8_linear import Float8Linear
+
+    if dist.get_backend() == "gloo" and not hasattr(FSDPModule, "set_custom_all_gather"):
+        raise RuntimeError(f"FP8 with FSDP2 on gloo needs FSDPModule.set_custom_all_gather (torch >= 2.9; this is "
+                           f"{torch.__version__}): gloo cannot all-gather float8 tensors. Use NCCL, or a newer torch.")
 
     units = [m for m in model.modules() if isinstance(m, Float8Linear) and m is not model]
     for unit in units + [model]:  # the root last

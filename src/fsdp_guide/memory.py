@@ -10,13 +10,14 @@ tensors a rank actually holds, so the two can be compared.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryBreakdown", "estimate", "measure", "STRATEGIES"]
+__all__ = ["MemoryBreakdown", "estimate", "measure", "saved_for_backward", "STRATEGIES"]
 
 STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 _STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -189,3 +190,37 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         if isinstance(t, torch.Tensor) and t.dim() > 0
     ]
     return MemoryBreakdown(param_bytes, grad_bytes, storages.bytes(state))
+
+
+class _SavedBytes:
+    """The running total of :func:`saved_for_backward`."""
+
+    def __init__(self):
+        self.nbytes = 0
+        self._storages = _Storages()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.nbytes += self._storages.bytes([t])
+        return t
+
+
+@contextlib.contextmanager
+def saved_for_backward():
+    """A context manager counting the bytes autograd saves for backward (activations, and weights).
+
+    Distinct storages count once, at their real size: torchao's float8 tensors count
+    one byte per element, though they report their original dtype.
+
+    Example:
+
+    >>> import torch
+    >>> from fsdp_guide.memory import saved_for_backward
+    >>> layer = torch.nn.Linear(1000, 10)
+    >>> with saved_for_backward() as saved:
+    ...     loss = layer(torch.ones(32, 1000)).sum()
+    >>> saved.nbytes  # the input (32 x 1000 float32), kept to compute the weight's gradient
+    128000
+    """
+    counter = _SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        yield counter

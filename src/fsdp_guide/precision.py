@@ -51,7 +51,11 @@ def _first_tensor(value):
 
 
 def _storage_tensor(t):
-    """For a wrapper subclass (torchao's float8 tensors report their original dtype), the data inside."""
+    """For a wrapper subclass (torchao's float8 tensors report their original dtype), the data inside.
+
+    The first inner tensor is the data by convention of the subclasses seen here
+    (torchao's ``Float8TrainingTensor`` flattens to ``_data``, then ``_scale``).
+    """
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     while t is not None and is_traceable_wrapper_subclass(t):
@@ -84,18 +88,19 @@ class DtypeRecord(TorchDispatchMode):
             # A collective's input is what goes on the wire (for an all-gather the first
             # argument is the gathered buffer: same dtype, all the bytes); a matmul's
             # operands are what it computes in; a softmax's output is.
-            if kind == "matmul":
-                tensor = _storage_tensor(_first_tensor(args))
+            if kind == "matmul":  # both matrices (addmm and baddbmm take the added term first)
+                tensors = [_storage_tensor(t) for t in (args[1:3] if "add" in func._schema.name else args[:2])]
             elif kind == "softmax":
-                tensor = _first_tensor(out)
+                tensors = [_first_tensor(out)]
             else:
-                tensor = _first_tensor(args[1] if kind == "reduce-scatter" else args)
-            if tensor is not None:
+                tensors = [_first_tensor(args[1] if kind == "reduce-scatter" else args)]
+            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+            if tensors:
                 # Private but long-standing: -1 outside autograd's backward pass.
                 phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
-                self.seen[(phase, kind)].add(_short(tensor.dtype))
+                self.seen[(phase, kind)].update(_short(t.dtype) for t in tensors)
                 self.count[(phase, kind)] += 1
-                self.nbytes[(phase, kind)] += tensor.numel() * tensor.element_size()
+                self.nbytes[(phase, kind)] += tensors[0].numel() * tensors[0].element_size()
         return out
 
     def get(self, phase: str, kind: str) -> str:
