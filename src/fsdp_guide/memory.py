@@ -134,7 +134,12 @@ def _fsdp1_flat_shards(model: nn.Module) -> list[torch.Tensor]:
 
 
 class _Storages:
-    """Bytes of distinct storages: views into one buffer count once, at the buffer's full size."""
+    """Bytes of distinct storages: views into one buffer count once, at the buffer's full size.
+
+    Storages are told apart by their C++ object, not their address: FSDP frees a
+    gathered buffer's memory while a saved tensor still holds the storage object,
+    and the allocator gives the address to the next buffer.
+    """
 
     def __init__(self):
         self.seen: set[int] = set()
@@ -146,8 +151,8 @@ class _Storages:
                 continue
             for plain in _plain_tensors(_local(t)):
                 storage = plain.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in self.seen:
-                    self.seen.add(storage.data_ptr())
+                if storage.nbytes() and storage._cdata not in self.seen:
+                    self.seen.add(storage._cdata)
                     total += storage.nbytes()
         return total
 
