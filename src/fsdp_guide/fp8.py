@@ -75,8 +75,13 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     ('FSDPFloat8Linear', 'WeightWithDynamicFloat8CastTensor')
     """
     quiet_torchao()
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    if dist.get_backend() == "gloo" and not hasattr(FSDPModule, "set_custom_all_gather"):
+        raise RuntimeError(f"FP8 with FSDP2 on gloo needs FSDPModule.set_custom_all_gather (torch >= 2.9; this is "
+                           f"{torch.__version__}): gloo cannot all-gather float8 tensors. Use NCCL, or a newer torch.")
 
     def fp8_capable(module: nn.Module, fqn: str) -> bool:
         return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
@@ -85,12 +90,6 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     # ("aten.mm.default got mixed torch.Tensor and DTensor").
     model = convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
                                        module_filter_fn=fp8_capable)  # returns a new root if the root is a Linear
-    from torch.distributed.fsdp import FSDPModule
-    from torchao.float8.float8_linear import Float8Linear
-
-    if dist.get_backend() == "gloo" and not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise RuntimeError(f"FP8 with FSDP2 on gloo needs FSDPModule.set_custom_all_gather (torch >= 2.9; this is "
-                           f"{torch.__version__}): gloo cannot all-gather float8 tensors. Use NCCL, or a newer torch.")
 
     units = [m for m in model.modules() if isinstance(m, Float8Linear) and m is not model]
     for unit in units + [model]:  # the root last
