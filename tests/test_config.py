@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdp_guide import launch, shard
 from fsdp_guide.config import DEFAULTS, validate
 from fsdp_guide.precision import record_dtypes
-from training import my_slice
+from training import train
 
 APIS = ("fsdp2", "fsdp1")
 
@@ -49,26 +47,12 @@ class Wrapped(nn.Module):
 
 def _batches(n=3):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+    # requires_grad: reentrant checkpointing only builds a graph from inputs that need one
+    return [(torch.randn(8, 16, generator=g).requires_grad_(), torch.randn(8, 4, generator=g)) for _ in range(n)]
 
 
 def _losses(model, sharded):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for x, y in _batches():
-        if sharded:
-            x, y = my_slice(x), my_slice(y)
-        x.requires_grad_()  # reentrant checkpointing only builds a graph from inputs that need one
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if sharded:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
-    return losses
+    return train(model, torch.optim.SGD(model.parameters(), lr=0.2), _batches(), sharded=sharded)
 
 
 def _local_fraction(model):
