@@ -57,6 +57,20 @@ def test_measure_counts_a_tied_parameter_once():
     assert measure(nn.ModuleList([embedding, head])).params == 100 * 16 * 4
 
 
+def test_measure_counts_an_optimizers_own_master_copies_and_not_the_models_parameters():
+    model = nn.Linear(100, 10, bias=False).half()
+    masters = [p.detach().float().clone() for p in model.parameters()]  # what a master-weight optimizer steps
+    optimizer = torch.optim.Adam(masters)
+    masters[0].grad = torch.ones_like(masters[0])
+    optimizer.step()
+    got, expected = measure(model, optimizer), estimate(1000, 1, "DDP", param_dtype=torch.float16, master_weights=True)
+    assert (got.params, got.optimizer) == (expected.params, expected.optimizer) == (1000 * 2, 1000 * (4 + 4 + 4))
+    plain = torch.optim.Adam(model.float().parameters())
+    model(torch.ones(1, 100)).sum().backward()
+    plain.step()
+    assert measure(model, plain).optimizer == 1000 * (4 + 4)  # the model's parameters are not optimizer state
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)), nn.Linear(64, 10))

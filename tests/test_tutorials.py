@@ -174,6 +174,11 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(tmp_path_fac
     saved = {mode: v[3] for mode, v in memory.items()}
     assert saved["fp8"] > saved["bf16"]  # "FP8 used more memory than BF16": float32 activations
     assert saved["fp8+bf16"] == min(saved.values())  # fixed by giving FP8 bfloat16 inputs
+    setups = {line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))}
+    per_param = {name: int(v[4]) for name, v in setups.items()}
+    assert per_param == {"bf16, AdamW": 16, "fp8, master-weight AdamW": 20,  # FSDP's fp32 shard + the optimizer's
+                         "fp8, AdamW": 16, "fp8, bf16 stored, master AdamW": 16}  # one fp32 copy, either way
+    assert {v[5] for v in setups.values()} == {"1.0000"}  # measured exactly as estimated
     assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
     assert "{'c10d_functional.all_reduce': 1}" in text
     accumulation = {l.split("relative difference")[0].strip(): float(l.split()[-1]) for l in text.splitlines()

@@ -21,7 +21,8 @@
 # - what FP8 changes and what it does not, measured against FP32 and BF16 mixed precision
 #   on 2 ranks: the loss, the bytes all-gathered per step, the model states kept per rank,
 #   and the activations saved for backward;
-# - why "FP8 used more memory than BF16" happens, and the setting that fixes it;
+# - the two ways "FP8 used more memory than BF16" happens (activations, and a second
+#   float32 master copy), and the settings that fix each;
 # - where the FP8 scaling factors are synchronised across ranks, and what gradient
 #   accumulation does with FP8.
 #
@@ -73,8 +74,8 @@ def make_model():
                          nn.Linear(WIDTH, WIDTH, bias=False))
 
 
-def build(mode):
-    model = make_model()
+def build(mode, stored=torch.float32):
+    model = make_model().to(stored)  # the dtype FSDP stores (and shards) the parameters in
     mp_policy = BF16 if "bf16" in mode else MixedPrecisionPolicy()
     if mode.startswith("fp8"):
         return float8_fully_shard(model, mp_policy=mp_policy)
@@ -235,9 +236,112 @@ for mode in MODES:
 # What grows is the activation memory. **FP8 alone saves more for backward than BF16**:
 # `Float8Linear` keeps its input in the precision it arrives in, float32 here, so it
 # saves float32 activations (beside float8 weights), where BF16 mixed precision saves
-# bfloat16 ones. That is the classic "FP8 used more memory than BF16". The fix is to give
-# FP8 low-precision inputs too: FP8 with the BF16 policy (`fp8+bf16`) saves bfloat16
-# activations and float8 weights, the least of the four.
+# bfloat16 ones. That is the first way to get "FP8 used more memory than BF16". The fix
+# is to give FP8 low-precision inputs too: FP8 with the BF16 policy (`fp8+bf16`) saves
+# bfloat16 activations and float8 weights, the least of the four.
+#
+# ## Two master copies: the optimizer's and FSDP's
+#
+# The second way is the one reported when FSDP support was added to MS-AMP, an FP8
+# library: t5-3b took 28 GB with BF16, 40 GB with FP32 and 34 GB with FP8. The reviewer's
+# diagnosis: with FSDP mixed precision on, FSDP keeps the weights in FP32, and the FP8
+# optimizer keeps *its own* FP32 master weights beside them. Two master copies.
+#
+# To reproduce it we need an optimizer that keeps master weights. torch has none (MS-AMP's
+# and apex's need CUDA), so here is a stand-in that does what they do: step float32
+# copies of the parameters, then write the result back into the parameters.
+
+# %%
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW on float32 master copies of the parameters, written back after each step."""
+
+    def __init__(self, params, **kwargs):
+        self.model_params = list(params)
+        super().__init__([p.detach().float().clone() for p in self.model_params], **kwargs)
+
+    @torch.no_grad()
+    def step(self):
+        masters = self.param_groups[0]["params"]
+        for param, master in zip(self.model_params, masters):
+            master.grad = param.grad.float()
+        super().step()
+        for param, master in zip(self.model_params, masters):
+            param.copy_(master)  # rounded to the parameter's dtype
+            master.grad = None
+
+    def zero_grad(self, set_to_none=True):
+        for param in self.model_params:
+            param.grad = None
+
+
+# %% [markdown]
+# Four set-ups, each trained 3 steps on 2 ranks and measured with
+# {func}`fsdp_guide.memory.measure` (which counts an optimizer's master copies as
+# optimizer state) beside {func}`fsdp_guide.memory.estimate` for the same dtypes:
+
+# %%
+from fsdp_guide.memory import estimate
+
+SETUPS = {  # name: (mode, optimizer, dtype FSDP stores the parameters in)
+    "bf16, AdamW": ("bf16", torch.optim.AdamW, torch.float32),
+    "fp8, master-weight AdamW": ("fp8+bf16", MasterWeightAdamW, torch.float32),
+    "fp8, AdamW": ("fp8+bf16", torch.optim.AdamW, torch.float32),
+    "fp8, bf16 stored, master AdamW": ("fp8+bf16", MasterWeightAdamW, torch.bfloat16),
+}
+
+
+def model_states(mode, optimizer_class, stored):
+    from fsdp_guide.fp8 import quiet_torchao
+
+    quiet_torchao()
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    model = build(mode, stored)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = batch(step, dist.get_rank())
+        F.mse_loss(model(x).float(), y).backward()
+        optimizer.step()
+        precompute_float8_dynamic_scale_for_fsdp(model) if mode.startswith("fp8") else None
+        optimizer.zero_grad()
+    loss = F.mse_loss(model(x).float(), y)
+    loss.backward()  # measure with gradients present, as inside a step
+    return measure(model, optimizer), loss.item()
+
+
+def all_setups():
+    return {name: model_states(*setup) for name, setup in SETUPS.items()}
+
+
+measured = launch(all_setups, output="none")[0]
+num_params = sum(p.numel() for p in make_model().parameters())
+print(f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
+      f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}")
+for name, (mode, optimizer_class, stored) in SETUPS.items():
+    got, loss = measured[name]
+    expected = estimate(num_params, 2, "FULL_SHARD", param_dtype=stored,
+                        master_weights=optimizer_class is MasterWeightAdamW)
+    print(f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
+          f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}")
+
+# %% [markdown]
+# With FSDP storing float32 shards *and* an optimizer keeping float32 masters, FP8 holds
+# 20 bytes of model states per parameter where the BF16 run holds 16: the FP32 weights
+# are there twice, once as FSDP's shard and once as the optimizer's master. The measured
+# bytes are exactly what `estimate` predicts for that pair of settings, and the ratio
+# 20/16 = 1.25 is about MS-AMP's 34/28 (which also includes activations).
+#
+# Either copy can go; keep exactly one float32 copy of the weights:
+#
+# - **FSDP's shard is the master** (`fp8, AdamW`): a plain optimizer updates FSDP's
+#   float32 shard, and the `MixedPrecisionPolicy` casts it on every all-gather. This is
+#   the FSDP2 recipe, and what torchao's float8 training expects.
+# - **The optimizer's copy is the master** (`fp8, bf16 stored, master AdamW`): shard
+#   parameters that are already bfloat16 (`model.to(torch.bfloat16)` before
+#   `fully_shard`), so FSDP keeps 2 bytes per parameter and its gradients are bfloat16
+#   too. This is ZeRO's accounting (2 + 2 + 12 bytes).
+#
+# All four train (the last column is the loss after 3 steps); only the memory differs.
 #
 # ## Gradient accumulation with FP8
 #

@@ -133,7 +133,7 @@ for world_size in (2, 4):
 # ranks, 1.25 on 4, grads not yet produced). ZeRO's stage 2 has no such extra copy
 # because its fp32 master weights are part of the optimizer state (K); in FSDP the fp32
 # shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2
-# keeps no other).
+# keeps no other, and what happens when the optimizer keeps one too).
 
 # %%
 import matplotlib.pyplot as plt

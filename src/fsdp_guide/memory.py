@@ -173,8 +173,10 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     Parameters are the ones the modules hold (this rank's shard of each DTensor, or
     FSDP1's flat shard) plus FSDP's own sharded copies while the modules hold
     gathered ones (from forward to backward); gradients are those parameters' ``.grad``; optimizer state is
-    every tensor in ``optimizer.state`` except the 0-dimensional step counters. Each
-    storage counts once, at its full size, so FSDP's padding is included.
+    every tensor in ``optimizer.state`` except the 0-dimensional step counters, plus
+    any tensor the optimizer steps that the model does not hold (a master copy, as
+    optimizers that keep fp32 master weights have). Each storage counts once, at its
+    full size, so FSDP's padding is included.
 
     Example:
 
@@ -193,7 +195,7 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     state = [] if optimizer is None else [
         t for per_param in optimizer.state.values() for t in per_param.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
-    ]
+    ] + [p for group in optimizer.param_groups for p in group["params"]]  # the model's own are counted already
     return MemoryBreakdown(param_bytes, grad_bytes, storages.bytes(state))
 
 
