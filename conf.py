@@ -64,18 +64,27 @@ copybutton_exclude = ".linenos, .gp, .go"
 def _offer_executed_notebook(app, pagename, templatename, context, doctree):
     """Serve each tutorial's executed notebook next to its .py source, for the download button.
 
-    myst-nb writes the executed notebook to ``jupyter_execute/``; sphinx-book-theme only
-    offers it for Markdown notebooks with launch buttons, so copy it and point the theme at it.
+    myst-nb writes the notebook to ``jupyter_execute/``; sphinx-book-theme only offers it
+    for Markdown notebooks with launch buttons, so write it there and point the theme at it.
     """
-    import shutil
     from pathlib import Path
 
-    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
-    if not pagename.startswith("tutorials/") or not executed.exists():
+    import nbformat
+
+    written = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if not pagename.startswith("tutorials/") or not written.exists():
         return
+    notebook = nbformat.read(written, as_version=4)
+    if app.config.nb_execution_mode == "cache":
+        # On a cache hit myst-nb renders the cached outputs but writes the notebook without
+        # them (the merged copy stays inside its client; cf. MyST-NB#617): take them from
+        # the same cache.
+        from jupyter_cache import get_cache
+
+        _, notebook = get_cache(app.config.nb_execution_cache_path).merge_match_into_notebook(notebook)
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(executed, target)
+    nbformat.write(notebook, target)
     context["ipynb_source"] = f"{pagename}.ipynb"
 
 

@@ -1,6 +1,76 @@
-"""Paths shared by the tests."""
+"""Paths shared by the tests, and the one execution of every tutorial that both the notebook tests and the site build use."""
 
+from __future__ import annotations
+
+import time
 from pathlib import Path
+
+import jupytext
+import pytest
+from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
+from nbclient.exceptions import DeadKernelError
+from pytest_notebook.nb_regression import NBRegressionFixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
+
+# The tutorials are .py files without stored outputs: there is nothing to diff against,
+# so the check is that every cell runs (a cell error fails the test) and the assertions
+# the tutorials make in their own cells hold.
+EXECUTE = NBRegressionFixture(
+    exec_timeout=180,
+    exec_cwd=str(ROOT / "tutorials"),
+    diff_ignore=("/cells/*/outputs", "/cells/*/execution_count", "/metadata"),
+)
+
+
+def _execute(tutorial: Path, tmp_dir: Path):
+    """The tutorial converted to .ipynb by jupytext and executed by pytest-notebook."""
+    notebook = tmp_dir / f"{tutorial.stem}.ipynb"
+    jupytext.write(jupytext.read(tutorial), notebook)
+    try:
+        return EXECUTE.check(str(notebook)).nb_final
+    except DeadKernelError:  # the intermittent kernel crash described in test_site.py: once more
+        return EXECUTE.check(str(notebook)).nb_final
+
+
+class Executed(dict):
+    """Tutorial stem -> executed notebook; a tutorial that failed raises its error where it is used."""
+
+    def __missing__(self, stem):
+        raise self.errors[stem]
+
+
+@pytest.fixture(scope="session")
+def executed(tmp_path_factory) -> Executed:
+    """Every tutorial, executed once per test run by pytest-notebook."""
+    tmp_dir = tmp_path_factory.mktemp("notebooks")
+    notebooks = Executed()
+    notebooks.errors, notebooks.seconds = {}, {}
+    for tutorial in TUTORIALS:
+        try:
+            start = time.perf_counter()
+            notebooks[tutorial.stem] = _execute(tutorial, tmp_dir)
+            notebooks.seconds[tutorial.stem] = time.perf_counter() - start
+        except Exception as error:  # noqa: BLE001  (fails that tutorial's tests, not every test)
+            notebooks.errors[tutorial.stem] = error
+    return notebooks
+
+
+@pytest.fixture(scope="session")
+def execution_cache(executed, tmp_path_factory) -> Path:
+    """A jupyter-cache holding the executed tutorials, for the site build to read.
+
+    myst-nb's ``nb_execution_mode=cache`` takes a notebook's outputs from the cache when
+    its code cells match, and the cells are the same whether jupytext or myst-nb reads the
+    .py file: the site then shows the outputs the notebook tests checked, instead of
+    executing every tutorial a second time. A tutorial missing here is executed by the build.
+    """
+    path = tmp_path_factory.mktemp("jupyter_cache")
+    cache = get_cache(str(path))
+    for tutorial in TUTORIALS:
+        if tutorial.stem in executed:
+            seconds = {"execution_seconds": executed.seconds[tutorial.stem]}  # shown by the site's exec table
+            cache.cache_notebook_bundle(CacheBundleIn(executed[tutorial.stem], uri=str(tutorial), data=seconds))
+    return path

@@ -25,14 +25,23 @@ KERNEL_CRASH = "Assertion failed: pfd.revents & POLLIN"
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(tmp_path_factory, execution_cache):
     for attempt in range(2):
         out = tmp_path_factory.mktemp("site")
-        build = sphinx("html", out, "-D", "nb_execution_mode=force")
+        # The tutorials' outputs come from the notebook tests' execution (see conftest.py).
+        build = sphinx("html", out, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}")
         if build.returncode == 0 or KERNEL_CRASH not in build.stdout + build.stderr:
             break
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
     return out / "html"
+
+
+def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_again(site, execution_cache):
+    from jupyter_cache import get_cache
+
+    cache = get_cache(str(execution_cache))
+    assert len(cache.list_cache_records()) == len(TUTORIALS)
+    assert cache.list_project_records() == []  # myst-nb adds a notebook here only when it executes it
 
 
 def test_landing_page_maps_the_site(site):

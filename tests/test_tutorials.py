@@ -2,34 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
-import jupytext
 import pytest
-from nbclient.exceptions import DeadKernelError
-from conftest import ROOT, TUTORIALS
-from pytest_notebook.nb_regression import NBRegressionFixture
-
-# The tutorials are .py files without stored outputs: there is nothing to diff against,
-# so the check is that every cell runs (a cell error fails the test) and the assertions
-# the tutorials make in their own cells hold.
-EXECUTE = NBRegressionFixture(
-    exec_timeout=180,
-    exec_cwd=str(ROOT / "tutorials"),
-    diff_ignore=("/cells/*/outputs", "/cells/*/execution_count", "/metadata"),
-)
-
-
-@functools.cache
-def executed(tutorial: Path, tmp_dir: Path):
-    """The tutorial converted to .ipynb by jupytext and executed by pytest-notebook (once per run)."""
-    notebook = tmp_dir / f"{tutorial.stem}.ipynb"
-    jupytext.write(jupytext.read(tutorial), notebook)
-    try:
-        return EXECUTE.check(str(notebook)).nb_final
-    except DeadKernelError:  # the intermittent kernel crash described in test_site.py: once more
-        return EXECUTE.check(str(notebook)).nb_final
+from conftest import TUTORIALS
 
 
 def _text_outputs(notebook) -> str:
@@ -45,14 +19,14 @@ def test_every_tutorial_is_tested():
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
-def test_tutorial_executes(tutorial, tmp_path_factory):
-    text = _text_outputs(executed(tutorial, tmp_path_factory.getbasetemp()))
+def test_tutorial_executes(tutorial, executed):
+    text = _text_outputs(executed[tutorial.stem])
     assert "Traceback" not in text
     assert "torch 2." in text  # every page says which torch it was executed with
 
 
-def test_quickstart_shows_real_rank_output_and_the_equality_check(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "quickstart.py", tmp_path_factory.getbasetemp()))
+def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):
+    text = _text_outputs(executed["quickstart"])
     assert "[rank0] step  0  loss" in text and "[rank1]" not in text
     assert "layers.0.weight    (64, 16)      (32, 16)      (32, 16)" in text
     for api in ("FSDP2", "FSDP1"):
@@ -60,16 +34,16 @@ def test_quickstart_shows_real_rank_output_and_the_equality_check(tmp_path_facto
         assert float(line.rsplit("=", 1)[1]) <= 1e-5
 
 
-def test_summon_full_params_tutorial_shows_exact_init_and_training(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "summon_full_params.py", tmp_path_factory.getbasetemp()))
+def test_summon_full_params_tutorial_shows_exact_init_and_training(executed):
+    text = _text_outputs(executed["summon_full_params"])
     assert "rank 0: FSDP2 init equals single process exactly: True" in text
     assert "rank 1: FSDP2 init equals single process exactly: True" in text
     assert "FSDP1 init equals single process exactly: True" in text
     assert "tied inside the context: True" in text and "still tied: True" in text
 
 
-def test_enable_wrap_tutorial_measures_wrap_as_you_build(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "enable_wrap.py", tmp_path_factory.getbasetemp()))
+def test_enable_wrap_tutorial_measures_wrap_as_you_build(executed):
+    text = _text_outputs(executed["enable_wrap"])
     assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
     assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
     assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
@@ -78,16 +52,16 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(tmp_path_factory):
     assert ratios == {"build,": 1.0, "wrap": 0.53, "meta": 0.5}
 
 
-def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "deterministic_init.py", tmp_path_factory.getbasetemp()))
+def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
+    text = _text_outputs(executed["deterministic_init"])
     assert text.count("rank 0's rows == rank 1's rows: True") == 2  # on purpose, and via meta + to_empty
     assert "16x16 weight initialised after sharding: rank 8 of 16" in text
     assert "DTensor random operators may not have complete support on cpu device mesh" in text
     assert text.count("equals the single process exactly: True") == 4
 
 
-def test_state_attributes_tutorial_shows_the_timelines(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "state_attributes.py", tmp_path_factory.getbasetemp()))
+def test_state_attributes_tutorial_shows_the_timelines(executed):
+    text = _text_outputs(executed["state_attributes"])
     lines = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in text.splitlines()
              if line.startswith(("inside forward", "after backward"))}
     assert "_shard_param_infos" in text and "_unpadded_unsharded_size" in text
@@ -96,8 +70,8 @@ def test_state_attributes_tutorial_shows_the_timelines(tmp_path_factory):
     assert lines  # the two timeline tables were printed
 
 
-def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "pitfalls.py", tmp_path_factory.getbasetemp()))
+def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
+    text = _text_outputs(executed["pitfalls"])
     assert "optimizer built before sharding: losses [1.15356, 1.15356, 1.15356]" in text
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
@@ -118,8 +92,8 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(tmp_path_fac
     assert all(float(g[2]) < 1e-6 for g in gathers.values())  # every arrangement trains correctly
 
 
-def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "fsdp_config.py", tmp_path_factory.getbasetemp()))
+def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(executed):
+    text = _text_outputs(executed["fsdp_config"])
     assert text.count("[rank0] fsdp_config -> ") == 2 and "[rank1]" not in text
     assert "[rank0]     blocks.0                 Sequential            1,056  checkpoint" in text
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))}
@@ -137,8 +111,8 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(tmp_p
     assert "cpu_offload=True with api='fsdp1' needs an accelerator" in text
 
 
-def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "digits.py", tmp_path_factory.getbasetemp()))
+def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(executed):
+    text = _text_outputs(executed["digits"])
     assert "1437 training and 360 test images of shape (1, 8, 8)" in text
     epochs = [line for line in text.splitlines() if line.startswith("Train Epoch: ")]
     tests = [line for line in text.splitlines() if line.startswith("Test set: Average loss: ")]
@@ -148,8 +122,8 @@ def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(tm
     assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text
 
 
-def test_memory_tutorial_reproduces_zero_and_matches_measurements(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "memory.py", tmp_path_factory.getbasetemp()))
+def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
+    text = _text_outputs(executed["memory"])
     totals = {line.split()[0]: line.split()[-1] for line in text.splitlines()
               if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line}
     assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
@@ -161,8 +135,8 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(tmp_path_facto
     assert [round(r, 2) for r in in_step] == [1.5, 1.5, 1.26, 1.25]  # SHARD_GRAD_OP: full parameters + FSDP's shard
 
 
-def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "fp8.py", tmp_path_factory.getbasetemp()))
+def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
+    text = _text_outputs(executed["fp8"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
     gathered = {tuple(l.split()[:2]): l.split() for l in text.splitlines() if " all-gather " in l}
     assert gathered[("fp32", "forward")][-2:] == ["3", "196608"]
@@ -187,8 +161,8 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(tmp_path_fac
     assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
 
 
-def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(tmp_path_factory):
-    text = _text_outputs(executed(ROOT / "tutorials" / "mixed_precision.py", tmp_path_factory.getbasetemp()))
+def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
+    text = _text_outputs(executed["mixed_precision"])
     rows = {line[:22].strip(): line[22:].split() for line in text.splitlines() if line[:22].strip() in (
         "no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")}
     # all-gather, forward weight, matmul, softmax, grad matmul, stored grad, reduce
