@@ -37,7 +37,7 @@ myst_heading_anchors = 3
 nitpicky = True
 nitpick_ignore_regex = [
     # No intersphinx (the build is offline): names from the standard library and torch stay plain text.
-    ("py:class", r"(collections\.abc\.)?(Callable|Iterator)|Any|typing\..*|torch\..*"),
+    ("py:class", r"(collections\.abc\.)?(Callable|Iterator)|Any|typing\..*|torch\..*|os\.PathLike|pathlib\.Path"),
 ]
 
 autodoc_member_order = "bysource"

@@ -14,6 +14,7 @@ from pytest_notebook.nb_regression import NBRegressionFixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
+NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))  # pages that execute code: the tutorials and the cluster page
 
 # The tutorials are .py files without stored outputs: there is nothing to diff against,
 # so the check is that every cell runs (a cell error fails the test) and the assertions
@@ -44,11 +45,11 @@ class Executed(dict):
 
 @pytest.fixture(scope="session")
 def executed(tmp_path_factory) -> Executed:
-    """Every tutorial, executed once per test run by pytest-notebook."""
+    """Every notebook page, executed once per test run by pytest-notebook."""
     tmp_dir = tmp_path_factory.mktemp("notebooks")
     notebooks = Executed()
     notebooks.errors, notebooks.seconds = {}, {}
-    for tutorial in TUTORIALS:
+    for tutorial in NOTEBOOKS:
         try:
             start = time.perf_counter()
             notebooks[tutorial.stem] = _execute(tutorial, tmp_dir)
@@ -69,7 +70,7 @@ def execution_cache(executed, tmp_path_factory) -> Path:
     """
     path = tmp_path_factory.mktemp("jupyter_cache")
     cache = get_cache(str(path))
-    for tutorial in TUTORIALS:
+    for tutorial in NOTEBOOKS:
         if tutorial.stem in executed:
             seconds = {"execution_seconds": executed.seconds[tutorial.stem]}  # shown by the site's exec table
             cache.cache_notebook_bundle(CacheBundleIn(executed[tutorial.stem], uri=str(tutorial), data=seconds))

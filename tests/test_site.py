@@ -8,7 +8,7 @@ import sys
 
 import nbformat
 import pytest
-from conftest import ROOT, TUTORIALS
+from conftest import NOTEBOOKS, ROOT, TUTORIALS
 
 
 def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_a
     from jupyter_cache import get_cache
 
     cache = get_cache(str(execution_cache))
-    assert len(cache.list_cache_records()) == len(TUTORIALS)
+    assert len(cache.list_cache_records()) == len(NOTEBOOKS)
     assert cache.list_project_records() == []  # myst-nb adds a notebook here only when it executes it
 
 

@@ -15,7 +15,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "memory", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -175,3 +175,26 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     assert float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
     assert runs["FSDP1 fp16, no scaler"][2] == "100%" and runs["FSDP1 fp16, ShardedGradScaler"][2] == "0%"
     assert text.count("step skipped: True, scale 65536 -> 32768") == 2
+
+
+def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(executed):
+    text = _text_outputs(executed["llm"])
+    assert "[rank0] step   40 | loss" in text and "tokens/s" in text and "[rank1]" not in text  # the script's log
+    assert "peak memory per rank: rank0" in text
+    assert "checkpoints kept: ['step-00000040']" in text
+    assert "straight == stopped and resumed, all 40 losses bit for bit: True" in text
+    assert "rank 1" in text and "left on disk: ['.partial-step-00000040', 'step-00000020']" in text
+    assert "steps 21-40 after the crash equal the straight run: True" in text
+    for world_size in (4, 1):
+        line = next(l for l in text.splitlines() if l.startswith(f"saved on 2, resumed on {world_size}:"))
+        assert float(line.rsplit("=", 1)[1]) < 1e-4
+    assert "same losses as the notebook: True" in text
+
+
+def test_cluster_page_runs_hsdp_on_a_2x2_mesh(executed):
+    text = _text_outputs(executed["cluster"])
+    assert "   0  [0, 1]       [0, 2]           (Replicate(), Shard(dim=0))" in text
+    assert "   3  [2, 3]       [1, 3]           (Replicate(), Shard(dim=0))" in text
+    assert "{'_allgather_base_': 4, '_reduce_scatter_base_': 2, 'allreduce_': 2}" in text
+    line = next(l for l in text.splitlines() if l.startswith("HSDP on a 2 x 2 mesh vs one process"))
+    assert float(line.rsplit("=", 1)[1]) < 1e-6

@@ -1,0 +1,172 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (cluster)=
+# # Running on a cluster: torchrun, SLURM and HSDP
+#
+# The tutorials start their ranks from a notebook with {func}`fsdp_guide.launch`. On a
+# cluster, `torchrun` starts them, and the same worker code runs unchanged:
+# `launch` sees that `torchrun` has set `RANK` and `WORLD_SIZE` and runs the function in
+# the process `torchrun` started. This page shows the commands, the environment variables
+# that matter, a SLURM script, and hybrid sharding (HSDP) on a 2 x 2 mesh, executed.
+# Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
+#
+# ## One machine, then several
+#
+# ```bash
+# # one machine, 8 ranks (one per GPU; on CPU, gloo)
+# torchrun --nproc-per-node=8 -m fsdp_guide.recipes.train_llm --steps 1000
+#
+# # two machines: run the same command on each; HOST is one of them, reachable from both
+# torchrun --nnodes=2 --nproc-per-node=8 \
+#     --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=my-run \
+#     -m fsdp_guide.recipes.train_llm --checkpoint-dir /shared/ckpt --checkpoint-every 500
+# ```
+#
+# `--rdzv-backend=c10d` makes the first `torchrun` to start on HOST serve a small
+# key-value store on port 29500; the others connect to it, agree on the ranks, and every
+# rank then reads `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` from
+# its environment. Checkpoints must go to a file system every node sees. The test suite
+# runs the two-machine form as two `torchrun` processes on one machine (one rank each)
+# and checks that they produce exactly the losses of one machine with 2 ranks.
+#
+# That store listens on *every* interface of HOST (torch has no option to restrict it),
+# and so does the process group's own store: run on a private network, or behind a
+# firewall that only lets the cluster's nodes reach those ports.
+#
+# ## The environment variables that matter
+#
+# | variable | what it does |
+# | --- | --- |
+# | `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | set by `torchrun` for each rank; `init_process_group()` reads them |
+# | `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME` | the network interface the collectives use (e.g. `ib0`, `eth0`); set them when a node has several and the default one cannot reach the others |
+# | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=INIT,NET`) | NCCL prints the interfaces, transports (InfiniBand, sockets) and rings it chose: the first thing to read when multi-node runs hang or are slow |
+# | `NCCL_IB_DISABLE=1`, `NCCL_IB_HCA` | turn InfiniBand off, or choose the adapters |
+# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | on by default: a failed or timed-out collective aborts the process instead of hanging it |
+# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | checks that every rank calls the same collectives with matching shapes (slow; for debugging) |
+# | `OMP_NUM_THREADS` | CPU threads per rank; `torchrun` sets 1, raise it to cores per rank for CPU work |
+#
+# ## SLURM
+#
+# One `torchrun` per node, started by `srun`; `torchrun` starts the ranks of its node:
+#
+# ```bash
+# #!/bin/bash
+# #SBATCH --job-name=fsdp-llm
+# #SBATCH --nodes=2
+# #SBATCH --ntasks-per-node=1          # one torchrun per node
+# #SBATCH --gpus-per-node=8
+# #SBATCH --cpus-per-task=64
+# #SBATCH --time=04:00:00
+# #SBATCH --requeue                     # preempted jobs come back and resume
+#
+# head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# ckpt=/shared/ckpt/$SLURM_JOB_NAME
+# resume=$(ls -d "$ckpt"/step-* >/dev/null 2>&1 && echo "--resume latest")  # only if one exists
+# export NCCL_SOCKET_IFNAME=ib0 OMP_NUM_THREADS=8
+#
+# srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
+#     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
+#     -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 $resume
+# ```
+#
+# `--resume latest` fails when there is no checkpoint (a resume that silently starts afresh
+# hides lost work), so the script asks for it only when one exists. The recipe publishes a
+# checkpoint only when it is complete ({ref}`tip-exact-resume`), so a job killed during a
+# save resumes from the one before.
+#
+# ## HSDP: shard within a node, replicate across nodes
+#
+# `FULL_SHARD` over many nodes all-gathers every layer across the slow links between
+# them. Hybrid sharding shards within a group of ranks (a node, over fast NVLink) and
+# keeps a full replica of the shards on each group: all-gathers stay inside the node,
+# and only the gradient reduction crosses nodes. FSDP1 calls it
+# `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D mesh, `(replicate, shard)`. Here
+# 4 ranks stand for 2 nodes of 2:
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %%
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_guide import launch
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def batch(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def hsdp_step():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(dist.get_rank())
+    with CommDebugMode() as comm:
+        F.mse_loss(model(x), y).backward()
+    optimizer.step()
+    weight = model[0].weight
+    return dict(
+        shard_group=dist.get_process_group_ranks(mesh.get_group("shard")),
+        replicate_group=dist.get_process_group_ranks(mesh.get_group("replicate")),
+        placements=str(weight.placements), local_shape=tuple(weight.to_local().shape),
+        collectives={str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
+        weights=[p.full_tensor() for p in model.parameters()],
+    )
+
+
+ranks = launch(hsdp_step, world_size=4, output="none")
+print(f"{'rank':4}  {'shard group':11}  {'replicate group':15}  {'model[0].weight':34}  local shape")
+for rank, r in enumerate(ranks):
+    print(f"{rank:4}  {str(r['shard_group']):11}  {str(r['replicate_group']):15}  {r['placements']:34}  {r['local_shape']}")
+print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
+
+# %% [markdown]
+# Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold halves of it, as do
+# ranks 2 and 3) and `Replicate()` across the replicate groups (ranks 0 and 2 hold the same
+# half). The 4 all-gathers (2 units, in forward and again in backward) run inside the shard
+# group of 2; each unit's gradients are reduce-scattered inside it (2) and then all-reduced
+# across the replicate group (2), so every rank ends with its shard of the gradient
+# averaged over all 4 ranks. That this is exactly data-parallel training:
+
+# %%
+model = make_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+sum(F.mse_loss(model(x), y) for x, y in map(batch, range(4))).div(4).backward()  # the 4 ranks' batches at once
+optimizer.step()
+difference = max((a - b).abs().max().item() for a, b in zip(ranks[0]["weights"], model.parameters()))
+print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight difference| = {difference:.1e}")
+
+# %% [markdown]
+# With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
+# builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the
+# number of GPUs per node.
