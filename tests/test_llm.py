@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
 from fsdp_guide.recipes.train_llm import TrainConfig, train
+from isolation import loopback_only  # torchrun's store listens on every interface: run it where only lo exists
 
 K = 4  # steps between checkpoints
 SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2,
@@ -160,12 +161,6 @@ def test_sharded_initialisation_equals_one_process():
         assert all(torch.equal(weights[n], p) for n, p in expected.named_parameters())
 
 
-def _in_own_network(script: str) -> list[str]:
-    # torchrun's rendezvous store listens on every interface, and torch has no option to
-    # bind it to one: run the "nodes" in a network namespace whose only interface is loopback.
-    return ["unshare", "--map-root-user", "--net", "sh", "-c", "ip link set lo up && " + script]
-
-
 SMALL_FLAGS = ["--steps", str(K), "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
                "--batch-size", "4", "--warmup", "2", "--no-progress"]
 
@@ -174,7 +169,7 @@ def test_torchrun_on_one_machine_runs_the_same_training(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it: the same arithmetic on both sides
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
-    done = subprocess.run(_in_own_network(shlex.join(command)), capture_output=True, text=True, timeout=240,
+    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=240,
                           env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step    4 | loss" in done.stdout and "peak memory per rank: rank0" in done.stdout
@@ -202,7 +197,7 @@ def test_two_torchrun_nodes_train_together_and_match_one_node(tmp_path, monkeypa
     script = (f"{shlex.join(node)} > {tmp_path}/node0.log 2>&1 & a=$!; "
               f"{shlex.join(node)} > {tmp_path}/node1.log 2>&1 & b=$!; "
               "wait $a; ra=$?; wait $b; rb=$?; exit $((ra || rb))")
-    nodes = subprocess.run(_in_own_network(script), timeout=240, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    nodes = subprocess.run(loopback_only(["sh", "-c", script]), timeout=240, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
     logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
     assert nodes.returncode == 0, logs
     two_nodes = json.loads((tmp_path / "summary.json").read_text())

@@ -69,12 +69,13 @@ def _state(model: nn.Module, optimizer, stateful: dict) -> dict:
 
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-         storage_writer=dcp.FileSystemWriter, **stateful) -> Path:
+         storage_writer=None, **stateful) -> Path:
     """Save everything needed to continue at ``step`` as ``directory/step-<step>``; every rank calls it.
 
     ``stateful`` are objects with ``state_dict``/``load_state_dict`` saved under their
     keyword (e.g. ``scheduler=...``, ``data=...``); ``load`` takes the same keywords.
-    ``storage_writer`` builds DCP's writer from a path. Returns the published path.
+    ``storage_writer`` builds DCP's writer from a path (default ``FileSystemWriter``).
+    Returns the published path.
     """
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
@@ -85,7 +86,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     state = _state(model, optimizer, stateful)
     state["step"] = step
     state[f"rng.rank{rank}"] = torch.get_rng_state()  # each rank its own key: they differ
-    dcp.save(state, storage_writer=storage_writer(partial))
+    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
     _barrier()  # every rank has written its part
     if rank == 0:
         _publish(partial, final)

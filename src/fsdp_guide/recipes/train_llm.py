@@ -198,7 +198,6 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
 
     ``storage_writer`` builds DCP's writer from a path (default ``FileSystemWriter``).
     """
-    from torch.distributed.checkpoint import FileSystemWriter
     from tqdm.auto import tqdm
 
     from fsdp_guide import checkpoint
@@ -237,7 +236,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
                            f"| {tokens_per_s:8,.0f} tokens/s", file=sys.stdout)
         if config.checkpoint_every and step % config.checkpoint_every == 0:
             saved = checkpoint.save(config.checkpoint_dir, step, model, optimizer,
-                                    storage_writer=storage_writer or FileSystemWriter, **stateful)
+                                    storage_writer=storage_writer, **stateful)
     bar.close()
     if config.export:
         checkpoint.export_consolidated(model, config.export)
