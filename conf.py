@@ -41,6 +41,7 @@ nitpick_ignore_regex = [
 ]
 
 autodoc_member_order = "bysource"
+maximum_signature_line_length = 60  # longer signatures get one parameter per line (and fit a phone)
 autodoc_typehints = "description"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -57,7 +58,10 @@ html_theme_options = {
     "home_page_in_toc": True,
     "navigation_with_keys": True,
 }
-html_static_path = []
+html_static_path = ["docs/_static"]
+html_css_files = ["custom.css"]  # phone widths: wrap inline code, scroll wide tables in their box
+html_favicon = "docs/_static/favicon.svg"
+html_context = {"default_mode": "auto"}  # else the theme logs "Got invalid theme mode" on a first visit
 copybutton_exclude = ".linenos, .gp, .go"
 
 

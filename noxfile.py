@@ -1,5 +1,8 @@
 """The two commands of the README: `nox -s docs` builds the site, `nox -s tests` runs every test."""
 
+import os
+import shutil
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -13,10 +16,21 @@ def install(session: nox.Session) -> None:
     session.install("-c", "constraints.txt", "-e", ".[test,docs]")
 
 
+def install_chromium(session: nox.Session) -> None:
+    """The browser tests drive Debian's Chromium (Playwright's own download is not reachable offline)."""
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        session.error("the browser tests need Chromium: install it (Debian: apt-get install chromium) and rerun")
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", external=True)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and multi-process tests, every tutorial as a notebook, the doctests, and the site build."""
+    """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build, and the site in a browser."""
     install(session)
+    install_chromium(session)
     session.run("pytest", *session.posargs)
 
 
@@ -35,6 +49,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Launcher latency against torchrun and the floor, and site build times (see bench/)."""
+    """Launcher latency against torchrun and the floor; site build times, notebook times, page weight (see bench/)."""
     install(session)
     session.run("python", "bench/bench_launch.py", *session.posargs)
+    session.run("python", "bench/bench_site.py")

@@ -1,12 +1,10 @@
-"""How fast ranks start, and how fast the site builds.
+"""How fast ranks start (the site's build speed: bench_site.py).
 
 Prints, from one run (each timing the median of --repeat runs):
 - the latency of 2 ranks doing one all-reduce, as a whole process, for
   `fsdp_guide.launch`, `torchrun --nproc-per-node=2`, a bare
   `torch.multiprocessing.spawn` script, and the floor: two
-  `python -c "import torch.distributed"` in parallel (what any launcher pays);
-- the site build: cold (empty _build, every tutorial executed), no-change
-  rebuild, and a fresh build that takes executed notebooks from the cache.
+  `python -c "import torch.distributed"` in parallel (what any launcher pays).
 
 Run it in the pinned environment: `nox -s bench` (or `python bench/bench_launch.py`
 with the package installed). Every variant runs in a network namespace of its own
@@ -16,7 +14,6 @@ with only loopback, as torchrun's store would otherwise listen on every interfac
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -117,31 +114,11 @@ def bench_launchers(repeat: int) -> None:
     print(f"launch / floor = {ours / floor:.2f} (goal <= 1.2); launch / torchrun = {ours / torchrun:.2f} (goal <= 0.6)")
 
 
-def bench_site() -> None:
-    out = Path(tempfile.mkdtemp(prefix="fsdp_guide-site-"))
-    build = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
-             "-D", f"nb_execution_cache_path={out / 'cache'}", "-d", str(out / "doctrees"), str(ROOT)]
-    try:
-        cold = seconds(build + [str(out / "html")], cwd=ROOT)
-        unchanged = seconds(build + [str(out / "html")], cwd=ROOT)
-        shutil.rmtree(out / "doctrees")
-        from_cache = seconds(build + [str(out / "html2")], cwd=ROOT)
-    finally:
-        shutil.rmtree(out)
-    print("\nsite build:")
-    print(f"{'cold (every tutorial executed)':38} {cold:8.1f} s")
-    print(f"{'rebuild, nothing changed':38} {unchanged:8.1f} s")
-    print(f"{'fresh build, notebooks from the cache':38} {from_cache:8.1f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each launcher variant (median reported)")
-    parser.add_argument("--skip-site", action="store_true", help="only the launcher latencies")
     args = parser.parse_args()
     bench_launchers(args.repeat)
-    if not args.skip_site:
-        bench_site()
 
 
 if __name__ == "__main__":

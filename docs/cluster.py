@@ -88,10 +88,10 @@
 # ## HSDP: shard within a node, replicate across nodes
 #
 # `FULL_SHARD` over many nodes all-gathers every layer across the slow links between
-# them. Hybrid sharding shards within a group of ranks (a node, over fast NVLink) and
+# them. Hybrid sharding ({term}`HSDP`) shards within a group of ranks (a node, over fast NVLink) and
 # keeps a full replica of the shards on each group: all-gathers stay inside the node,
 # and only the gradient reduction crosses nodes. FSDP1 calls it
-# `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D mesh, `(replicate, shard)`. Here
+# `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D {term}`device mesh`, `(replicate, shard)`. Here
 # 4 ranks stand for 2 nodes of 2:
 
 # %%

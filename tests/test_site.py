@@ -3,37 +3,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import nbformat
 import pytest
-from conftest import NOTEBOOKS, ROOT, TUTORIALS
-
-
-def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", builder, *options]
-    cmd += ["-d", str(out / "doctrees"), str(ROOT), str(out / builder)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
-
-
-# An intermittent crash of the notebook *kernel* process (libzmq aborts with
-# "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)"), seen in about 1 of 10
-# full builds with ipykernel 7.4: the build is retried once for that crash alone, so a
-# real failure (a cell error, a warning, a second crash) still fails the test.
-KERNEL_CRASH = "Assertion failed: pfd.revents & POLLIN"
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory, execution_cache):
-    for attempt in range(2):
-        out = tmp_path_factory.mktemp("site")
-        # The tutorials' outputs come from the notebook tests' execution (see conftest.py).
-        build = sphinx("html", out, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}")
-        if build.returncode == 0 or KERNEL_CRASH not in build.stdout + build.stderr:
-            break
-    assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
-    return out / "html"
+from conftest import NOTEBOOKS, TUTORIALS, sphinx
 
 
 def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_again(site, execution_cache):
@@ -119,3 +92,28 @@ def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_pa
     for written in (tmp_path / "jupyter_execute").rglob("*.ipynb"):  # myst-nb still writes them, unexecuted
         notebook = nbformat.read(written, as_version=4)
         assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code"), written
+
+
+def test_read_the_docs_builds_like_nox_docs_with_the_pinned_environment():
+    import yaml
+    from conftest import ROOT
+
+    config = yaml.safe_load((ROOT / ".readthedocs.yaml").read_text())
+    install, build = config["build"]["commands"]
+    assert "-c constraints.txt" in install and ".[docs]" in install
+    assert "download.pytorch.org/whl/cpu" in install  # the CPU build of the pinned torch
+    assert config["build"]["tools"]["python"] == "3.11"  # the Python the pins were made with
+    for option in ("-W", "--keep-going", "-n", "-b html", "nb_execution_mode=force"):
+        assert option in build  # as nox -s docs builds: warnings fail, every tutorial executed
+
+
+def test_every_glossary_term_is_defined_and_linked_from_a_page(site):
+    glossary = (site / "docs" / "glossary.html").read_text()
+    terms = set(re.findall(r'<dt id="(term-[^"]+)"', glossary))
+    assert len(terms) >= 15
+    linked = set()
+    for page in site.rglob("*.html"):
+        if page.name not in ("glossary.html", "genindex.html"):
+            linked |= set(re.findall(r'glossary\.html#(term-[^"]+)"', page.read_text()))
+    assert linked <= terms  # every link lands on a definition
+    assert terms - linked == set()  # every word is linked from where it is used

@@ -245,7 +245,7 @@ for mode in MODES:
 # The second way is the one reported when FSDP support was added to MS-AMP, an FP8
 # library: t5-3b took 28 GB with BF16, 40 GB with FP32 and 34 GB with FP8. The reviewer's
 # diagnosis: with FSDP mixed precision on, FSDP keeps the weights in FP32, and the FP8
-# optimizer keeps *its own* FP32 master weights beside them. Two master copies.
+# optimizer keeps *its own* FP32 {term}`master weights` beside them. Two master copies.
 #
 # To reproduce it we need an optimizer that keeps master weights. torch has none (MS-AMP's
 # and apex's need CUDA), so here is a stand-in that does what they do: step float32

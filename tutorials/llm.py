@@ -17,8 +17,8 @@
 # **What you will learn**
 #
 # - the whole FSDP2 recipe for a GPT-style model, in the order it has to happen: build on
-#   the meta device, shard each block then the root, initialise after sharding;
-# - checkpoints with `torch.distributed.checkpoint` that continue *exactly* where training
+#   the {term}`meta device`, shard each block then the root, initialise after sharding;
+# - checkpoints with `torch.distributed.checkpoint` ({term}`DCP`) that continue *exactly* where training
 #   stopped, the position in the data stream included, and survive a crash during a save;
 # - resuming on a different number of ranks, and exporting one file for inference;
 # - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`.

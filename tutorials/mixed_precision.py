@@ -37,7 +37,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %% [markdown]
 # ## The three knobs
 #
-# - **FSDP's mixed precision** (`MixedPrecisionPolicy` for FSDP2, `MixedPrecision` for
+# - **FSDP's {term}`mixed precision policy`** (`MixedPrecisionPolicy` for FSDP2, `MixedPrecision` for
 #   FSDP1) casts each unit's parameters to `param_dtype` when it gathers them, and
 #   reduces gradients in `reduce_dtype`. The sharded parameters, and the optimizer step,
 #   stay in float32.

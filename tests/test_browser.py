@@ -1,0 +1,164 @@
+"""The built site as a reader meets it: served on 127.0.0.1 and driven in headless Chromium by Playwright."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import shutil
+import threading
+from urllib.parse import urlparse
+
+import nbformat
+import pytest
+from conftest import ROOT, TUTORIALS
+
+ARTIFACTS = ROOT / "test-artifacts"  # screenshots, kept after the run (git ignores the folder)
+PHONE = {"width": 375, "height": 812}
+DESKTOP = {"width": 1280, "height": 900}
+# A closed network: without these, Chromium keeps trying Google's hosts in the background.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url(site):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "the browser tests need Chromium: `apt-get install chromium` (nox -s tests installs it as root)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def _pages(site) -> list[str]:
+    return sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
+
+
+class _Watch:
+    """What went wrong while a page loaded: console errors, failed or missing resources, other hosts."""
+
+    def __init__(self, page):
+        self.problems: list[str] = []
+        page.on("console", lambda m: m.type == "error" and self.problems.append(f"console error: {m.text}"))
+        page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url}"))
+        page.on("response", lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"))
+        page.on("request", self._host)
+
+    def _host(self, request):
+        url = urlparse(request.url)
+        if url.scheme not in ("data", "blob") and url.hostname != "127.0.0.1":
+            self.problems.append(f"request to another host: {request.url}")
+
+
+def test_every_page_loads_with_no_console_error_missing_resource_or_other_host(site, base_url, browser):
+    page = browser.new_page(viewport=DESKTOP)
+    watch = _Watch(page)
+    seen = {}
+    for path in _pages(site):
+        watch.problems.clear()
+        page.goto(base_url + path, wait_until="networkidle")
+        seen[path] = list(watch.problems)
+    page.close()
+    assert len(seen) >= len(TUTORIALS) + 4
+    assert {path: problems for path, problems in seen.items() if problems} == {}
+
+
+def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, browser):
+    page = browser.new_page(viewport=PHONE)
+    too_wide = {}
+    for path in _pages(site):
+        page.goto(base_url + path, wait_until="networkidle")
+        overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+        if overflow > 0:
+            too_wide[path] = overflow
+    page.close()
+    assert too_wide == {}  # pixels past the screen's edge, per page
+
+
+def test_search_finds_summon_full_params_in_the_tips_and_the_tutorial(base_url, browser):
+    page = browser.new_page(viewport=DESKTOP)
+    page.goto(base_url + "search.html?q=summon_full_params", wait_until="networkidle")
+    page.wait_for_selector("#search-results li", timeout=15_000)
+    found = page.eval_on_selector_all("#search-results li a", "links => links.map(a => a.getAttribute('href'))")
+    page.close()
+    assert any(link.startswith("docs/fsdp_tips.html") for link in found), found
+    assert any(link.startswith("tutorials/summon_full_params.html") for link in found), found
+
+
+def test_links_between_the_reference_tips_and_tutorials_land_on_existing_anchors(base_url, browser):
+    page = browser.new_page(viewport=DESKTOP)
+    targets = set()
+    for source in ("docs/fsdp.html", "docs/fsdp_tips.html"):
+        page.goto(base_url + source)
+        targets |= set(page.eval_on_selector_all(
+            "article a.reference.internal[href*='#']", "links => links.map(a => a.href)"))
+    wanted = re.compile(r"/(docs/fsdp|docs/fsdp_tips|tutorials/\w+)\.html#")
+    targets = sorted(t for t in targets if wanted.search(t))
+    assert len(targets) >= 20
+    missing = []
+    for target in targets:
+        page.goto(target)
+        anchor = urlparse(target).fragment
+        if not page.evaluate("id => document.getElementById(decodeURIComponent(id)) !== null", anchor):
+            missing.append(target)
+    page.close()
+    assert missing == []
+
+
+@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+def test_each_tutorial_offers_its_executed_notebook_for_download(base_url, browser, tutorial):
+    page = browser.new_page(viewport=DESKTOP)
+    page.goto(base_url + f"tutorials/{tutorial.stem}.html")
+    href = page.eval_on_selector(f"a[href$='{tutorial.stem}.ipynb']", "a => a.href")  # the download menu's link
+    response = page.request.get(href)
+    assert response.ok, href
+    text = response.text()
+    page.close()
+    notebook = nbformat.reads(text, as_version=4)
+    nbformat.validate(notebook)
+    assert sum(len(c.get("outputs", [])) for c in notebook.cells if c.cell_type == "code") > 0
+
+
+@pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
+def test_screenshots_of_the_landing_page_and_a_tutorial(base_url, browser, viewport):
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport=viewport)
+    for name, path in (("landing", "index.html"), ("tutorial-quickstart", "tutorials/quickstart.html")):
+        page.goto(base_url + path, wait_until="networkidle")
+        shot = ARTIFACTS / f"{name}-{viewport['width']}px.png"
+        page.screenshot(path=str(shot), full_page=False)
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000  # a real picture
+    page.close()
+
+
+def test_next_links_walk_through_the_tutorials_in_the_order_of_the_map(base_url, browser):
+    order = re.findall(r"^\s+tutorials/(\w+)$", (ROOT / "index.rst").read_text(), flags=re.M)
+    assert sorted(order) == sorted(t.stem for t in TUTORIALS)
+    page = browser.new_page(viewport=DESKTOP)
+    page.goto(base_url + f"tutorials/{order[0]}.html")
+    walked = [order[0]]
+    for _ in order[1:]:
+        page.click("a.right-next")
+        page.wait_for_load_state()
+        walked.append(urlparse(page.url).path.rsplit("/", 1)[-1].removesuffix(".html"))
+    back = page.eval_on_selector("a.left-prev", "a => a.getAttribute('href')")
+    page.close()
+    assert walked == order
+    assert back == f"{order[-2]}.html"
