@@ -15,7 +15,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -198,3 +198,13 @@ def test_cluster_page_runs_hsdp_on_a_2x2_mesh(executed):
     assert "{'_allgather_base_': 4, '_reduce_scatter_base_': 2, 'allreduce_': 2}" in text
     line = next(l for l in text.splitlines() if l.startswith("HSDP on a 2 x 2 mesh vs one process"))
     assert float(line.rsplit("=", 1)[1]) < 1e-6
+
+
+def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_over(executed):
+    text = _text_outputs(executed["migration"])
+    line = next(l for l in text.splitlines() if l.startswith("max |FSDP1 - FSDP2| over"))
+    assert float(line.rsplit(":", 1)[1]) < 1e-5
+    carried = {l.split("checkpoint, ")[1].split(":")[0].strip(): float(l.rsplit("=", 1)[1])
+               for l in text.splitlines() if "FSDP2 from FSDP1's checkpoint" in l}
+    assert carried["model and optimizer"] < 1e-5  # FSDP2 continues exactly where FSDP1 would have
+    assert carried["model only"] > 1e-3  # without AdamW's state, it does not
