@@ -57,9 +57,15 @@ class _Watch:
     def __init__(self, page):
         self.problems: list[str] = []
         page.on("console", lambda m: m.type == "error" and self.problems.append(f"console error: {m.text}"))
-        page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url}"))
+        page.on("requestfailed", self._failed)
         page.on("response", lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"))
         page.on("request", self._host)
+
+    def _failed(self, request):
+        # Moving on to the next page aborts a late request of this one (ERR_ABORTED), a race
+        # on a busy machine, not a missing file: a missing file is an HTTP 404, caught above.
+        if request.failure != "net::ERR_ABORTED":
+            self.problems.append(f"failed ({request.failure}): {request.url}")
 
     def _host(self, request):
         url = urlparse(request.url)

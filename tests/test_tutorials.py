@@ -15,7 +15,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -208,3 +208,22 @@ def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_ov
                for l in text.splitlines() if "FSDP2 from FSDP1's checkpoint" in l}
     assert carried["model and optimizer"] < 1e-5  # FSDP2 continues exactly where FSDP1 would have
     assert carried["model only"] > 1e-3  # without AdamW's state, it does not
+
+
+def test_communication_tutorial_measures_the_wire_the_step_and_the_order(executed):
+    text = _text_outputs(executed["communication"])
+    wire = {(int(l.split()[0]), l.split()[1]): float(l.split()[2]) for l in text.splitlines()
+            if l.split()[1:2] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]) and l.split()[0].isdigit()}
+    for world in (2, 4):
+        assert wire[(world, "all-gather")] == pytest.approx(world - 1, rel=0.1)  # the ring optimum
+        assert wire[(world, "all-reduce")] == pytest.approx(2 * (world - 1), rel=0.1)
+        assert wire[(world, "reduce-scatter")] == pytest.approx(wire[(world, "all-reduce")], rel=0.1)  # gloo's
+    steps = {l.split()[0]: l for l in text.splitlines() if l.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD "))}
+    assert "2 all-reduce" in steps["DDP"]  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
+    assert "4 all-gather, 4 reduce-scatter" in steps["SHARD_GRAD_OP"]
+    assert "8 all-gather, 4 reduce-scatter" in steps["FULL_SHARD"]
+    ratio = {name: float(line.split()[-2]) for name, line in steps.items()}
+    assert ratio["SHARD_GRAD_OP"] == pytest.approx(1.5, rel=0.05) and ratio["FULL_SHARD"] == pytest.approx(2.0, rel=0.05)
+    assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 RS3 B2 AG1 RS2 B1 AG0 RS1 B0 RS0" in text  # one unit ahead
+    assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 AG1 RS3 B2 AG0 RS2 B1 RS1 B0 RS0" in text  # two units ahead
+    assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers

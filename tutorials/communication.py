@@ -1,0 +1,269 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-communication)=
+# # Communication, measured: what FSDP sends, and when
+#
+# **What you will learn**
+#
+# - how many bytes each collective really moves, measured on the wire, against the
+#   textbook (ring) figures, and a surprise about gloo's reduce-scatter;
+# - how many collectives and bytes one training step costs with DDP, `SHARD_GRAD_OP` and
+#   `FULL_SHARD`, and why the textbook says FSDP moves 1.5 times what DDP moves;
+# - the order of FSDP2's collectives in a step, as the profiler records it, and how
+#   backward prefetching and `reshard_after_forward` change it.
+#
+# **What you need**: Linux (the bytes are read from the loopback interface's counter);
+# 2 and 4 processes on gloo; about 40 seconds. The tips it demonstrates are listed
+# {ref}`at the end <communication-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## One collective at a time
+#
+# The ranks talk over the loopback interface, so the kernel's count of bytes sent on `lo`
+# is the traffic of all ranks together (plus TCP/IP headers, a few percent). Rank 0 reads
+# it between two barriers around one collective of *S* = 4 MiB:
+
+# %%
+from pathlib import Path
+
+import torch.distributed as dist
+
+from fsdp_guide import launch
+
+S = 4 * 2**20  # bytes of the full tensor: 1M float32
+
+
+def loopback_bytes():
+    return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
+
+
+def measured(fn, warm_up=True):
+    """Bytes all ranks sent during fn(), over S."""
+    if warm_up:
+        fn()  # once before, so connections and buffers exist
+    dist.barrier()
+    before = loopback_bytes()
+    fn()
+    dist.barrier()
+    return (loopback_bytes() - before) / S
+
+
+def one_collective_each():
+    n, world = S // 4, dist.get_world_size()
+    return {
+        "all-reduce": measured(lambda: dist.all_reduce(torch.ones(n))),
+        "all-gather": measured(lambda: dist.all_gather_into_tensor(torch.empty(n), torch.ones(n // world))),
+        "reduce-scatter": measured(lambda: dist.reduce_scatter_tensor(torch.empty(n // world), torch.ones(n))),
+    }
+
+
+RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}  # x (N - 1) S in all: the optimal algorithms
+print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
+for world in (2, 4):
+    for name, value in launch(one_collective_each, world_size=world, output="none")[0].items():
+        print(f"{world:5}  {name:15} {value:22.2f} {RING[name] * (world - 1):13}")
+
+# %% [markdown]
+# All-reduce and all-gather move what the ring algorithms need, to within a few percent:
+# an all-gather sends each shard to every other rank, (*N* - 1) *S* in all; an all-reduce
+# is a reduce-scatter plus an all-gather, twice that. **gloo's reduce-scatter moves as much as an all-reduce**: it
+# is not the bandwidth-optimal algorithm (NCCL's is). On CPU, FSDP's gradient reduction
+# therefore costs as much as DDP's.
+#
+# ## One training step
+#
+# Four 512 x 512 Linears, *P* = 4 MiB of float32 parameters, one step of SGD on 2 ranks.
+# DDP's all-reduces are counted with a communication hook (they run inside DDP's C++
+# reducer), FSDP's collectives with {func}`fsdp_guide.precision.record_dtypes`:
+
+# %%
+import torch.nn as nn
+
+WIDTH, LAYERS = 512, 4
+P = LAYERS * WIDTH * WIDTH * 4
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
+
+
+def wrap(model, strategy):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if strategy == "DDP":
+        return DDP(model)
+    for layer in model:
+        fully_shard(layer, reshard_after_forward=strategy == "FULL_SHARD")
+    return fully_shard(model, reshard_after_forward=strategy == "FULL_SHARD")
+
+
+def one_step(strategy):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from fsdp_guide.precision import record_dtypes
+
+    model = wrap(make_model(), strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    buckets = []
+    if strategy == "DDP":
+        def counting_hook(state, bucket):  # count, then all-reduce as DDP would
+            buckets.append(bucket.buffer().numel() * bucket.buffer().element_size())
+            return allreduce_hook(None, bucket)
+
+        model.register_comm_hook(None, counting_hook)
+    x = torch.randn(8, WIDTH)
+
+    def step():
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the first step builds DDP's buckets and FSDP's state
+    buckets.clear()
+    with record_dtypes() as seen:
+        wire = measured(step, warm_up=False) * S / P
+    counts = {}
+    for (phase, kind), n in seen.count.items():
+        if kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            counts[kind] = counts.get(kind, 0) + n
+    if buckets:
+        counts["all-reduce"] = len(buckets)
+    return counts, wire
+
+
+# the textbook (ring) volume in units of P, summed over N = 2 ranks
+TEXTBOOK = {"DDP": 2, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}
+def every_strategy():
+    return {strategy: one_step(strategy) for strategy in TEXTBOOK}
+
+
+steps = launch(every_strategy, output="none")[0]
+print(f"{'strategy':14} {'collectives per step':45} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}")
+for strategy, (counts, wire) in steps.items():
+    described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    print(f"{strategy:14} {described:45} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
+          f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f}")
+
+# %% [markdown]
+# - **DDP** all-reduces the gradients in buckets (two here: DDP caps its first bucket at
+#   1 MiB, and the other three layers share the next): 2 *P* in all.
+# - **`SHARD_GRAD_OP`** gathers each layer once (forward; the parameters stay gathered for
+#   backward) and reduce-scatters each layer's gradients: 4 + 4 collectives. The textbook
+#   volume equals DDP's (a reduce-scatter plus an all-gather *is* an all-reduce), but on
+#   gloo the reduce-scatter costs an all-reduce, so it moves 1.5 times DDP.
+# - **`FULL_SHARD`** gathers every layer again in backward: 8 all-gathers. The textbook
+#   says 1.5 times DDP (two all-gathers and one reduce-scatter instead of one all-reduce);
+#   on gloo it is 2 times. That extra all-gather is the price of holding 1/*N* of the
+#   parameters between uses ({ref}`tutorial-memory` measures what it buys).
+#
+# ## The order of collectives in a step
+#
+# The profiler records FSDP2's own markers: `FSDP::all_gather (i)` for unit *i*'s
+# all-gather, `FSDP::post_backward_reduce (i)` for its reduce-scatter. Three settings:
+# the default, backward prefetching two units ahead instead of one
+# (`set_modules_to_backward_prefetch`), and `reshard_after_forward=False`:
+
+# %%
+def timeline(setting):
+    from torch.profiler import profile
+
+    model = wrap(make_model(), "SHARD_GRAD_OP" if setting == "reshard_after_forward=False" else "FULL_SHARD")
+    if setting == "prefetch two units ahead":
+        for i, layer in enumerate(model):  # the default is one unit ahead
+            layer.set_modules_to_backward_prefetch([model[j] for j in (i - 1, i - 2) if j >= 0])
+    x = torch.randn(8, WIDTH)
+    model(x).sum().backward()  # lazy initialisation out of the way
+    with profile() as prof:
+        model(x).sum().backward()
+    events = []
+    for e in prof.events():
+        if e.name.startswith(("FSDP::all_gather (", "FSDP::post_backward_reduce (", "FSDP::pre_backward (")) \
+                or e.name == "aten::mm":
+            events.append((e.name, e.time_range.start, e.time_range.end))
+    return sorted(events, key=lambda e: e[1])
+
+
+def order(events):
+    """The step as a sequence: AGi all-gather, Bi backward of unit i begins, RSi reduce-scatter."""
+    short = {"FSDP::all_gather": "AG", "FSDP::post_backward_reduce": "RS", "FSDP::pre_backward": "B"}
+    tokens = []
+    for name, _, _ in events:
+        if name != "aten::mm":
+            kind, unit = name.rsplit(" (", 1)
+            tokens.append(short[kind] + unit.rstrip(")"))
+    return " ".join(tokens)
+
+
+SETTINGS = ("default (FULL_SHARD)", "prefetch two units ahead", "reshard_after_forward=False")
+def every_setting():
+    return {setting: timeline(setting) for setting in SETTINGS}
+
+
+timelines = launch(every_setting, output="none")[0]
+for setting, events in timelines.items():
+    print(f"{setting}:\n    {order(events)}")
+
+# %% [markdown]
+# Read the default line from the left: forward gathers units 0 to 3 (`AG0` ... `AG3`).
+# Backward starts at unit 3 (`B3`), gathers it again (`AG3`) and, before computing its
+# gradients, already gathers unit 2 (`AG2`): that is backward prefetching, one unit ahead,
+# so that on a GPU the next all-gather runs while this unit computes. Then unit 3's
+# gradients are reduce-scattered (`RS3`), and so on down to unit 0.
+#
+# Prefetching two units ahead issues `AG2` and `AG1` as soon as unit 3's backward begins,
+# and every later unit then finds its parameters already gathered: more all-gathers in
+# flight (on a GPU, more overlap and more memory held at once). FSDP2 has no switch to
+# turn prefetching off; FSDP1's `backward_prefetch=None` does, and then each unit's
+# all-gather waits for its own backward, stalling the computation on a GPU. With
+# `reshard_after_forward=False` the backward all-gathers are gone altogether: the
+# parameters stayed gathered from forward (more memory, fewer collectives).
+#
+# The same default step as a picture (rank 0; on CPU with gloo nothing overlaps, so the
+# point is the order, not the gaps):
+
+# %%
+import matplotlib.pyplot as plt
+
+LANES = {"FSDP::all_gather": ("all-gather", 2, "tab:blue"), "aten::mm": ("matmul", 1, "tab:gray"),
+         "FSDP::post_backward_reduce": ("reduce-scatter", 0, "tab:orange")}
+events = timelines["default (FULL_SHARD)"]
+t0 = events[0][1]
+fig, ax = plt.subplots(figsize=(10, 2.6))
+for name, start, end in events:
+    kind = name.rsplit(" (", 1)[0]
+    if kind not in LANES:
+        continue
+    label, lane, color = LANES[kind]
+    ax.broken_barh([((start - t0) / 1000, max((end - start) / 1000, 0.02))], (lane - 0.4, 0.8), color=color)
+    if kind != "aten::mm":
+        ax.text((start - t0) / 1000, lane + 0.45, name.rsplit(" (", 1)[1].rstrip(")"), fontsize=7)
+ax.set_yticks([lane for _, lane, _ in LANES.values()], [label for label, _, _ in LANES.values()])
+ax.set(xlabel="ms since the forward began", title="FSDP2 FULL_SHARD, one step on rank 0 (numbers: unit)")
+fig.tight_layout()
+
+# %% [markdown]
+# (communication-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-communication-volume`: FSDP trades memory for communication; measure both.
+# - {ref}`tip-memory-estimate`: what the extra all-gathers buy.
