@@ -15,7 +15,12 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx_copybutton",
+    "matplotlib.sphinxext.plot_directive",  # figures drawn at build time (the sharding diagram)
 ]
+plot_include_source = False
+plot_html_show_source_link = False
+plot_html_show_formats = False
+plot_formats = [("png", 100)]
 
 root_doc = "index"
 # Only these are pages: with a .py notebook format, Sphinx would otherwise read conf.py,

@@ -117,3 +117,10 @@ def test_every_glossary_term_is_defined_and_linked_from_a_page(site):
             linked |= set(re.findall(r'glossary\.html#(term-[^"]+)"', page.read_text()))
     assert linked <= terms  # every link lands on a definition
     assert terms - linked == set()  # every word is linked from where it is used
+
+
+def test_the_reference_shows_the_sharding_diagram(site):
+    page = (site / "docs" / "fsdp.html").read_text()
+    images = re.findall(r'<img alt="Two ranks and three units[^"]*" [^>]*src="([^"]+\.png)"', page)
+    assert len(images) == 1
+    assert (site / "docs" / images[0]).resolve().stat().st_size > 10_000  # drawn at build time

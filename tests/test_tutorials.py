@@ -227,3 +227,17 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
     assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 RS3 B2 AG1 RS2 B1 AG0 RS1 B0 RS0" in text  # one unit ahead
     assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 AG1 RS3 B2 AG0 RS2 B1 RS1 B0 RS0" in text  # two units ahead
     assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers
+
+
+@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):
+    import re
+
+    import jupytext
+
+    opening = jupytext.read(tutorial).cells[0]
+    assert opening.cell_type == "markdown"
+    text = " ".join(opening.source.split())
+    assert "**What you will learn**" in text and "**What you need**" in text
+    assert re.search(r"about (a minute|\d+ seconds)", text), "say how long it takes to run"
+    assert re.search(r"\d+ process|ranks|GPU", text), "say what it needs: processes, CPU or GPU"
