@@ -109,6 +109,9 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     assert "has shape (256, 32) in the checkpoint and (256, 48) in this model" in message
     assert str(latest(saved_at_k)) in message
 
+    fp16 = dataclasses.replace(SMALL, precision="fp16", resume=str(latest(saved_at_k)))  # fp16 needs a scaler
+    assert "the checkpoint holds no 'scaler' state, which this run needs" in _resume_error(fp16)
+
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-r", str(latest(saved_at_k)), str(corrupt)], check=True)
     for data_file in corrupt.glob("*.distcp"):

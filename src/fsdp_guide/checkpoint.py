@@ -122,6 +122,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     metadata = _read_metadata(path)
     state = _state(model, optimizer, stateful)
     _check_model_matches(path, metadata, state["model"])
+    _check_has_states(path, metadata, ["optim", *stateful])
     state["step"] = 0
     rng_key = f"rng.rank{_rank()}"
     saved_ranks = sum(key.startswith("rng.rank") for key in metadata.state_dict_metadata)
@@ -175,6 +176,16 @@ def _check_model_matches(path: Path, metadata, model_state: dict) -> None:
     if extra:
         raise CheckpointError(f"{path}: the checkpoint has parameters this model lacks ({', '.join(extra[:3])}"
                               f"{', ...' if len(extra) > 3 else ''}): it was saved from a different model")
+
+
+def _check_has_states(path: Path, metadata, names: list[str]) -> None:
+    """Every object this run restores must be in the checkpoint (e.g. no scaler in an fp32 one)."""
+    saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    for name in names:
+        if name not in saved:
+            raise CheckpointError(f"{path}: the checkpoint holds no {name!r} state, which this run needs "
+                                  f"(it has {', '.join(sorted(k for k in saved if not k.startswith('rng')))}): "
+                                  "it was saved by a run with other settings")
 
 
 def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
