@@ -34,7 +34,7 @@ def _execute(tutorial: Path, tmp_dir: Path):
     jupytext.write(jupytext.read(tutorial), notebook)
     try:
         return EXECUTE.check(str(notebook)).nb_final
-    except DeadKernelError:  # the intermittent kernel crash described in test_site.py: once more
+    except DeadKernelError:  # the intermittent kernel crash described at KERNEL_CRASH below: once more
         return EXECUTE.check(str(notebook)).nb_final
 
 
