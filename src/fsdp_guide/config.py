@@ -334,6 +334,11 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() and str(dist.get_backend()) != "gloo" else "cpu"
 
 
+def _device() -> torch.device:
+    """This rank's device for the default group: its current GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if _device_type() == "cuda" else torch.device("cpu")
+
+
 def _mesh(config: FsdpConfig):
     """1-D for FULL_SHARD and SHARD_GRAD_OP; (replicate, shard) for HYBRID_SHARD and NO_SHARD (shard size 1)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -389,7 +394,7 @@ def _shard_fsdp1(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
 
     mp = config.mixed_precision
     hybrid = config.sharding_strategy == "HYBRID_SHARD"
-    device = torch.device(_device_type(), torch.cuda.current_device() if _device_type() == "cuda" else None)
+    device = _device()
     unit_set = set(units)
     kwargs = dict(
         sharding_strategy=ShardingStrategy[config.sharding_strategy],

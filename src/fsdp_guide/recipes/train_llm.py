@@ -145,14 +145,10 @@ def build_optimizer(model: nn.Module, config: TrainConfig):
 def make_batches(config: TrainConfig):
     from fsdp_guide.tokens import TokenBatches, python_docs_corpus
 
-    world = dist.get_world_size()
-    if config.batch_size % world:
-        raise ValueError(f"batch_size={config.batch_size} does not split over {world} ranks: "
-                         f"use a multiple of {world}")
     corpus = python_docs_corpus() if config.data == "python-docs" else None
     return TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=config.seed,
                         simulated_size_in_batches=config.simulated_size_in_batches,
-                        rank=dist.get_rank(), world_size=world)
+                        rank=dist.get_rank(), world_size=dist.get_world_size())  # it checks batch_size splits
 
 
 def train_step(model, optimizer, scheduler, scaler, batches, config: TrainConfig, device) -> float:
@@ -181,12 +177,6 @@ def train_step(model, optimizer, scheduler, scaler, batches, config: TrainConfig
     return loss_sum.item() / dist.get_world_size()
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -201,6 +191,8 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     from tqdm.auto import tqdm
 
     from fsdp_guide import checkpoint
+
+    from fsdp_guide.config import _device  # the rule shard() uses: the group's GPU, or the CPU
 
     rank, device = dist.get_rank(), _device()
     dtype = compute_dtype(config.precision, device)
