@@ -260,7 +260,7 @@ def test_combinations_that_cannot_work_are_clear_value_errors():
     assert "needs a world size divisible by it; it is 2" in errors["degree"]
     assert "backward_prefetch='NONE' cannot be honoured by FSDP2" in errors["prefetch"]
     assert "MixedPrecisionPolicy has no buffer dtype" in errors["buffer"]
-    assert "cpu_offload=True with api='fsdp1' needs an accelerator" in errors["offload1"]
+    assert "cpu_offload=True with api='fsdp1' needs the ranks on an accelerator" in errors["offload1"]
     assert "fsdp_wrap_fn(Linear) returned {'reshard_after_forward': False}: it must return True or False" in errors["wrap_fn"]
     assert "api='fsdp3': expected 'fsdp2'" in errors["api"]
 

@@ -9,10 +9,12 @@ from importlib import import_module
 
 from fsdp_guide.launcher import LaunchError, launch
 
-__all__ = ["launch", "LaunchError", "summon_full_params", "auto_wrap", "describe_sharding", "shard"]
+__all__ = ["launch", "LaunchError", "device", "executed_on", "summon_full_params", "auto_wrap", "describe_sharding", "shard"]
 __version__ = "0.1.0"
 
 _LAZY = {
+    "device": "fsdp_guide.devices",
+    "executed_on": "fsdp_guide.executed",
     "summon_full_params": "fsdp_guide.summon",
     "auto_wrap": "fsdp_guide.wrap",
     "describe_sharding": "fsdp_guide.describe",

@@ -6,7 +6,7 @@ anything else, so it imports this package, and the modules the function was
 pickled by reference against, exactly as the parent does (a source checkout on
 ``sys.path`` included). :func:`main` then reads the function and its arguments
 from ``RUN_DIR/payload.pkl``, joins the process group, runs the function and
-writes ``("ok", value)`` or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
+writes ``("ok", value, where)`` (``where``: :func:`where_this_rank_ran`) or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
 """
 
 from __future__ import annotations
@@ -29,33 +29,39 @@ BOOTSTRAP = (
 )
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """``"auto"`` means NCCL when every rank can have its own GPU, else gloo on CPU."""
-    import torch
-
-    if backend != "auto":
-        return backend
-    has_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    return "nccl" if has_gpus else "gloo"
-
-
 def init_process_group(backend: str, *, store=None, timeout: float = 300.0) -> str:
-    """Join the process group described by the torchrun environment variables; returns the backend used."""
+    """Join the process group described by the torchrun environment variables; returns the backend used.
+
+    ``"auto"`` is :func:`fsdp_guide.devices.backend`: NCCL (beside gloo) on a GPU of
+    this rank's own, else gloo. On a GPU, :func:`fsdp_guide.device` becomes the current
+    CUDA device before any collective runs: NCCL creates its communicators on it, and
+    FSDP2's default mesh takes it."""
     import torch
     import torch.distributed as dist
 
-    world_size = int(os.environ["WORLD_SIZE"])
-    backend = resolve_backend(backend, world_size)
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    from fsdp_guide.devices import backend as backend_for, device
+
+    backend = backend_for(backend)
     dist.init_process_group(
         backend,
         store=store,
         rank=int(os.environ["RANK"]) if store is not None else -1,
-        world_size=world_size if store is not None else -1,
+        world_size=int(os.environ["WORLD_SIZE"]) if store is not None else -1,
         timeout=timedelta(seconds=timeout),
     )
+    if device().type == "cuda":  # after: a gloo-only group keeps the rank on the CPU
+        torch.cuda.set_device(device())
     return backend
+
+
+def where_this_rank_ran(backend: str) -> dict:
+    """What ``launch`` records of each rank: its backend, device, and torch's version."""
+    import torch
+
+    from fsdp_guide.devices import placement
+
+    where = placement()
+    return {"backend": backend, "device": str(where.device), "shared": where.shared, "torch": torch.__version__}
 
 
 def _store(rank: int, world_size: int, timeout: float):
@@ -110,12 +116,13 @@ def main() -> None:
         import torch.distributed as dist
 
         store = _store(rank, config["world_size"], config["timeout"])
-        init_process_group(config["backend"], store=store, timeout=config["timeout"])
+        backend = init_process_group(config["backend"], store=store, timeout=config["timeout"])
+        where = where_this_rank_ran(backend)
         result = fn(*args, **kwargs)
         if dist.is_initialized():  # the function may have torn it down itself
             dist.destroy_process_group()
         try:
-            _write_result(run_dir, rank, ("ok", result))
+            _write_result(run_dir, rank, ("ok", result, where))
         except Exception as exc:
             raise TypeError(f"the value returned by rank {rank} cannot be sent back to the parent: {exc}") from exc
         _leave_together(store, rank, config["world_size"], config["timeout"])

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from fsdp_guide.devices import device as rank_device
+
 __all__ = ["CheckpointError", "export_consolidated", "latest", "load", "save"]
 
 _NAME = re.compile(r"step-(\d+)")
@@ -85,7 +87,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     _barrier()
     state = _state(model, optimizer, stateful)
     state["step"] = step
-    state[f"rng.rank{rank}"] = torch.get_rng_state()  # each rank its own key: they differ
+    state.update(_rng_states(rank))  # each rank its own keys: they differ
     dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
     _barrier()  # every rank has written its part
     if rank == 0:
@@ -124,11 +126,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     _check_model_matches(path, metadata, state["model"])
     _check_has_states(path, metadata, ["optim", *stateful])
     state["step"] = 0
-    rng_key = f"rng.rank{_rank()}"
     saved_ranks = sum(key.startswith("rng.rank") for key in metadata.state_dict_metadata)
     same_ranks = saved_ranks == (dist.get_world_size() if dist.is_initialized() else 1)
-    if same_ranks:
-        state[rng_key] = torch.get_rng_state()
+    rng = {k: v for k, v in _rng_states(_rank()).items() if k in metadata.state_dict_metadata} if same_ranks else {}
+    state.update(rng)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
@@ -137,9 +138,23 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for name, obj in stateful.items():
         obj.load_state_dict(state[name])
-    if same_ranks:
-        torch.set_rng_state(state[rng_key])
+    _set_rng_states(_rank(), {k: state[k] for k in rng})
     return int(state["step"])
+
+
+def _rng_states(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's random-number generators: the CPU's, and its GPU's when it computes on one."""
+    states = {f"rng.rank{rank}": torch.get_rng_state()}
+    if rank_device().type == "cuda":
+        states[f"cuda_rng.rank{rank}"] = torch.cuda.get_rng_state(rank_device())
+    return states
+
+
+def _set_rng_states(rank: int, states: dict[str, torch.Tensor]) -> None:
+    if f"rng.rank{rank}" in states:
+        torch.set_rng_state(states[f"rng.rank{rank}"])
+    if f"cuda_rng.rank{rank}" in states and rank_device().type == "cuda":
+        torch.cuda.set_rng_state(states[f"cuda_rng.rank{rank}"], rank_device())
 
 
 def _last_line(error: BaseException) -> str:
@@ -184,7 +199,7 @@ def _check_has_states(path: Path, metadata, names: list[str]) -> None:
     for name in names:
         if name not in saved:
             raise CheckpointError(f"{path}: the checkpoint holds no {name!r} state, which this run needs "
-                                  f"(it has {', '.join(sorted(k for k in saved if not k.startswith('rng')))}): "
+                                  f"(it has {', '.join(sorted(k for k in saved if not k.startswith(('rng.', 'cuda_rng.'))))}): "
                                   "it was saved by a run with other settings")
 
 

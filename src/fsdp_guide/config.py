@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_guide.devices import device
+
 __all__ = ["shard", "validate", "FsdpConfig", "MIXED_PRECISION_PRESETS"]
 
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -245,8 +247,8 @@ def _check_combination(config: FsdpConfig, api: str) -> None:
     if api == "fsdp2" and config.backward_prefetch == "NONE":
         raise ValueError("backward_prefetch='NONE' cannot be honoured by FSDP2: it always prefetches the next unit in "
                          "backward. Use 'BACKWARD_PRE' or 'BACKWARD_POST' (both mean that), or api='fsdp1'.")
-    if api == "fsdp1" and config.cpu_offload and not torch.cuda.is_available():
-        raise ValueError("cpu_offload=True with api='fsdp1' needs an accelerator: FSDP1 pins the host memory it offloads "
+    if api == "fsdp1" and config.cpu_offload and device().type == "cpu":
+        raise ValueError("cpu_offload=True with api='fsdp1' needs the ranks on an accelerator: FSDP1 pins the host memory it offloads "
                          "to, and on a CPU-only machine the parameters already live in host memory. Use api='fsdp2' "
                          "(CPUOffloadPolicy(pin_memory=False)) or cpu_offload=False.")
 
@@ -329,25 +331,15 @@ def _apply_activation_checkpointing(model: nn.Module, config: FsdpConfig, units:
     return outermost
 
 
-def _device_type() -> str:
-    """CUDA unless the group is gloo-only ("nccl", "cpu:gloo,cuda:nccl", or "undefined" when torch chose)."""
-    return "cuda" if torch.cuda.is_available() and str(dist.get_backend()) != "gloo" else "cpu"
-
-
-def _device() -> torch.device:
-    """This rank's device for the default group: its current GPU, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if _device_type() == "cuda" else torch.device("cpu")
-
-
 def _mesh(config: FsdpConfig):
     """1-D for FULL_SHARD and SHARD_GRAD_OP; (replicate, shard) for HYBRID_SHARD and NO_SHARD (shard size 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     if config.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return init_device_mesh(_device_type(), (world,), mesh_dim_names=("shard",))
+        return init_device_mesh(device().type, (world,), mesh_dim_names=("shard",))
     shard_size = 1 if config.sharding_strategy == "NO_SHARD" else _hybrid_shard_size(config)
-    return init_device_mesh(_device_type(), (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device().type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -363,7 +355,7 @@ def _shard_fsdp2(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
     mp = config.mixed_precision
     mesh = _mesh(config)
     reshard = config.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    pin = torch.cuda.is_available()  # pinning needs an accelerator; on a CPU-only machine host memory is all there is
+    pin = device().type == "cuda"  # pinning is for copies to an accelerator; ranks on the CPU compute in host memory
     settings = {
         "sharding_strategy": f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, reshard_after_forward={reshard}"
                              + (" (the root: False)" if reshard else ""),
@@ -394,7 +386,6 @@ def _shard_fsdp1(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
 
     mp = config.mixed_precision
     hybrid = config.sharding_strategy == "HYBRID_SHARD"
-    device = _device()
     unit_set = set(units)
     kwargs = dict(
         sharding_strategy=ShardingStrategy[config.sharding_strategy],
@@ -402,7 +393,7 @@ def _shard_fsdp1(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
         mixed_precision=MixedPrecision(**mp) if any(mp.values()) else None,
         cpu_offload=CPUOffload(offload_params=config.cpu_offload),
         backward_prefetch=None if config.backward_prefetch == "NONE" else BackwardPrefetch[config.backward_prefetch],
-        device_id=device,
+        device_id=device(),
         use_orig_params=True,  # the optimizer and summon_full_params see the original parameters
         device_mesh=_mesh(config) if hybrid else None,
     )

@@ -1,7 +1,8 @@
 """Run a function on several ranks of a real process group, from a notebook cell or a script.
 
 :func:`launch` is what lets a tutorial define its training function in a cell
-and run it, sharded, on two CPU processes (gloo) or on GPUs (NCCL)::
+and run it, sharded, on two CPU processes (gloo), or on a GPU per rank (NCCL)
+where there are enough (:func:`fsdp_guide.device` decides)::
 
     results = launch(train, world_size=2)   # one return value per rank
 
@@ -21,6 +22,7 @@ loopback socket for torch's own ``TCPStore``.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pickle
 import signal
@@ -37,12 +39,16 @@ import cloudpickle
 
 from fsdp_guide._rank import BOOTSTRAP
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["launch", "LaunchError", "launches"]
 
-_BACKENDS = ("auto", "gloo", "nccl")
+_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 _OUTPUTS = ("all", "rank0", "none")
 _TAIL_LINES = 20  # output lines of a failing rank shown with the error
 _TERMINATE_GRACE_S = 2.0
+_SAME_GPUS_ENV = "FSDP_GUIDE_SAME_GPUS"  # fsdp_guide.devices.SAME_GPUS_ENV (that module imports torch)
+_LAUNCH_LOG_ENV = "FSDP_GUIDE_LAUNCH_LOG"  # a JSON-lines file that every launch is appended to
+
+_launches: list[dict] = []
 
 
 class LaunchError(RuntimeError):
@@ -93,8 +99,10 @@ def launch(
     Args:
         fn: the function every rank runs.
         world_size: the number of ranks to start (each is a process).
-        backend: ``"gloo"``, ``"nccl"`` (one GPU per rank, ``torch.cuda.set_device(local_rank)``),
-            or ``"auto"``: NCCL when there are at least ``world_size`` GPUs, else gloo on CPU.
+        backend: ``"auto"``: the backend for the rank's :func:`fsdp_guide.device`,
+            ``"cpu:gloo,cuda:nccl"`` when each rank has a GPU of its own, else ``"gloo"``;
+            or ``"gloo"`` (CPU, even on a GPU machine), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``
+            (one GPU per rank; each rank's device is made the current one).
         timeout: seconds to wait for every rank to finish before stopping them all.
         output: whose printed lines are streamed: ``"all"``, ``"rank0"`` or ``"none"``.
 
@@ -112,7 +120,7 @@ def launch(
             process is stopped before it is raised; so it is on ``KeyboardInterrupt``.
         ValueError: ``world_size < 1``, an unknown ``backend`` or ``output``, a bad ``timeout``.
         TypeError: ``fn`` or an argument cannot be serialised.
-        RuntimeError: ``backend="nccl"`` with fewer GPUs than ranks.
+        RuntimeError: an NCCL ``backend`` with fewer GPUs than ranks.
 
     Example:
 
@@ -134,9 +142,39 @@ def launch(
         ranks = _Ranks(run_dir, world_size, output)
         try:
             ranks.start()
-            return ranks.wait(timeout)
+            results, where = ranks.wait(timeout)
         finally:
             ranks.stop()
+    _record(fn, world_size, where)
+    return results
+
+
+def launches() -> list[dict]:
+    """Every launch this process made, oldest first: where its ranks ran.
+
+    Each entry: ``fn`` (the function's name), ``world_size``, and ``ranks``, one dict per
+    rank with its ``backend``, ``device`` (such as ``"cpu"`` or ``"cuda:1"``), ``shared``
+    (a GPU shared with other ranks) and ``torch`` version. Pages use it to say where they
+    were executed (:func:`fsdp_guide.executed_on`). When ``FSDP_GUIDE_LAUNCH_LOG`` names a
+    file, each entry is also appended to it as one line of JSON.
+
+    Example:
+
+    >>> before = len(launches())
+    >>> _ = launch(int, world_size=2)
+    >>> launches()[before]["ranks"][1]["device"]
+    'cpu'
+    """
+    return [dict(entry) for entry in _launches]
+
+
+def _record(fn, world_size: int, ranks: list[dict]) -> None:
+    entry = {"fn": getattr(fn, "__qualname__", repr(fn)), "world_size": world_size, "ranks": ranks}
+    _launches.append(entry)
+    log = os.environ.get(_LAUNCH_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(entry) + "\n")
 
 
 def _under_torchrun() -> bool:
@@ -167,13 +205,13 @@ def _check_options(world_size, backend, timeout, output) -> None:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    if backend == "nccl":
+    if "nccl" in backend:
         import torch  # only here: asking for NCCL is asking for CUDA
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus < world_size:
             raise RuntimeError(
-                f'backend="nccl" needs one GPU per rank: world_size={world_size} but {gpus} GPU(s) are visible; '
+                f'backend={backend!r} needs one GPU per rank (NCCL refuses two ranks on one GPU): world_size={world_size} but {gpus} GPU(s) are visible; '
                 'use backend="gloo" (CPU) or backend="auto", or a smaller world_size'
             )
 
@@ -239,6 +277,7 @@ class _Ranks:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(sock.getsockname()[1]),
             GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo",
+            **{_SAME_GPUS_ENV: "1"},  # these ranks all see the same GPUs (fsdp_guide.devices)
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
@@ -302,7 +341,8 @@ class _Ranks:
         if self._failed():
             time.sleep(0.05)  # ranks failing at the same moment: let every exit time be recorded
             raise self._failure()
-        return [self._result(r)[1] for r in range(self.world_size)]
+        records = [self._result(r) for r in range(self.world_size)]
+        return [record[1] for record in records], [record[2] for record in records]
 
     def _wait_for_an_exit(self, deadline: float) -> bool:
         """True once a rank failed or all finished; waits in short slices so an interrupt is seen at once."""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_guide import launch
+from fsdp_guide.devices import device as rank_device
 
 __all__ = ["TrainConfig", "train", "main"]
 
@@ -192,9 +193,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
 
     from fsdp_guide import checkpoint
 
-    from fsdp_guide.config import _device  # the rule shard() uses: the group's GPU, or the CPU
-
-    rank, device = dist.get_rank(), _device()
+    rank, device = dist.get_rank(), rank_device()
     dtype = compute_dtype(config.precision, device)
     model = build_model(config, device, dtype)
     optimizer, scheduler = build_optimizer(model, config)
