@@ -1,4 +1,6 @@
-"""The two commands of the README: `nox -s docs` builds the site, `nox -s tests` runs every test."""
+"""The two commands of the README: `nox -s docs` builds the site, `nox -s tests` runs every test.
+
+`nox -s gpu` is the check for a machine with GPUs; `nox -s bench` measures speed."""
 
 import os
 import shutil
@@ -53,3 +55,17 @@ def bench(session: nox.Session) -> None:
     install(session)
     session.run("python", "bench/bench_launch.py", *session.posargs)
     session.run("python", "bench/bench_site.py")
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """Execute every page with the ranks on GPUs and the LLM recipe in bf16; record it in src/fsdp_guide/gpu_record.json.
+
+    Needs a GPU: it refuses to run (exit status 2) where there is none. On the pinned
+    environment pip installs torch==2.13.0 from PyPI, a CUDA build on Linux. On a machine
+    whose Python already has a CUDA build of torch and the packages, and no network,
+    run `nox -s gpu --no-venv`. Pass page names to run only those: `nox -s gpu -- quickstart`.
+    """
+    if session.venv_backend != "none":
+        install(session)
+    session.run("python", "tests/gpu_run.py", *session.posargs)

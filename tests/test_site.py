@@ -48,6 +48,18 @@ def test_each_tutorial_downloads_as_executed_ipynb_and_py(site, tutorial):
     assert sum(len(c.get("outputs", [])) for c in notebook.cells if c.cell_type == "code") > 0
 
 
+@pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_executed_page_says_where_it_ran(site, page):
+    """The box comes from the build's own launches; GPU lines only from the committed record."""
+    html = (site / page.parent.name / f"{page.stem}.html").read_text()
+    text = re.sub(r"<[^>]+>", "", html)
+    executed = re.search(r"Executed on: (.*?)torch 2\.\d+", text, re.S)
+    assert executed, f"{page.stem}: no 'Executed on' box"
+    assert "CPU, gloo, 2 ranks" in executed.group(1) or "CPU, gloo, 4 ranks" in executed.group(1)
+    assert "On GPUs:" in text
+    assert f'executed_on("{page.stem}")' not in html  # the cell's input is hidden: the reader sees the box
+
+
 def _anchors(page) -> set[str]:
     return set(re.findall(r'id="([^"]+)"', page.read_text()))
 

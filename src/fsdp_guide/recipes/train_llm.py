@@ -214,6 +214,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     losses, last_log, last_time, saved = [], start, time.perf_counter(), None
     bar = tqdm(total=config.steps, initial=start, disable=rank != 0 or not config.progress, file=sys.stderr)
     last = config.stop_at or config.steps
+    run_start = time.perf_counter()
     for step in range(start + 1, last + 1):
         losses.append(train_step(model, optimizer, scheduler, scaler, batches, config, device))
         bar.update()
@@ -229,6 +230,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
             saved = checkpoint.save(config.checkpoint_dir, step, model, optimizer,
                                     storage_writer=storage_writer, **stateful)
     bar.close()
+    tokens_per_s = tokens_per_step * len(losses) / (time.perf_counter() - run_start)  # saves included
     if config.export:
         checkpoint.export_consolidated(model, config.export)
     peaks = [None] * dist.get_world_size()
@@ -236,7 +238,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if rank == 0:
         print("peak memory per rank: " + ", ".join(f"rank{r} {mb:,.0f} MB" for r, mb in enumerate(peaks)))
     return dict(first_step=start + 1, losses=losses, dtype=str(dtype).removeprefix("torch."),
-                peak_memory_mb=peaks, checkpoint=str(saved) if saved else None)
+                peak_memory_mb=peaks, tokens_per_s=tokens_per_s, checkpoint=str(saved) if saved else None)
 
 
 _HELP = {
