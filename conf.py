@@ -91,11 +91,34 @@ def _offer_executed_notebook(app, pagename, templatename, context, doctree):
         from jupyter_cache import get_cache
 
         _, notebook = get_cache(app.config.nb_execution_cache_path).merge_match_into_notebook(notebook)
+    if app.config.nb_merge_streams:  # the download shows the outputs as the page does
+        for cell in notebook.cells:
+            if cell.cell_type == "code":
+                cell.outputs = _merged_streams(cell.outputs)
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(notebook, target)
     context["ipynb_source"] = f"{pagename}.ipynb"
 
 
+def _merged_streams(outputs):
+    """myst-nb's stream merging, applied to copies.
+
+    ``myst_nb.core.utils.coalesce_streams`` appends each later stream's text to the first
+    stream output *in place* and returns a new list without the later ones; the notebook
+    myst-nb writes (the download) keeps the list with all of them, so every line after the
+    first stream showed twice there. Merging copies leaves the notebook's outputs as they
+    were executed; the page and the download both get the merged copies.
+    """
+    import copy
+
+    from myst_nb.core.utils import coalesce_streams
+
+    return coalesce_streams(copy.deepcopy(outputs))
+
+
 def setup(app):
+    import myst_nb.core.render
+
+    myst_nb.core.render.coalesce_streams = _merged_streams  # the page's merge no longer edits the notebook
     app.connect("html-page-context", _offer_executed_notebook, priority=400)  # before the theme's buttons

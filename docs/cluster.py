@@ -15,7 +15,7 @@
 # # Running on a cluster: torchrun, SLURM and HSDP
 #
 # The tutorials start their ranks from a notebook with {func}`fsdp_guide.launch`. On a
-# cluster, `torchrun` starts them, and the same worker code runs unchanged:
+# cluster, `torchrun` starts them, and the same worker code is written to run unchanged:
 # `launch` sees that `torchrun` has set `RANK` and `WORLD_SIZE` and runs the function in
 # the process `torchrun` started. This page shows the commands, the environment variables
 # that matter, a SLURM script, and hybrid sharding (HSDP) on a 2 x 2 mesh, executed.
@@ -92,7 +92,9 @@
 # keeps a full replica of the shards on each group: all-gathers stay inside the node,
 # and only the gradient reduction crosses nodes. FSDP1 calls it
 # `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D {term}`device mesh`, `(replicate, shard)`. Here
-# 4 ranks stand for 2 nodes of 2:
+# 4 ranks stand for 2 nodes of 2, as CPU processes on gloo. Each rank builds its mesh and
+# puts its batch on {func}`fsdp_guide.device` (its GPU `cuda:LOCAL_RANK` where it has one,
+# else the CPU), so the same code is written to run unchanged with one GPU per rank (NCCL):
 
 # %%
 import sys
@@ -106,6 +108,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fsdp_guide
 from fsdp_guide import launch
 
 
@@ -115,6 +118,7 @@ def make_model():
 
 
 def batch(rank):
+    """Rank ``rank``'s inputs and targets, drawn on the CPU: the same numbers on any device."""
     g = torch.Generator().manual_seed(rank)
     return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
 
@@ -124,13 +128,14 @@ def hsdp_step():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    device = fsdp_guide.device()
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
     model = make_model()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = batch(dist.get_rank())
+    x, y = (t.to(device) for t in batch(dist.get_rank()))
     with CommDebugMode() as comm:
         F.mse_loss(model(x), y).backward()
     optimizer.step()
@@ -140,7 +145,7 @@ def hsdp_step():
         replicate_group=dist.get_process_group_ranks(mesh.get_group("replicate")),
         placements=str(weight.placements), local_shape=tuple(weight.to_local().shape),
         collectives={str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
-        weights=[p.full_tensor() for p in model.parameters()],
+        weights=[p.full_tensor().cpu() for p in model.parameters()],  # for the comparison below
     )
 
 
@@ -170,3 +175,8 @@ print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight differ
 # With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
 # builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the
 # number of GPUs per node.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("cluster")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html as htmllib
 import re
 
 import nbformat
@@ -58,6 +59,27 @@ def test_every_executed_page_says_where_it_ran(site, page):
     assert "CPU, gloo, 2 ranks" in executed.group(1) or "CPU, gloo, 4 ranks" in executed.group(1)
     assert "On GPUs:" in text
     assert f'executed_on("{page.stem}")' not in html  # the cell's input is hidden: the reader sees the box
+
+
+def _shown_blocks(html: str) -> list[str]:
+    """The text of every <pre> block of a page, as a reader sees it."""
+    return [htmllib.unescape(re.sub(r"<[^>]+>", "", block)) for block in re.findall(r"<pre>(.*?)</pre>", html, re.S)]
+
+
+@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
+def test_each_download_shows_the_outputs_the_page_shows_once(site, tutorial):
+    notebook = nbformat.read(site / "_sources" / "tutorials" / f"{tutorial.stem}.ipynb", as_version=4)
+    shown = _shown_blocks((site / "tutorials" / f"{tutorial.stem}.html").read_text())
+    streams = 0
+    for cell in notebook.cells:
+        names = [out["name"] for out in cell.get("outputs", []) if out["output_type"] == "stream"]
+        assert len(names) == len(set(names)), f"a stream printed twice in: {cell.source[:80]}"
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "stream":
+                streams += 1
+                text = re.sub(r"\x1b\[[0-9;]*m", "", out["text"]).strip()  # the page renders ANSI colours
+                assert any(text in block for block in shown), text[:200]
+    assert streams > 0
 
 
 def _anchors(page) -> set[str]:

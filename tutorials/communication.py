@@ -26,6 +26,15 @@
 # **What you need**: Linux (the bytes are read from the loopback interface's counter);
 # 2 and 4 processes on gloo; about 40 seconds. The tips it demonstrates are listed
 # {ref}`at the end <communication-tips>`.
+#
+# The byte counts are CPU on purpose: they come from the loopback interface, which the
+# ranks' gloo traffic crosses, and they measure gloo's own algorithms. Those launches pass
+# `backend="gloo"`, and a gloo-only group keeps {func}`fsdp_guide.device` (the rank's GPU
+# `cuda:LOCAL_RANK` where each rank has one, else the CPU) on the CPU even on a GPU
+# machine. With GPU ranks, NCCL moves the tensors over its own transports (NVLink, PCIe,
+# shared memory or the network) rather than this counter, with its own algorithms, so the
+# byte columns below would not apply. The collective order at the end is not tied to the
+# CPU: that part is written to run unchanged with one GPU per rank (NCCL).
 
 # %%
 import sys
@@ -46,6 +55,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+import fsdp_guide
 from fsdp_guide import launch
 
 S = 4 * 2**20  # bytes of the full tensor: 1M float32
@@ -67,26 +77,37 @@ def measured(fn, warm_up=True):
 
 
 def one_collective_each():
+    device = fsdp_guide.device()  # the CPU: launched with backend="gloo"
     n, world = S // 4, dist.get_world_size()
+
+    def ones(size):
+        return torch.ones(size, device=device)
+
+    def empty(size):
+        return torch.empty(size, device=device)
+
     return {
-        "all-reduce": measured(lambda: dist.all_reduce(torch.ones(n))),
-        "all-gather": measured(lambda: dist.all_gather_into_tensor(torch.empty(n), torch.ones(n // world))),
-        "reduce-scatter": measured(lambda: dist.reduce_scatter_tensor(torch.empty(n // world), torch.ones(n))),
+        "all-reduce": measured(lambda: dist.all_reduce(ones(n))),
+        "all-gather": measured(lambda: dist.all_gather_into_tensor(empty(n), ones(n // world))),
+        "reduce-scatter": measured(lambda: dist.reduce_scatter_tensor(empty(n // world), ones(n))),
     }
 
 
 RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}  # x (N - 1) S in all: the optimal algorithms
 print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
 for world in (2, 4):
-    for name, value in launch(one_collective_each, world_size=world, output="none")[0].items():
+    measured_bytes = launch(one_collective_each, world_size=world, backend="gloo", output="none")[0]
+    for name, value in measured_bytes.items():
         print(f"{world:5}  {name:15} {value:22.2f} {RING[name] * (world - 1):13}")
 
 # %% [markdown]
 # All-reduce and all-gather move what the ring algorithms need, to within a few percent:
 # an all-gather sends each shard to every other rank, (*N* - 1) *S* in all; an all-reduce
-# is a reduce-scatter plus an all-gather, twice that. **gloo's reduce-scatter moves as much as an all-reduce**: it
-# is not the bandwidth-optimal algorithm (NCCL's is). On CPU, FSDP's gradient reduction
-# therefore costs as much as DDP's.
+# is a reduce-scatter plus an all-gather, twice that. **gloo's reduce-scatter moves as
+# much as an all-reduce**: it is not the bandwidth-optimal ring algorithm. On CPU with
+# gloo, FSDP's gradient reduction therefore costs as much as DDP's. NCCL reduce-scatters
+# with ring-style algorithms instead, so this surprise belongs to gloo, not to FSDP (it was
+# not measured here with NCCL).
 #
 # ## One training step
 #
@@ -106,15 +127,19 @@ def make_model():
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)))
 
 
-def wrap(model, strategy):
+def wrap(model, strategy, device):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if strategy == "DDP":
-        return DDP(model)
+        return DDP(model.to(device))
+    # an explicit mesh: fully_shard's default mesh takes the machine's accelerator even when
+    # the group is gloo-only
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer, reshard_after_forward=strategy == "FULL_SHARD")
-    return fully_shard(model, reshard_after_forward=strategy == "FULL_SHARD")
+        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy == "FULL_SHARD")
+    return fully_shard(model, mesh=mesh, reshard_after_forward=strategy == "FULL_SHARD")
 
 
 def one_step(strategy):
@@ -122,7 +147,8 @@ def one_step(strategy):
 
     from fsdp_guide.precision import record_dtypes
 
-    model = wrap(make_model(), strategy)
+    device = fsdp_guide.device()  # the CPU: launched with backend="gloo"
+    model = wrap(make_model(), strategy, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     buckets = []
     if strategy == "DDP":
@@ -131,7 +157,7 @@ def one_step(strategy):
             return allreduce_hook(None, bucket)
 
         model.register_comm_hook(None, counting_hook)
-    x = torch.randn(8, WIDTH)
+    x = torch.randn(8, WIDTH).to(device)
 
     def step():
         model(x).sum().backward()
@@ -157,7 +183,7 @@ def every_strategy():
     return {strategy: one_step(strategy) for strategy in TEXTBOOK}
 
 
-steps = launch(every_strategy, output="none")[0]
+steps = launch(every_strategy, backend="gloo", output="none")[0]
 print(f"{'strategy':14} {'collectives per step':45} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}")
 for strategy, (counts, wire) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
@@ -179,21 +205,27 @@ for strategy, (counts, wire) in steps.items():
 # ## The order of collectives in a step
 #
 # The profiler records FSDP2's own markers: `FSDP::all_gather (i)` for unit *i*'s
-# all-gather, `FSDP::post_backward_reduce (i)` for its reduce-scatter. Three settings:
-# the default, backward prefetching two units ahead instead of one
-# (`set_modules_to_backward_prefetch`), and `reshard_after_forward=False`:
+# all-gather, `FSDP::post_backward_reduce (i)` for its reduce-scatter. It records the
+# host's events only (`ProfilerActivity.CPU`): the order in which each rank issues its
+# work, which with GPU ranks would be the order of launch, the kernels running later on
+# CUDA streams. This launch uses the default backend, so the code is written to run
+# unchanged with one GPU per rank; here it ran on gloo. Three settings: the default,
+# backward prefetching two units ahead instead of one (`set_modules_to_backward_prefetch`),
+# and `reshard_after_forward=False`:
 
 # %%
 def timeline(setting):
-    from torch.profiler import profile
+    from torch.profiler import ProfilerActivity, profile
 
-    model = wrap(make_model(), "SHARD_GRAD_OP" if setting == "reshard_after_forward=False" else "FULL_SHARD")
+    device = fsdp_guide.device()
+    strategy = "SHARD_GRAD_OP" if setting == "reshard_after_forward=False" else "FULL_SHARD"
+    model = wrap(make_model(), strategy, device)
     if setting == "prefetch two units ahead":
         for i, layer in enumerate(model):  # the default is one unit ahead
             layer.set_modules_to_backward_prefetch([model[j] for j in (i - 1, i - 2) if j >= 0])
-    x = torch.randn(8, WIDTH)
+    x = torch.randn(8, WIDTH).to(device)
     model(x).sum().backward()  # lazy initialisation out of the way
-    with profile() as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the host's events: the order of issue
         model(x).sum().backward()
     events = []
     for e in prof.events():
@@ -238,8 +270,8 @@ for setting, events in timelines.items():
 # `reshard_after_forward=False` the backward all-gathers are gone altogether: the
 # parameters stayed gathered from forward (more memory, fewer collectives).
 #
-# The same default step as a picture (rank 0; on CPU with gloo nothing overlaps, so the
-# point is the order, not the gaps):
+# The same default step as a picture (rank 0, here on the CPU with gloo, where nothing
+# overlaps, so the point is the order, not the gaps):
 
 # %%
 import matplotlib.pyplot as plt
@@ -267,3 +299,8 @@ fig.tight_layout()
 #
 # - {ref}`tip-communication-volume`: FSDP trades memory for communication; measure both.
 # - {ref}`tip-memory-estimate`: what the extra all-gathers buy.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("communication")

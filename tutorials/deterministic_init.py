@@ -25,8 +25,10 @@
 # - four fixes, each checked bit for bit against a single process that builds the same
 #   model with the same seed, and what each costs.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds. The tips it
-# demonstrates are listed {ref}`at the end <deterministic-init-tips>`.
+# **What you need**: a CPU; 2 processes on gloo; about 25 seconds. The code is written to
+# run unchanged with one GPU per rank (NCCL), except two demonstrations that are about the
+# CPU and stay on it on purpose. The tips it demonstrates are listed
+# {ref}`at the end <deterministic-init-tips>`.
 
 # %%
 import sys
@@ -38,10 +40,18 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %% [markdown]
 # ## The reference: one process, one seed
 #
-# Every fix below must produce exactly these weights.
+# Every fix below must produce exactly these weights. Random numbers depend on the device
+# that draws them (the CPU and CUDA generators give different numbers for the same seed),
+# so the reference is drawn where the sharded models below are: on the rank's device,
+# {func}`fsdp_guide.device` (the rank's own GPU, `cuda:LOCAL_RANK`, where each rank has
+# one, else the CPU, as on the machine that executed this page). Rank 0 builds it alone,
+# with no collective: what it returns is one process's model, as CPU tensors.
 
 # %%
 import torch.nn as nn
+
+import fsdp_guide
+from fsdp_guide import launch
 
 SEED = 0
 
@@ -50,12 +60,15 @@ def make_model():
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
 
 
-def reference_model():
+def reference_weights():
+    device = fsdp_guide.device()
     torch.manual_seed(SEED)
-    return make_model()
+    with device:  # draw on the rank's device, as the sharded models do
+        model = make_model()
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
-reference = {n: p.detach().clone() for n, p in reference_model().named_parameters()}
+reference = launch(reference_weights, world_size=2, output="none")[0]  # rank 0's
 
 
 def equals_reference(weights):
@@ -72,20 +85,20 @@ def equals_reference(weights):
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_guide import launch, summon_full_params
+from fsdp_guide import summon_full_params
 
 
-def shard(model):
+def shard(model, mesh=None):  # mesh=None: fully_shard's default, over all ranks
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def gather(model):
-    """Every parameter, full, as plain tensors (a collective: all ranks call it)."""
+    """Every parameter, full, as plain CPU tensors (a collective: all ranks call it)."""
     with summon_full_params(model, writeback=False):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def init_after_sharding():
@@ -114,7 +127,7 @@ def square_layer_after_sharding():
     torch.manual_seed(SEED)
     with torch.no_grad():
         nn.init.normal_(layer.weight.to_local())
-    return layer.weight.full_tensor()
+    return layer.weight.full_tensor().cpu()
 
 
 square = launch(square_layer_after_sharding, world_size=2, output="none")[0]
@@ -139,20 +152,30 @@ fig.tight_layout()
 # The recipe for models too big to build whole is: build on the `meta` device (no
 # memory), `fully_shard`, `to_empty` (allocate the shards), then initialise, e.g. with
 # each module's `reset_parameters()`. The parameters are DTensors by then, so the random
-# ops run through DTensor. On GPU meshes, DTensor coordinates the random number
-# generator across ranks so that each shard draws a different part of one random stream
-# (not executed here: this page ran on CPU). On a CPU mesh it does not: each rank uses
-# its own generator, and all that says so is a warning:
+# ops run through DTensor.
+#
+# This trap belongs to CPU meshes, so the cell stays on the CPU on purpose, wherever it
+# runs: `launch(..., backend="gloo")` keeps every rank on the CPU, and the mesh is
+# a CPU mesh. What differs on GPUs is in torch's source (`torch/distributed/tensor/_random.py`;
+# not executed here): on a CUDA mesh, DTensor's `OffsetBasedRNGTracker` is written to
+# coordinate the random number generator across ranks, so that each shard draws a
+# different part of one random stream, and `is_rng_supported_mesh` says that only
+# CUDA-like devices get this. On a CPU mesh each rank uses its own generator, and all
+# that says so is a warning:
 
 # %%
 import warnings
 
+from torch.distributed.device_mesh import init_device_mesh
+
 
 def meta_recipe():
+    world = dist.get_world_size()
+    cpu_mesh = init_device_mesh("cpu", (world,))  # cpu-only: the trap is a CPU-mesh one
     with torch.device("meta"):
         model = make_model()
-    shard(model)
-    model.to_empty(device="cpu")
+    shard(model, cpu_mesh)
+    model.to_empty(device="cpu")  # cpu-only: the shards of the CPU mesh
     torch.manual_seed(SEED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,7 +187,7 @@ def meta_recipe():
     return gather(model), messages
 
 
-meta_weights, messages = launch(meta_recipe, world_size=2, output="none")[0]
+meta_weights, messages = launch(meta_recipe, world_size=2, backend="gloo", output="none")[0]
 print("warnings:", messages)
 w = meta_weights["0.weight"]
 print("rank 0's rows == rank 1's rows:", torch.equal(w[:16], w[16:]))
@@ -174,13 +197,16 @@ print("equals the single process:", equals_reference(meta_weights))
 # ## Four fixes, each checked against the single process
 #
 # **1. Initialise before sharding.** Every rank builds the full model from the same seed,
-# then shards it: each keeps its slice of identical full tensors (the quickstart does
-# this).
+# on its device, then shards it: each keeps its slice of identical full tensors (the
+# quickstart does this).
 
 # %%
 def init_before_sharding():
+    device = fsdp_guide.device()
     torch.manual_seed(SEED)
-    return gather(shard(make_model()))
+    with device:  # drawn where the reference was drawn
+        model = make_model()
+    return gather(shard(model))
 
 
 # %% [markdown]
@@ -192,44 +218,51 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 
 def fsdp1_param_init_fn():
+    device = fsdp_guide.device()
     with torch.device("meta"):
         model = make_model()
 
     def materialise(module):
-        module.to_empty(device="cpu", recurse=False)
+        module.to_empty(device=device, recurse=False)
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
 
     torch.manual_seed(SEED)
-    fsdp = FSDP(model, param_init_fn=materialise, device_id=torch.device("cpu"),
-                use_orig_params=True)
+    fsdp = FSDP(model, param_init_fn=materialise, device_id=device, use_orig_params=True)
     with summon_full_params(fsdp, writeback=False):
-        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
                 for n, p in fsdp.named_parameters()}
 
 
 # %% [markdown]
 # **3. Broadcast rank 0's weights before sharding.** FSDP1's `sync_module_states=True` does
-# this, but only for GPU modules, as it says on CPU:
+# this, but only for GPU modules. The cell keeps the module on the CPU on purpose (and
+# `backend="gloo"` keeps the ranks there), to show what FSDP1 says to a CPU module. With a
+# GPU `device_id`, torch documents that each FSDP module broadcasts its parameters and
+# buffers from rank 0 instead (not executed here).
 
 # %%
 def fsdp1_sync_module_states_on_cpu():
     try:
-        FSDP(make_model(), sync_module_states=True, device_id=torch.device("cpu"))
+        FSDP(make_model(), sync_module_states=True,
+             device_id=torch.device("cpu"))  # cpu-only: shows FSDP1's refusal on CPU
     except ValueError as err:
         return str(err)
 
 
-print(launch(fsdp1_sync_module_states_on_cpu, world_size=2, output="none")[0])
+print(launch(fsdp1_sync_module_states_on_cpu, world_size=2, backend="gloo", output="none")[0])
 
 # %% [markdown]
-# The same thing by hand works everywhere: only rank 0 needs the seed, the other ranks may
-# hold anything.
+# The same thing by hand works on any device: only rank 0 needs the seed, the other ranks
+# may hold anything. The tensors it broadcasts are on the rank's device (NCCL only
+# broadcasts GPU tensors).
 
 # %%
 def broadcast_from_rank_0():
+    device = fsdp_guide.device()
     torch.manual_seed(SEED if dist.get_rank() == 0 else 1000 + dist.get_rank())
-    model = make_model()
+    with device:
+        model = make_model()
     with torch.no_grad():
         for tensor in model.state_dict().values():
             dist.broadcast(tensor, src=0)
@@ -244,10 +277,11 @@ def broadcast_from_rank_0():
 
 # %%
 def meta_then_summon():
+    device = fsdp_guide.device()
     with torch.device("meta"):
         model = make_model()
     shard(model)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(SEED)
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -270,10 +304,11 @@ for name, fix in FIXES.items():
     assert exact
 
 # %% [markdown]
-# All four are exact: same seed, same order of random draws, same numbers. The bug's
-# version (initialising shards with per-shard random ops) cannot be made exact on CPU:
-# each rank would need the part of the random stream that falls on its rows, which is
-# what DTensor's coordinated RNG provides on GPUs and not on a CPU mesh.
+# All four are exact: same seed, same order of random draws, on the same kind of device,
+# same numbers. The bug's version (initialising shards with per-shard random ops) cannot
+# be made exact on CPU: each rank would need the part of the random stream that falls on
+# its rows, which is what DTensor's coordinated RNG is written to provide on CUDA meshes,
+# and does not on a CPU mesh.
 #
 # | fix | use it when | peak parameter memory per rank | extra cost |
 # |---|---|---|---|
@@ -291,3 +326,8 @@ for name, fix in FIXES.items():
 #   mesh: {ref}`tip-meta-init-cpu`.
 # - Whole-tensor initialisation inside the context: {ref}`tip-custom-init-summon`, with the
 #   same seed on every rank: {ref}`tip-same-seed-inside-summon`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("deterministic_init")

@@ -25,8 +25,11 @@
 #   process from ever existing whole: measured, against building first, and against
 #   building on the `meta` device.
 #
-# **What you need**: a CPU; 2 processes on gloo (NCCL on GPUs with the same code);
-# about 20 seconds. The tips it demonstrates are listed {ref}`at the end <enable-wrap-tips>`.
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds. The code is written to
+# run unchanged with one GPU per rank (NCCL): every rank takes its device from
+# {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each rank has one,
+# else the CPU (as on the machine that executed this page). The tips it demonstrates are
+# listed {ref}`at the end <enable-wrap-tips>`.
 
 # %%
 import sys
@@ -40,8 +43,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #
 # Inside `enable_wrap`, `wrap(module)` calls `wrapper_cls(module, **params)`; outside it,
 # `wrap` returns the module unchanged. With FSDP1, each wrapped block becomes a
-# `FullyShardedDataParallel` unit with the context's `sharding_strategy`, except the one
-# that overrides it:
+# `FullyShardedDataParallel` unit with the context's `device_id` (the rank's device) and
+# `sharding_strategy`, except the one that overrides it:
 
 # %%
 import torch.nn as nn
@@ -49,6 +52,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import enable_wrap, wrap
 
+import fsdp_guide
 from fsdp_guide import launch
 
 
@@ -57,8 +61,8 @@ def block(width=8):
 
 
 def fsdp1_units():
-    cpu = torch.device("cpu")
-    with enable_wrap(wrapper_cls=FSDP, device_id=cpu,
+    device = fsdp_guide.device()
+    with enable_wrap(wrapper_cls=FSDP, device_id=device,
                      sharding_strategy=ShardingStrategy.SHARD_GRAD_OP):
         model = wrap(nn.Sequential(
             wrap(block()),
@@ -81,6 +85,7 @@ for name, strategy in launch(fsdp1_units, world_size=2, output="none")[0]:
 
 # %%
 def fsdp2_units():
+    device = fsdp_guide.device()
     with enable_wrap(wrapper_cls=fully_shard, reshard_after_forward=False):
         model = nn.Sequential(
             wrap(block()),
@@ -88,7 +93,7 @@ def fsdp2_units():
             wrap(block(), reshard_after_forward=True),
         )
     fully_shard(model)
-    model(torch.randn(2, 8))
+    model(torch.randn(2, 8).to(device))
     return [(str(i), type(b[0].weight).__name__) for i, b in enumerate(model)]
 
 
@@ -141,8 +146,8 @@ POLICIES = {
 
 
 def units_chosen(policy_name):
-    fsdp1 = FSDP(Net(), auto_wrap_policy=POLICIES[policy_name](),
-                 device_id=torch.device("cpu"))
+    device = fsdp_guide.device()
+    fsdp1 = FSDP(Net(), auto_wrap_policy=POLICIES[policy_name](), device_id=device)
     fsdp2 = auto_wrap(Net(), POLICIES[policy_name]())
     return {
         "FSDP1 auto_wrap_policy": [n.replace("_fsdp_wrapped_module.", "") or "(root)"
@@ -171,7 +176,8 @@ for policy_name in POLICIES:
 # block at a time, each block sharded as soon as it exists. Then a rank never holds more
 # than its shards plus one full block. We count the bytes of parameter storage alive on
 # each rank after every block is built (a shard counts its local storage), building a
-# 16-block model three ways:
+# 16-block model three ways. Each block is built directly on the rank's device, whose
+# memory is the one that runs out:
 
 # %%
 from torch.distributed.tensor import DTensor
@@ -198,9 +204,10 @@ def parameter_bytes(modules):
 
 
 def build_then_wrap():
+    device = fsdp_guide.device()
     blocks, peak = [], 0
     for _ in range(N_BLOCKS):
-        blocks.append(nn.Linear(WIDTH, WIDTH))
+        blocks.append(nn.Linear(WIDTH, WIDTH, device=device))
         peak = max(peak, parameter_bytes(blocks))
     model = Stack(blocks)
     for b in model.blocks:
@@ -210,10 +217,11 @@ def build_then_wrap():
 
 
 def wrap_as_you_build():
+    device = fsdp_guide.device()
     blocks, peak = [], 0
     with enable_wrap(wrapper_cls=fully_shard):
         for _ in range(N_BLOCKS):
-            blocks.append(nn.Linear(WIDTH, WIDTH))  # one full block ...
+            blocks.append(nn.Linear(WIDTH, WIDTH, device=device))  # one full block ...
             peak = max(peak, parameter_bytes(blocks))
             blocks[-1] = wrap(blocks[-1])  # ... sharded at once
     model = fully_shard(Stack(blocks))
@@ -221,13 +229,14 @@ def wrap_as_you_build():
 
 
 def on_meta_then_materialise():
+    device = fsdp_guide.device()
     with torch.device("meta"):  # shapes only: no storage at all
         model = Stack([nn.Linear(WIDTH, WIDTH) for _ in range(N_BLOCKS)])
     peak = parameter_bytes([model])
     for b in model.blocks:
         fully_shard(b)
     fully_shard(model)
-    model.to_empty(device="cpu")  # allocates the local shards only
+    model.to_empty(device=device)  # allocates the local shards only
     peak = max(peak, parameter_bytes([model]))
     # The weights are still uninitialised here: see the deterministic-init tutorial.
     return peak, parameter_bytes([model])
@@ -275,3 +284,8 @@ assert measured["meta device, shard, to_empty"][0][0] == full_model // 2
 #   existing on one rank: {ref}`tip-wrap-as-you-build`.
 #
 # What a unit is and why its size sets peak memory: {ref}`fsdp-sharding`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("enable_wrap")

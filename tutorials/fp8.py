@@ -26,8 +26,11 @@
 # - where the FP8 scaling factors are synchronised across ranks, and what gradient
 #   accumulation does with FP8.
 #
-# **What you need**: torchao; a CPU (where torch runs the float8 matmul, slowly) or a
-# GPU with FP8 support; 2 processes on gloo; about 45 seconds. The tips are listed
+# **What you need**: torchao; a CPU (where torch runs the float8 matmul, slowly); 2
+# processes on gloo; about 45 seconds. The same code is written to run unchanged with one
+# GPU per rank (NCCL), each rank computing on {func}`fsdp_guide.device` (its GPU
+# `cuda:LOCAL_RANK` where it has one, else the CPU); torchao's float8 training then needs
+# GPUs with FP8 support (compute capability 8.9 or higher). The tips are listed
 # {ref}`at the end <fp8-tips>`.
 
 # %%
@@ -57,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.fp8 import float8_fully_shard
 from fsdp_guide.memory import measure
@@ -85,11 +89,12 @@ def build(mode, stored=torch.float32):
     return fully_shard(model, mp_policy=mp_policy)
 
 
-def batch(step, rank, rows=32):
+def batch(step, rank, device, rows=32):
+    """Drawn on the CPU (the same numbers on any device), then moved to ``device``."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(rows, WIDTH, generator=g)
     target = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
-    return x, torch.tanh(x @ target)
+    return x.to(device), torch.tanh(x @ target).to(device)
 
 
 # %% [markdown]
@@ -108,11 +113,12 @@ def train(mode):
     quiet_torchao()  # each rank is a fresh process: silence torchao before importing it
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    device = fsdp_guide.device()
     model = build(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, dist.get_rank())
+        x, y = batch(step, dist.get_rank(), device)
         with record_dtypes() as comm, saved_for_backward() as saved:
             loss = F.mse_loss(model(x).float(), y)
             loss.backward()
@@ -174,7 +180,7 @@ for mode in MODES:
 # - **All-gather**: forward and backward each gather the three 64 KiB weights, 196,608
 #   bytes in FP32; half that in BF16, a quarter in FP8, one byte per element. On gloo the
 #   float8 bytes travel as `uint8` (gloo has no float8 type, so `float8_fully_shard`
-#   reinterprets them; NCCL sends `float8_e4m3fn` as it is).
+#   reinterprets them; with NCCL it leaves them `float8_e4m3fn`).
 # - **Reduce-scatter** of gradients stays in float32 in every mode: FP8 is used for the
 #   matmuls (operands `float8_e4m3fn` forward; backward, `float8_e5m2` gradients with
 #   `float8_e4m3fn` weights and inputs) and the weight all-gather, not for the gradient
@@ -193,6 +199,7 @@ def amax_collectives():
     quiet_torchao()
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    device = fsdp_guide.device()
     counts = {}
     for precompute in (False, True):
         model = build("fp8")
@@ -202,7 +209,8 @@ def amax_collectives():
             counts["precompute_float8_dynamic_scale_for_fsdp"] = {
                 str(op): n for op, n in comm.get_comm_counts().items()}
         with record_dtypes() as seen:
-            F.mse_loss(model(batch(0, dist.get_rank())[0]), torch.zeros(32, WIDTH)).backward()
+            x, _ = batch(0, dist.get_rank(), device)
+            F.mse_loss(model(x), torch.zeros(32, WIDTH, device=device)).backward()
         counts[f"forward+backward, scales precomputed: {precompute}"] = {
             f"{phase} {kind}": f"{seen.count[(phase, kind)]} x {seen.get(phase, kind)}"
             for phase, kind in seen.seen if kind == "all-reduce"}
@@ -296,10 +304,11 @@ def model_states(mode, optimizer_class, stored):
     quiet_torchao()
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
+    device = fsdp_guide.device()
     model = build(mode, stored)
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
     for step in range(3):
-        x, y = batch(step, dist.get_rank())
+        x, y = batch(step, dist.get_rank(), device)
         F.mse_loss(model(x).float(), y).backward()
         optimizer.step()
         precompute_float8_dynamic_scale_for_fsdp(model) if mode.startswith("fp8") else None
@@ -353,11 +362,12 @@ def accumulation():
     from fsdp_guide.fp8 import quiet_torchao
 
     quiet_torchao()
-    x, y = batch(0, dist.get_rank())
+    device = fsdp_guide.device()
+    x, y = batch(0, dist.get_rank(), device)
 
     def gradients(mode, micro_batches):
         model = build(mode)
-        for i, rows in enumerate(torch.arange(32).chunk(micro_batches)):
+        for i, rows in enumerate(torch.arange(32, device=device).chunk(micro_batches)):
             model.set_requires_gradient_sync(i == micro_batches - 1)  # reduce once, at the end
             (F.mse_loss(model(x[rows]), y[rows]) / micro_batches).backward()
         return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
@@ -386,3 +396,8 @@ for comparison, difference in launch(accumulation, output="none")[0].items():
 #
 # - {ref}`tip-fp8-fsdp`
 # - {ref}`tip-memory-estimate`: model states per rank, estimated and measured.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("fp8")

@@ -25,8 +25,10 @@
 #   and reduce in;
 # - what a mistake in the dictionary tells you.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo (NCCL on GPUs with the same code);
-# about 40 seconds. The full key-by-key mapping is in the reference,
+# **What you need**: a CPU; 2 and 4 processes on gloo, about 40 seconds. The same code
+# is written to run unchanged with one GPU per rank (NCCL): `shard` puts each rank's
+# model on {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else
+# the CPU, and the workers put their batches there too. The full key-by-key mapping is in the reference,
 # {ref}`fsdp-config-reference`; the tips are listed {ref}`at the end <fsdp-config-tips>`.
 
 # %%
@@ -50,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fsdp_guide
 from fsdp_guide import launch, shard
 
 fsdp_config = {
@@ -81,8 +84,9 @@ class Model(nn.Module):
 
 
 def apply_config(api, config):
+    device = fsdp_guide.device()
     model = shard(Model(), config, api=api)
-    model(torch.randn(4, 32)).sum().backward()  # it trains
+    model(torch.randn(4, 32).to(device)).sum().backward()  # it trains
 
 
 for api, config in (("fsdp2", fsdp_config),
@@ -133,9 +137,11 @@ def one_step(model, x, y):
 
 
 def strategy_table(api):
+    device = fsdp_guide.device()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-    one_process = Model()
+    x, y = x.to(device), y.to(device)
+    one_process = Model().to(device)
     F.mse_loss(one_process(x), y).backward()
     torch.optim.SGD(one_process.parameters(), lr=0.1).step()
     reference = F.mse_loss(one_process(x), y).item()
@@ -190,6 +196,7 @@ PRESETS = (("FULL", "bf16"), ("DEFAULT", "bf16"), ("PURE", "bf16"), ("DEFAULT", 
 
 
 def preset_dtypes(api):
+    device = fsdp_guide.device()
     rows = []
     for preset, precision in PRESETS:
         config = {"mixed_precision": preset, "precision": precision}
@@ -201,7 +208,7 @@ def preset_dtypes(api):
 
         model.head.register_forward_pre_hook(buffer_dtype)
         with record_dtypes() as dtypes:
-            model(torch.randn(4, 32)).float().sum().backward()
+            model(torch.randn(4, 32).to(device)).float().sum().backward()
         rows.append((preset, precision, dtypes.get("forward", "matmul"),
                      dtypes.get("backward", "matmul"), dtypes.get("backward", "reduce-scatter"),
                      str(seen["buffer"]).removeprefix("torch.")))
@@ -270,3 +277,8 @@ for message in launch(mistakes, output="none")[0]:
 # - {ref}`tip-checkpoint-inside-unit`
 #
 # Every key, its FSDP1 argument and its FSDP2 equivalent: {ref}`fsdp-config-reference`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("fsdp_config")

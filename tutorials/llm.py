@@ -23,8 +23,11 @@
 # - resuming on a different number of ranks, and exporting one file for inference;
 # - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`.
 #
-# **What you need**: a CPU; 2 processes on gloo (NCCL and bf16 on GPUs with the same
-# code), 4 for one cell; about a minute. The text is the Python documentation that ships
+# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about a minute. The
+# recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
+# {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
+# `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16)
+# where on the CPU it trains in fp32. The text is the Python documentation that ships
 # with every Python (`pydoc_data`), read as bytes: nothing is downloaded. The tips it
 # demonstrates are listed {ref}`at the end <llm-tips>`.
 
@@ -234,7 +237,8 @@ print(repr(bytes(out[0].tolist()).decode("utf-8", "replace")))
 # After 40 steps (a loss of about 3.1 nats per byte, against 5.5 for a uniform guess) the
 # model has learned which bytes are common, spaces and frequent letters, not yet words: it
 # is far from trained. The point here is that the exported file is a complete, ordinary
-# model, loaded and sampled without FSDP.
+# model, loaded and sampled without FSDP, here in the notebook's own process (the export
+# holds CPU tensors, whatever device the ranks trained on).
 #
 # ## The same code from the command line and under torchrun
 #
@@ -272,3 +276,8 @@ print("same losses as the notebook:", json.loads(summary_file.read_text())["loss
 #   which is exact on a CPU mesh too.
 # - {ref}`tip-custom-init-summon`: the same seed on every rank inside the context.
 # - {ref}`tip-clip-grad-norm`: `clip_grad_norm_` on DTensor gradients clips by the global norm.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("llm")

@@ -22,8 +22,10 @@
 #   that the two agree on real ranks, up to FSDP's padding;
 # - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 25 seconds. The tips are
-# listed {ref}`at the end <memory-tips>`.
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 25 seconds. The same code is
+# written to run unchanged with one GPU per rank (NCCL): each rank computes on
+# {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
+# The tips are listed {ref}`at the end <memory-tips>`.
 
 # %%
 import sys
@@ -69,6 +71,7 @@ for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
 import torch.distributed as dist
 import torch.nn as nn
 
+import fsdp_guide
 from fsdp_guide import launch, shard
 from fsdp_guide.memory import measure
 
@@ -80,32 +83,36 @@ def transformer():
     return nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
 
 
-def one_step(model, optimizer):
-    model(torch.randn(2, 16, 126)).square().mean().backward()
+def one_step(model, optimizer, device):
+    model(torch.randn(2, 16, 126).to(device)).square().mean().backward()
     optimizer.step()
 
 
-def compare(strategy, api):
+def compare(strategy, api, device):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     config = {"sharding_strategy": strategy, "min_params": 100_000, "mixed_precision": "FULL"}
-    model = DDP(transformer()) if api == "ddp" else shard(transformer(), config, api=api)
+    if api == "ddp":
+        model = DDP(transformer().to(device))
+    else:
+        model = shard(transformer(), config, api=api)  # shard puts it on fsdp_guide.device()
     optimizer = torch.optim.Adam(model.parameters())
-    one_step(model, optimizer)
+    one_step(model, optimizer, device)
     num_params = sum(p.numel() for p in transformer().parameters())
     rows = [(strategy, api, estimate(num_params, dist.get_world_size(), strategy),
              measure(model, optimizer))]
     if strategy == "SHARD_GRAD_OP":  # measure again between forward and backward
         optimizer.zero_grad()
-        model(torch.randn(2, 16, 126))
+        model(torch.randn(2, 16, 126).to(device))
         rows.append(("  in step", api, rows[0][2], measure(model, optimizer)))
     return rows
 
 
 def compare_all():
+    device = fsdp_guide.device()
     cases = [("DDP", "ddp")] + [(s, api) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
                                 for api in ("fsdp2", "fsdp1")]
-    return [row for strategy, api in cases for row in compare(strategy, api)]
+    return [row for strategy, api in cases for row in compare(strategy, api, device)]
 
 
 results = {}
@@ -159,3 +166,8 @@ fig.tight_layout()
 #
 # - {ref}`tip-memory-estimate`
 # - {ref}`tip-fsdp-config`: the strategies come from one dictionary.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("memory")

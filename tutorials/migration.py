@@ -21,8 +21,10 @@
 # - how to carry an FSDP1 checkpoint (model and optimizer) over to FSDP2 and continue
 #   training where FSDP1 stopped.
 #
-# **What you need**: a CPU; 2 processes on gloo (NCCL on GPUs with the same code); about
-# 20 seconds. The tips it demonstrates are listed {ref}`at the end <migration-tips>`.
+# **What you need**: a CPU; 2 processes on gloo, about 20 seconds. The same code is
+# written to run unchanged with one GPU per rank (NCCL): each rank computes on
+# {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
+# The tips it demonstrates are listed {ref}`at the end <migration-tips>`.
 
 # %%
 import sys
@@ -50,7 +52,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # | `param_init_fn=...` | build on the {term}`meta device`, `fully_shard`, `to_empty`, then initialise (inside {func}`fsdp_guide.summon_full_params` on CPU) |
 # | `use_orig_params=True` | always: parameters keep their names and shapes, each a {term}`DTensor` shard |
 # | `ignored_modules=[...]` / `ignored_states` | `ignored_params={...}`, or leave the module out of every `fully_shard` call |
-# | `device_id=...` | the mesh's device type; the module must already be on the device |
+# | `device_id=...` | the mesh's device type (on CUDA, the current device); `fully_shard` moves the module's parameters there |
 # | `FSDP.state_dict_type(model, SHARDED_STATE_DICT)` | `model.state_dict()` is already sharded (DTensors) |
 # | `FSDP.state_dict_type(model, FULL_STATE_DICT)` / `FSDP.optim_state_dict` | `get_model_state_dict` / `get_optimizer_state_dict` from `torch.distributed.checkpoint.state_dict` (they work for both) |
 # | `FSDP.summon_full_params(model)` | no equivalent in torch; {func}`fsdp_guide.summon_full_params` works for both |
@@ -67,6 +69,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fsdp_guide
 from fsdp_guide import launch
 
 WIDTH, STEPS = 32, 6
@@ -86,21 +89,22 @@ def make_model():
     return nn.Sequential(*(Block() for _ in range(3)), nn.Linear(WIDTH, 1))
 
 
-def batch(step):
-    """This rank's rows of global batch ``step``."""
-    g = torch.Generator().manual_seed(step)
+def batch(step, device):
+    """This rank's rows of global batch ``step``, on ``device``."""
+    g = torch.Generator().manual_seed(step)  # drawn on the CPU: the same numbers on any device
     x = torch.randn(16, WIDTH, generator=g)
     y = x.sum(1, keepdim=True).sin()
-    return x.chunk(dist.get_world_size())[dist.get_rank()], y.chunk(dist.get_world_size())[dist.get_rank()]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
 
 
-def shard(model, api):
+def shard(model, api, device):
     if api == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                    device_id=torch.device("cpu"))
+                    device_id=device)
     from torch.distributed.fsdp import fully_shard
 
     for block in model[:3]:
@@ -108,10 +112,10 @@ def shard(model, api):
     return fully_shard(model)
 
 
-def train(model, optimizer, steps):
+def train(model, optimizer, steps, device):
     losses = []
     for step in steps:
-        x, y = batch(step)
+        x, y = batch(step, device)
         loss = F.mse_loss(model(x), y)
         loss.backward()
         optimizer.step()
@@ -123,11 +127,12 @@ def train(model, optimizer, steps):
 
 
 def both_apis():
+    device = fsdp_guide.device()
     out = {}
     for api in ("fsdp1", "fsdp2"):
-        model = shard(make_model(), api)
+        model = shard(make_model(), api, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        out[api] = train(model, optimizer, range(STEPS))
+        out[api] = train(model, optimizer, range(STEPS), device)
     return out
 
 
@@ -164,20 +169,22 @@ def fsdp1_saves_then_continues(path):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
-    model = shard(make_model(), "fsdp1")
+    device = fsdp_guide.device()
+    model = shard(make_model(), "fsdp1", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optimizer, range(STEPS))
+    train(model, optimizer, range(STEPS), device)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=path)
-    return train(model, optimizer, range(STEPS, 2 * STEPS))  # what FSDP1 would have done next
+    return train(model, optimizer, range(STEPS, 2 * STEPS), device)  # what FSDP1 would have done next
 
 
 def fsdp2_loads_and_continues(path, with_optimizer=True):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
-    model = shard(make_model(), "fsdp2")
+    device = fsdp_guide.device()
+    model = shard(make_model(), "fsdp2", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model_state, optim_state = get_state_dict(model, optimizer)  # FSDP2's layout, to be filled
     state = {"model": model_state, "optim": optim_state} if with_optimizer else {"model": model_state}
@@ -186,7 +193,7 @@ def fsdp2_loads_and_continues(path, with_optimizer=True):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_model_state_dict(model, state["model"])
-    return train(model, optimizer, range(STEPS, 2 * STEPS))
+    return train(model, optimizer, range(STEPS, 2 * STEPS), device)
 
 
 fsdp1_next = launch(fsdp1_saves_then_continues, CHECKPOINT, output="none")[0]
@@ -210,3 +217,8 @@ for with_optimizer in (True, False):
 # - {ref}`tip-migrate-fsdp1-fsdp2`: map the arguments, compare losses, carry the checkpoint.
 # - {ref}`tip-pointwise-optimizers`: why the optimizer step is the same on flat and row shards.
 # - {ref}`tip-exact-resume`: checkpoints with the state-dict helpers.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("migration")

@@ -24,8 +24,10 @@
 # `ShardedGradScaler` with FSDP1): a float16 run without one that stops learning, and
 # the same run with it.
 #
-# **What you need**: a CPU; 2 processes on gloo (NCCL on GPUs with the same code);
-# about 30 seconds. The tips are listed {ref}`at the end <mixed-precision-tips>`.
+# **What you need**: a CPU; 2 processes on gloo, about 30 seconds. The same code is
+# written to run unchanged with one GPU per rank (NCCL): each rank computes on
+# {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
+# The tips are listed {ref}`at the end <mixed-precision-tips>`.
 
 # %%
 import sys
@@ -56,6 +58,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
 
+import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.precision import record_dtypes
 
@@ -71,11 +74,11 @@ class Attentionish(nn.Module):
         return self.values(torch.softmax(self.scores(x), dim=-1))
 
 
-def shard_with_policy(model, api, low):
+def shard_with_policy(model, api, low, device):
     """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
     if api == "fsdp1":
         policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
-        return FSDP(model, device_id=torch.device("cpu"), mixed_precision=policy)
+        return FSDP(model, device_id=device, mixed_precision=policy)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
     for layer in (model.scores, model.values):
         fully_shard(layer, mp_policy=policy)
@@ -94,13 +97,13 @@ CASES = [
 ]
 
 
-def dtypes_of(api, low, autocast):
-    model = shard_with_policy(Attentionish(), api, low)
+def dtypes_of(api, low, autocast, device):
+    model = shard_with_policy(Attentionish(), api, low, device)
     seen_weight = []
     inner = model.module if isinstance(model, FSDP) else model
     inner.scores.register_forward_pre_hook(lambda m, args: seen_weight.append(m.weight.dtype))
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
-    with record_dtypes() as seen, torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    with record_dtypes() as seen, torch.autocast(device.type, dtype=autocast or torch.bfloat16,
                                                  enabled=autocast is not None):
         loss = model(x).float().square().mean()
     with record_dtypes() as seen_backward:
@@ -114,7 +117,8 @@ def dtypes_of(api, low, autocast):
 
 
 def all_cases():
-    return [dtypes_of(api, low, autocast) for _, api, low, autocast in CASES]
+    device = fsdp_guide.device()
+    return [dtypes_of(api, low, autocast, device) for _, api, low, autocast in CASES]
 
 
 columns = ("all-gather", "forward weight", "matmul", "softmax", "grad matmul", "stored grad",
@@ -137,14 +141,17 @@ for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
 #   bytes) and autocast decides per operation. This is the usual combination.
 # - **float16** behaves the same way, with float16 in place of bfloat16.
 #
-# On CPU, autocast keeps this softmax in the low dtype; on CUDA, autocast runs softmax in
-# float32. The device also changes autocast's *default* dtype, which is why the cells
-# above always pass `dtype=`:
+# The table was produced on the CPU, where autocast keeps this softmax in the low dtype.
+# Torch's autocast op reference lists softmax among the CUDA ops that autocast runs in
+# float32, so with GPU ranks the softmax column is expected to read float32 instead. The
+# device also changes autocast's *default* dtype, which is why the cells above always pass
+# `dtype=`. This cell runs in the notebook itself, not on the ranks, and asks torch for
+# both device types' defaults (no GPU is needed for that):
 
 # %%
-for device in ("cpu", "cuda"):
-    print(f"torch.autocast({device!r}) without dtype= computes in "
-          f"{torch.get_autocast_dtype(device)}")
+for device_type in ("cpu", "cuda"):  # cpu-only: compares both device types' defaults
+    print(f"torch.autocast({device_type!r}) without dtype= computes in "
+          f"{torch.get_autocast_dtype(device_type)}")
 
 # %% [markdown]
 # The same code moved from a CPU to a GPU silently switches from bfloat16 to float16,
@@ -177,13 +184,15 @@ import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
-def train_small_gradients(api, low, use_scaler, steps=8):
-    model = shard_with_policy(Attentionish(), api, low)
+def train_small_gradients(api, low, use_scaler, device, steps=8):
+    model = shard_with_policy(Attentionish(), api, low, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=2e5)  # undoes the 1e-6 for the update
-    scaler = (ShardedGradScaler("cpu") if api == "fsdp1" else torch.amp.GradScaler("cpu")) \
-        if use_scaler else None
+    scaler = None
+    if use_scaler:
+        scaler = ShardedGradScaler(device.type) if api == "fsdp1" else torch.amp.GradScaler(device.type)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+    x, y = x.to(device), y.to(device)
     losses, zero_fraction = [], []
     for _ in range(steps):
         loss = F.mse_loss(model(x).float(), y)
@@ -204,12 +213,13 @@ def train_small_gradients(api, low, use_scaler, steps=8):
 
 
 def scaler_runs():
+    device = fsdp_guide.device()
     runs = [("fp16, no scaler", "fsdp2", torch.float16, False),
             ("fp16, GradScaler", "fsdp2", torch.float16, True),
             ("bf16, no scaler", "fsdp2", torch.bfloat16, False),
             ("FSDP1 fp16, no scaler", "fsdp1", torch.float16, False),
             ("FSDP1 fp16, ShardedGradScaler", "fsdp1", torch.float16, True)]
-    return {name: train_small_gradients(api, low, scaler) for name, api, low, scaler in runs}
+    return {name: train_small_gradients(api, low, scaler, device) for name, api, low, scaler in runs}
 
 
 runs = launch(scaler_runs, output="none")[0]
@@ -230,10 +240,11 @@ for name, (losses, zeros) in runs.items():
 
 # %%
 def overflow_on_rank_0_only():
-    model = shard_with_policy(Attentionish(), "fsdp2", torch.float16)
+    device = fsdp_guide.device()
+    model = shard_with_policy(Attentionish(), "fsdp2", torch.float16, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(model(torch.ones(2, 32)).float().sum()).backward()
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.scale(model(torch.ones(2, 32, device=device)).float().sum()).backward()
     if dist.get_rank() == 0:
         next(model.parameters()).grad.to_local()[0, 0] = float("inf")
     before = [p.full_tensor() for p in model.parameters()]
@@ -253,3 +264,8 @@ for rank, (unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, out
 #
 # - {ref}`tip-mixed-precision-dtypes`
 # - {ref}`tip-mixed-precision-presets`: the `FULL`/`DEFAULT`/`PURE` configuration presets.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("mixed_precision")

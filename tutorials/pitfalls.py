@@ -24,8 +24,12 @@
 # 5. expecting DDP's results from an optimizer that is not pointwise;
 # 6. putting activation checkpointing around an FSDP unit instead of inside it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 40 seconds. The tips are listed
-# {ref}`at the end <pitfalls-tips>`.
+# **What you need**: a CPU; 2 processes on gloo; about 40 seconds. The code is written to
+# run unchanged with one GPU per rank (NCCL): each rank computes on
+# {func}`fsdp_guide.device`, its own GPU (`cuda:LOCAL_RANK`) where each rank has one, else
+# the CPU (as on the machine that executed this page). Batches are built on the CPU from
+# seeded generators, so their numbers do not depend on the device, and moved there with
+# `.to(device)`, inputs and targets alike. The tips are listed {ref}`at the end <pitfalls-tips>`.
 
 # %%
 import itertools
@@ -43,6 +47,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+import fsdp_guide
 from fsdp_guide import launch, summon_full_params
 
 
@@ -67,8 +72,9 @@ def my_slice(t):
     return t.chunk(dist.get_world_size())[dist.get_rank()]
 
 
-def backward_on_my_slice(model):
+def backward_on_my_slice(model, device):
     x, y = batch()
+    x, y = x.to(device), y.to(device)
     F.mse_loss(model(my_slice(x)), my_slice(y)).backward()
 
 
@@ -89,8 +95,9 @@ def single_process_grad_norm():
 
 
 def fsdp2_grad_norms():
+    device = fsdp_guide.device()
     model = shard_each_linear(make_model())
-    backward_on_my_slice(model)
+    backward_on_my_slice(model, device)
     shard_norm = torch.linalg.vector_norm(
         torch.stack([p.grad.to_local().norm() for p in model.parameters()])).item()
     # On DTensor gradients, torch's clip_grad_norm_ reduces across ranks itself.
@@ -99,8 +106,9 @@ def fsdp2_grad_norms():
 
 
 def fsdp1_grad_norms():
-    model = FSDP(make_model(), device_id=torch.device("cpu"))
-    backward_on_my_slice(model)
+    device = fsdp_guide.device()
+    model = FSDP(make_model(), device_id=device)
+    backward_on_my_slice(model, device)
     # On FSDP1's flat shards, torch's function sees only this rank's shard ...
     local = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9).item()
     # ... while the FSDP1 method reduces across ranks.
@@ -133,6 +141,7 @@ for rank, (_, (local, total)) in enumerate(results):
 
 # %%
 def train_three_steps(optimizer_first):
+    device = fsdp_guide.device()
     model = make_model()
     if optimizer_first:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -140,6 +149,7 @@ def train_three_steps(optimizer_first):
     if not optimizer_first:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = batch()
+    x, y = x.to(device), y.to(device)
     losses = []
     for _ in range(3):
         loss = F.mse_loss(model(x), y)
@@ -182,11 +192,12 @@ class Generator(nn.Module):
 
 
 def call_generate(register):
+    device = fsdp_guide.device()
     model = fully_shard(Generator())
     if register:
         register_fsdp_forward_method(model, "generate")
     try:
-        return model.generate(torch.ones(2, 4)).tolist()
+        return model.generate(torch.ones(2, 4).to(device)).tolist()
     except RuntimeError as err:
         return f"RuntimeError: {str(err).splitlines()[0][:96]}..."
 
@@ -209,20 +220,21 @@ print("one process: ", Generator().generate(torch.ones(2, 4)).tolist())
 
 # %%
 def edit_bias(use_summon):
+    device = fsdp_guide.device()
     model = shard_each_linear(make_model())
-    model(torch.ones(2, 8))  # a first forward: FSDP2 has initialised itself
+    model(torch.ones(2, 8).to(device))  # a first forward: FSDP2 has initialised itself
     if use_summon:
         with summon_full_params(model), torch.no_grad():
             model[0].bias.fill_(1.0)
     else:
-        model[0].bias = nn.Parameter(torch.ones(16))  # a full new parameter
+        model[0].bias = nn.Parameter(torch.ones(16, device=device))  # a full new parameter
     seen = []
 
     def record_bias(module, args):
         seen.append(module.bias[:4].tolist())
 
     model[0].register_forward_pre_hook(record_bias)
-    model(torch.ones(2, 8))
+    model(torch.ones(2, 8).to(device))
     return seen[0]
 
 
@@ -267,29 +279,31 @@ def full_weights(model):
     return torch.cat([p.flatten() for p in full])
 
 
-def five_steps(model, make_optimizer):
+def five_steps(model, make_optimizer, device):
     optimizer = make_optimizer(list(model.parameters()))
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        x, y = x.to(device), y.to(device)
         F.mse_loss(model(my_slice(x)), my_slice(y)).backward()
         optimizer.step()
         optimizer.zero_grad()
     return full_weights(model)
 
 
-def difference_from_ddp(make_optimizer, build):
-    ddp = five_steps(DDP(make_matrix_model()), make_optimizer)
+def difference_from_ddp(make_optimizer, build, device):
+    ddp = five_steps(DDP(make_matrix_model().to(device)), make_optimizer, device)
     try:
-        return f"{(five_steps(build(), make_optimizer) - ddp).abs().max().item():.1e}"
+        return f"{(five_steps(build(), make_optimizer, device) - ddp).abs().max().item():.1e}"
     except (RuntimeError, ValueError) as err:
         return f"{type(err).__name__}: {str(err)[:48]}..."
 
 
 def compare_optimizers():
+    device = fsdp_guide.device()
     builds = {"FSDP2": lambda: shard_each_linear(make_matrix_model()),
-              "FSDP1": lambda: FSDP(make_matrix_model(), device_id=torch.device("cpu"))}
-    return {(opt, api): difference_from_ddp(make_optimizer, build)
+              "FSDP1": lambda: FSDP(make_matrix_model(), device_id=device)}
+    return {(opt, api): difference_from_ddp(make_optimizer, build, device)
             for opt, make_optimizer in OPTIMIZERS.items() for api, build in builds.items()}
 
 
@@ -313,9 +327,10 @@ for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
 
 # %%
 def muon_in_float32():
+    device = fsdp_guide.device()
     with mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.float):
         return difference_from_ddp(OPTIMIZERS["Muon"],
-                                   lambda: shard_each_linear(make_matrix_model()))
+                                   lambda: shard_each_linear(make_matrix_model()), device)
 
 
 print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",
@@ -380,10 +395,11 @@ def checkpointed(wrap, impl, where):
 
 
 def compare_checkpoint_placements():
+    device = fsdp_guide.device()
     # requires_grad: reentrant checkpointing only records a graph for inputs that need one
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    _, reference = one_sgd_step(make_blocks(), x)  # one process, the whole batch
-    wraps = {"FSDP1": lambda m: FSDP(m, device_id=torch.device("cpu"), use_orig_params=True),
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    _, reference = one_sgd_step(make_blocks().to(device), x)  # one process, the whole batch
+    wraps = {"FSDP1": lambda m: FSDP(m, device_id=device, use_orig_params=True),
              "FSDP2": fully_shard}
     rows = []
     for api, impl, where in itertools.product(wraps, CheckpointImpl, PLACEMENTS):
@@ -424,3 +440,8 @@ for api, impl, where, gathers, scatters, error in rows:
 # 6. {ref}`tip-checkpoint-inside-unit`
 #
 # Why a rank holds only part of each tensor: {ref}`fsdp-how-it-works`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("pitfalls")

@@ -23,10 +23,11 @@
 # - how to check that sharded training computes exactly what one process computes on the whole batch.
 #
 # **What you need**: a CPU is enough. The notebook starts 2 processes that talk over gloo on
-# 127.0.0.1; on a machine with 2 or more GPUs the same code runs on NCCL. It runs in about 20 seconds.
+# 127.0.0.1; the same code is written to run unchanged with one GPU per rank (NCCL), because every
+# rank asks {func}`fsdp_guide.device` where to compute. It runs in about 20 seconds on a CPU.
 # The tips it demonstrates are listed {ref}`at the end <quickstart-tips>`.
 #
-# This page was executed with:
+# This page was executed with (where its ranks ran is in the box at the end of the page):
 
 # %%
 import sys
@@ -102,14 +103,23 @@ print(f"single process: loss {baseline[0]:.4f} -> {baseline[-1]:.4f}")
 # defined right here in a notebook cell.
 #
 # Each rank builds the full model with the same seed, then `fully_shard` splits every
-# parameter along its first dimension: each rank keeps one half, as a `DTensor`.
-# Each rank trains on its half of every global batch; FSDP all-gathers the parameters
-# for the forward and backward of each layer and reduce-scatters (averages) the gradients.
+# parameter along its first dimension: each rank keeps one half, as a `DTensor`, on the
+# rank's device. Each rank trains on its half of every global batch; FSDP all-gathers the
+# parameters for the forward and backward of each layer and reduce-scatters (averages) the
+# gradients.
+#
+# The rank's device comes from one rule, {func}`fsdp_guide.device`: the rank's own GPU
+# (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the machine that executed
+# this page). The batch is built on the CPU, so its numbers do not depend on the device, then
+# moved there with `.to(device)`, inputs and targets alike; so is the tensor that carries the
+# loss through `all_reduce` (NCCL only reduces GPU tensors). What a rank returns to the
+# notebook is plain Python numbers.
 
 # %%
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+import fsdp_guide
 from fsdp_guide import launch
 
 
@@ -117,37 +127,39 @@ def my_slice(x):
     return x.chunk(dist.get_world_size())[dist.get_rank()]
 
 
-def mean_over_ranks(value):
-    t = torch.tensor([value])
+def mean_over_ranks(value, device):
+    t = torch.tensor([value], device=device)  # collectives take tensors on the rank's device
     dist.all_reduce(t)  # gloo has no AVG: sum, then divide
     return t.item() / dist.get_world_size()
 
 
-def train_steps(model):
+def train_steps(model, device):
     """Train a sharded model, each rank on its slice of every global batch."""
     # Built after sharding, so it holds (and updates) the shards.
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
+        x, y = x.to(device), y.to(device)
         loss = F.mse_loss(model(my_slice(x)), my_slice(y))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss.item()))
+        losses.append(mean_over_ranks(loss.item(), device))
         if step % 10 == 0:
             print(f"step {step:2d}  loss {losses[-1]:.4f}")
     return losses
 
 
 def train_fsdp2():
+    device = fsdp_guide.device()  # this rank's GPU, or the CPU
     model = build_model()
     full = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for layer in model.layers:
         fully_shard(layer)  # one unit per layer: one is unsharded at a time
     fully_shard(model)  # the root: whatever is left, and the schedule
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    losses = train_steps(model)
+    losses = train_steps(model, device)
     rows = len(my_slice(torch.arange(GLOBAL_BATCH)))
     placement = str(model.layers[0].weight.placements)
     return dict(full=full, local=local, losses=losses, rows=rows,
@@ -199,7 +211,8 @@ assert diff2 <= 1e-5
 # FSDP1 wraps modules instead of changing them in place. An `auto_wrap_policy` makes
 # each `nn.Linear` its own FSDP unit. FSDP1 flattens each unit's parameters into one
 # 1-D `FlatParameter` and shards that, so a rank's shard is a flat slice, not a block
-# of rows. The training loop is the same `train_steps` as above.
+# of rows. FSDP1 also needs to be told the rank's device (`device_id`); it moves the
+# model there. The training loop is the same `train_steps` as above.
 
 # %%
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -207,13 +220,14 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
 def train_fsdp1():
+    device = fsdp_guide.device()
     model = FSDP(
         build_model(),
         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),  # one unit per Linear
-        device_id=torch.device("cpu"),
+        device_id=device,
     )
     local = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return {"local": local, "losses": train_steps(model)}
+    return {"local": local, "losses": train_steps(model, device)}
 
 
 fsdp1 = launch(train_fsdp1, world_size=2, output="none")
@@ -262,3 +276,8 @@ fig.tight_layout()
 #
 # How FSDP1 and FSDP2 shard (and why FSDP1's shards are flat) is explained in
 # {ref}`fsdp-how-it-works`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("quickstart")

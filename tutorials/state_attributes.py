@@ -25,8 +25,11 @@
 # - a timeline, observed with hooks: what the module sees as its weight before, inside and
 #   after forward and backward, and after the optimizer step.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds. Private attributes
-# change between torch versions; this page was executed with:
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds. The code is written to
+# run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the timeline's input
+# come from {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each
+# rank has one, else the CPU (as on the machine that executed this page). Private
+# attributes change between torch versions; this page was executed with:
 
 # %%
 import sys
@@ -43,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 
+import fsdp_guide
 from fsdp_guide import describe_sharding, launch
 
 
@@ -58,13 +62,14 @@ def fsdp2_model():
     return fully_shard(model)
 
 
-def fsdp1_model():
-    return FSDP(make_model(), device_id=torch.device("cpu"))
+def fsdp1_model(device):
+    return FSDP(make_model(), device_id=device)  # FSDP1 moves it to the rank's device
 
 
 def tables():
+    device = fsdp_guide.device()
     return {"FSDP2": describe_sharding(fsdp2_model()),
-            "FSDP1": describe_sharding(fsdp1_model())}
+            "FSDP1": describe_sharding(fsdp1_model(device))}
 
 
 per_rank = launch(tables, world_size=2, output="none")
@@ -110,7 +115,7 @@ for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
 
 # %%
 def flat_param_attributes():
-    flat = fsdp1_model()._handle.flat_param
+    flat = fsdp1_model(fsdp_guide.device())._handle.flat_param
     def text(value):  # a set prints in hash order: sort it, so the page is the same every run
         return repr(sorted(value, key=repr)) if isinstance(value, set) else repr(value)
 
@@ -143,7 +148,7 @@ for name, (kind, value) in launch(flat_param_attributes, world_size=2,
 from torch.distributed.tensor import DTensor
 
 
-def record_timeline(model, layer, snapshot):
+def record_timeline(model, layer, snapshot, device):
     rows = [snapshot("before forward")]
     layer.register_forward_pre_hook(lambda m, args: rows.append(snapshot("inside forward")))
 
@@ -152,7 +157,7 @@ def record_timeline(model, layer, snapshot):
 
     layer.register_forward_hook(on_output)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = model(torch.randn(4, 8))
+    out = model(torch.randn(4, 8).to(device))
     rows.append(snapshot("after forward"))
     out.sum().backward()
     rows.append(snapshot("after backward"))
@@ -162,6 +167,7 @@ def record_timeline(model, layer, snapshot):
 
 
 def fsdp2_timeline():
+    device = fsdp_guide.device()
     model = fsdp2_model()
     layer = model[0]
 
@@ -172,7 +178,7 @@ def fsdp2_timeline():
         return (when, type(w).__name__, tuple(w.shape), local.untyped_storage().nbytes(),
                 None if grad is None else tuple(grad.shape))
 
-    return record_timeline(model, layer, snapshot)
+    return record_timeline(model, layer, snapshot, device)
 
 
 def show(rows, header):
@@ -192,7 +198,8 @@ show(launch(fsdp2_timeline, world_size=2, output="none")[0],
 
 # %%
 def fsdp1_timeline():
-    model = fsdp1_model()
+    device = fsdp_guide.device()
+    model = fsdp1_model(device)
     layer = model.module[0]
     flat = model._handle.flat_param
 
@@ -202,7 +209,7 @@ def fsdp1_timeline():
                 flat.untyped_storage().nbytes(),
                 None if flat.grad is None else tuple(flat.grad.shape))
 
-    return record_timeline(model, layer, snapshot)
+    return record_timeline(model, layer, snapshot, device)
 
 
 show(launch(fsdp1_timeline, world_size=2, output="none")[0],
@@ -228,3 +235,8 @@ show(launch(fsdp1_timeline, world_size=2, output="none")[0],
 #   DTensor parameters are the public state: {ref}`tip-private-state`.
 # - Outside forward and backward, a module's weights are shards (FSDP2) or stale views
 #   (FSDP1): {ref}`tip-custom-init-summon`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("state_attributes")

@@ -23,8 +23,8 @@
 # - why every rank must use the same seed inside the context;
 # - how to check the result against a single process, bit for bit.
 #
-# **What you need**: a CPU; 2 processes on gloo (NCCL on GPUs with the same code);
-# about 30 seconds. The tips it demonstrates are listed
+# **What you need**: a CPU; 2 processes on gloo; about 30 seconds. The code is written to
+# run unchanged with one GPU per rank (NCCL). The tips it demonstrates are listed
 # {ref}`at the end <summon-tips>`.
 
 # %%
@@ -41,11 +41,21 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # (tied weights), and blocks of two linear layers. Its recipe: embeddings
 # normal(0, 0.02), the first layer of each block orthogonal, the second normal with
 # a standard deviation that shrinks with depth (GPT-2's residual scaling), biases zero.
+#
+# The reference is what one process computes. Random numbers depend on the device that
+# draws them (the CPU and CUDA generators give different numbers for the same seed), so
+# the reference initialises its model where the sharded ones below are initialised: on the
+# rank's device, {func}`fsdp_guide.device` (the rank's own GPU, `cuda:LOCAL_RANK`, where
+# each rank has one, else the CPU, as on the machine that executed this page). Rank 0 of a
+# launch computes it alone, with no collective, and returns CPU tensors.
 
 # %%
 import math
 
 import torch.nn as nn
+
+import fsdp_guide
+from fsdp_guide import launch
 
 VOCAB, DIM, DEPTH = 32, 16, 3
 
@@ -89,15 +99,21 @@ def init_weights(model):
 INIT_SEED = 1234
 
 
-def reference_weights():
+def reference_model(device):
+    """One process's model, built with seed 0 and initialised by the recipe on `device`."""
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM().to(device)
     torch.manual_seed(INIT_SEED)
     init_weights(model)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return model
 
 
-reference = reference_weights()
+def reference_weights():
+    model = reference_model(fsdp_guide.device())
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+
+
+reference = launch(reference_weights, world_size=2, output="none")[0]  # rank 0's
 print(f"{len(reference)} parameters (the tied one counted once), "
       f"{sum(p.numel() for p in reference.values())} numbers")
 
@@ -112,7 +128,7 @@ print(f"{len(reference)} parameters (the tied one counted once), "
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_guide import describe_sharding, launch, summon_full_params
+from fsdp_guide import describe_sharding, summon_full_params
 
 
 def shard_fsdp2(model):
@@ -132,9 +148,9 @@ def init_on_fsdp2(seed_per_rank=False):
         tied = model.head.weight is model.embed.weight
         init_weights(model)
     # Gather the result to compare it with one process (writeback=False:
-    # we only look).
+    # we only look), as CPU tensors for the notebook.
     with summon_full_params(model, writeback=False):
-        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+        full = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     return {"outside": outside, "inside": inside, "tied_inside": tied,
             "full": full, "dtensor_after": type(model.head.weight).__name__,
             "tied_after": model.head.weight is model.embed.weight}
@@ -204,14 +220,15 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
 def init_on_fsdp1():
+    device = fsdp_guide.device()
     torch.manual_seed(0)
     model = FSDP(TinyLM(), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 device_id=torch.device("cpu"), use_orig_params=True)
+                 device_id=device, use_orig_params=True)
     torch.manual_seed(INIT_SEED)
     with summon_full_params(model):
         init_weights(model.module)
     with summon_full_params(model, writeback=False):
-        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
                 for n, p in model.module.named_parameters()}
     return full
 
@@ -227,7 +244,9 @@ assert exact
 # `summon_full_params` writes into the shards FSDP2 trains, in place, and puts
 # back the very same parameter objects, so an optimizer built before the context
 # still updates them. Train a few steps and compare with one process that starts
-# from the reference initialisation:
+# from the reference initialisation (computed, like the reference, by rank 0 alone on the
+# rank's device). The batches are built on the CPU and moved to the device, inputs and
+# targets alike:
 
 # %%
 import torch.nn.functional as F
@@ -245,11 +264,12 @@ def tokens(step, batch=8, length=12):
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(model, sharded):
+def train(model, device, sharded):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
+        x, y = x.to(device), y.to(device)
         if sharded:
             x = x.chunk(dist.get_world_size())[dist.get_rank()]
             y = y.chunk(dist.get_world_size())[dist.get_rank()]
@@ -266,24 +286,22 @@ def train(model, sharded):
 
 
 def init_then_train():
+    device = fsdp_guide.device()
     torch.manual_seed(0)
     model = shard_fsdp2(TinyLM())
     torch.manual_seed(INIT_SEED)
     with summon_full_params(model):
         init_weights(model)
-    return train(model, sharded=True)
+    return train(model, device, sharded=True)
 
 
 def single_process():
-    torch.manual_seed(0)
-    model = TinyLM()
-    torch.manual_seed(INIT_SEED)
-    init_weights(model)
-    return train(model, sharded=False)
+    device = fsdp_guide.device()
+    return train(reference_model(device), device, sharded=False)
 
 
 sharded_losses = launch(init_then_train, world_size=2, output="none")[0]
-single_losses = single_process()
+single_losses = launch(single_process, world_size=2, output="none")[0]  # rank 0's, alone
 gap = max(abs(a - b) for a, b in zip(sharded_losses, single_losses, strict=True))
 print(f"loss {single_losses[0]:.4f} -> {single_losses[-1]:.4f} in {STEPS} steps; "
       f"max |sharded - single| = {gap:.1e}")
@@ -304,3 +322,8 @@ assert gap < 1e-5
 #
 # How FSDP1 and FSDP2 shard parameters is explained in {ref}`fsdp1-vs-fsdp2`;
 # the API is in {ref}`fsdp-api`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("summon_full_params")
