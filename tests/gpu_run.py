@@ -96,7 +96,8 @@ def llm_bf16(gpus: int) -> dict:
     summary = launch(train, TrainConfig(steps=40, precision="bf16"), world_size=gpus, output="rank0")[0]
     os.environ["FSDP_GUIDE_DEVICE"] = "cuda"
     return {"ranks": gpus, "dtype": summary["dtype"], "tokens_per_s": round(summary["tokens_per_s"]),
-            "peak_memory_mb": [round(mb, 1) for mb in summary["peak_memory_mb"]],
+            "peak_memory_mib": [round(mib, 1) for mib in summary["peak_memory_mib"]],
+            "peak_memory_is": summary["peak_memory_is"],
             "loss_first_last": [round(summary["losses"][0], 4), round(summary["losses"][-1], 4)]}
 
 

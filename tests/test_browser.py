@@ -86,6 +86,29 @@ def test_every_page_loads_with_no_console_error_missing_resource_or_other_host(s
     assert {path: problems for path, problems in seen.items() if problems} == {}
 
 
+def test_no_page_has_a_serious_or_critical_accessibility_violation(site, base_url, browser):
+    """axe-core (the engine of browsers' accessibility audits), run on every page as served."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    axe, page, found = Axe(), browser.new_page(viewport=DESKTOP), []
+    for path in _pages(site):
+        page.goto(base_url + path)
+        for violation in axe.run(page).response["violations"]:
+            if violation["impact"] in ("serious", "critical"):
+                targets = [node["target"] for node in violation["nodes"][:3]]
+                found.append(f"{path}: {violation['id']} ({violation['impact']}) {violation['help']} at {targets}")
+    page.close()
+    assert not found, "\n".join(found)
+
+
+def test_every_figure_has_alt_text_that_says_what_it_shows(site):
+    for path in _pages(site):
+        for img in re.findall(r"<img\b[^>]*>", (site / path).read_text()):
+            alt = re.search(r'alt="([^"]*)"', img)
+            assert alt and len(alt.group(1).split()) >= 5, f"{path}: a figure without a description: {img[:200]}"
+            assert not alt.group(1).endswith((".png", ".svg")), f"{path}: alt text is a file name: {img[:200]}"
+
+
 def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, browser):
     page = browser.new_page(viewport=PHONE)
     too_wide = {}

@@ -149,6 +149,32 @@ def test_output_can_be_limited_to_rank_0_or_silenced(capfd):
     assert capfd.readouterr() == ("", "")
 
 
+def _warns():
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.warn("this API is going away", FutureWarning)
+    if dist.get_rank() == 1:
+        warnings.warn("only rank 1 says this")
+    return dist.get_rank()
+
+
+def test_warnings_of_ranks_whose_output_is_hidden_are_shown_once_by_the_parent(capfd, recwarn):
+    assert launch(_warns, world_size=2, output="none") == [0, 1]
+    shown = [(w.category, str(w.message)) for w in recwarn]
+    assert shown == [(FutureWarning, "this API is going away (on ranks 0, 1)"),
+                     (UserWarning, "only rank 1 says this (on rank 1)")]
+    assert recwarn[0].filename.endswith("test_launcher.py")  # where the rank raised it
+    recwarn.clear()
+    launch(_warns, world_size=2, output="rank0")  # rank 0 printed its own; rank 1's come back
+    assert [str(w.message) for w in recwarn] == ["this API is going away (on rank 1)", "only rank 1 says this (on rank 1)"]
+    assert "[rank0]" in capfd.readouterr().err
+    recwarn.clear()
+    launch(_warns, world_size=2, output="all")  # every rank printed its own
+    assert not recwarn.list
+
+
 def _tear_down_the_group_itself():
     import torch.distributed as dist
 
@@ -406,7 +432,7 @@ def test_nccl_without_a_gpu_per_rank_is_refused():
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(RuntimeError, match=rf"needs one GPU per rank: world_size={gpus + 1} but {gpus} GPU"):
+    with pytest.raises(RuntimeError, match=rf"needs one GPU per rank .*: world_size={gpus + 1} but {gpus} GPU"):
         launch(len, [], world_size=gpus + 1, backend="nccl")
 
 

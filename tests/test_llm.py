@@ -175,7 +175,7 @@ def test_torchrun_on_one_machine_runs_the_same_training(tmp_path, monkeypatch):
     done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=240,
                           env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "step    4 | loss" in done.stdout and "peak memory per rank: rank0" in done.stdout
+    assert "step    4 | loss" in done.stdout and "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in done.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["losses"] == run(steps=K)["losses"]
 
 

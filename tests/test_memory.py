@@ -112,3 +112,26 @@ def test_measure_matches_estimate_up_to_padding_on_real_ranks(world_size):
             expected = [1, 1, 1]
         for value, want in zip(values, expected):
             assert want <= value <= want * 1.01, (strategy, api, values)  # padding only adds, and little
+
+
+def _saved_around_an_fsdp2_forward():
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_guide.memory import saved_for_backward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)  # the root: the layers below it reshard after forward
+    with saved_for_backward() as saved:
+        loss = model(torch.ones(8, 64)).sum()
+    loss.backward()  # the freed weights are gathered again for it
+    return saved.nbytes, saved.held_at_exit
+
+
+def test_saved_for_backward_tells_the_weights_fsdp_frees_after_forward_from_what_stays():
+    for nbytes, held in launch(_saved_around_an_fsdp2_forward, world_size=2, output="none"):
+        weights = 64 * 64 * 4  # the second layer's gathered weight (the first's input needs no gradient)
+        activations = 2 * 8 * 64 * 4  # the input, and the ReLU's output (the second matmul's input)
+        assert (nbytes, held) == (weights + activations, activations)

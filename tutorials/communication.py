@@ -273,7 +273,7 @@ for setting, events in timelines.items():
 # The same default step as a picture (rank 0, here on the CPU with gloo, where nothing
 # overlaps, so the point is the order, not the gaps):
 
-# %%
+# %% mystnb={"image": {"alt": "Timeline of one FSDP2 FULL_SHARD step on rank 0, in milliseconds since the forward began, with three lanes: all-gathers and reduce-scatters, each labelled with its unit number, and the matmuls between them."}}
 import matplotlib.pyplot as plt
 
 LANES = {"FSDP::all_gather": ("all-gather", 2, "tab:blue"), "aten::mm": ("matmul", 1, "tab:gray"),

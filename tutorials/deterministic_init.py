@@ -134,7 +134,7 @@ square = launch(square_layer_after_sharding, world_size=2, output="none")[0]
 print("16x16 weight initialised after sharding: rank",
       torch.linalg.matrix_rank(square).item(), "of 16")
 
-# %%
+# %% mystnb={"image": {"alt": "Two heat maps of the first layer's 32 by 16 weight. Initialised after sharding (left), the rows above and below the line at row 16 show the same pattern: the two shards are copies. Initialised as one process would (right), no such repetition."}}
 import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, 2, figsize=(7, 3.4))

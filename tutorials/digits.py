@@ -163,7 +163,7 @@ print(f"FSDP1 final: Test set: Average loss: {final['test_loss']:.4f}, Accuracy:
 print("largest |train loss FSDP1 - FSDP2| over the epochs: "
       f"{max(abs(a['train_loss'] - b['train_loss']) for a, b in zip(fsdp1, fsdp2)):.1e}")
 
-# %%
+# %% mystnb={"image": {"alt": "Two panels over training epochs: train and test loss for FSDP1 and FSDP2 falling together, and test accuracy rising to about 97 percent for both."}}
 import matplotlib.pyplot as plt
 
 fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(9, 3.2))

@@ -244,7 +244,7 @@ for mistake in ({"sharding_stratgy": "FULL_SHARD"}, {"sharding_strategy": "FULL_
     try:
         validate(mistake)
     except ValueError as err:
-        print(f"{str(mistake):40} -> {str(err)[:150]}")
+        print(f"{str(mistake)}\n  -> {err}")
 
 # %% [markdown]
 # Settings that pass the checks but cannot work together fail on the ranks, before any

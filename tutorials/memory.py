@@ -142,7 +142,7 @@ for world_size in (2, 4):
 # shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2
 # keeps no other, and what happens when the optimizer keeps one too).
 
-# %%
+# %% mystnb={"image": {"alt": "Stacked bars of model-state memory measured per rank, in MB, split into parameters, gradients and optimizer state, for each strategy and API, on 2 ranks (left) and 4 ranks (right)."}}
 import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)

@@ -55,6 +55,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
 
@@ -105,14 +106,15 @@ def dtypes_of(api, low, autocast, device):
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
     with record_dtypes() as seen, torch.autocast(device.type, dtype=autocast or torch.bfloat16,
                                                  enabled=autocast is not None):
-        loss = model(x).float().square().mean()
+        out = model(x)
+        loss = F.mse_loss(out, torch.zeros_like(out))  # a loss op: CPU autocast runs it in float32
     with record_dtypes() as seen_backward:
         loss.backward()
     grad = next(model.parameters()).grad
     reduce = seen_backward.get("backward", "reduce-scatter")
     return [seen.get("forward", "all-gather"), str(seen_weight[0]).removeprefix("torch."),
             seen.get("forward", "matmul"),
-            seen.get("forward", "softmax"), seen_backward.get("backward", "matmul"),
+            seen.get("forward", "softmax"), seen.get("forward", "loss"), seen_backward.get("backward", "matmul"),
             str(grad.dtype).removeprefix("torch."), reduce]
 
 
@@ -121,7 +123,7 @@ def all_cases():
     return [dtypes_of(api, low, autocast, device) for _, api, low, autocast in CASES]
 
 
-columns = ("all-gather", "forward weight", "matmul", "softmax", "grad matmul", "stored grad",
+columns = ("all-gather", "forward weight", "matmul", "softmax", "loss", "grad matmul", "stored grad",
            "reduce")
 print(f"{'':22}" + "".join(f"{c:>15}" for c in columns))
 for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
@@ -133,17 +135,21 @@ for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
 # - **Autocast only**: the weights stay float32 (FSDP gathers them in float32) and
 #   autocast casts them at every matmul; gradients are stored and reduced in float32.
 # - **FSDP's mixed precision only**: the gathered weights are bfloat16, so *every*
-#   operation that touches them runs in bfloat16, the softmax included: without autocast
-#   nothing raises precision-sensitive operations back to float32. Gradients are computed
-#   in bfloat16, then reduced in float32 (`reduce_dtype`) and stored in float32 on the
-#   float32 shard. FSDP1 does the same.
+#   operation that touches them runs in bfloat16, the softmax and the loss included:
+#   without autocast nothing raises precision-sensitive operations back to float32.
+#   Gradients are computed in bfloat16, then reduced in float32 (`reduce_dtype`) and
+#   stored in float32 on the float32 shard. FSDP1 does the same.
 # - **Both**: the weights arrive already in bfloat16 (gathered in bfloat16: half the
-#   bytes) and autocast decides per operation. This is the usual combination.
+#   bytes) and autocast decides per operation. The `loss` column is the difference from
+#   "FSDP bf16 only": autocast runs `mse_loss` in float32 (on the CPU, as `cross_entropy`
+#   and torch's other losses on autocast's float32 list), where FSDP's policy alone left
+#   it in bfloat16. `MixedPrecisionPolicy` casts parameters; it does not choose a dtype
+#   per operation, which is why it is usually combined with autocast.
 # - **float16** behaves the same way, with float16 in place of bfloat16.
 #
 # The table was produced on the CPU, where autocast keeps this softmax in the low dtype.
-# Torch's autocast op reference lists softmax among the CUDA ops that autocast runs in
-# float32, so with GPU ranks the softmax column is expected to read float32 instead. The
+# The *Autocast Op Reference* in torch.amp's documentation lists softmax among the CUDA ops
+# that autocast runs in float32, so with GPU ranks the softmax column is expected to read float32 instead. The
 # device also changes autocast's *default* dtype, which is why the cells above always pass
 # `dtype=`. This cell runs in the notebook itself, not on the ranks, and asks torch for
 # both device types' defaults (no GPU is needed for that):
@@ -166,7 +172,34 @@ from fsdp_guide.precision import low_precision_dtype
 print("low_precision_dtype() here:", low_precision_dtype())
 if torch.cuda.is_available():
     print("CUDA compute capability", torch.cuda.get_device_capability(),
-          "bf16 supported:", torch.cuda.is_bf16_supported())
+          "bf16 supported:", torch.cuda.is_bf16_supported(),
+          "without emulation:", torch.cuda.is_bf16_supported(including_emulation=False))
+
+# %% [markdown]
+# What does torch do when you ask for bfloat16 on a GPU older than Ampere (a V100, a T4)?
+# It neither refuses nor falls back to float32. The two pieces of torch's source that decide,
+# printed from the torch this page ran with:
+
+# %%
+import inspect
+
+print("torch.cuda.is_bf16_supported" + str(inspect.signature(torch.cuda.is_bf16_supported)))
+autocast_init = inspect.getsource(torch.amp.autocast.__init__)
+print("torch.autocast's only bfloat16 check on CUDA:",
+      [line.strip() for line in autocast_init.splitlines() if "is_bf16_supported" in line])
+
+# %% [markdown]
+# `torch.cuda.is_bf16_supported()` defaults to `including_emulation=True`: on a GPU below
+# compute capability 8.0 it returns True when a bfloat16 tensor can be created there
+# (`torch/cuda/__init__.py`, `_check_bf16_tensor_supported`), which any CUDA GPU allows.
+# `torch.autocast("cuda", dtype=torch.bfloat16)` raises only when that check is False
+# (`torch/amp/autocast_mode.py`, `autocast.__init__`), so on such a GPU it runs, and the
+# matmuls compute in bfloat16 without the hardware for it (emulated; not measured here, as
+# no such GPU ran this page). Nothing in `torch.distributed` calls `is_bf16_supported` at
+# all, so FSDP's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` does not check either.
+# `low_precision_dtype()` asks
+# `is_bf16_supported(including_emulation=False)` instead, so it picks float16 on those
+# GPUs, which then needs a gradient scaler (next section).
 
 # %% [markdown]
 # ## float16 needs a gradient scaler; bfloat16 does not

@@ -247,7 +247,7 @@ assert diff1 <= 1e-5
 #
 # They lie on top of each other:
 
-# %%
+# %% mystnb={"image": {"alt": "Loss per step on a log scale for one process on the whole batch, FSDP2 on 2 ranks and FSDP1 on 2 ranks: the three curves lie on top of each other."}}
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 3.2))

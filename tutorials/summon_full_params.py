@@ -243,10 +243,13 @@ assert exact
 #
 # `summon_full_params` writes into the shards FSDP2 trains, in place, and puts
 # back the very same parameter objects, so an optimizer built before the context
-# still updates them. Train a few steps and compare with one process that starts
-# from the reference initialisation (computed, like the reference, by rank 0 alone on the
-# rank's device). The batches are built on the CPU and moved to the device, inputs and
-# targets alike:
+# still updates them. Below, the optimizer is built *before* the initialisation; the worker
+# checks that the parameters after the context are the objects the optimizer holds, then
+# trains a few steps and compares with one process that starts from the reference
+# initialisation (computed, like the reference, by rank 0 alone on the rank's device). If
+# the optimizer held stale tensors, its steps would not reach the model and the losses would
+# part ways. The batches are built on the CPU and moved to the device, inputs and targets
+# alike:
 
 # %%
 import torch.nn.functional as F
@@ -264,8 +267,8 @@ def tokens(step, batch=8, length=12):
     return seq[:, :-1], seq[:, 1:]
 
 
-def train(model, device, sharded):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def train(model, device, sharded, optimizer=None):
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
@@ -289,10 +292,13 @@ def init_then_train():
     device = fsdp_guide.device()
     torch.manual_seed(0)
     model = shard_fsdp2(TinyLM())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before the context
     torch.manual_seed(INIT_SEED)
     with summon_full_params(model):
         init_weights(model)
-    return train(model, device, sharded=True)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    same_objects = all(a is b for a, b in zip(held, model.parameters(), strict=True))
+    return same_objects, train(model, device, sharded=True, optimizer=optimizer)
 
 
 def single_process():
@@ -300,12 +306,35 @@ def single_process():
     return train(reference_model(device), device, sharded=False)
 
 
-sharded_losses = launch(init_then_train, world_size=2, output="none")[0]
+same_objects, sharded_losses = launch(init_then_train, world_size=2, output="none")[0]
 single_losses = launch(single_process, world_size=2, output="none")[0]  # rank 0's, alone
 gap = max(abs(a - b) for a, b in zip(sharded_losses, single_losses, strict=True))
+print("the optimizer built before the context holds the model's parameters after it:", same_objects)
 print(f"loss {single_losses[0]:.4f} -> {single_losses[-1]:.4f} in {STEPS} steps; "
       f"max |sharded - single| = {gap:.1e}")
-assert gap < 1e-5
+assert same_objects and gap < 1e-5
+
+# %% [markdown]
+# ## `writeback=False` discards what the block changed
+#
+# The cells above passed `writeback=False` where they only looked at the full weights. Any
+# change made inside such a context is thrown away on exit; with the default
+# (`writeback=True`) it is kept. Zero every weight inside each kind of context and look
+# at the shards afterwards:
+
+# %%
+def zero_inside(writeback):
+    torch.manual_seed(0)
+    model = shard_fsdp2(TinyLM())
+    with summon_full_params(model, writeback=writeback), torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    return all(bool((p.to_local() == 0).all()) for p in model.parameters())
+
+
+for writeback in (False, True):
+    zeroed = launch(zero_inside, writeback, world_size=2, output="none")
+    print(f"writeback={writeback!s:5}: every shard zero after the context, rank 0 / rank 1: {zeroed}")
 
 # %% [markdown]
 # (summon-tips)=
@@ -317,6 +346,8 @@ assert gap < 1e-5
 #   every rank the same, or the slices come from different draws:
 #   {ref}`tip-same-seed-inside-summon`.
 # - Tied parameters stay tied, inside and after: {ref}`tip-tied-weights-summon`.
+# - Changes made inside `summon_full_params(..., writeback=False)` are discarded on exit;
+#   use it only to look.
 # - The result equals single-process initialisation exactly, and training from it
 #   matches too: {ref}`tip-check-against-one-process`.
 #

@@ -6,17 +6,20 @@ anything else, so it imports this package, and the modules the function was
 pickled by reference against, exactly as the parent does (a source checkout on
 ``sys.path`` included). :func:`main` then reads the function and its arguments
 from ``RUN_DIR/payload.pkl``, joins the process group, runs the function and
-writes ``("ok", value, where)`` (``where``: :func:`where_this_rank_ran`) or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
+writes ``("ok", value, where, warnings)`` (``where``: :func:`where_this_rank_ran`;
+``warnings``: those it would have printed, when its output is not shown) or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
 import threading
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,7 +64,7 @@ def where_this_rank_ran(backend: str) -> dict:
     from fsdp_guide.devices import placement
 
     where = placement()
-    return {"backend": backend, "device": str(where.device), "shared": where.shared, "torch": torch.__version__}
+    return {"backend": backend, "device": str(where.device), "shared": where.shared, "torch": str(torch.__version__)}  # a plain str: unpickling TorchVersion imports torch
 
 
 def _store(rank: int, world_size: int, timeout: float):
@@ -101,6 +104,25 @@ def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
             time.sleep(0.005)
 
 
+def _shown(output: str, rank: int) -> bool:
+    return output == "all" or (output == "rank0" and rank == 0)
+
+
+@contextlib.contextmanager
+def _warnings_kept(keep: bool):
+    """Record the warnings a rank whose output is not shown would have printed, for the parent to show.
+
+    The filters in force still decide which warnings exist (``record=True`` replaces
+    only how they are shown), so the parent shows what this rank would have printed."""
+    if not keep:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        kept = []
+        yield kept
+    kept.extend((w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught)
+
+
 def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
     tmp = run_dir / f"rank{rank}.tmp"
     tmp.write_bytes(cloudpickle.dumps(record))
@@ -118,11 +140,12 @@ def main() -> None:
         store = _store(rank, config["world_size"], config["timeout"])
         backend = init_process_group(config["backend"], store=store, timeout=config["timeout"])
         where = where_this_rank_ran(backend)
-        result = fn(*args, **kwargs)
+        with _warnings_kept(not _shown(config["output"], rank)) as caught:
+            result = fn(*args, **kwargs)
         if dist.is_initialized():  # the function may have torn it down itself
             dist.destroy_process_group()
         try:
-            _write_result(run_dir, rank, ("ok", result, where))
+            _write_result(run_dir, rank, ("ok", result, where, caught))
         except Exception as exc:
             raise TypeError(f"the value returned by rank {rank} cannot be sent back to the parent: {exc}") from exc
         _leave_together(store, rank, config["world_size"], config["timeout"])

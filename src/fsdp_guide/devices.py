@@ -1,6 +1,6 @@
 """Where a rank computes: the one rule that the launcher, ``shard``, checkpoints and the recipe share.
 
-A worker function asks :func:`device` once and puts its model, data and
+A worker function asks :func:`fsdp_guide.device` once and puts its model, data and
 collective tensors there, so the same code trains on two CPU processes (gloo)
 and on a node of GPUs (NCCL)::
 
@@ -87,7 +87,7 @@ def _one_gpu_per_task() -> bool:
 
 
 def placement() -> Placement:
-    """:func:`device`, with whether the GPU is shared and the reason, for logs and records.
+    """The rule of :func:`fsdp_guide.device`, with whether the GPU is shared and the reason, for logs and records.
 
     Raises:
         ValueError: ``FSDP_GUIDE_DEVICE`` is not ``cpu``/``cuda``, it asks for ``cuda`` where
@@ -149,7 +149,7 @@ def device() -> torch.device:
 
 
 def backend(requested: str = "auto") -> str:
-    """The process-group backend for this rank's :func:`device`.
+    """The process-group backend for this rank's :func:`fsdp_guide.device`.
 
     ``"auto"`` gives ``"cpu:gloo,cuda:nccl"`` on a GPU of the rank's own (NCCL for
     FSDP's collectives, gloo beside it for CPU tensors: object collectives, CPU

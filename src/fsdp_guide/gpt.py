@@ -9,6 +9,7 @@ number of parameters and runs once per forward.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -100,15 +101,19 @@ class GPT(nn.Module):
         self.lm_head.weight = self.tok_emb.weight  # tied: one tensor, in the root FSDP unit
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """nanoGPT's initialisation, in a fixed order: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer).
 
         It draws from the global RNG, so seed it first. Call it on full tensors (before
         sharding, or inside :func:`fsdp_guide.summon_full_params`): on shards every rank
-        would draw the same numbers for its own slice.
+        would draw the same numbers for its own slice. ``params``: initialise only these
+        (in the same order), e.g. the ones of the unit gathered now; default: all.
         """
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        chosen = None if params is None else {id(p) for p in params}
         for name, param in self.named_parameters():  # a tied parameter is listed once
+            if chosen is not None and id(param) not in chosen:
+                continue
             if name.endswith("proj.weight"):
                 nn.init.normal_(param, 0.0, residual_std)
             elif name.endswith("weight") and param.dim() >= 2:

@@ -21,6 +21,7 @@ loopback socket for torch's own ``TCPStore``.
 
 from __future__ import annotations
 
+import builtins
 import collections
 import json
 import os
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,15 +139,17 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
         run_dir = Path(run_dir)
         (run_dir / "payload.pkl").write_bytes(payload)
-        config = {"world_size": world_size, "backend": backend, "timeout": timeout, "sys_path": list(sys.path)}
+        config = {"world_size": world_size, "backend": backend, "timeout": timeout, "sys_path": list(sys.path),
+                  "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
         ranks = _Ranks(run_dir, world_size, output)
         try:
             ranks.start()
-            results, where = ranks.wait(timeout)
+            results, where, caught = ranks.wait(timeout)
         finally:
             ranks.stop()
     _record(fn, world_size, where)
+    _show_warnings(caught)
     return results
 
 
@@ -175,6 +179,25 @@ def _record(fn, world_size: int, ranks: list[dict]) -> None:
     if log:
         with open(log, "a") as f:
             f.write(json.dumps(entry) + "\n")
+
+
+def _show_warnings(per_rank: list[list[tuple]]) -> None:
+    """Issue here, once each, the warnings that ranks whose output is hidden would have printed.
+
+    A reader running the same code in a script would see them, so ``output="none"`` must
+    not hide them; shown from this process, after the ranks finished, they come in a
+    stable order with the ranks that raised them named."""
+    ranks_of: dict[tuple, list[int]] = {}
+    for rank, caught in enumerate(per_rank):
+        for warning in caught:
+            ranks_of.setdefault(warning, []).append(rank)
+    for (category, message, filename, lineno), ranks in ranks_of.items():
+        # The parent does not import torch, so torch's own warning classes arrive by name.
+        cls = getattr(builtins, category, None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, Warning) else UserWarning
+        prefix = "" if cls.__name__ == category else f"{category}: "
+        where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        warnings.warn_explicit(f"{prefix}{message} (on {where})", cls, filename, lineno, module="fsdp_guide.ranks")
 
 
 def _under_torchrun() -> bool:
@@ -342,7 +365,7 @@ class _Ranks:
             time.sleep(0.05)  # ranks failing at the same moment: let every exit time be recorded
             raise self._failure()
         records = [self._result(r) for r in range(self.world_size)]
-        return [record[1] for record in records], [record[2] for record in records]
+        return [record[1] for record in records], [record[2] for record in records], [record[3] for record in records]
 
     def _wait_for_an_exit(self, deadline: float) -> bool:
         """True once a rank failed or all finished; waits in short slices so an interrupt is seen at once."""

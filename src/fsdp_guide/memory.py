@@ -200,23 +200,37 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
 
 
 class _SavedBytes:
-    """The running total of :func:`saved_for_backward`."""
+    """What :func:`saved_for_backward` counts: ``nbytes`` as saved, ``held_at_exit`` when the block ended."""
 
     def __init__(self):
         self.nbytes = 0
+        self.held_at_exit = 0
         self._storages = _Storages()
+        self._saved: list[torch.Tensor] = []  # only while the block runs
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.nbytes += self._storages.bytes([t])
+        self._saved.append(t)
         return t
+
+    def close(self) -> None:
+        # Current sizes: FSDP frees a gathered weight by shrinking its storage to 0 bytes
+        # after the forward, though autograd still holds it (and regathers it for backward).
+        self.held_at_exit = _Storages().bytes(self._saved)
+        self._saved.clear()
 
 
 @contextlib.contextmanager
 def saved_for_backward():
     """A context manager counting the bytes autograd saves for backward (activations, and weights).
 
-    Distinct storages count once, at their real size: torchao's float8 tensors count
-    one byte per element, though they report their original dtype.
+    ``nbytes`` counts each tensor when it is saved; ``held_at_exit`` counts the same
+    tensors' memory still allocated when the block ends. Around a forward under FSDP
+    the two differ by the gathered weights: autograd saves them, then FSDP frees their
+    memory after the forward (and gathers them again in backward), so ``held_at_exit``
+    is what the forward leaves for backward. Distinct storages count once, at their
+    real size: torchao's float8 tensors count one byte per element, though they report
+    their original dtype.
 
     Example:
 
@@ -225,9 +239,13 @@ def saved_for_backward():
     >>> layer = torch.nn.Linear(1000, 10)
     >>> with saved_for_backward() as saved:
     ...     loss = layer(torch.ones(32, 1000)).sum()
-    >>> saved.nbytes  # the input (32 x 1000 float32), kept to compute the weight's gradient
-    128000
+    >>> saved.nbytes, saved.held_at_exit  # the input (32 x 1000 float32), kept to compute the weight's gradient
+    (128000, 128000)
     """
     counter = _SavedBytes()
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-        yield counter
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            yield counter
+    finally:
+        counter.close()
+

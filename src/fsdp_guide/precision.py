@@ -26,6 +26,8 @@ _KINDS = {
     "aten::baddbmm": "matmul",
     "aten::_softmax": "softmax",
     "aten::_log_softmax": "softmax",
+    "aten::mse_loss": "loss",
+    "aten::nll_loss_forward": "loss",  # cross_entropy's
     "c10d::_allgather_base_": "all-gather",
     "c10d::allgather_": "all-gather",
     "c10d::allgather_into_tensor_coalesced_": "all-gather",
@@ -87,10 +89,10 @@ class DtypeRecord(TorchDispatchMode):
         if kind is not None:
             # A collective's input is what goes on the wire (for an all-gather the first
             # argument is the gathered buffer: same dtype, all the bytes); a matmul's
-            # operands are what it computes in; a softmax's output is.
+            # operands are what it computes in; a softmax's or a loss's output is.
             if kind == "matmul":  # both matrices (addmm and baddbmm take the added term first)
                 tensors = [_storage_tensor(t) for t in (args[1:3] if "add" in func._schema.name else args[:2])]
-            elif kind == "softmax":
+            elif kind in ("softmax", "loss"):
                 tensors = [_first_tensor(out)]
             else:
                 tensors = [_first_tensor(args[1] if kind == "reduce-scatter" else args)]
@@ -109,7 +111,10 @@ class DtypeRecord(TorchDispatchMode):
 
 
 def record_dtypes() -> DtypeRecord:
-    """A context manager that records the dtype of each matmul (its operands), softmax and collective.
+    """A context manager that records the dtype of each matmul (its operands), softmax, loss and collective.
+
+    Kinds: ``matmul``, ``softmax`` (and log-softmax), ``loss`` (``mse_loss``, and the
+    ``nll_loss`` of ``cross_entropy``), ``all-gather``, ``reduce-scatter``, ``all-reduce``.
 
     Example:
 

@@ -9,10 +9,11 @@ One worker function, ``train(config)``, runs in every way a reader needs::
         --rdzv-endpoint=HOST:29500 -m fsdp_guide.recipes.train_llm      # a cluster
 
 The steps, in order: build the model on the meta device, apply activation
-checkpointing per block, ``fully_shard`` each block then the root, allocate and
-initialise the shards (as one process would, through ``summon_full_params``), then
-train with AdamW, a warm-up + cosine schedule, gradient clipping over the global
-norm, and gradient accumulation that reduce-scatters once per step. Checkpoints
+checkpointing per block, ``fully_shard`` each block then the root, allocate the
+shards and initialise them one unit at a time (as one process would, through
+``summon_full_params``), then train with AdamW, a warm-up + cosine schedule,
+gradient clipping over the global norm, and gradient accumulation that
+reduce-scatters once per step. Checkpoints
 (``fsdp_guide.checkpoint``) hold everything needed to continue bit for bit,
 the position in the data stream included.
 """
@@ -37,7 +38,7 @@ import torch.nn as nn
 from fsdp_guide import launch
 from fsdp_guide.devices import device as rank_device
 
-__all__ = ["TrainConfig", "train", "main"]
+__all__ = ["TrainConfig", "train", "main", "build_model", "shard_model", "init_sharded"]
 
 DATA = ("python-docs", "repeating")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -104,10 +105,16 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 def build_model(config: TrainConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Meta-device model -> activation checkpointing per block -> fully_shard blocks, then root -> init."""
+    model = shard_model(config, device, dtype)
+    init_sharded(model, config.seed)
+    return model
+
+
+def shard_model(config: TrainConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The GPT built on the meta device and sharded; its shards allocated on ``device``, not initialised."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fsdp_guide import summon_full_params
     from fsdp_guide.gpt import GPT
 
     with torch.device("meta"):
@@ -119,14 +126,29 @@ def build_model(config: TrainConfig, device: torch.device, dtype: torch.dtype) -
     for block in model.blocks:
         fully_shard(block, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)  # the root: embeddings, final norm, tied head
-    model.to_empty(device=device)
-    # Initialise the full tensors, seeded alike on every rank: each rank keeps its slice of
-    # the same weights, as one process would have them (on shards, every rank would draw
-    # the same numbers for a different slice).
-    torch.manual_seed(config.seed)
-    with summon_full_params(model):
-        model.init_weights()
+    model.to_empty(device=device)  # each rank allocates its shards only
     return model
+
+
+def init_sharded(model: nn.Module, seed: int) -> None:
+    """Initialise a sharded GPT as one process would, one FSDP unit at a time.
+
+    Each unit's parameters are gathered, initialised and written back before the next
+    unit's (``summon_full_params(unit, recurse=False)``), so a rank holds at most one unit
+    in full besides its shards. Seeded alike on every rank, each rank keeps its slice of
+    the same weights (on the shards themselves, every rank would draw the same numbers
+    for a different slice). The units go in the order ``init_weights`` draws in, the
+    root's embeddings then each block, so the weights are bit for bit those of
+    ``init_weights`` on the whole model.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_guide import summon_full_params
+
+    torch.manual_seed(seed)
+    for unit in (model, *model.blocks):
+        with summon_full_params(unit, recurse=False):
+            model.init_weights(p for p in unit.parameters() if not isinstance(p, DTensor))  # the gathered ones
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig):
@@ -178,10 +200,16 @@ def train_step(model, optimizer, scheduler, scaler, batches, config: TrainConfig
     return loss_sum.item() / dist.get_world_size()
 
 
-def _peak_memory_mb(device: torch.device) -> float:
+def _peak_memory(device: torch.device) -> tuple[str, float]:
+    """What this rank can report as its peak memory, and the amount in MiB.
+
+    On a GPU, the most memory torch's allocator held for tensors. On the CPU there is no
+    such counter: the peak resident set of the whole rank process (Python, torch's
+    libraries, the data and every tensor), which ``ru_maxrss`` gives in KiB on Linux.
+    """
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # peak RSS of this rank, in KiB on Linux
+        return "peak torch.cuda.max_memory_allocated", torch.cuda.max_memory_allocated(device) / 2**20
+    return "peak RSS of the whole process (ru_maxrss)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
 def train(config: TrainConfig, *, storage_writer=None) -> dict:
@@ -234,11 +262,12 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if config.export:
         checkpoint.export_consolidated(model, config.export)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, _peak_memory_mb(device))
+    what, peak = _peak_memory(device)
+    dist.all_gather_object(peaks, peak)
     if rank == 0:
-        print("peak memory per rank: " + ", ".join(f"rank{r} {mb:,.0f} MB" for r, mb in enumerate(peaks)))
+        print(f"peak memory per rank, {what}: " + ", ".join(f"rank{r} {mib:,.0f} MiB" for r, mib in enumerate(peaks)))
     return dict(first_step=start + 1, losses=losses, dtype=str(dtype).removeprefix("torch."),
-                peak_memory_mb=peaks, tokens_per_s=tokens_per_s, checkpoint=str(saved) if saved else None)
+                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s, checkpoint=str(saved) if saved else None)
 
 
 _HELP = {
