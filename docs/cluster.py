@@ -40,9 +40,15 @@
 # runs the two-machine form as two `torchrun` processes on one machine (one rank each)
 # and checks that they produce exactly the losses of one machine with 2 ranks.
 #
-# That store listens on *every* interface of HOST (torch has no option to restrict it),
-# and so does the process group's own store: run on a private network, or behind a
-# firewall that only lets the cluster's nodes reach those ports.
+# By default that store accepts connections on *every* interface of HOST, not only on the
+# address named in the endpoint, and so does the process group's own store: a `TCPStore`
+# server is given a port but no address to listen on (`TCPStoreOptions` in torch's
+# installed header `torch/include/torch/csrc/distributed/c10d/TCPStore.hpp`; the one
+# alternative is a socket you bind yourself, passed as `master_listen_fd`, which
+# torchrun's c10d rendezvous, `_create_tcp_store` in
+# `torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py`, does not pass). Run
+# on a private network, or behind a firewall that only lets the cluster's nodes reach
+# those ports.
 #
 # ## The environment variables that matter
 #
@@ -54,7 +60,7 @@
 # | `NCCL_IB_DISABLE=1`, `NCCL_IB_HCA` | turn InfiniBand off, or choose the adapters |
 # | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | on by default: a failed or timed-out collective aborts the process instead of hanging it |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | checks that every rank calls the same collectives with matching shapes (slow; for debugging) |
-# | `OMP_NUM_THREADS` | CPU threads per rank; `torchrun` sets 1, raise it to cores per rank for CPU work |
+# | `OMP_NUM_THREADS` | CPU threads per rank; when it is unset and `--nproc-per-node` is more than 1, `torchrun` sets it to 1 and logs a warning saying so (`config_from_args` in `torch/distributed/run.py`); raise it to cores per rank for CPU work |
 #
 # ## SLURM
 #
@@ -88,7 +94,7 @@
 # ## HSDP: shard within a node, replicate across nodes
 #
 # `FULL_SHARD` over many nodes all-gathers every layer across the slow links between
-# them. Hybrid sharding ({term}`HSDP`) shards within a group of ranks (a node, over fast NVLink) and
+# them. Hybrid sharding ({term}`HSDP`) shards within a group of ranks (a node, whose GPUs are typically linked by NVLink) and
 # keeps a full replica of the shards on each group: all-gathers stay inside the node,
 # and only the gradient reduction crosses nodes. FSDP1 calls it
 # `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D {term}`device mesh`, `(replicate, shard)`. Here
@@ -158,10 +164,16 @@ print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 # %% [markdown]
 # Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold halves of it, as do
 # ranks 2 and 3) and `Replicate()` across the replicate groups (ranks 0 and 2 hold the same
-# half). The 4 all-gathers (2 units, in forward and again in backward) run inside the shard
-# group of 2; each unit's gradients are reduce-scattered inside it (2) and then all-reduced
-# across the replicate group (2), so every rank ends with its shard of the gradient
-# averaged over all 4 ranks. That this is exactly data-parallel training:
+# half). The counts above do not say which group each collective used; that follows from
+# the mesh, in torch's source (`FSDPParamGroup` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`): the all-gathers and the
+# reduce-scatters use `_all_gather_process_group` and `_reduce_scatter_process_group`,
+# the mesh's `shard` dimension, and the all-reduces `_all_reduce_process_group`, its
+# `replicate` dimension. So the 4 all-gathers (2 units, in forward and again in backward)
+# run inside the shard group of 2; each unit's gradients are reduce-scattered inside it (2)
+# and then all-reduced across the replicate group (2), so every rank ends with its shard of
+# the gradient averaged over all 4 ranks. That this is data-parallel training, up to float
+# rounding:
 
 # %%
 model = make_model()

@@ -46,7 +46,7 @@ def test_fsdp1_rows_show_each_parameters_slice_of_the_flat_parameter():
     assert by_rank[0]["0.weight"].local_shape == (9,) and by_rank[0]["0.bias"].local_shape == (0,)
     assert by_rank[1]["0.weight"].local_shape == (6,) and by_rank[1]["0.bias"].local_shape == (3,)
     assert by_rank[0]["0.bias"].placement == "none on this rank"
-    assert by_rank[1]["0.weight"].placement == "flat [9:15] of FlatParameter"
+    assert by_rank[1]["0.weight"].placement == "elements [9:15] of the parameter, at [0:6] of this rank's flat shard"
     for name, full in (("0.weight", 15), ("0.bias", 3), ("2.weight", 6), ("2.bias", 2)):
         assert by_rank[0][name].local_shape[0] + by_rank[1][name].local_shape[0] == full
 

@@ -145,7 +145,8 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     assert gathered[("bf16", "forward")][-3:] == ["bfloat16", "3", "98304"]
     assert gathered[("fp8", "forward")][-3:] == ["uint8", "3", "49152"]  # one byte per element, as uint8 on gloo
     memory = {l.split()[0]: [int(v) for v in l.split()[1:]] for l in text.splitlines()
-              if l.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"]) and len(l.split()) == 6}
+              if l.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"]) and len(l.split()) == 6
+              and all(v.isdigit() for v in l.split()[1:])}
     assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
     saved, held = {mode: v[3] for mode, v in memory.items()}, {mode: v[4] for mode, v in memory.items()}
     assert all(held[mode] < saved[mode] for mode in held)  # FSDP2 frees the gathered weights after forward
@@ -171,10 +172,11 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     text = _text_outputs(executed["mixed_precision"])
     rows = {line[:22].strip(): line[22:].split() for line in text.splitlines() if line[:22].strip() in (
         "no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")}
-    # all-gather, forward weight, matmul, softmax, grad matmul, stored grad, reduce
-    assert rows["no mixed precision"] == ["float32"] * 7
+    # all-gather, forward weight, matmul, softmax, loss, grad matmul, stored grad, reduce
+    assert rows["no mixed precision"] == ["float32"] * 8
     assert rows["autocast bf16 only"][:3] == ["float32", "float32", "bfloat16"]  # fp32 weights, cast per matmul
-    assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 5 + ["float32"] * 2
+    assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 6 + ["float32"] * 2
+    assert rows["FSDP + autocast bf16"][4] == "float32"  # the contrast: autocast runs the loss in float32
     assert "torch.autocast('cuda') without dtype= computes in torch.float16" in text
     runs = {line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line}
     assert runs["fp16, no scaler"][0] == runs["fp16, no scaler"][1] and runs["fp16, no scaler"][2] == "100%"

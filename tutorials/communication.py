@@ -47,8 +47,13 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # ## One collective at a time
 #
 # The ranks talk over the loopback interface, so the kernel's count of bytes sent on `lo`
-# is the traffic of all ranks together (plus TCP/IP headers, a few percent). Rank 0 reads
-# it between two barriers around one collective of *S* = 4 MiB:
+# is the traffic of all ranks together, TCP/IP headers and acknowledgements included
+# (`lo` carries packets of up to its MTU, 64 KiB by default on Linux, so these are a small
+# part of the count). Rank 0 reads the counter, then a barrier lets every rank start one
+# collective of *S* = 4 MiB, and after a second barrier (every rank has then received, so
+# every rank has sent, its part) rank 0 reads it again. No rank can send before rank 0's
+# first read: they wait for rank 0 in the barrier that follows it. The barriers' own few
+# bytes are measured the same way around nothing, and subtracted:
 
 # %%
 from pathlib import Path
@@ -65,15 +70,21 @@ def loopback_bytes():
     return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
 
 
+def sent_around(fn):
+    """Bytes on lo from rank 0's first read to its second: fn() and the barriers around it."""
+    dist.barrier()  # the previous traffic is over
+    before = loopback_bytes()  # no rank sends before this: all wait for rank 0 in the next barrier
+    dist.barrier()
+    fn()
+    dist.barrier()  # every rank has received its part, so every rank has sent its part
+    return loopback_bytes() - before
+
+
 def measured(fn, warm_up=True):
-    """Bytes all ranks sent during fn(), over S."""
+    """Bytes all ranks sent during fn(), over S: less the barriers' own, measured around nothing."""
     if warm_up:
         fn()  # once before, so connections and buffers exist
-    dist.barrier()
-    before = loopback_bytes()
-    fn()
-    dist.barrier()
-    return (loopback_bytes() - before) / S
+    return (sent_around(fn) - sent_around(lambda: None)) / S
 
 
 def one_collective_each():
@@ -101,13 +112,14 @@ for world in (2, 4):
         print(f"{world:5}  {name:15} {value:22.2f} {RING[name] * (world - 1):13}")
 
 # %% [markdown]
-# All-reduce and all-gather move what the ring algorithms need, to within a few percent:
-# an all-gather sends each shard to every other rank, (*N* - 1) *S* in all; an all-reduce
-# is a reduce-scatter plus an all-gather, twice that. **gloo's reduce-scatter moves as
-# much as an all-reduce**: it is not the bandwidth-optimal ring algorithm. On CPU with
-# gloo, FSDP's gradient reduction therefore costs as much as DDP's. NCCL reduce-scatters
-# with ring-style algorithms instead, so this surprise belongs to gloo, not to FSDP (it was
-# not measured here with NCCL).
+# All-reduce and all-gather move what the ring algorithms need, compared column by column
+# in the table above (the headers and acknowledgements come on top): an all-gather sends
+# each shard to every other rank, (*N* - 1) *S* in all; an all-reduce is a reduce-scatter
+# plus an all-gather, twice that. **gloo's reduce-scatter moves as much as an
+# all-reduce**: it is not the bandwidth-optimal ring algorithm. On CPU with gloo, FSDP's
+# gradient reduction therefore costs as much as DDP's. NCCL has its own reduce-scatter
+# algorithms, so this surprise belongs to gloo, not to FSDP; what NCCL moves was not
+# measured here.
 #
 # ## One training step
 #
@@ -174,7 +186,7 @@ def one_step(strategy):
             counts[kind] = counts.get(kind, 0) + n
     if buckets:
         counts["all-reduce"] = len(buckets)
-    return counts, wire
+    return counts, wire, list(buckets)
 
 
 # the textbook (ring) volume in units of P, summed over N = 2 ranks
@@ -185,14 +197,21 @@ def every_strategy():
 
 steps = launch(every_strategy, backend="gloo", output="none")[0]
 print(f"{'strategy':14} {'collectives per step':45} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}")
-for strategy, (counts, wire) in steps.items():
+for strategy, (counts, wire, _) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
     print(f"{strategy:14} {described:45} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
           f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f}")
+print("the gradient buckets DDP all-reduced, in order:",
+      ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]))
 
 # %% [markdown]
-# - **DDP** all-reduces the gradients in buckets (two here: DDP caps its first bucket at
-#   1 MiB, and the other three layers share the next): 2 *P* in all.
+# - **DDP** all-reduces the gradients in buckets, two here (their sizes are printed below
+#   the table): by default DDP caps its first bucket at 1 MiB and the others at 25 MiB
+#   (`dist._DEFAULT_FIRST_BUCKET_BYTES` in `torch/nn/parallel/distributed.py`;
+#   `kDefaultFirstBucketBytes` and `kDefaultBucketBytesCap` in torch's installed header
+#   `torch/include/torch/csrc/distributed/c10d/reducer.hpp`), so one layer's 1 MiB
+#   gradient fills the first bucket and the other three layers share the next: 2 *P* in
+#   all.
 # - **`SHARD_GRAD_OP`** gathers each layer once (forward; the parameters stay gathered for
 #   backward) and reduce-scatters each layer's gradients: 4 + 4 collectives. The textbook
 #   volume equals DDP's (a reduce-scatter plus an all-gather *is* an all-reduce), but on
@@ -257,21 +276,34 @@ for setting, events in timelines.items():
 
 # %% [markdown]
 # Read the default line from the left: forward gathers units 0 to 3 (`AG0` ... `AG3`).
-# Backward starts at unit 3 (`B3`), gathers it again (`AG3`) and, before computing its
-# gradients, already gathers unit 2 (`AG2`): that is backward prefetching, one unit ahead,
-# so that on a GPU the next all-gather runs while this unit computes. Then unit 3's
-# gradients are reduce-scattered (`RS3`), and so on down to unit 0.
+# Backward starts at unit 3 (`B3`), gathers it again (`AG3`) and already gathers unit 2
+# (`AG2`). The line leaves out the matmuls; that both all-gathers are issued before unit 3
+# computes its gradients is in torch's source: `FSDPParamGroup.pre_backward`
+# (`torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`), which runs as the `B3`
+# marker, unshards its own unit and then calls `_backward_prefetch`, which unshards the
+# unit that ran just before it in forward. That is backward prefetching, one unit ahead,
+# written so that on a GPU the next all-gather runs while this unit computes (expected,
+# not measured here). Then unit 3's gradients are reduce-scattered (`RS3`), and so on
+# down to unit 0.
 #
 # Prefetching two units ahead issues `AG2` and `AG1` as soon as unit 3's backward begins,
 # and every later unit then finds its parameters already gathered: more all-gathers in
-# flight (on a GPU, more overlap and more memory held at once). FSDP2 has no switch to
-# turn prefetching off; FSDP1's `backward_prefetch=None` does, and then each unit's
-# all-gather waits for its own backward, stalling the computation on a GPU. With
-# `reshard_after_forward=False` the backward all-gathers are gone altogether: the
-# parameters stayed gathered from forward (more memory, fewer collectives).
+# flight (on a GPU, expected to give more overlap and to hold more memory at once; not
+# measured here). FSDP2 has no switch to turn prefetching off: each unit's list of units
+# to prefetch in backward starts empty (`_states_to_backward_prefetch` in
+# `FSDPState.__init__`, `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`), and an
+# empty list means the default, one unit ahead (`FSDPState._pre_backward` passes
+# `default_prefetch` to `FSDPParamGroup.pre_backward`). FSDP1's `backward_prefetch=None`
+# does turn it off (`_get_handle_to_prefetch` in `torch/distributed/fsdp/_runtime_utils.py`
+# prefetches only for `BACKWARD_PRE` or `BACKWARD_POST`), and then each unit's all-gather
+# is issued only when its own backward begins; on a GPU that is expected to stall the
+# computation while it runs (not measured here). With `reshard_after_forward=False` the
+# backward all-gathers are gone altogether: the parameters stayed gathered from forward
+# (more memory, fewer collectives).
 #
-# The same default step as a picture (rank 0, here on the CPU with gloo, where nothing
-# overlaps, so the point is the order, not the gaps):
+# The same default step as a picture (rank 0, here on the CPU with gloo). The profiler
+# records the host's events, when each operation was issued and how long its call took on
+# the host, so the point is the order, not the gaps:
 
 # %% mystnb={"image": {"alt": "Timeline of one FSDP2 FULL_SHARD step on rank 0, in milliseconds since the forward began, with three lanes: all-gathers and reduce-scatters, each labelled with its unit number, and the matmuls between them."}}
 import matplotlib.pyplot as plt

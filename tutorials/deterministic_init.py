@@ -19,15 +19,16 @@
 #
 # **What you will learn**
 #
-# - to reproduce the pitfall, see it in the gathered weights, and measure the harm;
+# - to reproduce the pitfall and see it in the gathered weights: repeated rows, and a
+#   square layer that loses half its rank;
 # - that the standard "build on `meta`, `fully_shard`, `to_empty`, initialise" recipe
 #   walks straight into it on a CPU device mesh, with only a warning;
 # - four fixes, each checked bit for bit against a single process that builds the same
-#   model with the same seed, and what each costs.
+#   model with the same seed, and what each needs.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL), except two demonstrations that are about the
-# CPU and stay on it on purpose. The tips it demonstrates are listed
+# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores. The code
+# is written to run unchanged with one GPU per rank (NCCL), except two demonstrations that
+# are about the CPU and stay on it on purpose. The tips it demonstrates are listed
 # {ref}`at the end <deterministic-init-tips>`.
 
 # %%
@@ -40,9 +41,9 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %% [markdown]
 # ## The reference: one process, one seed
 #
-# Every fix below must produce exactly these weights. Random numbers depend on the device
-# that draws them (the CPU and CUDA generators give different numbers for the same seed),
-# so the reference is drawn where the sharded models below are: on the rank's device,
+# Every fix below must produce exactly these weights. torch's Reproducibility notes warn
+# that results may not be reproducible between CPU and GPU executions, even with identical
+# seeds, so the reference is drawn where the sharded models below are: on the rank's device,
 # {func}`fsdp_guide.device` (the rank's own GPU, `cuda:LOCAL_RANK`, where each rank has
 # one, else the CPU, as on the machine that executed this page). Rank 0 builds it alone,
 # with no collective: what it returns is one process's model, as CPU tensors.
@@ -117,9 +118,8 @@ print("matrix rank:", torch.linalg.matrix_rank(w).item(), "of a possible", min(w
 
 # %% [markdown]
 # A 32x16 weight of independent random numbers has rank 16; this one has rank 16 too,
-# but only because each half alone has rank 16. Its 32 output features come in 16
-# identical pairs: the layer is really half as wide, and since the pairs get identical
-# gradients, training never separates them. A square layer shows the rank loss directly:
+# but only because each half alone has rank 16. Its 32 output features start as 16
+# identical pairs. A square layer shows the rank loss directly:
 
 # %%
 def square_layer_after_sharding():
@@ -254,8 +254,8 @@ print(launch(fsdp1_sync_module_states_on_cpu, world_size=2, backend="gloo", outp
 
 # %% [markdown]
 # The same thing by hand works on any device: only rank 0 needs the seed, the other ranks
-# may hold anything. The tensors it broadcasts are on the rank's device (NCCL only
-# broadcasts GPU tensors).
+# may hold anything. The tensors it broadcasts are on the rank's device (torch.distributed's
+# backend table lists NCCL for GPU tensors only).
 
 # %%
 def broadcast_from_rank_0():
@@ -310,7 +310,11 @@ for name, fix in FIXES.items():
 # its rows, which is what DTensor's coordinated RNG is written to provide on CUDA meshes,
 # and does not on a CPU mesh.
 #
-# | fix | use it when | peak parameter memory per rank | extra cost |
+# The table's last two columns are what each method needs by construction, not
+# measurements: this page only checks the weights. "One full unit" assumes one unit per
+# block; fix 2 above passes no wrap policy, so its one unit is the whole model.
+#
+# | fix | use it when | parameter memory per rank, by construction (not measured here) | extra communication, by construction |
 # |---|---|---|---|
 # | 1. init before sharding | the model fits on one rank | the whole model, until sharded | none |
 # | 2. FSDP1 `param_init_fn` on `meta` | FSDP1, large models | shards + one full unit | none |

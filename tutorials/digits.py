@@ -19,10 +19,10 @@
 # part of every epoch through a `DistributedSampler`, with the training log summed over
 # ranks; and the same run with FSDP1 and FSDP2.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 40 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL). The data are the 1,797 8x8 digits that ship
-# inside scikit-learn: nothing is downloaded. The tips it uses are listed
-# {ref}`at the end <digits-tips>`.
+# **What you need**: a CPU; 2 processes on gloo; about 40 seconds on 2 CPU cores. The
+# code is written to run unchanged with one GPU per rank (NCCL). The data are the 1,797
+# 8x8 digits that ship inside scikit-learn: nothing is downloaded. The tips it uses are
+# listed {ref}`at the end <digits-tips>`.
 
 # %%
 import sys
@@ -42,14 +42,17 @@ print(f"{len(train_set)} training and {len(test_set)} test images of shape "
 # ## The model and one epoch
 #
 # The network is the one of PyTorch's MNIST examples, scaled to 8x8 images. Each rank
-# builds it with the same seed, then `shard` makes every module of at least 10,000
-# parameters its own FSDP unit (here `conv2` and `fc1`); the rest stays in the root
-# unit. {ref}`The fsdp_config tutorial <tutorial-fsdp-config>` explains the dictionary.
+# builds it with the same seed, then `shard` makes its own FSDP unit of every submodule
+# whose parameters not yet in a unit number at least `min_params` (its rule:
+# `shard` and `_plan_units` in `src/fsdp_guide/config.py`). With `min_params` 10,000 and
+# the parameter counts printed below, that is `conv2` and `fc1`; the rest stays in the
+# root unit. {ref}`The fsdp_config tutorial <tutorial-fsdp-config>` explains the dictionary.
 #
 # Each rank computes on the device that {func}`fsdp_guide.device` names: its own GPU
 # (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as here). `shard` moves the
 # model there; the loops move every batch of images and labels there, and the sums that
-# `all_reduce` adds up are made there too (NCCL only reduces GPU tensors).
+# `all_reduce` adds up are made there too (torch.distributed's backend table lists NCCL for
+# GPU tensors only).
 
 # %%
 import torch.distributed as dist
@@ -75,6 +78,11 @@ class Net(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
         x = F.relu(self.fc1(torch.flatten(self.dropout1(x), 1)))
         return F.log_softmax(self.fc2(self.dropout2(x)), dim=1)
+
+
+print("parameters per module:", ", ".join(
+    f"{name} {sum(p.numel() for p in module.parameters()):,}"
+    for name, module in Net().named_children() if any(True for _ in module.parameters())))
 
 
 def summed_over_ranks(values, device):
@@ -111,11 +119,16 @@ def test(model, loader, device):
 
 
 # %% [markdown]
-# `DistributedSampler` gives each rank a different half of the data (reshuffled each
-# epoch by `set_epoch`), so 2 ranks with batches of 16 take the steps one process would
-# take with batches of 32. Every rank computes its own loss and counts; `all_reduce`
-# sums them, and the function returns the whole history to the notebook, which prints
-# it.
+# `DistributedSampler` shuffles the indices of the training set (anew each epoch, by
+# `set_epoch`) and gives rank r every second one, starting at r. 1437 is odd, so with the
+# default `drop_last=False` it first pads the list by repeating its first index
+# (`DistributedSampler.__iter__` in `torch/utils/data/distributed.py`): each rank reads 719
+# images an epoch, and one image is read twice. FSDP averages the gradients of the two
+# ranks, so a step averages over 2 × 16 images, as a batch of 32 would. It is not bit for
+# bit the run of one process with batches of 32, though: that process would read 1437
+# images an epoch, not 1438, and draw its dropout masks from one random stream, not two.
+# Every rank computes its own loss and counts; `all_reduce` sums them, and the function
+# returns the whole history to the notebook, which prints it.
 
 # %%
 def train_digits(api, epochs=8):

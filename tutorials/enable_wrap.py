@@ -22,11 +22,11 @@
 # - how FSDP1's `auto_wrap_policy` chooses units, and how {func}`fsdp_guide.auto_wrap`
 #   makes the same choice for FSDP2, which has no policy argument;
 # - how wrapping each block as you build it keeps a model that does not fit in one
-#   process from ever existing whole: measured, against building first, and against
-#   building on the `meta` device.
+#   process from ever existing whole: its parameter bytes counted between blocks, against
+#   building first, and against building on the `meta` device.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 20 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL): every rank takes its device from
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores. The code
+# is written to run unchanged with one GPU per rank (NCCL): every rank takes its device from
 # {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each rank has one,
 # else the CPU (as on the machine that executed this page). The tips it demonstrates are
 # listed {ref}`at the end <enable-wrap-tips>`.
@@ -80,10 +80,14 @@ for name, strategy in launch(fsdp1_units, world_size=2, output="none")[0]:
 # %% [markdown]
 # `fully_shard` works as a `wrapper_cls` too. Its counterpart of `SHARD_GRAD_OP` is
 # `reshard_after_forward=False`: the unit keeps its parameters gathered from forward to
-# backward. That is visible right after a forward: the unit's weight is still a full
-# plain tensor, where a unit that reshards is back to a `DTensor` shard.
+# backward. That is visible right after a forward: the unit's weight is still a plain
+# tensor of the full shape, where a unit that reshards is back to a `DTensor` whose rank
+# holds half the rows.
 
 # %%
+from torch.distributed.tensor import DTensor
+
+
 def fsdp2_units():
     device = fsdp_guide.device()
     with enable_wrap(wrapper_cls=fully_shard, reshard_after_forward=False):
@@ -94,11 +98,15 @@ def fsdp2_units():
         )
     fully_shard(model)
     model(torch.randn(2, 8).to(device))
-    return [(str(i), type(b[0].weight).__name__) for i, b in enumerate(model)]
+    weights = [b[0].weight for b in model]
+    return [(str(i), type(w).__name__, tuple(w.shape),
+             tuple((w.to_local() if isinstance(w, DTensor) else w).shape))
+            for i, w in enumerate(weights)]
 
 
-for name, kind in launch(fsdp2_units, world_size=2, output="none")[0]:
-    print(f"FSDP2 unit {name} after forward: weight is a {kind}")
+for name, kind, shape, held in launch(fsdp2_units, world_size=2, output="none")[0]:
+    print(f"FSDP2 unit {name} after forward: weight is a {kind}, shape {shape}, "
+          f"this rank holds {held}")
 
 # %% [markdown]
 # ## Automatic wrapping
@@ -173,15 +181,16 @@ for policy_name in POLICIES:
 # ## Wrapping as you build: the model never exists whole
 #
 # The second use of `wrap`: a model too big for one process's memory can be built one
-# block at a time, each block sharded as soon as it exists. Then a rank never holds more
-# than its shards plus one full block. We count the bytes of parameter storage alive on
-# each rank after every block is built (a shard counts its local storage), building a
-# 16-block model three ways. Each block is built directly on the rank's device, whose
-# memory is the one that runs out:
+# block at a time, each block sharded as soon as it exists. Between blocks, a rank's
+# parameters then take its shards plus one full block. What we count: the bytes of the
+# storages reachable from the modules' `parameters()` on each rank (a shard counts its
+# local storage), right after each block is built, building a 16-block model three ways;
+# the table shows the largest count on rank 0. This is not the process's memory peak (a
+# `fully_shard` call briefly holds a block twice, and the allocator may keep freed
+# memory). Each block is built directly on the rank's device, whose memory is the one that
+# runs out:
 
 # %%
-from torch.distributed.tensor import DTensor
-
 N_BLOCKS, WIDTH = 16, 512
 
 
@@ -250,21 +259,26 @@ measured = {name: launch(fn, world_size=2, output="none")
 
 full_model = N_BLOCKS * (WIDTH * WIDTH + WIDTH) * 4
 print(f"full model: {full_model:,} bytes of fp32 parameters")
-print(f"{'':30} {'peak on rank 0':>15} {'ratio':>6} {'after sharding':>15}")
+print(f"{'':30} {'max parameter bytes between blocks, rank 0':>43} {'ratio':>6} "
+      f"{'after sharding':>15}")
 baseline = measured["build, then wrap"][0][0]
 for name, per_rank in measured.items():
     peak, after = per_rank[0]
-    print(f"{name:30} {peak:>15,} {peak / baseline:>6.2f} {after:>15,}")
+    print(f"{name:30} {peak:>43,} {peak / baseline:>6.2f} {after:>15,}")
 
 # %% [markdown]
-# Building first needs the whole model on every rank: 100%. Wrapping as you build peaks
-# at the shards of the blocks built so far plus one full block: 15/16 · 1/2 + 1/16 ≈ 0.53
-# of it, approaching 1/world_size as blocks get smaller relative to the model. (While
-# `fully_shard` copies a block into its shard, that block briefly exists twice; the
-# counts above are taken between blocks.) On the `meta` device nothing is allocated until
-# `to_empty`, which allocates only the shards: 1/world_size. But `to_empty` leaves the
-# memory uninitialised, and initialising *after* sharding is where the
-# {ref}`deterministic-init pitfall <tip-init-before-sharding>` waits.
+# Building first needs the whole model on every rank: 100%. Wrapping as you build reaches
+# at most the shards of the blocks built so far plus one full block: 15/16 · 1/2 + 1/16 ≈
+# 0.53 of it, approaching 1/world_size as blocks get smaller relative to the model. The
+# full block's storage is gone once it is sharded because nothing refers to it any more:
+# `FSDPParam._init_sharded_param` (`torch/distributed/fsdp/_fully_shard/_fsdp_param.py`)
+# copies the rank's rows into a new shard and lets the original "be freed normally when
+# its ref count reaches 0", as its comment says. (While `fully_shard` copies a block into
+# its shard, that block briefly exists twice; the counts above are taken between blocks.)
+# On the `meta` device nothing is allocated until `to_empty`, which allocates only the
+# shards: 1/world_size. But `to_empty` leaves the memory uninitialised, and initialising
+# *after* sharding is where the {ref}`deterministic-init pitfall <tip-init-before-sharding>`
+# waits.
 
 # %%
 for name, per_rank in measured.items():

@@ -26,12 +26,14 @@
 # - where the FP8 scaling factors are synchronised across ranks, and what gradient
 #   accumulation does with FP8.
 #
-# **What you need**: torchao; a CPU (where torch runs the float8 matmul, slowly); 2
-# processes on gloo; about 45 seconds. The same code is written to run unchanged with one
-# GPU per rank (NCCL), each rank computing on {func}`fsdp_guide.device` (its GPU
-# `cuda:LOCAL_RANK` where it has one, else the CPU); torchao's float8 training then needs
-# GPUs with FP8 support (compute capability 8.9 or higher). The tips are listed
-# {ref}`at the end <fp8-tips>`.
+# **What you need**: torchao; a CPU (where torch runs the float8 matmul); 2 processes on
+# gloo; about 45 seconds. The same code is written to run unchanged with one GPU per rank
+# (NCCL), each rank computing on {func}`fsdp_guide.device` (its GPU `cuda:LOCAL_RANK`
+# where it has one, else the CPU); torchao's float8 training then needs GPUs with float8
+# matmuls: CUDA compute capability 8.9 or 9.0 and newer, the condition torch's own tests
+# use for them (`evaluate_platform_supports_fp8` in
+# `torch/testing/_internal/common_cuda.py`; torchao's `is_sm_at_least_89` in
+# `torchao/utils.py` checks the same). The tips are listed {ref}`at the end <fp8-tips>`.
 
 # %%
 import sys
@@ -45,14 +47,32 @@ import torchao
 print(f"torch {torch.__version__}, torchao {torchao.__version__}, Python {sys.version.split()[0]}")
 
 # %% [markdown]
+# {func}`fsdp_guide.fp8.quiet_torchao` silences two things, in every process that calls it
+# (the notebook here, each rank in the workers below). torchao's import-time log records
+# about CUDA kernels a CPU build lacks (its `torchao` and `torch.utils._pytree` loggers are
+# raised to ERROR). And, through a process-wide `warnings` filter, FSDP2's `UserWarning`
+# that an FSDP2-wrapped module "returned a view tensor"
+# (`FSDPState._register_pre_backward_hook` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`): torchao's `Float8Linear` returns
+# its matmul result reshaped (`matmul_with_hp_or_float8_args.forward` in
+# `torchao/float8/float8_linear.py`), and the warning is about in-place operations on such
+# a view, which would skip FSDP2's pre-backward all-gather. Nothing on this page modifies a
+# module's output in place. The filter is not limited to `Float8Linear`: in a script of
+# your own it would hide that warning for every module, so leave it out where outputs may
+# be modified in place.
+
+# %% [markdown]
 # ## Three ways to train the same model
 #
 # The model is three 128x128 Linears. FP32 shards it as it is; BF16 adds FSDP2's
 # `MixedPrecisionPolicy` (compute in bfloat16, reduce gradients in float32); FP8 uses
 # {func}`fsdp_guide.fp8.float8_fully_shard`: torchao's `convert_to_float8_training` with
-# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (afterwards the swap fails on
-# DTensor weights), and torchao's `precompute_float8_dynamic_scale_for_fsdp` after every
-# optimizer step. FP8 + BF16 combines the last two.
+# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (converted afterwards, on
+# DTensor weights, it fails with "aten.mm.default got mixed torch.Tensor and DTensor", an
+# error of the matmul, in the forward, as the comment in `float8_fully_shard`
+# (`src/fsdp_guide/fp8.py`) records; not run on this page), and torchao's
+# `precompute_float8_dynamic_scale_for_fsdp` after every optimizer step. FP8 + BF16
+# combines the last two.
 
 # %%
 import torch.distributed as dist
@@ -180,8 +200,8 @@ for mode in MODES:
 # %% [markdown]
 # - **All-gather**: forward and backward each gather the three 64 KiB weights, 196,608
 #   bytes in FP32; half that in BF16, a quarter in FP8, one byte per element. On gloo the
-#   float8 bytes travel as `uint8` (gloo has no float8 type, so `float8_fully_shard`
-#   reinterprets them; with NCCL it leaves them `float8_e4m3fn`).
+#   float8 bytes travel as `uint8` (gloo rejects float8 tensors, so `float8_fully_shard`
+#   reinterprets them; with NCCL it leaves them `float8_e4m3fn`, not run here).
 # - **Reduce-scatter** of gradients stays in float32 in every mode: FP8 is used for the
 #   matmuls (operands `float8_e4m3fn` forward; backward, `float8_e5m2` gradients with
 #   `float8_e4m3fn` weights and inputs) and the weight all-gather, not for the gradient
@@ -225,8 +245,11 @@ for where, counts in launch(amax_collectives, output="none")[0].items():
 # Without the precomputed scales, every all-gather of a float8 weight first all-reduces
 # its amax (a 4-byte float32 `max`): one per weight in forward and again in backward.
 # With them, the step has none, and one all-reduce after the optimizer step covers all
-# weights. Call it after *every* step: torchao stores the scale on the weight, and the
-# next all-gathers use it as it is.
+# weights. Call it after *every* step: `precompute_float8_dynamic_scale_for_fsdp` stores
+# each scale on the weight's local tensor (`_precomputed_scale`), and the next all-gathers
+# use it as it is: `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`
+# (`torchao/float8/fsdp_utils.py`) casts with the stored scale whenever there is one, and
+# computes a new one (with the amax all-reduce) only when there is none.
 #
 # ## Memory: model states, and what is saved for backward
 

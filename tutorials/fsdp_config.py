@@ -99,7 +99,10 @@ for api, config in (("fsdp2", fsdp_config),
 # `activation_checkpointing` on, each unit is checkpointed *inside* its FSDP wrapper
 # (the order the {ref}`pitfalls tutorial <tutorial-pitfalls>` shows is cheaper).
 # `DEFAULT` computes in bfloat16 and reduces gradients in float32; `precision: "auto"`
-# (the default) picks bfloat16 where the hardware has it, as it does on any CPU.
+# (the default) picks bfloat16 on any CPU (torch computes bfloat16 on every CPU: natively
+# with the AVX512-BF16 or AMX instructions, otherwise emulated) and on CUDA GPUs of
+# compute capability 8.0 or newer, float16 otherwise
+# ({func}`fsdp_guide.precision.low_precision_dtype`).
 #
 # ## What each sharding strategy stores and sends
 #
@@ -175,7 +178,10 @@ for api in ("fsdp2", "fsdp1"):
 # - `SHARD_GRAD_OP` (ZeRO-2) keeps them gathered from forward to backward: one
 #   all-gather per unit instead of two, for more memory during the step.
 # - `NO_SHARD` is DDP: a full copy, gradients all-reduced. (FSDP2 has no such mode;
-#   `shard` gives it a `(replicate, shard)` mesh with shards of one rank.)
+#   `shard` gives it a `(replicate, shard)` mesh with shards of one rank.) For FSDP1's
+#   `NO_SHARD`, torch prints the `FutureWarning` shown with the fsdp1 rows: it deprecates
+#   that strategy and recommends `DistributedDataParallel` instead (raised in
+#   `_init_core_state`, `torch/distributed/fsdp/_init_utils.py`).
 # - `HYBRID_SHARD` shards inside groups of `data_parallel_shard_degree` ranks (by default
 #   the ranks of one node) and replicates across the groups: half of the parameters on
 #   each of the 4 ranks here, with a reduce-scatter inside the group and an all-reduce
@@ -224,11 +230,11 @@ for api in ("fsdp2", "fsdp1"):
 # %% [markdown]
 # `FULL` is all float32. `DEFAULT` computes forward and backward in the low-precision
 # dtype and reduces gradients in float32; `PURE` reduces them in low precision too,
-# halving the bytes of the reduction at the cost of accuracy. The difference between the
-# APIs is the buffer: FSDP1 casts buffers to `buffer_dtype`; FSDP2's
-# `MixedPrecisionPolicy` has no buffer dtype, so they keep their own. `precision` picks
-# the low dtype for the whole dictionary: `"auto"` is bfloat16 where the hardware has
-# it (every CPU, CUDA from compute capability 8), otherwise float16.
+# halving the bytes of the reduction (what that does to accuracy is not measured here).
+# The difference between the APIs is the buffer: FSDP1 casts buffers to `buffer_dtype`;
+# FSDP2's `MixedPrecisionPolicy` has no buffer dtype, so they keep their own. `precision`
+# picks the low dtype for the whole dictionary: `"auto"` is bfloat16 on any CPU and on
+# CUDA from compute capability 8.0, otherwise float16.
 #
 # ## Mistakes say what would be right
 #

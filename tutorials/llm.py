@@ -26,10 +26,12 @@
 # **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about a minute. The
 # recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
-# `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16)
-# where on the CPU it trains in fp32. The text is the Python documentation that ships
-# with every Python (`pydoc_data`), read as bytes: nothing is downloaded. The tips it
-# demonstrates are listed {ref}`at the end <llm-tips>`.
+# `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16),
+# where on the CPU it trains in fp32 (`compute_dtype` and `train` in
+# `fsdp_guide.recipes.train_llm`; the dtype of this page's run is printed with its losses).
+# The text is the Python documentation that ships with every Python (`pydoc_data`), read
+# as bytes: nothing is downloaded. The tips it demonstrates are listed
+# {ref}`at the end <llm-tips>`.
 
 # %%
 import sys
@@ -167,6 +169,7 @@ print(inspect.getsource(train_llm.train_step))
 
 # %%
 import dataclasses
+import math
 import tempfile
 from pathlib import Path
 
@@ -176,6 +179,8 @@ from fsdp_guide.recipes.train_llm import train
 workdir = Path(tempfile.mkdtemp(prefix="llm-"))
 straight = launch(train, dataclasses.replace(config, checkpoint_dir=str(workdir / "straight"), checkpoint_every=20),
                   world_size=2, output="none")[0]
+print(f"computed in {straight['dtype']}")
+print(f"step  1: loss {straight['losses'][0]:.4f}   (ln 256 = {math.log(256):.4f}: a uniform guess over bytes)")
 for step in range(10, 41, 10):
     print(f"step {step:2}: loss {straight['losses'][step - 1]:.4f}")
 print("checkpoints kept:", sorted(p.name for p in (workdir / "straight").iterdir()))
@@ -191,9 +196,9 @@ ax.legend()
 fig.tight_layout()
 
 # %% [markdown]
-# The loss starts at ln 256 (a uniform guess over bytes) and falls as the model learns
-# which bytes follow which. Only the newest checkpoint is kept: `step-20` was deleted once
-# `step-40` was complete.
+# The loss starts near ln 256 (a uniform guess over bytes; step 1 above) and falls as the
+# model learns which bytes follow which. Only the newest checkpoint is kept: `step-20` was
+# deleted once `step-40` was complete.
 #
 # ## Stop, resume, and get the same numbers
 #
@@ -344,8 +349,11 @@ print(repr(bytes(out[0].tolist()).decode("utf-8", "replace")))
 # The module is also a script. Started with `python -m`, it launches its ranks the way the
 # notebook does; under `torchrun` (one machine or many) `launch` runs `train` in the
 # process torchrun started. Here it is from the command line, with the notebook's settings;
-# this is the log the script writes (rank 0 shows a tqdm bar too, off here). Throughput and
-# memory are those of the machine that built this page:
+# this is the log the script writes (rank 0 shows a tqdm bar too, off here). The throughput
+# is that of the machine that built this page. The memory line is what a rank can report
+# about itself (`_peak_memory` in the recipe): on the CPU, the peak resident set of each
+# whole rank process (`ru_maxrss`, in MiB: Python, torch's libraries, the data and every
+# tensor, not FSDP's share alone); on a GPU, `torch.cuda.max_memory_allocated`:
 
 # %%
 import json

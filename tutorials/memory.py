@@ -133,14 +133,20 @@ for world_size in (2, 4):
 # rows become 128 and 512: 0.9% here; on 2 ranks nothing), FSDP1 pads each unit's flat
 # parameter once (0.01%).
 #
+# The `FutureWarning` printed with each table comes from FSDP1's `NO_SHARD` rows: torch
+# deprecates FSDP1's `NO_SHARD` and recommends `DistributedDataParallel` for it (the
+# warning is raised in `_init_core_state`, `torch/distributed/fsdp/_init_utils.py`). It is
+# measured here only to compare; as the table shows, it holds what DDP holds, up to
+# FSDP1's padding.
+#
 # `SHARD_GRAD_OP` is the exception, and instructive. Between steps FSDP keeps only the
 # shards, so at rest it holds exactly what `FULL_SHARD` holds: 1/N of the parameters.
 # From forward to backward it keeps every unit's gathered parameters, and then holds the
 # full parameters *and* its shard of them: 1 + 1/N of ZeRO stage 2's figure (1.5 on 2
-# ranks, 1.25 on 4, grads not yet produced). ZeRO's stage 2 has no such extra copy
-# because its fp32 master weights are part of the optimizer state (K); in FSDP the fp32
-# shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2
-# keeps no other, and what happens when the optimizer keeps one too).
+# ranks; 1.25 on 4, 1.26 with FSDP2's padding; grads not yet produced). ZeRO's stage 2
+# has no such extra copy because its fp32 master weights are part of the optimizer state
+# (K); in FSDP the fp32 shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>`
+# shows that FSDP2 keeps no other, and what happens when the optimizer keeps one too).
 
 # %% mystnb={"image": {"alt": "Stacked bars of model-state memory measured per rank, in MB, split into parameters, gradients and optimizer state, for each strategy and API, on 2 ranks (left) and 4 ranks (right)."}}
 import matplotlib.pyplot as plt

@@ -40,22 +40,22 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # | --- | --- |
 # | `sharding_strategy=FULL_SHARD` | the default: `reshard_after_forward=True` on a 1-D mesh |
 # | `sharding_strategy=SHARD_GRAD_OP` | `reshard_after_forward=False` |
-# | `sharding_strategy=NO_SHARD` | a 2-D mesh `(world, 1)`, `("replicate", "shard")`: every rank holds everything, gradients all-reduced (or plain DDP) |
+# | `sharding_strategy=NO_SHARD` (deprecated: FSDP1 raises a `FutureWarning` recommending `DistributedDataParallel`, `_init_core_state` in `torch/distributed/fsdp/_init_utils.py`) | plain DDP, as torch recommends; or a 2-D mesh `(world, 1)`, `("replicate", "shard")`: every rank holds everything, gradients all-reduced |
 # | `sharding_strategy=HYBRID_SHARD` | `mesh=init_device_mesh(..., (replicas, shard_size))`, a 2-D {term}`device mesh` ({ref}`cluster`) |
 # | `auto_wrap_policy=...` | call `fully_shard` on each unit yourself, bottom-up, then on the root ({func}`fsdp_guide.auto_wrap` applies an FSDP1 policy) |
 # | `mixed_precision=MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)` | `mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)`; no buffer dtype: cast buffers yourself |
 # | `cpu_offload=CPUOffload(offload_params=True)` | `offload_policy=CPUOffloadPolicy(pin_memory=...)` |
 # | `backward_prefetch=BACKWARD_PRE` | always prefetches one unit ahead in backward; more with `unit.set_modules_to_backward_prefetch([...])` |
 # | `forward_prefetch=True` | `unit.set_modules_to_forward_prefetch([...])` |
-# | `limit_all_gathers=True` | nothing to set: FSDP2 bounds the gathered memory itself, without a CPU-side rate limiter |
+# | `limit_all_gathers=True` | nothing to set: FSDP2 has no such flag. FSDP1's rate limiter blocks the CPU thread on an event (`_unshard` in `torch/distributed/fsdp/_runtime_utils.py`); FSDP2 orders its all-gather streams with events instead (`FSDPParamGroup.wait_for_unshard` in `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`), keeping in forward the previous unit's all-gather buffer only until the next copy-out |
 # | `sync_module_states=True` | build identically on every rank (same seed), or broadcast before sharding ({ref}`tutorial-deterministic-init`) |
 # | `param_init_fn=...` | build on the {term}`meta device`, `fully_shard`, `to_empty`, then initialise (inside {func}`fsdp_guide.summon_full_params` on CPU) |
 # | `use_orig_params=True` | always: parameters keep their names and shapes, each a {term}`DTensor` shard |
 # | `ignored_modules=[...]` / `ignored_states` | `ignored_params={...}`, or leave the module out of every `fully_shard` call |
 # | `device_id=...` | the mesh's device type (on CUDA, the current device); `fully_shard` moves the module's parameters there |
-# | `FSDP.state_dict_type(model, SHARDED_STATE_DICT)` | `model.state_dict()` is already sharded (DTensors) |
+# | `FSDP.state_dict_type(model, SHARDED_STATE_DICT)` (deprecated: a `FutureWarning` recommends `get_state_dict`/`set_state_dict`) | `model.state_dict()` is already sharded (DTensors) |
 # | `FSDP.state_dict_type(model, FULL_STATE_DICT)` / `FSDP.optim_state_dict` | `get_model_state_dict` / `get_optimizer_state_dict` from `torch.distributed.checkpoint.state_dict` (they work for both) |
-# | `FSDP.summon_full_params(model)` | no equivalent in torch; {func}`fsdp_guide.summon_full_params` works for both |
+# | `FSDP.summon_full_params(model)` | closest: `unit.unshard()` ... `unit.reshard()` (`FSDPModule` in `torch/distributed/fsdp/_fully_shard/_fully_shard.py`), one unit at a time (not recursive), gathered in `param_dtype`, no writeback; {func}`fsdp_guide.summon_full_params` adds recursion and writeback, and works for both |
 # | `with model.no_sync():` | `model.set_requires_gradient_sync(False)` |
 # | `model.clip_grad_norm_(max_norm)` | `torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` (on DTensors) |
 #
@@ -153,10 +153,15 @@ print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 #
 # An FSDP1 job saved its state the FSDP1 way: a sharded model state dict under
 # `FSDP.state_dict_type(..., SHARDED_STATE_DICT)` and `FSDP.optim_state_dict`, written with
-# `torch.distributed.checkpoint` (DCP). Both are keyed by the parameters' original names
-# (`0.fc.weight`, not `_fsdp_wrapped_module...`), so an FSDP2 model can read them: build
-# it, ask `get_state_dict` for the state it expects, let DCP fill it from the FSDP1 files
-# (resharding flat slices into rows), and hand it to `set_state_dict`.
+# `torch.distributed.checkpoint` (DCP). The cell below saves the same way, so torch's
+# `FutureWarning` appears in its output: `FSDP.state_dict_type` is being deprecated in
+# favour of `get_state_dict`/`set_state_dict` (`FullyShardedDataParallel.state_dict_type`
+# in `torch/distributed/fsdp/fully_sharded_data_parallel.py`), which the FSDP2 side uses.
+# Both dictionaries are keyed by the parameters' original names (`0.fc.weight`), not by
+# the FSDP1 module's own parameter names (`_fsdp_wrapped_module...`; both printed below,
+# from rank 0), so an FSDP2 model can read them: build it, ask `get_state_dict` for the
+# state it expects, let DCP fill it from the FSDP1 files (resharding flat slices into
+# rows), and hand it to `set_state_dict`.
 
 # %%
 import tempfile
@@ -176,7 +181,11 @@ def fsdp1_saves_then_continues(path):
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=path)
-    return train(model, optimizer, range(STEPS, 2 * STEPS), device)  # what FSDP1 would have done next
+    saved_keys = [*state["model"], *state["optim"]["state"]]
+    names = {"own": next(name for name, _ in model.named_parameters() if name.endswith("fc.weight")),
+             "model": "0.fc.weight" in state["model"], "optim": "0.fc.weight" in state["optim"]["state"],
+             "wrapped": sum("_fsdp_wrapped_module" in key for key in saved_keys)}
+    return train(model, optimizer, range(STEPS, 2 * STEPS), device), names  # what FSDP1 would have done next
 
 
 def fsdp2_loads_and_continues(path, with_optimizer=True):
@@ -196,7 +205,10 @@ def fsdp2_loads_and_continues(path, with_optimizer=True):
     return train(model, optimizer, range(STEPS, 2 * STEPS), device)
 
 
-fsdp1_next = launch(fsdp1_saves_then_continues, CHECKPOINT, output="none")[0]
+fsdp1_next, names = launch(fsdp1_saves_then_continues, CHECKPOINT, output="none")[0]
+print(f"the FSDP1 module's name of the first block's fc.weight: {names['own']}")
+print(f"saved under '0.fc.weight': model state {names['model']}, optimizer state {names['optim']}; "
+      f"saved keys with '_fsdp_wrapped_module': {names['wrapped']}")
 for with_optimizer in (True, False):
     fsdp2_next = launch(fsdp2_loads_and_continues, CHECKPOINT, with_optimizer, output="none")[0]
     difference = max(abs(a - b) for a, b in zip(fsdp1_next, fsdp2_next))

@@ -45,9 +45,24 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #   stay in float32.
 # - **Autocast** (`torch.autocast`) casts per operation: matmuls to the low dtype,
 #   precision-sensitive ones such as softmax to float32 on CUDA.
-# - **The low dtype itself**: bfloat16 has float32's range; float16 has more mantissa
-#   but a range that ends at 65,504 and, for small values, at about 6e-8.
-#
+# - **The low dtype itself**: bfloat16 has float32's range (the same smallest normal
+#   number, almost the same largest); float16 has more mantissa bits but a range that ends
+#   at 65,504, loses precision below 6.1e-5 (its smallest normal number) and has nothing
+#   below 2<sup>-24</sup> (about 6e-8, its smallest subnormal number): smaller values round
+#   to that or, at or below 2<sup>-25</sup> (about 3e-8), to zero. `torch.finfo` gives the
+#   limits (the smallest subnormal is the smallest normal times `eps`), and a cast shows the
+#   rounding:
+
+# %%
+print(f"{'':9} {'largest':>10} {'smallest normal':>16} {'smallest subnormal':>19}")
+for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    info = torch.finfo(dtype)
+    subnormal = info.smallest_normal * info.eps  # the smallest positive number: 2**-24 for float16
+    print(f"{str(dtype).removeprefix('torch.'):9} {info.max:10.5g} {info.smallest_normal:16.4g} {subnormal:19.4g}")
+print("cast to float16:", ", ".join(f"{v:.3g} -> {torch.tensor(v).half().item():.3g}"
+                                    for v in (2**-24, 1.01 * 2**-25, 2**-25)))
+
+# %% [markdown]
 # The model below has a matmul, a softmax and a second matmul. Each case runs one
 # forward and backward on 2 ranks while {func}`fsdp_guide.precision.record_dtypes`
 # records what each operation ran in.
@@ -162,9 +177,12 @@ for device_type in ("cpu", "cuda"):  # cpu-only: compares both device types' def
 # %% [markdown]
 # The same code moved from a CPU to a GPU silently switches from bfloat16 to float16,
 # which needs a gradient scaler. Choose the dtype once, by what the hardware supports:
-# {func}`fsdp_guide.precision.low_precision_dtype` gives bfloat16 where it is supported
-# (every CPU; CUDA from compute capability 8.0) and float16 otherwise, and
-# `fsdp_config`'s `"precision": "auto"` means the same.
+# {func}`fsdp_guide.precision.low_precision_dtype` gives bfloat16 on any CPU (torch
+# computes bfloat16 on every CPU: natively with the AVX512-BF16 or AMX instructions where
+# the CPU has them, which `torch.cpu._is_avx512_bf16_supported` and
+# `torch.cpu._is_amx_tile_supported` report, otherwise emulated) and on CUDA from compute
+# capability 8.0 (`torch.cuda.is_bf16_supported(including_emulation=False)`), float16
+# otherwise; `fsdp_config`'s `"precision": "auto"` means the same.
 
 # %%
 from fsdp_guide.precision import low_precision_dtype
@@ -205,12 +223,19 @@ print("torch.autocast's only bfloat16 check on CUDA:",
 # ## float16 needs a gradient scaler; bfloat16 does not
 #
 # Small gradients are normal (late layers, long sequences, a loss averaged over many
-# tokens). Below about 6e-8, float16 rounds them to zero: the parameters stop moving.
+# tokens). float16 keeps fewer significant bits below 6.1e-5 and rounds values at or
+# below 2<sup>-25</sup> (about 3e-8) to zero (the table above): the parameters stop moving.
 # Here the loss is scaled by 1e-6 to make every gradient that small, and the model
 # trains 8 steps with FSDP computing in float16 or bfloat16, with and without a scaler.
 # `torch.amp.GradScaler` multiplies the loss before backward and divides the gradients
-# before the step, skipping steps whose gradients overflowed. FSDP1 needs its own
-# `ShardedGradScaler`.
+# before the step, skipping steps whose gradients overflowed. With FSDP1 this page uses
+# torch's `ShardedGradScaler` (`torch/distributed/fsdp/sharded_grad_scaler.py`): an
+# FSDP1 rank's gradients are plain tensors holding only its shard of each flat
+# parameter, and `ShardedGradScaler.unscale_` all-reduces the found-infinity flag across
+# the ranks, where `GradScaler.unscale_` checks only the tensors it is given; it also
+# accepts float16 gradients, which `GradScaler.unscale_` refuses ("Attempting to unscale
+# FP16 gradients.", `torch/amp/grad_scaler.py`). A plain `GradScaler` with FSDP1 is not
+# run here.
 
 # %%
 import torch.nn.functional as F
@@ -262,13 +287,17 @@ for name, (losses, zeros) in runs.items():
 
 # %% [markdown]
 # Without a scaler, float16 turns every gradient to zero and the loss does not move at
-# all; with one, the same run learns as bfloat16 does. bfloat16's range reaches
-# float32's, so its gradients survive without a scaler.
+# all, with FSDP2 and FSDP1 alike; with one, the same run learns as bfloat16 does.
+# bfloat16 reaches down as far as float32 (the same smallest normal number, in the table
+# above), so its gradients survive without a scaler.
 #
 # A skipped step must be skipped on *every* rank, or the ranks' weights diverge. A
 # rank holds only a shard of the gradients, so an overflow may be seen by one rank only.
 # With FSDP2's DTensor gradients, `torch.amp.GradScaler`'s check covers the whole
-# gradient: here only rank 0's shard gets an infinity, and both ranks skip.
+# gradient: below, only rank 0's shard gets an infinity. Each rank then compares the full
+# parameters (`full_tensor()`, gathered from both ranks' shards) before and after
+# `scaler.step`, so "step skipped: True" means that neither rank's shard changed; and
+# each rank's scaler halved its scale.
 
 
 # %%

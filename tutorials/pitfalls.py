@@ -24,8 +24,8 @@
 # 5. expecting DDP's results from an optimizer that is not pointwise;
 # 6. putting activation checkpointing around an FSDP unit instead of inside it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 40 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL): each rank computes on
+# **What you need**: a CPU; 2 processes on gloo; about 40 seconds on 2 CPU cores. The code
+# is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its own GPU (`cuda:LOCAL_RANK`) where each rank has one, else
 # the CPU (as on the machine that executed this page). Batches are built on the CPU from
 # seeded generators, so their numbers do not depend on the device, and moved there with
@@ -81,10 +81,13 @@ def backward_on_my_slice(model, device):
 # %% [markdown]
 # ## 1. Clip by the global gradient norm
 #
-# Gradient clipping scales all gradients by `max_norm / total_norm`, where `total_norm` is
-# the norm of *all* the gradients. A rank holds a shard of them: the norm of its shard is
-# not the total, and differs from rank to rank, so each rank would scale differently.
-# The reference is one process on the whole batch:
+# Gradient clipping scales all gradients by `max_norm / total_norm` (when that is below 1),
+# where `total_norm` is the norm of *all* the gradients (`_clip_grads_with_norm_` in
+# `torch/nn/utils/clip_grad.py`). A rank holds a shard of them: the norm of its shard is
+# not the total, and differs from rank to rank, so clipping by it would scale each rank's
+# gradients by a different factor. The cell below passes `max_norm=1e9`, far above every
+# norm, so nothing is actually clipped: they compare the norm each call returns, which is
+# the norm it would clip by. The reference is one process on the whole batch:
 
 # %%
 def single_process_grad_norm():
@@ -196,25 +199,36 @@ def call_generate(register):
     model = fully_shard(Generator())
     if register:
         register_fsdp_forward_method(model, "generate")
+    logits = []  # what `out` computes inside generate, as CPU tensors
+
+    def record_logits(module, args, output):
+        logits.append(output.detach().cpu())
+
+    model.out.register_forward_hook(record_logits)
     try:
-        return model.generate(torch.ones(2, 4).to(device)).tolist()
+        return model.generate(torch.ones(2, 4).to(device)).tolist(), logits[0]
     except RuntimeError as err:
-        return f"RuntimeError: {str(err).splitlines()[0]}"  # the line that names the cause
+        return f"RuntimeError: {str(err).splitlines()[0]}", None  # the line that names the cause
 
 
-unregistered, registered = launch(
+(unregistered, _), (registered, logits) = launch(
     lambda: [call_generate(register) for register in (False, True)], output="none")[0]
+one_process = Generator()
 print("unregistered:", unregistered)
 print("registered:  ", registered)
-print("one process: ", Generator().generate(torch.ones(2, 4)).tolist())
+print("one process: ", one_process.generate(torch.ones(2, 4)).tolist())
+print("registered vs one process, max |logit difference|: "
+      f"{(logits - one_process(torch.ones(2, 4))).abs().max().item():.1e}")
 
 # %% [markdown]
 # ## 4. Editing weights outside forward and backward
 #
 # After its first forward, FSDP2 holds its own references to each unit's sharded
-# parameters and registers them on the module at every forward. Assigning a new
-# `nn.Parameter` to `layer.bias` is therefore undone by the next forward: the edit is
-# lost, silently. (FSDP1 is worse: outside forward its `layer.weight` is a view whose
+# parameters and registers them on the module at every forward (`FSDPParam.to_unsharded`
+# and `to_sharded` in `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` set the
+# module's attribute). Assigning a new `nn.Parameter` to `layer.bias` is therefore undone
+# by the next forward: it sees the bias from before the edit, and the edit is lost,
+# silently. (FSDP1 is worse: outside forward its `layer.weight` is a view whose
 # storage has been freed, as the {ref}`state tutorial <tutorial-state-attributes>`
 # shows.) `summon_full_params` edits the full tensor and writes it back into the shards.
 
@@ -240,6 +254,8 @@ def edit_bias(use_summon):
 
 assigned, summoned = launch(lambda: [edit_bias(summon) for summon in (False, True)],
                             output="none")[0]
+print("the bias before the edit (one process):      ",
+      [round(v, 4) for v in make_model()[0].bias[:4].tolist()])
 print("new Parameter assigned: the next forward sees", [round(v, 4) for v in assigned])
 print("summon_full_params:     the next forward sees", summoned)
 
@@ -314,16 +330,25 @@ for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
 # %% [markdown]
 # AdamW matches DDP exactly, on both. The others fail in three different ways:
 #
-# - **Adafactor on FSDP1 runs and silently computes something else**: FSDP1 hands the
-#   optimizer one flat 1-D shard per unit, so nothing is factored and the RMS is the
-#   shard's. On FSDP2 it stops with an error, because its in-place update of a norm
-#   needs a redistribution DTensor will not do in place.
+# - **Adafactor on FSDP1 runs and silently computes something else** (its row above).
+#   FSDP1 hands the optimizer one flat 1-D shard per unit, and in `torch/optim/_adafactor.py`
+#   `Adafactor._init_group` factors the second moment only for gradients with more than one
+#   dimension, while `_single_tensor_adafactor` scales the step by the RMS of the tensor it
+#   is given (`param.norm(2) / sqrt(param.numel())`): here the flat shard's, not each
+#   weight matrix's.
+# - **Adafactor on FSDP2 stops with the error above.** `_single_tensor_adafactor` squares,
+#   in place, the norm of the gradient over dimension -2
+#   (`torch.norm(grad, dim=-2, keepdim=True).square_()`), which is the sharded dimension:
+#   that norm is a `_NormPartial` DTensor, one partial result per rank still to be
+#   combined. `square_` (`aten.pow_`) needs the combined value, a change of placement, and
+#   DTensor refuses to make one in place (the message comes from
+#   `expand_to_full_mesh_op_strategy` in `torch/distributed/tensor/_ops/utils.py`).
 # - **Muon on FSDP1 refuses** the flat 1-D parameters.
-# - **Muon on FSDP2 runs the right algorithm**: DTensor turns its matrix products into
-#   collectives over the whole matrix. It is still not bit-equal, because Muon iterates in
-#   bfloat16 and a sharded matrix product adds its partial sums in another order. An
-#   experiment (not a recipe) shows that this is all of the difference: let `.bfloat16()`
-#   mean float32 for one run.
+# - **Muon on FSDP2 runs, on the DTensor gradients**, and lands close to DDP but not on
+#   it. Muon orthogonalises in bfloat16 (`grad.bfloat16()` in
+#   `_zeropower_via_newtonschulz`, `torch/optim/_muon.py`). An experiment (not a recipe)
+#   shows that bfloat16 rounding is all of the difference: let `.bfloat16()` mean float32
+#   for one run.
 
 # %%
 def muon_in_float32():
@@ -339,8 +364,8 @@ print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",
 # %% [markdown]
 # So: with a pointwise optimizer, FSDP and DDP agree. With any other, check the
 # optimizer against DDP on a small model before a long run: it must either work on
-# DTensors through DTensor operations (as Muon does, paying collectives inside every
-# step), or gather what it needs itself.
+# DTensors through DTensor operations (as Muon does here), or gather what it needs
+# itself.
 #
 # ## 6. Activation checkpointing goes inside the FSDP unit
 #
@@ -422,11 +447,12 @@ for api, impl, where, gathers, scatters, error in rows:
 # reentrant implementation (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`,
 # still common in older code) around each unit, the recomputation all-gathers every unit
 # a second time: 9 all-gathers instead of 6, half as much parameter traffic again. Around
-# the whole model, even the non-reentrant one makes 8. FSDP2 recognises the recomputation
-# (its pre-forward hook returns early while the unit is in `TrainingState.PRE_BACKWARD`),
-# so on this torch it makes 6 in every arrangement. Inside the unit is the arrangement
-# that is cheapest on both, and the order torchtitan uses: checkpoint each block, then
-# `fully_shard` it.
+# the whole model, even the non-reentrant one makes 8. FSDP2 recognises the recomputation:
+# `FSDPState._pre_forward` (`torch/distributed/fsdp/_fully_shard/_fsdp_state.py`) returns
+# early while the unit is in `TrainingState.PRE_BACKWARD`, all-gathering only a unit that
+# is not already unsharded, so on this torch it makes 6 in every arrangement. Inside the
+# unit never makes more all-gathers than any other arrangement, on either API: checkpoint
+# each block, then shard it.
 
 # %% [markdown]
 # (pitfalls-tips)=

@@ -20,16 +20,17 @@
 #   {func}`fsdp_guide.describe_sharding` (FSDP2, FSDP1 and plain modules);
 # - the state FSDP2 keeps: `DTensor` parameters with `placements`, a `device_mesh` and a
 #   local shard;
-# - the state FSDP1 keeps on its `FlatParameter`: every attribute this torch version sets,
-#   most of them private;
+# - the state FSDP1 keeps on its `FlatParameter`: every attribute set at construction in
+#   this torch version, most of them private;
 # - a timeline, observed with hooks: what the module sees as its weight before, inside and
 #   after forward and backward, and after the optimizer step.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the timeline's input
-# come from {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each
-# rank has one, else the CPU (as on the machine that executed this page). Private
-# attributes change between torch versions; this page was executed with:
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores. The code
+# is written to run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the
+# timeline's input come from {func}`fsdp_guide.device`, the rank's own GPU
+# (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the machine that
+# executed this page). Private attributes change between torch versions; this page was
+# executed with:
 
 # %%
 import sys
@@ -81,8 +82,12 @@ for api in ("FSDP2", "FSDP1"):
 # FSDP2 gives each rank a block of rows of every parameter (`torch.chunk` on dim 0, so the
 # 2x6 weight splits 1 + 1 and a 6x8 one 3 + 3). FSDP1 concatenates all the parameters of a
 # unit into one flat vector of 68 numbers and gives each rank 34 of them, so a parameter
-# may sit wholly on one rank (`0.bias` on rank 1) or straddle both (`0.weight`).
-# In a notebook, `describe_sharding(model)` as the last line of a cell displays as an
+# may sit wholly on one rank (`0.bias` on rank 1) or straddle both (`0.weight`). Each
+# FSDP1 row says which elements of the flattened parameter the rank holds, and where they
+# lie in its flat shard: rank 1 holds elements 34 to 47 of `0.weight` at positions 0 to 13
+# of its shard, then all of `0.bias` at 14 to 19.
+# `describe_sharding` returns a `ShardingTable`, which defines `_repr_html_`
+# (`src/fsdp_guide/describe.py`): as the last line of a notebook cell it displays as an
 # HTML table.
 #
 # ## FSDP2: parameters are DTensors
@@ -110,8 +115,12 @@ for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
 # ## FSDP1: the `FlatParameter` and its private attributes
 #
 # Everything FSDP1 knows about a unit hangs on one `FlatParameter`. Here is every
-# attribute it sets on it in this torch version (the underscore means private: read them
-# to understand, not to build on):
+# attribute it has right after construction in this torch version (the underscore means
+# private: read them to understand, not to build on). More are added later: the first
+# forward runs `FlatParamHandle.init_flat_param_attributes`
+# (`torch/distributed/fsdp/_flat_param.py`), which adds `_local_shard` and
+# `_full_param_padded` among others, and forward and backward set more (`_saved_grad_shard`,
+# for one).
 
 # %%
 def flat_param_attributes():
@@ -170,15 +179,25 @@ def fsdp2_timeline():
     device = fsdp_guide.device()
     model = fsdp2_model()
     layer = model[0]
+    shards, grad_types = {}, {}  # filled at each snapshot
 
     def snapshot(when):
         w = layer.weight
         local = w.to_local() if isinstance(w, DTensor) else w
         grad = w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
+        if isinstance(w, DTensor):  # the shard: where it lives, and a copy of its values
+            shards[when] = (local.data_ptr(), local.detach().cpu().clone())
+        if w.grad is not None:
+            grad_types[when] = type(w.grad).__name__
         return (when, type(w).__name__, tuple(w.shape), local.untyped_storage().nbytes(),
                 None if grad is None else tuple(grad.shape))
 
-    return record_timeline(model, layer, snapshot, device)
+    rows = record_timeline(model, layer, snapshot, device)
+    (ptr_before, values_before), (ptr_after, values_after) = (
+        shards["after backward"], shards["after optimizer step"])
+    return {"rows": rows, "grad type": grad_types["after backward"],
+            "same storage": ptr_before == ptr_after,
+            "values changed": not torch.equal(values_before, values_after)}
 
 
 def show(rows, header):
@@ -187,14 +206,18 @@ def show(rows, header):
         print(f"{when:22}" + "".join(f"{str(v):>18}" for v in values))
 
 
-show(launch(fsdp2_timeline, world_size=2, output="none")[0],
-     ["weight is a", "its shape", "bytes stored", "local grad"])
+fsdp2_rank0 = launch(fsdp2_timeline, world_size=2, output="none")[0]
+show(fsdp2_rank0["rows"], ["weight is a", "its shape", "bytes stored", "local grad"])
+print(f"after backward, weight.grad is a {fsdp2_rank0['grad type']}")
+print(f"optimizer step: the shard's storage is the same: {fsdp2_rank0['same storage']}, "
+      f"its values changed: {fsdp2_rank0['values changed']}")
 
 # %% [markdown]
 # FSDP2 swaps what is registered on the module: the sharded `DTensor` outside, the full
 # plain `Parameter` (192 bytes instead of 96) while the layer computes, in forward and
-# again in backward. The gradient arrives after backward as a sharded `DTensor`, and the
-# optimizer updates the shard in place.
+# again in backward. The gradient arrives after backward as a `DTensor` whose local part is
+# the shard's shape, and the optimizer step changes the shard's values in the same storage:
+# it updates the shard in place.
 
 # %%
 def fsdp1_timeline():
@@ -233,8 +256,9 @@ show(launch(fsdp1_timeline, world_size=2, output="none")[0],
 #   {ref}`tip-describe-sharding`.
 # - FSDP1's `FlatParameter` attributes are private and version-dependent; FSDP2's
 #   DTensor parameters are the public state: {ref}`tip-private-state`.
-# - Outside forward and backward, a module's weights are shards (FSDP2) or stale views
-#   (FSDP1): {ref}`tip-custom-init-summon`.
+# - Outside forward and backward, a module's weights are shards (FSDP2) or views whose
+#   storage is freed (FSDP1; the root unit keeps it from forward to backward):
+#   {ref}`tip-custom-init-summon`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

@@ -23,9 +23,9 @@
 # - why every rank must use the same seed inside the context;
 # - how to check the result against a single process, bit for bit.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 30 seconds. The code is written to
-# run unchanged with one GPU per rank (NCCL). The tips it demonstrates are listed
-# {ref}`at the end <summon-tips>`.
+# **What you need**: a CPU; 2 processes on gloo; about 30 seconds on 2 CPU cores. The code
+# is written to run unchanged with one GPU per rank (NCCL). The tips it demonstrates are
+# listed {ref}`at the end <summon-tips>`.
 
 # %%
 import sys
@@ -40,14 +40,16 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # A small GPT-like stack: an embedding whose matrix is also the output head
 # (tied weights), and blocks of two linear layers. Its recipe: embeddings
 # normal(0, 0.02), the first layer of each block orthogonal, the second normal with
-# a standard deviation that shrinks with depth (GPT-2's residual scaling), biases zero.
+# standard deviation 0.02 / sqrt(2 (d + 1)) for the block at index d, so smaller in
+# deeper blocks; biases zero.
 #
-# The reference is what one process computes. Random numbers depend on the device that
-# draws them (the CPU and CUDA generators give different numbers for the same seed), so
-# the reference initialises its model where the sharded ones below are initialised: on the
-# rank's device, {func}`fsdp_guide.device` (the rank's own GPU, `cuda:LOCAL_RANK`, where
-# each rank has one, else the CPU, as on the machine that executed this page). Rank 0 of a
-# launch computes it alone, with no collective, and returns CPU tensors.
+# The reference is what one process computes. torch's Reproducibility notes warn that
+# results may not be reproducible between CPU and GPU executions, even with identical
+# seeds, so the reference initialises its model where the sharded ones below are
+# initialised: on the rank's device, {func}`fsdp_guide.device` (the rank's own GPU,
+# `cuda:LOCAL_RANK`, where each rank has one, else the CPU, as on the machine that executed
+# this page). Rank 0 of a launch computes it alone, with no collective, and returns CPU
+# tensors.
 
 # %%
 import math
@@ -317,10 +319,15 @@ assert same_objects and gap < 1e-5
 # %% [markdown]
 # ## `writeback=False` discards what the block changed
 #
-# The cells above passed `writeback=False` where they only looked at the full weights. Any
-# change made inside such a context is thrown away on exit; with the default
-# (`writeback=True`) it is kept. Zero every weight inside each kind of context and look
-# at the shards afterwards:
+# The cells above passed `writeback=False` where they only looked at the full weights.
+# When the parameters are actually sharded (more than one rank), a change made inside
+# such a context is thrown away on exit; with the default (`writeback=True`) it is kept.
+# With one rank (or FSDP1's `NO_SHARD`) the edits persist either way: FSDP1's own
+# `FullyShardedDataParallel.summon_full_params` docstring says so, and for DTensor
+# parameters `redistribute_local_tensor` (`torch/distributed/tensor/_redistribute.py`)
+# takes a shortcut on a mesh dimension of size 1 and returns the local tensor itself, so
+# the "full" tensor is the shard. Zero every weight inside each kind of context, on 2
+# ranks, and look at the shards afterwards:
 
 # %%
 def zero_inside(writeback):
@@ -346,8 +353,9 @@ for writeback in (False, True):
 #   every rank the same, or the slices come from different draws:
 #   {ref}`tip-same-seed-inside-summon`.
 # - Tied parameters stay tied, inside and after: {ref}`tip-tied-weights-summon`.
-# - Changes made inside `summon_full_params(..., writeback=False)` are discarded on exit;
-#   use it only to look.
+# - When the parameters are actually sharded (more than one rank), changes made inside
+#   `summon_full_params(..., writeback=False)` are discarded on exit; with one rank (or
+#   FSDP1's `NO_SHARD`) the edits persist (FSDP1's docstring says so). Use it only to look.
 # - The result equals single-process initialisation exactly, and training from it
 #   matches too: {ref}`tip-check-against-one-process`.
 #

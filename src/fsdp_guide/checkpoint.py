@@ -9,8 +9,9 @@ step, and each rank's RNG state.
 
 A checkpoint is written to ``.partial-step-N`` and renamed to ``step-N`` only once
 every rank has finished, so a directory named ``step-N`` is always complete; older
-ones are deleted only after that. A crash during a save leaves the previous
-checkpoint as it was.
+ones are deleted only after that. A crash while saving a new step leaves the previous
+checkpoint as it was. Saving again at a step that already has a checkpoint deletes
+that ``step-N`` just before the rename, so a crash between the two loses it.
 
 DCP does the writing and resharding; what is written here by hand is what it does
 not do: the atomic publish, choosing the latest complete checkpoint, and errors that

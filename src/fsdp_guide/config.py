@@ -118,7 +118,7 @@ def _dtype(key: str, value: Any) -> torch.dtype | None:
 
 
 def _low_precision(value: Any) -> torch.dtype:
-    """``precision``: 'auto' is bf16 where the hardware has it (every CPU; CUDA from compute capability 8), else fp16."""
+    """``precision``: 'auto' is :func:`~fsdp_guide.precision.low_precision_dtype`: bf16 on any CPU and on CUDA from compute capability 8, else fp16."""
     from fsdp_guide.precision import low_precision_dtype
 
     choice = _choice("precision", value, _PRECISIONS)
@@ -417,7 +417,7 @@ def _unit_sizes(model: nn.Module, units: list[nn.Module]) -> dict:
 
 
 def _plan(model: nn.Module, api: str, settings: dict, sizes: dict) -> str:
-    """What ``verbose`` prints: the settings as the API received them, then the units with their sizes."""
+    """What ``verbose`` prints: the arguments ``shard`` passed to the API, then the units with their sizes."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper, OffloadWrapper
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

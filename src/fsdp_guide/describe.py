@@ -55,8 +55,9 @@ def describe_sharding(module: nn.Module) -> ShardingTable:
     - FSDP2 (``fully_shard``) or any DTensor parameter: the DTensor's global shape,
       its local shard, and its placements over the device mesh.
     - FSDP1 (``FullyShardedDataParallel``): each original parameter inside the
-      flattened ``FlatParameter``, with the flat slice of it this rank holds
-      (read from FSDP1's private ``_fqns``, ``_shapes`` and ``_shard_param_infos``).
+      flattened ``FlatParameter``: which elements of the flattened parameter this
+      rank holds, and where they lie in this rank's flat shard (read from FSDP1's
+      private ``_fqns``, ``_shapes`` and ``_shard_param_infos``).
     - Plain parameters: full and local are the same.
 
     Example:
@@ -110,7 +111,11 @@ def _flat_param_rows(prefix: str, flat) -> list[ParamShard]:
     rows = []
     for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
         numel = info.numel_in_shard if info.in_shard else 0
-        where = (f"flat [{info.intra_param_start_idx}:{info.intra_param_end_idx + 1}] of FlatParameter"
+        # intra_param_*_idx index the flattened original parameter (end inclusive);
+        # offset_in_shard/numel_in_shard locate those elements in this rank's flat shard
+        # (torch/distributed/fsdp/_flat_param.py, _ShardParamInfo).
+        where = (f"elements [{info.intra_param_start_idx}:{info.intra_param_end_idx + 1}] of the parameter, "
+                 f"at [{info.offset_in_shard}:{info.offset_in_shard + info.numel_in_shard}] of this rank's flat shard"
                  if info.in_shard else "none on this rank")
         name = _clean(f"{prefix}.{fqn}" if prefix else fqn)
         rows.append(ParamShard(name, tuple(shape), (numel,), where, numel * flat.element_size(), _dtype(flat)))

@@ -123,8 +123,8 @@ def device() -> torch.device:
     The rule, in order:
 
     1. ``FSDP_GUIDE_DEVICE=cpu`` in the environment: the CPU.
-    2. No GPU visible, or a default process group that is gloo-only (its creator chose
-       CPU collectives): the CPU.
+    2. No GPU visible, or, unless ``FSDP_GUIDE_DEVICE=cuda``, a default process group
+       that is gloo-only (its creator chose CPU collectives): the CPU.
     3. At least as many visible GPUs as ranks on this node (``LOCAL_WORLD_SIZE``):
        ``cuda:LOCAL_RANK``. This is torchrun's one-GPU-per-process layout, on one
        node or many.

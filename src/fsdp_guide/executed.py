@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import platform
 import sys
 from importlib.resources import files
@@ -69,6 +70,16 @@ def _launch_line(entries: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def _seconds_running() -> float | None:
+    """How long this process (a notebook's kernel) has run: its start time from /proc (Linux)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _gpu_line(run: dict) -> str:
     page = run["page"]
     result = "passed" if page["status"] == "pass" else f"FAILED ({page.get('error', 'see the record')})"
@@ -95,8 +106,10 @@ def executed_on(page: str, *, record: str | Path | None = None) -> ExecutedOn:
 
     entries = launches()
     versions = sorted({r["torch"] for e in entries for r in e["ranks"]} or {torch.__version__})
+    seconds = _seconds_running()
+    took = f" The page took {seconds:.0f} s to execute, with {os.cpu_count()} CPU cores." if seconds else ""
     lines = [f"**Executed on**: {_launch_line(entries)}; torch {', '.join(versions)}, "
-             f"Python {sys.version.split()[0]}, {platform.system()} {platform.machine()}."]
+             f"Python {sys.version.split()[0]}, {platform.system()} {platform.machine()}.{took}"]
     runs = gpu_runs(page, record)
     if runs:
         lines.append(_gpu_line(runs[-1]))

@@ -9,8 +9,10 @@ where there are enough (:func:`fsdp_guide.device` decides)::
 Under ``torchrun`` the same call runs ``train`` in-process on the current rank,
 so a tutorial's code is also a cluster script.
 
-Why not ``torch.multiprocessing.spawn``? It pickles the function by reference
-(which fails for a function defined in a notebook cell), it makes the parent
+Why not ``torch.multiprocessing.spawn``? It starts its processes with Python's
+"spawn" method, which pickles the function by reference, by module and name
+(which fails for a function defined in a notebook cell: the children cannot
+import the notebook's ``__main__``), it makes the parent
 import torch (a second or more before any rank starts), and its ranks
 rendezvous over a TCP port that a concurrent launch may also pick. Here the
 parent stays torch-free and starts plain Python processes with the standard

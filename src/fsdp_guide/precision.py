@@ -134,9 +134,11 @@ def record_dtypes() -> DtypeRecord:
 def low_precision_dtype() -> torch.dtype:
     """bfloat16 where the hardware computes in it, else float16: the one setting to fall back on.
 
-    Every CPU has bfloat16 (emulated where it lacks the instructions); on CUDA it needs
-    compute capability 8.0 (Ampere) or newer, else float16, which needs a gradient
-    scaler. ``fsdp_config``'s ``"precision": "auto"`` is this choice.
+    torch computes in bfloat16 on any CPU (natively with AVX512-BF16 or AMX, else
+    emulated); on CUDA it needs compute capability 8.0 (Ampere) or newer, else float16,
+    which needs a gradient scaler. On ROCm ``torch.cuda.is_bf16_supported`` returns
+    ``True`` for every device (it checks ``torch.version.hip`` first), so this is
+    bfloat16 there. ``fsdp_config``'s ``"precision": "auto"`` is this choice.
 
     Example:
 

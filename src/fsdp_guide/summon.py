@@ -55,8 +55,13 @@ def summon_full_params(
         writeback: copy changes made inside the context back into the shards.
         recurse: also the parameters of nested FSDP units (FSDP1 instances, or
             ``fully_shard``-ed submodules); ``False``: only ``module``'s own unit.
-        rank0_only: only rank 0 sees the full parameters; the others keep their
-            shards. Needs ``writeback=False``.
+        rank0_only: only rank 0's module shows the full parameters inside the
+            context; on the others the shards stay registered. With FSDP1 the
+            other ranks free the gathered parameters on entry
+            (``torch/distributed/fsdp/_unshard_param_utils.py``,
+            ``_unshard_fsdp_state_params``); with DTensor parameters every rank
+            still gathers the full tensors and holds them for the whole context,
+            so it saves no memory there. Needs ``writeback=False``.
         offload_to_cpu: the full parameters live on the CPU inside the context.
         with_grads: the full gradients too (``param.grad``), written back with
             ``writeback``.

@@ -213,7 +213,10 @@ def _peak_memory(device: torch.device) -> tuple[str, float]:
 
 
 def train(config: TrainConfig, *, storage_writer=None) -> dict:
-    """Train on the ranks of the default process group; every rank returns the same summary.
+    """Train on the ranks of the default process group; returns a summary of the run.
+
+    Every rank returns the same losses and memory peaks (each rank's, gathered);
+    ``tokens_per_s`` is timed on this rank's clock.
 
     ``storage_writer`` builds DCP's writer from a path (default ``FileSystemWriter``).
     """
