@@ -172,8 +172,16 @@ print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 # `replicate` dimension. So the 4 all-gathers (2 units, in forward and again in backward)
 # run inside the shard group of 2; each unit's gradients are reduce-scattered inside it (2)
 # and then all-reduced across the replicate group (2), so every rank ends with its shard of
-# the gradient averaged over all 4 ranks. That this is data-parallel training, up to float
-# rounding:
+# the gradient averaged over all 4 ranks.
+#
+# The `UserWarning`s printed with the table (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
+# entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
+# in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
+# module's output through an identity autograd function (`BackwardHook` in
+# `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
+# and warns, and the hook warns that it fires where no input of the module requires grad.
+#
+# That this is data-parallel training, up to float rounding:
 
 # %%
 model = make_model()

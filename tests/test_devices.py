@@ -128,3 +128,15 @@ def test_a_gloo_only_group_keeps_the_rank_on_the_cpu_and_launch_records_where_ra
 def test_launch_refuses_nccl_without_a_gpu_per_rank():
     with pytest.raises(RuntimeError, match="needs one GPU per rank"):
         launch(int, world_size=2, backend="cpu:gloo,cuda:nccl")
+
+
+def test_the_low_precision_dtype_is_asked_of_the_rank_s_own_device(env, monkeypatch):
+    from fsdp_guide.precision import low_precision_dtype
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: asked.append(1) or False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    env(gpus=8, **torchrun(5, nodes=1, per_node=8))
+    assert low_precision_dtype() == torch.float16 and asked  # a pre-Ampere GPU of its own
+    env(gpus=8, **{devices.DEVICE_ENV: "cpu"})
+    assert low_precision_dtype() == torch.bfloat16  # kept on the CPU of a GPU machine

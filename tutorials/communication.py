@@ -99,8 +99,9 @@ def one_collective_each():
 
     return {
         "all-reduce": measured(lambda: dist.all_reduce(ones(n))),
-        "all-gather": measured(lambda: dist.all_gather_into_tensor(empty(n), ones(n // world))),
-        "reduce-scatter": measured(lambda: dist.reduce_scatter_tensor(empty(n // world), ones(n))),
+        # torch 2.13's names; all_gather_into_tensor and reduce_scatter_tensor before it (now deprecated)
+        "all-gather": measured(lambda: dist.all_gather_single(empty(n), ones(n // world))),
+        "reduce-scatter": measured(lambda: dist.reduce_scatter_single(empty(n // world), ones(n))),
     }
 
 

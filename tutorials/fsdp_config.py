@@ -190,6 +190,13 @@ for api in ("fsdp2", "fsdp1"):
 # The loss after a step is the same for all of them: they trade memory for
 # communication, and do not change the mathematics.
 #
+# The `UserWarning`s printed with the fsdp2 rows (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
+# entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
+# in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
+# module's output through an identity autograd function (`BackwardHook` in
+# `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
+# and warns, and the hook warns that it fires where no input of the module requires grad.
+#
 # ## Mixed precision presets: the dtypes that actually ran
 #
 # {func}`fsdp_guide.precision.record_dtypes` records the dtype of every matmul and

@@ -157,6 +157,9 @@ print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 # `FutureWarning` appears in its output: `FSDP.state_dict_type` is being deprecated in
 # favour of `get_state_dict`/`set_state_dict` (`FullyShardedDataParallel.state_dict_type`
 # in `torch/distributed/fsdp/fully_sharded_data_parallel.py`), which the FSDP2 side uses.
+# The two `UserWarning`s after it come from torch's own FSDP1 sharded-state-dict code
+# (`torch/distributed/fsdp/_shard_utils.py` calling the internal `_get_pg_default_device`):
+# nothing in the user's code to change, one more reason to move to the new API.
 # Both dictionaries are keyed by the parameters' original names (`0.fc.weight`), not by
 # the FSDP1 module's own parameter names (`_fsdp_wrapped_module...`; both printed below,
 # from rank 0), so an FSDP2 model can read them: build it, ask `get_state_dict` for the

@@ -453,6 +453,13 @@ for api, impl, where, gathers, scatters, error in rows:
 # is not already unsharded, so on this torch it makes 6 in every arrangement. Inside the
 # unit never makes more all-gathers than any other arrangement, on either API: checkpoint
 # each block, then shard it.
+#
+# The `UserWarning`s printed with the table (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
+# entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
+# in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
+# module's output through an identity autograd function (`BackwardHook` in
+# `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
+# and warns, and the hook warns that it fires where no input of the module requires grad.
 
 # %% [markdown]
 # (pitfalls-tips)=

@@ -191,7 +191,7 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     storages = _Storages()
     params = list(model.parameters()) + _fsdp2_sharded_params(model)
     param_bytes = storages.bytes(params + _fsdp1_flat_shards(model))
-    grad_bytes = storages.bytes(p.grad for p in params)
+    grad_bytes = storages.bytes(p.grad for p in params if p.is_leaf)  # a non-leaf (a view) has no .grad of its own
     state = [] if optimizer is None else [
         t for per_param in optimizer.state.values() for t in per_param.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0

@@ -138,7 +138,9 @@ def low_precision_dtype() -> torch.dtype:
     emulated); on CUDA it needs compute capability 8.0 (Ampere) or newer, else float16,
     which needs a gradient scaler. On ROCm ``torch.cuda.is_bf16_supported`` returns
     ``True`` for every device (it checks ``torch.version.hip`` first), so this is
-    bfloat16 there. ``fsdp_config``'s ``"precision": "auto"`` is this choice.
+    bfloat16 there. The device asked about is this rank's (:func:`fsdp_guide.device`): a
+    rank kept on the CPU of a GPU machine gets bfloat16. ``fsdp_config``'s
+    ``"precision": "auto"`` is this choice.
 
     Example:
 
@@ -146,6 +148,11 @@ def low_precision_dtype() -> torch.dtype:
     >>> low_precision_dtype()  # on any CPU and Ampere or newer GPUs; float16 on older GPUs
     torch.bfloat16
     """
-    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return torch.float16
+    from fsdp_guide.devices import device
+
+    where = device()
+    if where.type == "cuda":
+        with torch.cuda.device(where):
+            if not torch.cuda.is_bf16_supported(including_emulation=False):
+                return torch.float16
     return torch.bfloat16
