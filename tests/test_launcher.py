@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -403,7 +404,11 @@ def test_world_size_must_be_a_positive_int(world_size):
 @pytest.mark.parametrize(
     ("option", "value", "match"),
     [("backend", "mpi", "backend must be one of"), ("output", "rank1", "output must be one of"),
-     ("timeout", 0, "timeout must be a number"), ("timeout", "10", "timeout must be a number")],
+     ("timeout", 0, "timeout must be a finite number"), ("timeout", "10", "timeout must be a finite number"),
+     ("timeout", float("inf"), "for no limit, pass None"), ("timeout", float("nan"), "timeout must be a finite"),
+     ("collective_timeout", None, "collective_timeout must be a finite number of seconds > 0, got None"),
+     ("collective_timeout", float("inf"), "collective_timeout must be a finite"),
+     ("collective_timeout", 1e12, "too long for torch's timedelta")],
 )
 def test_bad_options_are_rejected(option, value, match):
     with pytest.raises(ValueError, match=match):
@@ -434,6 +439,89 @@ def test_nccl_without_a_gpu_per_rank_is_refused():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(RuntimeError, match=rf"needs one GPU per rank .*: world_size={gpus + 1} but {gpus} GPU"):
         launch(len, [], world_size=gpus + 1, backend="nccl")
+
+
+def test_no_timeout_means_no_limit():
+    assert launch(len, [1, 2, 3], world_size=2, timeout=None, output="none") == [3, 3]
+
+
+def test_under_torchrun_options_are_checked_and_world_size_must_match(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"launch\(world_size=2\) under torchrun, which started WORLD_SIZE=1"):
+        launch(len, [], world_size=2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        launch(len, [], backend="mpi")
+    with pytest.raises(ValueError, match="for no limit, pass None"):
+        launch(len, [], timeout=float("inf"))
+
+
+def test_exits_recorded_while_the_launcher_reads_them_never_break_it():
+    """The reaper threads record exits while wait() reads them: reading must not race."""
+    from fsdp_guide.launcher import _Ranks
+
+    ranks = _Ranks(Path("/nonexistent"), world_size=10_000, output="none")
+    stop = threading.Event()
+
+    def reaper(first):
+        for rank in range(first, 10_000, 4):
+            with ranks.exited:
+                ranks.exits[rank] = (time.monotonic(), 0)  # exited 0: _failed() then looks for its result file
+            time.sleep(0)  # let the reader run between exits, as real exits come
+            if stop.is_set():
+                return
+
+    writers = [threading.Thread(target=reaper, args=(i,)) for i in range(4)]
+    for w in writers:
+        w.start()
+    try:
+        while any(w.is_alive() for w in writers):
+            ranks._failed()  # raised "dictionary changed size during iteration" before the fix
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert len(ranks._failed()) == 10_000
+
+
+def _every_rank_fails_at_once():
+    import torch.distributed as dist
+
+    dist.barrier()
+    raise ValueError(f"rank {dist.get_rank()} fails")
+
+
+def test_ranks_failing_at_the_same_moment_give_a_launch_error_every_time():
+    for _ in range(3):
+        with pytest.raises(LaunchError, match=r"rank \d raised ValueError: rank \d fails"):
+            launch(_every_rank_fails_at_once, world_size=4, output="none")
+
+
+def test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory(tmp_path):
+    """A notebook kernel killed (restart, OOM): the ranks, what they started, and the pickled function go."""
+    token = f"fsdp-guide-test-{uuid.uuid4().hex}"
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        from fsdp_guide import launch
+        def work():
+            subprocess.Popen({_sleeper(token)!r})  # e.g. a data-loader worker
+            print("run directory", sys.argv[1], flush=True)  # a rank's argument: where its payload is
+            time.sleep(300)
+        launch(work, world_size=2, output="rank0")
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    run_dir = Path(parent.stdout.readline().split()[-1])
+    deadline = time.monotonic() + 60
+    while len(_processes_with(token)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_with(token)) == 2 and run_dir.is_dir(), "the ranks did not start their children"
+    parent.kill()  # SIGKILL: no finally block, no atexit
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while (_processes_with(token) or run_dir.exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(token) == [] and not run_dir.exists()
 
 
 def test_interrupting_the_notebook_kernel_stops_every_rank():

@@ -117,7 +117,7 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     for data_file in corrupt.glob("*.distcp"):
         data_file.write_bytes(data_file.read_bytes()[:100])  # truncated, as by a full disk
     message = _resume_error(dataclasses.replace(SMALL, resume=str(corrupt)))
-    assert f"{corrupt}: the checkpoint could not be read" in message
+    assert f"{corrupt}: its files could not be read" in message and "missing or damaged" in message
     (corrupt / ".metadata").unlink()
     assert "not a complete checkpoint (it has no .metadata file)" in _resume_error(
         dataclasses.replace(SMALL, resume=str(corrupt)))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import shutil
+import signal
 import sys
 import threading
 import time
@@ -84,15 +86,20 @@ def _store(rank: int, world_size: int, timeout: float):
     )
 
 
-def _exit_when_parent_dies() -> None:
+def _exit_when_parent_dies(run_dir: Path) -> None:
     # The parent holds our stdin open and never writes to it: end of file means it is
-    # gone (killed kernel, crashed script), and a rank must not outlive it.
+    # gone (killed kernel, crashed script), and a rank must not outlive it, nor anything
+    # it started (data-loader workers, compile workers), nor the pickled function on disk.
     # os.read, not sys.stdin: a daemon thread holding the stdin lock aborts interpreter shutdown.
     try:
         while os.read(0, 4096):
             pass
     finally:
-        os._exit(70)
+        shutil.rmtree(run_dir, ignore_errors=True)  # every rank tries: whichever is first
+        # This rank leads its own process group (the parent starts it in a new session),
+        # which its children join: one signal ends them all, this rank included.
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+        os._exit(70)  # only if the group could not be signalled
 
 
 def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
@@ -130,15 +137,15 @@ def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
 
 
 def main() -> None:
-    threading.Thread(target=_exit_when_parent_dies, daemon=True).start()
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    threading.Thread(target=_exit_when_parent_dies, args=(run_dir,), daemon=True).start()
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
     try:
         fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
         import torch.distributed as dist
 
-        store = _store(rank, config["world_size"], config["timeout"])
-        backend = init_process_group(config["backend"], store=store, timeout=config["timeout"])
+        store = _store(rank, config["world_size"], config["collective_timeout"])
+        backend = init_process_group(config["backend"], store=store, timeout=config["collective_timeout"])
         where = where_this_rank_ran(backend)
         with _warnings_kept(not _shown(config["output"], rank)) as caught:
             result = fn(*args, **kwargs)
@@ -148,7 +155,7 @@ def main() -> None:
             _write_result(run_dir, rank, ("ok", result, where, caught))
         except Exception as exc:
             raise TypeError(f"the value returned by rank {rank} cannot be sent back to the parent: {exc}") from exc
-        _leave_together(store, rank, config["world_size"], config["timeout"])
+        _leave_together(store, rank, config["world_size"], config["collective_timeout"])
     except BaseException as exc:  # noqa: BLE001 - everything a rank raises is reported to the parent
         sys.stdout.flush()
         _write_result(run_dir, rank, ("error", time.time(), type(exc).__name__, traceback.format_exc()))

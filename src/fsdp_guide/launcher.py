@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import collections
 import json
+import math
 import os
 import pickle
 import signal
@@ -78,9 +79,10 @@ class LaunchError(RuntimeError):
 def launch(
     fn: Callable[..., Any],
     *args: Any,
-    world_size: int = 2,
+    world_size: int | None = None,
     backend: str = "auto",
-    timeout: float = 300.0,
+    timeout: float | None = None,
+    collective_timeout: float = 300.0,
     output: str = "all",
     **kwargs: Any,
 ) -> list:
@@ -102,16 +104,22 @@ def launch(
 
     Args:
         fn: the function every rank runs.
-        world_size: the number of ranks to start (each is a process).
+        world_size: the number of ranks to start (each is a process); default 2. Under
+            torchrun, ``WORLD_SIZE`` decides: leave it out, or give the same number.
         backend: ``"auto"``: the backend for the rank's :func:`fsdp_guide.device`,
             ``"cpu:gloo,cuda:nccl"`` when each rank has a GPU of its own, else ``"gloo"``;
             or ``"gloo"`` (CPU, even on a GPU machine), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``
             (one GPU per rank; each rank's device is made the current one).
-        timeout: seconds to wait for every rank to finish before stopping them all.
+        timeout: seconds to wait for every rank to finish before stopping them all;
+            ``None`` (the default): no limit, for runs of any length.
+        collective_timeout: seconds a collective (or the rendezvous) may wait for the other
+            ranks before it fails: the process group's own timeout. A rank stuck in a
+            collective that another rank never calls fails after this long, whatever
+            ``timeout`` is.
         output: whose printed lines are streamed: ``"all"``, ``"rank0"`` or ``"none"``.
 
-    The names ``world_size``, ``backend``, ``timeout`` and ``output`` belong to
-    ``launch``; every other keyword argument goes to ``fn``.
+    The names ``world_size``, ``backend``, ``timeout``, ``collective_timeout`` and
+    ``output`` belong to ``launch``; every other keyword argument goes to ``fn``.
 
     Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` already set), ``launch``
     starts nothing: it initialises the process group from the environment if
@@ -122,7 +130,9 @@ def launch(
         LaunchError: a rank raised (its traceback is in the message), died without
             raising, or the ranks did not finish within ``timeout``. Every rank
             process is stopped before it is raised; so it is on ``KeyboardInterrupt``.
-        ValueError: ``world_size < 1``, an unknown ``backend`` or ``output``, a bad ``timeout``.
+        ValueError: ``world_size < 1`` (or, under torchrun, other than ``WORLD_SIZE``), an
+            unknown ``backend`` or ``output``, a timeout that is not a finite number of
+            seconds > 0 (``timeout`` may also be ``None``).
         TypeError: ``fn`` or an argument cannot be serialised.
         RuntimeError: an NCCL ``backend`` with fewer GPUs than ranks.
 
@@ -134,15 +144,16 @@ def launch(
     >>> launch(rank_and_size, world_size=2)
     [(0, 2), (1, 2)]
     """
+    world_size = _world_size(world_size)
+    _check_options(world_size, backend, timeout, collective_timeout, output)
     if _under_torchrun():
-        return [_run_in_this_process(fn, args, kwargs, backend, timeout)]
-    _check_options(world_size, backend, timeout, output)
+        return [_run_in_this_process(fn, args, kwargs, backend, collective_timeout)]
     payload = _serialise(fn, args, kwargs)
     with tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
         run_dir = Path(run_dir)
         (run_dir / "payload.pkl").write_bytes(payload)
-        config = {"world_size": world_size, "backend": backend, "timeout": timeout, "sys_path": list(sys.path),
-                  "output": output}
+        config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
+                  "sys_path": list(sys.path), "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
         ranks = _Ranks(run_dir, world_size, output)
         try:
@@ -206,6 +217,17 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _world_size(asked: int | None) -> int:
+    """2 in a notebook or script; torchrun's ``WORLD_SIZE`` under torchrun, which an explicit value must match."""
+    if not _under_torchrun():
+        return 2 if asked is None else asked
+    world = int(os.environ["WORLD_SIZE"])
+    if asked is not None and asked != world:
+        raise ValueError(f"launch(world_size={asked!r}) under torchrun, which started WORLD_SIZE={world} ranks: "
+                         f"leave world_size out under torchrun, or pass {world}")
+    return world
+
+
 def _run_in_this_process(fn, args, kwargs, backend, timeout):
     import torch.distributed as dist
 
@@ -221,15 +243,28 @@ def _run_in_this_process(fn, args, kwargs, backend, timeout):
             dist.destroy_process_group()
 
 
-def _check_options(world_size, backend, timeout, output) -> None:
+def _seconds(name: str, value, *, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        hint = "; for no limit, pass None" if none_ok and value == math.inf else ""
+        expected = "a finite number of seconds > 0" + (" or None (no limit)" if none_ok else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}{hint}")
+
+
+def _check_options(world_size, backend, timeout, collective_timeout, output) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1 (the number of ranks to start), got {world_size!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if output not in _OUTPUTS:
         raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    _seconds("timeout", timeout, none_ok=True)
+    _seconds("collective_timeout", collective_timeout, none_ok=False)
+    # A timedelta past ~10**9 days overflows (OverflowError on every rank): refuse it here.
+    if collective_timeout > 10**9:
+        raise ValueError(f"collective_timeout={collective_timeout!r} s is too long for torch's timedelta; "
+                         "use at most 1e9 s")
     if "nccl" in backend:
         import torch  # only here: asking for NCCL is asking for CUDA
 
@@ -358,8 +393,8 @@ class _Ranks:
             out.write(f"[rank{rank}] {line}")
             out.flush()
 
-    def wait(self, timeout: float) -> list:
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None) -> list:
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         while not self._wait_for_an_exit(deadline):
             if time.monotonic() >= deadline:
                 raise self._timeout(timeout)
@@ -378,7 +413,9 @@ class _Ranks:
             return False
 
     def _failed(self) -> list[int]:
-        return [r for r, (_, code) in self.exits.items() if code != 0 or not self._has_result(r)]
+        with self.exited:  # the reaper threads add to exits: read a snapshot under their lock
+            exits = list(self.exits.items())
+        return [r for r, (_, code) in exits if code != 0 or not self._has_result(r)]
 
     def _has_result(self, rank: int) -> bool:
         return (self.run_dir / f"rank{rank}.pkl").exists()
@@ -387,13 +424,14 @@ class _Ranks:
         return pickle.loads((self.run_dir / f"rank{rank}.pkl").read_bytes())
 
     def _timeout(self, timeout: float) -> LaunchError:
-        running = [r for r in range(self.world_size) if r not in self.exits]
+        with self.exited:
+            running = [r for r in range(self.world_size) if r not in self.exits]
         self.stop()
         return LaunchError(
             f"the ranks did not finish within timeout={timeout:g} s; still running: "
             f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))}. "
-            "All ranks were stopped. Raise `timeout` if the work is just slow; "
-            "a rank waiting in a collective that another rank never calls hangs forever.",
+            "All ranks were stopped. Raise `timeout` (or pass None) if the work is just slow; "
+            "a rank waiting in a collective that another rank never calls waits up to collective_timeout.",
             ranks=running,
             output=[f"[rank{r}] {line}" for r in running for line in self.tails[r]],
         )

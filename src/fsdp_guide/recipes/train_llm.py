@@ -285,7 +285,7 @@ _HELP = {
 }
 
 
-def _parse(argv) -> tuple[TrainConfig, int, str | None]:
+def _parse(argv) -> tuple[TrainConfig, int, str | None, float | None]:
     parser = argparse.ArgumentParser(prog="python -m fsdp_guide.recipes.train_llm", description=__doc__.split("\n")[0])
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -296,20 +296,25 @@ def _parse(argv) -> tuple[TrainConfig, int, str | None]:
             kind = {"int": int, "float": float}.get(str(field.type), str)
             choices = {"data": DATA, "precision": PRECISIONS}.get(field.name)
             parser.add_argument(flag, type=kind, default=field.default, choices=choices, help=_HELP.get(field.name))
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to start when not under torchrun (default 2; under torchrun, its WORLD_SIZE)")
     parser.add_argument("--out", help="rank 0 writes the summary (losses, memory) to this JSON file")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop the ranks after this many seconds (default: no limit)")
     args = vars(parser.parse_args(argv))
-    nproc, out = args.pop("nproc"), args.pop("out")
+    nproc, out, timeout = args.pop("nproc"), args.pop("out"), args.pop("timeout")
+    if timeout is not None and not 0 < timeout < math.inf:
+        parser.error(f"--timeout {timeout}: expected a finite number of seconds > 0, or no --timeout for no limit")
     try:
-        return TrainConfig(**args), nproc, out
+        return TrainConfig(**args), nproc, out, timeout
     except ValueError as error:
         parser.error(str(error))
 
 
 def main(argv=None) -> dict:
-    config, nproc, out = _parse(argv)
+    config, nproc, out, timeout = _parse(argv)
     # Under torchrun, launch runs train in this process; otherwise it starts nproc ranks.
-    summary = launch(train, config, world_size=nproc, output="all", timeout=3600)[0]
+    summary = launch(train, config, world_size=nproc, output="all", timeout=timeout)[0]
     if out and int(os.environ.get("RANK", "0")) == 0:  # every rank has the summary; one writes it
         Path(out).write_text(json.dumps(summary, indent=1))
     return summary

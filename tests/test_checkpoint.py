@@ -1,0 +1,224 @@
+"""fsdp_guide.checkpoint under faults: per-rank state, re-saving a step, keeping older ones, cleanup that fails,
+crafted files, and an optimizer that does not match. Each on real gloo process groups."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_guide import LaunchError, launch
+from fsdp_guide.checkpoint import CheckpointError, latest
+
+
+class Position:
+    """A Stateful whose value may differ per rank, as a sampler's offset does."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _model_and_optimizer(optimizer=torch.optim.AdamW):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 4))
+    opt = optimizer(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _weights(model):
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def _per_rank_and_replicated_state(directory):
+    import torch.distributed as dist
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    sampler, schedule = Position(10 + dist.get_rank()), Position(7)
+    checkpoint.save(directory, 1, model, opt, sampler=sampler, schedule=schedule)
+    sampler.value = schedule.value = -1
+    checkpoint.load(latest(directory), model, opt, sampler=sampler, schedule=schedule)
+    return sampler.value, schedule.value
+
+
+def _load_on_one_rank(directory, **stateful):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    return checkpoint.load(latest(directory), model, opt, **stateful)
+
+
+def test_state_that_differs_per_rank_comes_back_per_rank_and_replicated_state_stays_one(tmp_path):
+    assert launch(_per_rank_and_replicated_state, str(tmp_path), world_size=2, output="none") == [(10, 7), (11, 7)]
+    schedule = Position(-1)
+    assert launch(_load_on_one_rank, str(tmp_path), schedule=schedule, world_size=1, output="none") == [1]
+    with pytest.raises(LaunchError, match="'sampler' was saved per rank on 2 ranks .*this run has 1"):
+        launch(_load_on_one_rank, str(tmp_path), sampler=Position(-1), world_size=1, output="none")
+
+
+def _resave_with_a_crash_before_the_new_name(directory):
+    import os
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.save(directory, 1, model, opt)
+    first = _weights(model)
+    rename = os.rename
+
+    def crash_on_publishing(src, dst):
+        if Path(src).name.startswith(".partial-"):
+            raise OSError("the machine went down here")
+        rename(src, dst)
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    checkpoint.os.rename = crash_on_publishing
+    try:
+        checkpoint.save(directory, 1, model, opt)
+    except OSError:
+        pass
+    finally:
+        checkpoint.os.rename = rename
+    found = latest(directory)
+    step = checkpoint.load(found, model, opt)
+    return found.name, step, all(torch.equal(a, b) for a, b in zip(first, _weights(model)))
+
+
+def test_saving_a_step_again_never_leaves_it_without_a_complete_checkpoint(tmp_path):
+    [(name, step, same)] = launch(_resave_with_a_crash_before_the_new_name, str(tmp_path), world_size=1, output="none")
+    assert (name, step, same) == (".old-step-00000001", 1, True)  # the first save, complete, found by latest()
+
+
+def _save_steps(directory, steps, keep):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    for step in steps:
+        checkpoint.save(directory, step, model, opt, keep=keep)
+    return sorted(p.name for p in Path(directory).iterdir())
+
+
+def test_keep_holds_the_newest_checkpoints_up_to_this_step_and_never_deletes_a_later_one(tmp_path):
+    assert launch(_save_steps, str(tmp_path / "a"), [1, 2, 3, 4, 5], 2, world_size=2, output="none")[0] == \
+        ["step-00000004", "step-00000005"]
+    (tmp_path / "b" / "step-00000009").mkdir(parents=True)  # another run's, further along
+    assert launch(_save_steps, str(tmp_path / "b"), [1, 2, 3], 1, world_size=1, output="none")[0] == \
+        ["step-00000003", "step-00000009"]
+    with pytest.raises(LaunchError, match=r"keep=0: expected an int >= 1"):
+        launch(_save_steps, str(tmp_path / "c"), [1], 0, world_size=1, output="none")
+
+
+def _save_while_old_ones_cannot_be_deleted(directory):
+    import shutil
+    import warnings
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.save(directory, 1, model, opt, keep=1)
+    rmtree = shutil.rmtree
+
+    def busy(path, *args, **kwargs):  # an NFS .nfs* file still open on another node
+        if Path(path).name == "step-00000001":
+            raise OSError(16, "Device or resource busy")
+        return rmtree(path, *args, **kwargs)
+
+    checkpoint.shutil.rmtree = busy
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            checkpoint.save(directory, 2, model, opt, keep=1)
+    finally:
+        checkpoint.shutil.rmtree = rmtree
+    return latest(directory).name, [str(w.message) for w in caught if "could not delete" in str(w.message)]
+
+
+def test_a_cleanup_that_fails_is_a_warning_not_a_failed_save_or_a_hang(tmp_path):
+    results = launch(_save_while_old_ones_cannot_be_deleted, str(tmp_path), world_size=2, output="none", timeout=120)
+    assert results[0][0] == "step-00000002"
+    assert len(results[0][1]) == 1 and "step-00000001" in results[0][1][0]  # rank 0 cleans up, and says so
+    assert results[1] == ("step-00000002", [])
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")  # what a crafted file would do: anything at all
+
+
+def test_a_crafted_metadata_file_is_refused_and_runs_nothing(tmp_path):
+    from fsdp_guide import checkpoint
+
+    crafted, marker = tmp_path / "step-00000001", tmp_path / "ran"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    model = nn.Linear(4, 4)
+    with pytest.raises(CheckpointError, match=r"its \.metadata was refused \((io|builtins)\.open is not .*nothing in it was run"):
+        checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
+    assert not marker.exists()
+
+
+class _CraftedState:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def state_dict(self):
+        return {"value": _RunsCode(self.marker)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _save_crafted_then_load(directory, marker):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.save(directory, 1, model, opt, data=_CraftedState(marker))
+    try:
+        checkpoint.load(latest(directory), model, opt, data=Position(0))
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_crafted_value_in_the_data_files_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    [message] = launch(_save_crafted_then_load, str(tmp_path / "ckpt"), str(marker), world_size=1, output="none")
+    assert "its files could not be read" in message  # torch.load(weights_only=True) refused the crafted value
+    assert not marker.exists()
+
+
+def _sgd_checkpoint_into_adamw(directory):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer(lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9))
+    checkpoint.save(directory, 1, model, opt)
+    model, opt = _model_and_optimizer()
+    try:
+        checkpoint.load(latest(directory), model, opt)
+    except CheckpointError as error:
+        return str(error)
+
+
+def test_another_optimizer_s_checkpoint_names_the_mismatch_and_not_corruption(tmp_path):
+    [message] = launch(_sgd_checkpoint_into_adamw, str(tmp_path), world_size=1, output="none")
+    assert "['momentum_buffer']" in message and "['exp_avg', 'exp_avg_sq', 'step']" in message
+    assert "saved with a different optimizer" in message and "corrupt" not in message
