@@ -12,6 +12,12 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+import sys
+
+import pytest
+
+# Network namespaces (unshare) are Linux's: elsewhere the tests that need them say so and skip.
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux network namespaces (unshare -n)")
 
 
 def loopback_only(argv: list[str]) -> list[str]:

@@ -400,3 +400,44 @@ def _checkpoint_around_units():
 def test_checkpointing_a_module_that_contains_units_is_refused():
     message = launch(_checkpoint_around_units, output="none")[0]
     assert "activation_checkpointing_fn chose 'blocks', which contains FSDP units" in message
+
+
+def _replicas_after_shard(sync):
+    """Each rank seeded differently (as nanoGPT seeds per rank), then sharded with every strategy and API."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from fsdp_guide import summon_full_params
+
+    results = {}
+    for api in ("fsdp2", "fsdp1"):
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+            torch.manual_seed(1000 + dist.get_rank())
+            model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+            rank0_init = [p.detach().clone() for p in model.parameters()]
+            dist.broadcast_object_list(rank0_init, src=0)
+            config = {"sharding_strategy": strategy, "min_params": 50, "mixed_precision": "FULL",
+                      "data_parallel_shard_degree": 2, "sync_module_states": sync}
+            sharded = shard(model, config, api=api)
+            local = b"".join(p.detach().to_local().numpy().tobytes() if hasattr(p, "to_local")
+                             else p.detach().numpy().tobytes() for p in sharded.parameters())
+            with summon_full_params(sharded, writeback=False):
+                full = [p.detach().clone() for p in sharded.parameters()]
+            digests = [None] * dist.get_world_size()
+            dist.all_gather_object(digests, hashlib.sha256(local).hexdigest())
+            results[(api, strategy)] = (all(torch.equal(a, b) for a, b in zip(full, rank0_init)), len(set(digests)))
+    return results
+
+
+def test_every_strategy_starts_from_rank_0s_weights_however_each_rank_was_seeded():
+    for results in launch(_replicas_after_shard, True, world_size=4, output="none", timeout=300):
+        for (api, strategy), (equals_rank_0, distinct_shards) in results.items():
+            assert equals_rank_0, (api, strategy)
+            replicas = {"FULL_SHARD": 4, "SHARD_GRAD_OP": 4, "NO_SHARD": 1, "HYBRID_SHARD": 2}[strategy]
+            assert distinct_shards == replicas, (api, strategy)  # replicas hold the same bytes
+
+
+def test_without_sync_module_states_replicas_keep_their_own_seeds():
+    rank_1 = launch(_replicas_after_shard, False, world_size=4, output="none", timeout=300)[1]
+    assert rank_1[("fsdp2", "NO_SHARD")] == (False, 4) and rank_1[("fsdp1", "NO_SHARD")] == (False, 4)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
 from fsdp_guide.recipes.train_llm import TrainConfig, train
-from isolation import loopback_only  # torchrun's store listens on every interface: run it where only lo exists
+from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
 
 K = 4  # steps between checkpoints
 SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2,
@@ -168,6 +168,7 @@ SMALL_FLAGS = ["--steps", str(K), "--n-layer", "2", "--n-head", "2", "--n-embd",
                "--batch-size", "4", "--warmup", "2", "--no-progress"]
 
 
+@linux_only
 def test_torchrun_on_one_machine_runs_the_same_training(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it: the same arithmetic on both sides
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -192,6 +193,7 @@ def test_bad_settings_are_refused_with_the_valid_choices():
         TokenBatches(None, batch_size=3, block_size=8, rank=0, world_size=2)
 
 
+@linux_only
 def test_two_torchrun_nodes_train_together_and_match_one_node(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it: the same arithmetic on both sides
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",

@@ -197,8 +197,10 @@ fig.tight_layout()
 
 # %% [markdown]
 # The loss starts near ln 256 (a uniform guess over bytes; step 1 above) and falls as the
-# model learns which bytes follow which. Only the newest checkpoint is kept: `step-20` was
-# deleted once `step-40` was complete.
+# model learns which bytes follow which. Both checkpoints are still there: the recipe keeps
+# the newest two (`keep=2`, the default of {func}`fsdp_guide.checkpoint.save`), so a
+# checkpoint that turns out bad leaves one to fall back to; `step-20` goes when `step-60`
+# is complete.
 #
 # ## Stop, resume, and get the same numbers
 #

@@ -7,15 +7,17 @@ a checkpoint loads on any number of ranks), any object with
 ``state_dict``/``load_state_dict`` (scheduler, gradient scaler, data iterator), the
 step, and each rank's RNG state.
 
-A checkpoint is written to ``.partial-step-N`` and renamed to ``step-N`` only once
-every rank has finished, so a directory named ``step-N`` is always complete; older
-ones are deleted only after that. A crash while saving a new step leaves the previous
-checkpoint as it was. Saving again at a step that already has a checkpoint deletes
-that ``step-N`` just before the rename, so a crash between the two loses it.
+A checkpoint is written to ``.partial-step-N``, its files fsynced, and renamed to
+``step-N`` only once every rank has finished, so a directory named ``step-N`` is always
+complete; the oldest beyond ``keep`` are deleted only after that. Saving again at a step
+that has a checkpoint renames the old one aside (``.old-step-N``, which :func:`latest`
+still finds) until the new one has its name: at every moment a complete checkpoint of
+the step exists. State that differs between ranks is saved per rank.
 
 DCP does the writing and resharding; what is written here by hand is what it does
-not do: the atomic publish, choosing the latest complete checkpoint, and errors that
-name the checkpoint and the mismatch before DCP's own would.
+not do: the atomic publish, choosing the latest complete checkpoint, telling per-rank
+from replicated state, reading metadata without running code, and errors that name
+the checkpoint and the mismatch before DCP's own would.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
     "activation_checkpointing_reentrant": False,
     "activation_cpu_offload": False,
     "data_parallel_shard_degree": -1,
+    "sync_module_states": True,
     "verbose": False,
 }
 
@@ -80,6 +81,7 @@ class FsdpConfig:
     activation_checkpointing_reentrant: bool
     activation_cpu_offload: bool
     data_parallel_shard_degree: int
+    sync_module_states: bool
     verbose: bool
 
 
@@ -183,6 +185,7 @@ def validate(fsdp_config: Mapping[str, Any]) -> FsdpConfig:
         activation_checkpointing_reentrant=_flag("activation_checkpointing_reentrant", c["activation_checkpointing_reentrant"]),
         activation_cpu_offload=_flag("activation_cpu_offload", c["activation_cpu_offload"]),
         data_parallel_shard_degree=_shard_degree(c["data_parallel_shard_degree"]),
+        sync_module_states=_flag("sync_module_states", c["sync_module_states"]),
         verbose=_flag("verbose", c["verbose"]),
     )
 
@@ -221,6 +224,8 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard() needs the process group: call it on every rank, inside fsdp_guide.launch or torchrun")
     _check_combination(config, api)  # before anything changes the model
+    if config.sync_module_states:
+        _broadcast_from_rank_0(model)
     units = _plan_units(model, config)
     checkpointed = _apply_activation_checkpointing(model, config, units)
     units = [checkpointed.get(unit, unit) for unit in units]  # the checkpoint wrapper becomes the unit
@@ -229,6 +234,19 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
     if config.verbose and dist.get_rank() == 0:
         print(_plan(sharded, api, settings, sizes))
     return sharded
+
+
+@torch.no_grad()
+def _broadcast_from_rank_0(model: nn.Module) -> None:
+    """Every rank takes rank 0's parameters and buffers, so replicas agree however each rank was seeded.
+
+    By hand because FSDP1's ``sync_module_states`` needs the module on a GPU and FSDP2
+    has none; one broadcast per tensor, through the rank's device (NCCL takes GPU tensors only)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        on_device = tensor.to(device())
+        dist.broadcast(on_device, src=0)
+        if on_device is not tensor:
+            tensor.copy_(on_device)
 
 
 def _check_combination(config: FsdpConfig, api: str) -> None:

@@ -69,6 +69,7 @@ class TrainConfig:
     # checkpoints
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps; 0: never
+    keep: int = 2  # checkpoints kept in checkpoint_dir, the newest
     resume: str | None = None  # "latest" (in checkpoint_dir) or a checkpoint's path
     export: str | None = None  # write the consolidated model here at the end
     # output
@@ -80,7 +81,7 @@ class TrainConfig:
             raise ValueError(f"data={self.data!r}: expected one of {', '.join(DATA)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: expected one of {', '.join(PRECISIONS)}")
-        for name in ("batch_size", "grad_accum", "steps", "log_every", "simulated_size_in_batches"):
+        for name in ("batch_size", "grad_accum", "steps", "log_every", "simulated_size_in_batches", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive int")
         if not 0 <= self.stop_at <= self.steps:
@@ -209,7 +210,8 @@ def _peak_memory(device: torch.device) -> tuple[str, float]:
     """
     if device.type == "cuda":
         return "peak torch.cuda.max_memory_allocated", torch.cuda.max_memory_allocated(device) / 2**20
-    return "peak RSS of the whole process (ru_maxrss)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    kib = 2**10 if sys.platform != "darwin" else 1  # ru_maxrss is in KiB on Linux, in bytes on macOS
+    return "peak RSS of the whole process (ru_maxrss)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib / 2**20
 
 
 def train(config: TrainConfig, *, storage_writer=None) -> dict:
@@ -258,7 +260,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
                 tqdm.write(f"step {step:4} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.1e} "
                            f"| {tokens_per_s:8,.0f} tokens/s", file=sys.stdout)
         if config.checkpoint_every and step % config.checkpoint_every == 0:
-            saved = checkpoint.save(config.checkpoint_dir, step, model, optimizer,
+            saved = checkpoint.save(config.checkpoint_dir, step, model, optimizer, keep=config.keep,
                                     storage_writer=storage_writer, **stateful)
     bar.close()
     tokens_per_s = tokens_per_step * len(losses) / (time.perf_counter() - run_start)  # saves included
@@ -280,6 +282,7 @@ _HELP = {
     "stop_at": "stop after this step (a job's time limit) and resume later; 0: run all steps",
     "precision": "auto: bf16 on GPUs that have it, fp16 with a gradient scaler on older GPUs, fp32 on CPU",
     "checkpoint_every": "save every N steps into --checkpoint-dir (0: never)",
+    "keep": "how many checkpoints to keep in --checkpoint-dir, the newest (at least 1)",
     "resume": "'latest' (the newest complete checkpoint in --checkpoint-dir) or a checkpoint's path",
     "export": "write the consolidated model (one torch.save file) here at the end",
 }

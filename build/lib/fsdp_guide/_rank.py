@@ -1,0 +1,172 @@
+"""The program each rank of :func:`fsdp_guide.launch` runs, and the process-group set-up it shares with torchrun.
+
+A child starts with :data:`BOOTSTRAP` (``python -c BOOTSTRAP RUN_DIR RANK``):
+it takes the parent's ``sys.path`` from ``RUN_DIR/config.pkl`` before importing
+anything else, so it imports this package, and the modules the function was
+pickled by reference against, exactly as the parent does (a source checkout on
+``sys.path`` included). :func:`main` then reads the function and its arguments
+from ``RUN_DIR/payload.pkl``, joins the process group, runs the function and
+writes ``("ok", value, where, warnings)`` (``where``: :func:`where_this_rank_ran`;
+``warnings``: those it would have printed, when its output is not shown) or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import cloudpickle
+
+BOOTSTRAP = (
+    "import pickle, sys; "
+    "sys.path[:] = pickle.load(open(sys.argv[1] + '/config.pkl', 'rb'))['sys_path']; "
+    "from fsdp_guide._rank import main; main()"
+)
+
+
+def init_process_group(backend: str, *, store=None, timeout: float = 300.0) -> str:
+    """Join the process group described by the torchrun environment variables; returns the backend used.
+
+    ``"auto"`` is :func:`fsdp_guide.devices.backend`: NCCL (beside gloo) on a GPU of
+    this rank's own, else gloo. On a GPU, :func:`fsdp_guide.device` becomes the current
+    CUDA device before any collective runs: NCCL creates its communicators on it, and
+    FSDP2's default mesh takes it."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_guide.devices import backend as backend_for, device
+
+    backend = backend_for(backend)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=int(os.environ["RANK"]) if store is not None else -1,
+        world_size=int(os.environ["WORLD_SIZE"]) if store is not None else -1,
+        timeout=timedelta(seconds=timeout),
+    )
+    if device().type == "cuda":  # after: a gloo-only group keeps the rank on the CPU
+        torch.cuda.set_device(device())
+    return backend
+
+
+def where_this_rank_ran(backend: str) -> dict:
+    """What ``launch`` records of each rank: its backend, device, and torch's version."""
+    import torch
+
+    from fsdp_guide.devices import placement
+
+    where = placement()
+    return {"backend": backend, "device": str(where.device), "shared": where.shared, "torch": str(torch.__version__)}  # a plain str: unpickling TorchVersion imports torch
+
+
+def _store(rank: int, world_size: int, timeout: float):
+    """The rendezvous store. Rank 0 serves it on the socket the parent already bound
+    to 127.0.0.1 and is listening on, so there is no port race, nothing listens on
+    other interfaces, and the other ranks connect at once instead of retrying."""
+    import torch.distributed as dist
+
+    listen_fd = int(os.environ["FSDP_GUIDE_STORE_FD"]) if rank == 0 else None
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=listen_fd,
+    )
+
+
+def _exit_when_parent_dies(run_dir: Path) -> None:
+    # The parent holds our stdin open and never writes to it: end of file means it is
+    # gone (killed kernel, crashed script), and a rank must not outlive it, nor anything
+    # it started (data-loader workers, compile workers), nor the pickled function on disk.
+    # os.read, not sys.stdin: a daemon thread holding the stdin lock aborts interpreter shutdown.
+    try:
+        while os.read(0, 4096):
+            pass
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # every rank tries: whichever is first
+        # This rank leads its own process group (the parent starts it in a new session),
+        # which its children join: one signal ends them all, this rank included.
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+        os._exit(70)  # only if the group could not be signalled
+
+
+def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
+    """Rank 0 serves the store: it leaves only after every rank has said it is done with it."""
+    store.add("fsdp_guide/finished", 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout
+        while store.add("fsdp_guide/finished", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _shown(output: str, rank: int) -> bool:
+    return output == "all" or (output == "rank0" and rank == 0)
+
+
+@contextlib.contextmanager
+def _warnings_kept(keep: bool):
+    """Record the warnings a rank whose output is not shown would have printed, for the parent to show.
+
+    The filters in force still decide which warnings exist (``record=True`` replaces
+    only how they are shown), so the parent shows what this rank would have printed."""
+    if not keep:
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        kept = []
+        yield kept
+    kept.extend((w.category.__name__, str(w.message), w.filename, w.lineno) for w in caught)
+
+
+def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
+    tmp = run_dir / f"rank{rank}.tmp"
+    tmp.write_bytes(cloudpickle.dumps(record))
+    tmp.rename(run_dir / f"rank{rank}.pkl")  # the parent never sees half a file
+
+
+def main() -> None:
+    run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    threading.Thread(target=_exit_when_parent_dies, args=(run_dir,), daemon=True).start()
+    config = pickle.loads((run_dir / "config.pkl").read_bytes())
+    try:
+        fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
+        import torch.distributed as dist
+
+        store = _store(rank, config["world_size"], config["collective_timeout"])
+        backend = init_process_group(config["backend"], store=store, timeout=config["collective_timeout"])
+        where = where_this_rank_ran(backend)
+        with _warnings_kept(not _shown(config["output"], rank)) as caught:
+            result = fn(*args, **kwargs)
+        if dist.is_initialized():  # the function may have torn it down itself
+            dist.destroy_process_group()
+        try:
+            _write_result(run_dir, rank, ("ok", result, where, caught))
+        except Exception as exc:
+            raise TypeError(f"the value returned by rank {rank} cannot be sent back to the parent: {exc}") from exc
+        _leave_together(store, rank, config["world_size"], config["collective_timeout"])
+    except BaseException as exc:  # noqa: BLE001 - everything a rank raises is reported to the parent
+        sys.stdout.flush()
+        _write_result(run_dir, rank, ("error", time.time(), type(exc).__name__, traceback.format_exc()))
+        sys.stderr.flush()
+        # Skip interpreter shutdown: other ranks may be blocked in a collective with us,
+        # and tearing down the process group could wait on them.
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter shutdown here too: tearing down torch's C++ threads (the store,
+    # gloo) in the interpreter's order sometimes aborts with "terminate called without an
+    # active exception" after all the work is done (seen in 4 to 11 of 25 runs of an FSDP1
+    # worker with param_init_fn).
+    os._exit(0)

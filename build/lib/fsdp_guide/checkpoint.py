@@ -1,0 +1,393 @@
+"""Checkpoints that lose nothing: ``save``, ``load``, ``latest`` and ``export_consolidated``.
+
+Everything training needs to continue exactly is saved with
+``torch.distributed.checkpoint`` (DCP): the model and optimizer through
+``get_state_dict``/``set_state_dict`` (sharded: each rank writes its own part, and
+a checkpoint loads on any number of ranks), any object with
+``state_dict``/``load_state_dict`` (scheduler, gradient scaler, data iterator), the
+step, and each rank's RNG state.
+
+A checkpoint is written to ``.partial-step-N`` and renamed to ``step-N`` only once
+every rank has finished, so a directory named ``step-N`` is always complete; older
+ones are deleted only after that. A crash while saving a new step leaves the previous
+checkpoint as it was. Saving again at a step that already has a checkpoint deletes
+that ``step-N`` just before the rename, so a crash between the two loses it.
+
+DCP does the writing and resharding; what is written here by hand is what it does
+not do: the atomic publish, choosing the latest complete checkpoint, and errors that
+name the checkpoint and the mismatch before DCP's own would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from fsdp_guide.devices import device as rank_device
+
+__all__ = ["CheckpointError", "export_consolidated", "latest", "load", "save"]
+
+_NAME = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt, or was saved from a different model."""
+
+
+def latest(directory: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step in ``directory``, or ``None`` if there is none."""
+    steps = _complete(Path(directory))
+    return max(steps)[1] if steps else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _model_and_optimizer(model: nn.Module, optimizer) -> dict:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _digest(state) -> str:
+    return hashlib.sha256(pickle.dumps(state)).hexdigest()
+
+
+def _differs_between_ranks(obj) -> bool:
+    """Whether this object's state is not the same on every rank (a sampler's offset, a data-loader position).
+
+    DCP writes a non-tensor value every rank holds under the same key once, from the
+    coordinator (it de-duplicates replicated state), so per-rank state needs per-rank keys;
+    replicated state keeps one key, so it still loads on any number of ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, _digest(obj.state_dict()))
+    return len(set(digests)) > 1
+
+
+def _key(name: str, rank: int | None) -> str:
+    return name if rank is None else f"{name}@rank{rank}"
+
+
+def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+         keep: int = 2, storage_writer=None, **stateful) -> Path:
+    """Save everything needed to continue at ``step`` as ``directory/step-<step>``; every rank calls it.
+
+    ``stateful`` are objects with ``state_dict``/``load_state_dict`` (DCP's ``Stateful``)
+    saved under their keyword (e.g. ``scheduler=...``, ``data=...``); ``load`` takes the
+    same keywords. An object whose state differs between ranks (a sampler's position) is
+    saved once per rank; one whose state is the same everywhere, once. ``keep``: how
+    many checkpoints of this directory to keep, this one included (the newest steps up to
+    ``step``; never a later one). ``storage_writer`` builds DCP's writer from a path
+    (default ``FileSystemWriter``, which fsyncs the files it writes). Returns the
+    published path.
+
+    Raises:
+        ValueError: ``keep < 1`` or a ``stateful`` name that ``load`` could not tell apart.
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"keep={keep!r}: expected an int >= 1 (this checkpoint and the ones before it to keep)")
+    for name in stateful:
+        if name in _RESERVED or "@" in name or "." in name:
+            raise ValueError(f"{name}=...: choose another keyword for this state (not {', '.join(sorted(_RESERVED))}, "
+                             "and without '.' or '@')")
+    directory, rank = Path(directory), _rank()
+    final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        partial.mkdir(parents=True)
+    _barrier()
+    state = _model_and_optimizer(model, optimizer)
+    for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
+        state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
+    state["step"] = step
+    state.update(_rng_states(rank))  # each rank its own keys: they differ
+    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
+    _barrier()  # every rank has written its part
+    if rank == 0:
+        _publish(partial, final)
+        _remove_older(directory, step, keep)
+    _barrier()
+    return final
+
+
+_RESERVED = ("model", "optim", "step", "rng", "cuda_rng")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Rename ``partial`` to ``final`` so that a complete step-N exists at every moment.
+
+    Saving again at a step that has a checkpoint: the old one is renamed aside to
+    ``.old-step-N`` (still complete: :func:`latest` takes it if a crash comes before the
+    second rename), the new one takes its name, and only then is the old one deleted.
+    """
+    for entry in partial.iterdir():  # DCP's writer fsyncs its data files; .metadata too, for certain
+        if entry.is_file():
+            _fsync(entry)
+    _fsync(partial)  # the directory's entries
+    old = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    _fsync(final.parent)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory; a failure (an NFS ``.nfs*`` file still open, a file someone else removed) only warns."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        warnings.warn(f"could not delete the old checkpoint {path}: {error}; delete it by hand", stacklevel=3)
+
+
+def _remove_older(directory: Path, step: int, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints up to ``step``; later steps (another run's) are not this save's to delete."""
+    older = sorted((s, p) for s, p in _complete(directory) if s < step)
+    for _, path in older[: max(0, len(older) - (keep - 1))]:
+        _remove(path)
+
+
+def _complete(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint: step-N, or .old-step-N left by a crash mid-publish."""
+    found = {}
+    for path in directory.glob(".old-step-*"):
+        if m := _NAME.fullmatch(path.name.removeprefix(".old-")):
+            found[int(m.group(1))] = path
+    for path in directory.glob("step-*"):
+        if m := _NAME.fullmatch(path.name):
+            found[int(m.group(1))] = path  # the published one wins over its .old- copy
+    return list(found.items())
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, **stateful) -> int:
+    """Load the checkpoint at ``path`` into ``model``, ``optimizer`` and ``stateful``; returns its step.
+
+    Works on a different number of ranks than the checkpoint was saved on (DCP
+    reshards); the RNG states are then not restored, as there is no rank to take
+    them from, and state saved per rank (it differed between ranks) cannot be, which is
+    an error. Raises :class:`CheckpointError` naming the path for a missing or
+    incomplete checkpoint, for damaged files, and for a checkpoint saved from another
+    model (naming the parameter and both shapes), with another optimizer, or without a
+    state this run restores.
+
+    What is safe to load: the ``.metadata`` file is read with an unpickler that accepts
+    only DCP's metadata classes, and non-tensor values with ``torch.load(weights_only=True)``,
+    so a crafted checkpoint is refused instead of running code. Tensor data is read by
+    DCP as raw bytes. Still, prefer checkpoints you or your jobs wrote: this checks what
+    the files contain, not who made them.
+    """
+    path = Path(path)
+    metadata = _read_metadata(path)
+    state = _model_and_optimizer(model, optimizer)
+    _check_model_matches(path, metadata, state["model"])
+    _check_optimizer_matches(path, metadata, state["optim"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved_ranks = sum(key.startswith("rng.rank") for key in metadata.state_dict_metadata)
+    for name, obj in stateful.items():
+        state[_key(name, _per_rank(path, metadata, name, world))] = obj  # Stateful: DCP loads into it
+    state["step"] = 0
+    rng = {k: v for k, v in _rng_states(_rank()).items() if k in metadata.state_dict_metadata} \
+        if saved_ranks == world else {}
+    state.update(rng)
+    try:
+        dcp.load(state, checkpoint_id=path, planner=_SafeLoadPlanner())
+    except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
+        raise CheckpointError(f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
+                              "or damaged; resume from another checkpoint") from error
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _set_rng_states(_rank(), {k: state[k] for k in rng})
+    return int(state["step"])
+
+
+def _per_rank(path: Path, metadata, name: str, world: int) -> int | None:
+    """This rank, if ``name`` was saved per rank (on as many ranks as now); None if saved once."""
+    saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    if name in saved:
+        return None
+    ranks = sorted(int(key.split("@rank", 1)[1]) for key in saved if key.startswith(f"{name}@rank"))
+    if not ranks:
+        raise CheckpointError(f"{path}: the checkpoint holds no {name!r} state, which this run needs (it has "
+                              f"{', '.join(sorted(_names(saved)))}): it was saved by a run with other settings")
+    if len(ranks) != world:
+        raise CheckpointError(f"{path}: {name!r} was saved per rank on {len(ranks)} ranks (its state differed "
+                              f"between ranks), and this run has {world}: resume on {len(ranks)} ranks, or "
+                              f"without {name!r}")
+    return _rank()
+
+
+def _names(saved: set[str]) -> set[str]:
+    return {key.split("@rank", 1)[0] for key in saved if not key.startswith(("rng.", "cuda_rng."))}
+
+
+def _rng_states(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's random-number generators: the CPU's, and its GPU's when it computes on one."""
+    states = {f"rng.rank{rank}": torch.get_rng_state()}
+    if rank_device().type == "cuda":
+        states[f"cuda_rng.rank{rank}"] = torch.cuda.get_rng_state(rank_device())
+    return states
+
+
+def _set_rng_states(rank: int, states: dict[str, torch.Tensor]) -> None:
+    if f"rng.rank{rank}" in states:
+        torch.set_rng_state(states[f"rng.rank{rank}"])
+    if f"cuda_rng.rank{rank}" in states and rank_device().type == "cuda":
+        torch.cuda.set_rng_state(states[f"cuda_rng.rank{rank}"], rank_device())
+
+
+def _last_line(error: BaseException) -> str:
+    """DCP's errors hold every rank's traceback; the last line names the cause."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(error).__name__
+
+
+def _read_metadata(path: Path):
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (it has no .metadata file); "
+                              f"complete ones are named step-N")
+    try:
+        return _safe_metadata(path)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{path}: its .metadata was refused ({error}): it is damaged, or was made to run "
+                              "code when loaded; nothing in it was run") from error
+    except Exception as error:  # noqa: BLE001
+        raise CheckpointError(f"{path}: its .metadata cannot be read ({_last_line(error)})") from error
+
+
+def _check_model_matches(path: Path, metadata, model_state: dict) -> None:
+    """Compare every parameter's global shape with the checkpoint's, before DCP reads anything."""
+    saved = {key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.")}
+    for name, tensor in model_state.items():
+        if name not in saved:
+            raise CheckpointError(f"{path}: this model has {name} {tuple(tensor.shape)}, the checkpoint has no "
+                                  "such parameter: it was saved from a different model")
+        shape = tuple(getattr(saved[name], "size", ()))
+        if shape != tuple(tensor.shape):
+            raise CheckpointError(f"{path}: {name} has shape {shape} in the checkpoint and {tuple(tensor.shape)} "
+                                  "in this model: it was saved from a different model shape")
+    extra = sorted(set(saved) - set(model_state))
+    if extra:
+        raise CheckpointError(f"{path}: the checkpoint has parameters this model lacks ({', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}): it was saved from a different model")
+
+
+def _check_optimizer_matches(path: Path, metadata, optim_state: dict) -> None:
+    """The saved optimizer state must have the kinds of state this optimizer keeps (AdamW's moments, not SGD's momentum)."""
+    saved = metadata.state_dict_metadata
+    if not any(key.startswith("optim.") for key in saved):
+        raise CheckpointError(f"{path}: the checkpoint holds no optimizer state, which this run needs: "
+                              "it was saved by a run with other settings")
+    expected = {name for per_param in optim_state.get("state", {}).values() for name in per_param}
+    found = {key.rsplit(".", 1)[1] for key in saved if key.startswith("optim.state.")}
+    if expected != found:
+        raise CheckpointError(f"{path}: the optimizer state saved there has {sorted(found) or 'nothing'} per "
+                              f"parameter, and this optimizer keeps {sorted(expected) or 'nothing'}: it was saved "
+                              "with a different optimizer (or other optimizer settings); the files are not damaged")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what DCP's ``.metadata`` holds: its own metadata classes and the torch
+    values inside them. DCP's reader uses plain ``pickle.load`` (``FileSystemReader.read_metadata``),
+    which would run whatever a crafted file names; this refuses anything else first."""
+
+    def find_class(self, module: str, name: str):
+        import pathlib
+
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        value = None
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            value = getattr(dcp_metadata, name)
+        elif (module, name) == (dcp_filesystem.__name__, "_StorageInfo"):
+            value = dcp_filesystem._StorageInfo
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            value = getattr(torch, name)
+        elif (module, name) == ("torch.serialization", "_get_layout"):  # turns "torch.strided" into the layout
+            value = torch.serialization._get_layout
+        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+            value = getattr(pathlib, name)
+        elif (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            value = collections.OrderedDict
+        if value is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP checkpoint's metadata holds")
+        return value
+
+
+def _safe_metadata(path: Path):
+    with open(path / ".metadata", "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor values unpickled by ``torch.load(weights_only=True)``.
+
+    ``DefaultLoadPlanner.load_bytes`` loads them with ``weights_only=False`` (torch 2.13),
+    which would run code from a crafted ``.distcp`` file; the state saved here (numbers,
+    strings, lists, dicts, tensors) needs nothing more than ``weights_only`` allows."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element  # what the default planner uses
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write the full, unsharded model state dict to one ``torch.save`` file (rank 0 writes; all ranks call it).
+
+    The file loads into the plain model with ``torch.load(path, weights_only=True)``.
+    """
+    path = Path(path)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        partial = path.with_name(path.name + ".partial")
+        torch.save(full, partial)
+        _fsync(partial)  # the bytes on disk before the name points at them
+        os.replace(partial, path)
+        _fsync(path.parent)  # and the new name itself
+    _barrier()
+    return path

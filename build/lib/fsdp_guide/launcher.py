@@ -1,0 +1,496 @@
+"""Run a function on several ranks of a real process group, from a notebook cell or a script.
+
+:func:`launch` is what lets a tutorial define its training function in a cell
+and run it, sharded, on two CPU processes (gloo), or on a GPU per rank (NCCL)
+where there are enough (:func:`fsdp_guide.device` decides)::
+
+    results = launch(train, world_size=2)   # one return value per rank
+
+Under ``torchrun`` the same call runs ``train`` in-process on the current rank,
+so a tutorial's code is also a cluster script.
+
+Why not ``torch.multiprocessing.spawn``? It starts its processes with Python's
+"spawn" method, which pickles the function by reference, by module and name
+(which fails for a function defined in a notebook cell: the children cannot
+import the notebook's ``__main__``), it makes the parent
+import torch (a second or more before any rank starts), and its ranks
+rendezvous over a TCP port that a concurrent launch may also pick. Here the
+parent stays torch-free and starts plain Python processes with the standard
+library's :mod:`subprocess` (see :mod:`fsdp_guide._rank`), ships the function
+by value with ``cloudpickle``, and hands rank 0 an already-listening
+loopback socket for torch's own ``TCPStore``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import json
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+
+from fsdp_guide._rank import BOOTSTRAP
+
+__all__ = ["launch", "LaunchError", "launches"]
+
+_BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
+_OUTPUTS = ("all", "rank0", "none")
+_TAIL_LINES = 20  # output lines of a failing rank shown with the error
+_TERMINATE_GRACE_S = 2.0
+_SAME_GPUS_ENV = "FSDP_GUIDE_SAME_GPUS"  # fsdp_guide.devices.SAME_GPUS_ENV (that module imports torch)
+_LAUNCH_LOG_ENV = "FSDP_GUIDE_LAUNCH_LOG"  # a JSON-lines file that every launch is appended to
+
+_launches: list[dict] = []
+
+
+class LaunchError(RuntimeError):
+    """A rank raised, died, or the ranks did not finish within ``timeout``.
+
+    Attributes:
+        rank: the failing rank (``None`` for a timeout).
+        ranks: the ranks the error is about (the failing rank, or every rank still running at the timeout).
+        exit_code: the failing rank's exit code (negative: killed by that signal), ``None`` for a timeout.
+        remote_traceback: the traceback text the failing rank printed, if it raised.
+        output: the last lines the failing ranks printed.
+    """
+
+    def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=()):
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.exit_code = exit_code
+        self.remote_traceback = remote_traceback
+        self.output = list(output)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int | None = None,
+    backend: str = "auto",
+    timeout: float | None = None,
+    collective_timeout: float = 300.0,
+    output: str = "all",
+    **kwargs: Any,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
+
+    Each rank is a fresh process with its default process group initialised
+    before ``fn`` runs and destroyed after, and with ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun sets
+    them. ``fn`` may be defined in a notebook cell or a script's ``__main__``:
+    it is shipped by value. Return plain Python data (numbers, lists, dicts);
+    what a rank prints is streamed to this process's output while it runs,
+    each line prefixed with ``[rankN]``.
+
+    The ranks rendezvous on a free port of 127.0.0.1 (``MASTER_PORT``) and talk
+    over loopback (``GLOO_SOCKET_IFNAME=lo``), so concurrent launches never
+    collide. Each rank gets ``cores // world_size`` CPU threads
+    (``OMP_NUM_THREADS``, unless already set) so the ranks do not oversubscribe
+    the machine. A rank imports modules from the same ``sys.path`` as this process.
+
+    Args:
+        fn: the function every rank runs.
+        world_size: the number of ranks to start (each is a process); default 2. Under
+            torchrun, ``WORLD_SIZE`` decides: leave it out, or give the same number.
+        backend: ``"auto"``: the backend for the rank's :func:`fsdp_guide.device`,
+            ``"cpu:gloo,cuda:nccl"`` when each rank has a GPU of its own, else ``"gloo"``;
+            or ``"gloo"`` (CPU, even on a GPU machine), ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``
+            (one GPU per rank; each rank's device is made the current one).
+        timeout: seconds to wait for every rank to finish before stopping them all;
+            ``None`` (the default): no limit, for runs of any length.
+        collective_timeout: seconds a collective (or the rendezvous) may wait for the other
+            ranks before it fails: the process group's own timeout. A rank stuck in a
+            collective that another rank never calls fails after this long, whatever
+            ``timeout`` is.
+        output: whose printed lines are streamed: ``"all"``, ``"rank0"`` or ``"none"``.
+
+    The names ``world_size``, ``backend``, ``timeout``, ``collective_timeout`` and
+    ``output`` belong to ``launch``; every other keyword argument goes to ``fn``.
+
+    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` already set), ``launch``
+    starts nothing: it initialises the process group from the environment if
+    needed, runs ``fn`` in this process and returns ``[this_rank_result]``. So
+    a worker function runs unchanged as ``torchrun --nproc-per-node=N script.py``.
+
+    Raises:
+        LaunchError: a rank raised (its traceback is in the message), died without
+            raising, or the ranks did not finish within ``timeout``. Every rank
+            process is stopped before it is raised; so it is on ``KeyboardInterrupt``.
+        ValueError: ``world_size < 1`` (or, under torchrun, other than ``WORLD_SIZE``), an
+            unknown ``backend`` or ``output``, a timeout that is not a finite number of
+            seconds > 0 (``timeout`` may also be ``None``).
+        TypeError: ``fn`` or an argument cannot be serialised.
+        RuntimeError: an NCCL ``backend`` with fewer GPUs than ranks.
+
+    Example:
+
+    >>> import torch.distributed as dist
+    >>> def rank_and_size():
+    ...     return dist.get_rank(), dist.get_world_size()
+    >>> launch(rank_and_size, world_size=2)
+    [(0, 2), (1, 2)]
+    """
+    world_size = _world_size(world_size)
+    _check_options(world_size, backend, timeout, collective_timeout, output)
+    if _under_torchrun():
+        return [_run_in_this_process(fn, args, kwargs, backend, collective_timeout)]
+    payload = _serialise(fn, args, kwargs)
+    with tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
+        run_dir = Path(run_dir)
+        (run_dir / "payload.pkl").write_bytes(payload)
+        config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
+                  "sys_path": list(sys.path), "output": output}
+        (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
+        ranks = _Ranks(run_dir, world_size, output)
+        try:
+            ranks.start()
+            results, where, caught = ranks.wait(timeout)
+        finally:
+            ranks.stop()
+    _record(fn, world_size, where)
+    _show_warnings(caught)
+    return results
+
+
+def launches() -> list[dict]:
+    """Every launch this process made, oldest first: where its ranks ran.
+
+    Each entry: ``fn`` (the function's name), ``world_size``, and ``ranks``, one dict per
+    rank with its ``backend``, ``device`` (such as ``"cpu"`` or ``"cuda:1"``), ``shared``
+    (a GPU shared with other ranks) and ``torch`` version. Pages use it to say where they
+    were executed (:func:`fsdp_guide.executed_on`). When ``FSDP_GUIDE_LAUNCH_LOG`` names a
+    file, each entry is also appended to it as one line of JSON.
+
+    Example:
+
+    >>> before = len(launches())
+    >>> _ = launch(int, world_size=2)
+    >>> launches()[before]["ranks"][1]["device"]
+    'cpu'
+    """
+    return [dict(entry) for entry in _launches]
+
+
+def _record(fn, world_size: int, ranks: list[dict]) -> None:
+    entry = {"fn": getattr(fn, "__qualname__", repr(fn)), "world_size": world_size, "ranks": ranks}
+    _launches.append(entry)
+    log = os.environ.get(_LAUNCH_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def _show_warnings(per_rank: list[list[tuple]]) -> None:
+    """Issue here, once each, the warnings that ranks whose output is hidden would have printed.
+
+    A reader running the same code in a script would see them, so ``output="none"`` must
+    not hide them; shown from this process, after the ranks finished, they come in a
+    stable order with the ranks that raised them named."""
+    ranks_of: dict[tuple, list[int]] = {}
+    for rank, caught in enumerate(per_rank):
+        for warning in caught:
+            ranks_of.setdefault(warning, []).append(rank)
+    for (category, message, filename, lineno), ranks in ranks_of.items():
+        # The parent does not import torch, so torch's own warning classes arrive by name.
+        cls = getattr(builtins, category, None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, Warning) else UserWarning
+        prefix = "" if cls.__name__ == category else f"{category}: "
+        where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        warnings.warn_explicit(f"{prefix}{message} (on {where})", cls, filename, lineno, module="fsdp_guide.ranks")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _world_size(asked: int | None) -> int:
+    """2 in a notebook or script; torchrun's ``WORLD_SIZE`` under torchrun, which an explicit value must match."""
+    if not _under_torchrun():
+        return 2 if asked is None else asked
+    world = int(os.environ["WORLD_SIZE"])
+    if asked is not None and asked != world:
+        raise ValueError(f"launch(world_size={asked!r}) under torchrun, which started WORLD_SIZE={world} ranks: "
+                         f"leave world_size out under torchrun, or pass {world}")
+    return world
+
+
+def _run_in_this_process(fn, args, kwargs, backend, timeout):
+    import torch.distributed as dist
+
+    from fsdp_guide._rank import init_process_group
+
+    created = not dist.is_initialized()
+    if created:
+        init_process_group(backend, timeout=timeout)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if created and dist.is_initialized():  # fn may have torn it down itself
+            dist.destroy_process_group()
+
+
+def _seconds(name: str, value, *, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        hint = "; for no limit, pass None" if none_ok and value == math.inf else ""
+        expected = "a finite number of seconds > 0" + (" or None (no limit)" if none_ok else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}{hint}")
+
+
+def _check_options(world_size, backend, timeout, collective_timeout, output) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (the number of ranks to start), got {world_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if output not in _OUTPUTS:
+        raise ValueError(f"output must be one of {_OUTPUTS}, got {output!r}")
+    _seconds("timeout", timeout, none_ok=True)
+    _seconds("collective_timeout", collective_timeout, none_ok=False)
+    # A timedelta past ~10**9 days overflows (OverflowError on every rank): refuse it here.
+    if collective_timeout > 10**9:
+        raise ValueError(f"collective_timeout={collective_timeout!r} s is too long for torch's timedelta; "
+                         "use at most 1e9 s")
+    if "nccl" in backend:
+        import torch  # only here: asking for NCCL is asking for CUDA
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world_size:
+            raise RuntimeError(
+                f'backend={backend!r} needs one GPU per rank (NCCL refuses two ranks on one GPU): world_size={world_size} but {gpus} GPU(s) are visible; '
+                'use backend="gloo" (CPU) or backend="auto", or a smaller world_size'
+            )
+
+
+def _serialise(fn, args, kwargs) -> bytes:
+    # Serialise piece by piece first, so the error can name what cannot be sent.
+    pieces = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
+    pieces += [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    pieces += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in pieces:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot send {name} (a {type(value).__name__}) to the ranks: {exc}. "
+                "Pass data the ranks can rebuild (numbers, lists, dicts, tensors, functions), "
+                "or create this object inside the function."
+            ) from exc
+    return cloudpickle.dumps((fn, args, kwargs))
+
+
+def _free_loopback_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def _threads_per_rank(world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+class _Ranks:
+    """The rank processes of one launch: start them, stream their output, wait, stop."""
+
+    def __init__(self, run_dir: Path, world_size: int, output: str):
+        self.run_dir = run_dir
+        self.world_size = world_size
+        self.output = output
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(world_size)]
+        self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
+        self.exited = threading.Condition()
+
+    def start(self) -> None:
+        sock = _free_loopback_socket()
+        try:
+            for rank in range(self.world_size):
+                self.procs.append(self._start_rank(rank, sock))
+        finally:
+            sock.close()  # rank 0 holds its own copy
+
+    def _start_rank(self, rank: int, sock: socket.socket) -> subprocess.Popen:
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.world_size),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(sock.getsockname()[1]),
+            GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo",
+            **{_SAME_GPUS_ENV: "1"},  # these ranks all see the same GPUs (fsdp_guide.devices)
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
+        if rank == 0:
+            env["FSDP_GUIDE_STORE_FD"] = str(sock.fileno())
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BOOTSTRAP, str(self.run_dir), str(rank)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(sock.fileno(),) if rank == 0 else (),
+            start_new_session=True,  # its own process group: stopping it stops its children too
+        )
+        self._background(self._forward, rank, proc.stdout, "stdout")
+        self._background(self._forward, rank, proc.stderr, "stderr")
+        self._background(self._reap, rank, proc)
+        return proc
+
+    def _background(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        # One waiter per rank records when it exited: the first rank to fail is the
+        # root cause; the others often fail only because their peer went away.
+        code = proc.wait()
+        with self.exited:
+            self.exits[rank] = (time.monotonic(), code)
+            self.exited.notify_all()
+
+    def _forward(self, rank: int, pipe, stream: str) -> None:
+        """Copy a rank's output to ours line by line, prefixed with its rank.
+
+        Lines end at ``\\n`` or ``\\r`` so progress bars redraw in place."""
+        show = self.output == "all" or (self.output == "rank0" and rank == 0)
+        pending = b""
+        for chunk in iter(lambda: os.read(pipe.fileno(), 65536), b""):
+            pending += chunk
+            lines = pending.splitlines(keepends=True)
+            pending = lines.pop() if not lines[-1].endswith((b"\n", b"\r")) else b""
+            for line in lines:
+                self._emit(rank, line.decode(errors="replace"), stream, show)
+        if pending:
+            self._emit(rank, pending.decode(errors="replace") + "\n", stream, show)
+        pipe.close()
+
+    def _emit(self, rank: int, line: str, stream: str, show: bool) -> None:
+        self.tails[rank].append(line.rstrip("\r\n"))
+        if show:
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write(f"[rank{rank}] {line}")
+            out.flush()
+
+    def wait(self, timeout: float | None) -> list:
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while not self._wait_for_an_exit(deadline):
+            if time.monotonic() >= deadline:
+                raise self._timeout(timeout)
+        if self._failed():
+            time.sleep(0.05)  # ranks failing at the same moment: let every exit time be recorded
+            raise self._failure()
+        records = [self._result(r) for r in range(self.world_size)]
+        return [record[1] for record in records], [record[2] for record in records], [record[3] for record in records]
+
+    def _wait_for_an_exit(self, deadline: float) -> bool:
+        """True once a rank failed or all finished; waits in short slices so an interrupt is seen at once."""
+        with self.exited:
+            if self._failed() or len(self.exits) == self.world_size:
+                return True
+            self.exited.wait(max(0.0, min(0.1, deadline - time.monotonic())))
+            return False
+
+    def _failed(self) -> list[int]:
+        with self.exited:  # the reaper threads add to exits: read a snapshot under their lock
+            exits = list(self.exits.items())
+        return [r for r, (_, code) in exits if code != 0 or not self._has_result(r)]
+
+    def _has_result(self, rank: int) -> bool:
+        return (self.run_dir / f"rank{rank}.pkl").exists()
+
+    def _result(self, rank: int) -> tuple:
+        return pickle.loads((self.run_dir / f"rank{rank}.pkl").read_bytes())
+
+    def _timeout(self, timeout: float) -> LaunchError:
+        with self.exited:
+            running = [r for r in range(self.world_size) if r not in self.exits]
+        self.stop()
+        return LaunchError(
+            f"the ranks did not finish within timeout={timeout:g} s; still running: "
+            f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))}. "
+            "All ranks were stopped. Raise `timeout` (or pass None) if the work is just slow; "
+            "a rank waiting in a collective that another rank never calls waits up to collective_timeout.",
+            ranks=running,
+            output=[f"[rank{r}] {line}" for r in running for line in self.tails[r]],
+        )
+
+    def _failure(self) -> LaunchError:
+        with self.exited:
+            rank = min(self._failed(), key=lambda r: self.exits[r][0])
+            code = self.exits[rank][1]
+        record = self._result(rank) if self._has_result(rank) else None
+        if record is not None and record[0] == "error":
+            remote_tb = record[3]
+            message = f"rank {rank} raised {remote_tb.strip().splitlines()[-1]}\n\nTraceback from rank {rank}:\n{remote_tb}"
+        else:
+            remote_tb = None
+            message = f"rank {rank} {_describe_exit(code)}"
+        self.stop()  # also drains the output, so the tail below is complete
+        tail = list(self.tails[rank])
+        if tail:
+            message += f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail)
+        others = [r for r in range(self.world_size) if r != rank]
+        if others:
+            message += f"\nThe other ranks ({', '.join(map(str, others))}) were stopped."
+        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb, output=tail)
+
+    def stop(self) -> None:
+        """Stop every rank process and anything it started; idempotent."""
+        if not self.procs:
+            return
+        for proc in self.procs:
+            if proc.poll() is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            _signal_group(proc.pid, signal.SIGKILL)  # stragglers, and children a rank left behind
+            proc.wait()
+            proc.stdin.close()
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code}) without raising a Python exception"
+    if code == 0:
+        return "exited with code 0 before returning a result"
+    return f"exited with code {code} without raising a Python exception"

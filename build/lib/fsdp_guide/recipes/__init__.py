@@ -1,0 +1,1 @@
+"""Complete training scripts that run unchanged from a notebook (``fsdp_guide.launch``) and under ``torchrun``."""
