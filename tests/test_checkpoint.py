@@ -222,3 +222,29 @@ def test_another_optimizer_s_checkpoint_names_the_mismatch_and_not_corruption(tm
     [message] = launch(_sgd_checkpoint_into_adamw, str(tmp_path), world_size=1, output="none")
     assert "['momentum_buffer']" in message and "['exp_avg', 'exp_avg_sq', 'step']" in message
     assert "saved with a different optimizer" in message and "corrupt" not in message
+
+
+def test_every_file_and_directory_is_fsynced_before_and_after_the_rename(tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    from fsdp_guide import checkpoint
+
+    synced = []
+    fsync = os.fsync
+
+    def recording(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    model = nn.Linear(4, 4)
+    with warnings.catch_warnings():  # DCP warns that it saves in one process: the intent here
+        warnings.simplefilter("ignore")
+        final = checkpoint.save(tmp_path / "ckpt", 1, model, torch.optim.AdamW(model.parameters()))
+    partial = final.with_name(".partial-step-00000001")
+    assert {partial / f.name for f in final.iterdir()} <= set(synced)  # the data files and .metadata
+    assert partial in synced and final.parent in synced  # the entries, then the rename
+    synced.clear()
+    exported = checkpoint.export_consolidated(model, tmp_path / "model.pt")
+    assert synced == [exported.with_name("model.pt.partial"), tmp_path]
