@@ -1,6 +1,9 @@
 """How fast ranks start (the site's build speed: bench_site.py).
 
 Prints, from one run (each timing the median of --repeat runs):
+- warm launches: inside one process, the first `launch` (which starts the pre-imported
+  server) and the next ones (ranks forked from it), from call to return, against
+  `FSDP_GUIDE_WARM=0` (every launch cold);
 - the latency of 2 ranks doing one all-reduce, as a whole process, for
   `fsdp_guide.launch`, `torchrun --nproc-per-node=2`, a bare
   `torch.multiprocessing.spawn` script, and the floor: two
@@ -114,10 +117,54 @@ def bench_launchers(repeat: int) -> None:
     print(f"launch / floor = {ours / floor:.2f} (goal <= 1.2); launch / torchrun = {ours / torchrun:.2f} (goal <= 0.6)")
 
 
+WARM = textwrap.dedent(
+    """
+    import json, os, statistics, sys, time
+    from fsdp_guide import launch
+
+    def all_reduce_once():
+        import torch, torch.distributed as dist
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return t.item()
+
+    if __name__ == "__main__":
+        times = []
+        for _ in range(int(sys.argv[1])):
+            start = time.perf_counter()
+            assert launch(all_reduce_once, world_size=2, output="none") == [2.0, 2.0]
+            times.append(time.perf_counter() - start)
+        print(json.dumps({"first": times[0], "next": statistics.median(times[1:])}))
+    """
+)
+
+
+def bench_warm(repeat: int) -> None:
+    import json
+    import os
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "warm.py"
+        script.write_text(WARM)
+        results = {}
+        for name, warm in (("warm (the default)", "1"), ("cold (FSDP_GUIDE_WARM=0)", "0")):
+            out = subprocess.run(loopback_only([sys.executable, str(script), str(repeat + 1)]), check=True,
+                                 capture_output=True, text=True, cwd=tmp, env={**os.environ, "FSDP_GUIDE_WARM": warm})
+            results[name] = json.loads(out.stdout.splitlines()[-1])
+    print(f"\nlaunch inside one process, 2 ranks, one all-reduce, call to return (next: median of {repeat}):")
+    print(f"{'':28} {'first':>8} {'next':>8}")
+    for name, r in results.items():
+        print(f"{name:28} {r['first']:8.2f} {r['next']:8.2f}")
+    warm, cold = results["warm (the default)"], results["cold (FSDP_GUIDE_WARM=0)"]
+    print(f"warm next launch: {warm['next']:.2f} s (goal <= 0.3); "
+          f"warm first / cold first = {warm['first'] / cold['first']:.2f} (goal: no slower)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each launcher variant (median reported)")
     args = parser.parse_args()
+    bench_warm(args.repeat)
     bench_launchers(args.repeat)
 
 

@@ -35,7 +35,9 @@ def no_process_left_behind():
     time.sleep(0.05)
     # Our descendants only: a scan of every process would also see the ranks of another
     # launch running on this machine (a notebook, a second test session).
-    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    from fsdp_guide._warm import server_pids  # kept on purpose, for the next warm launch
+
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before | set(server_pids())]
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
 
@@ -525,6 +527,12 @@ def test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory(tmp_p
     assert _processes_with(token) == [] and not run_dir.exists()
 
 
+def _is_warm_server(proc: psutil.Process) -> bool:
+    """multiprocessing's forkserver and resource tracker, which a warm launch keeps running."""
+    cmdline = " ".join(proc.cmdline())
+    return "multiprocessing.forkserver import main" in cmdline or "multiprocessing.resource_tracker" in cmdline
+
+
 def test_interrupting_the_notebook_kernel_stops_every_rank():
     """The Jupyter path: a cell running launch, interrupted from the notebook's stop button."""
     from jupyter_client.manager import start_new_kernel
@@ -555,7 +563,8 @@ def test_interrupting_the_notebook_kernel_stops_every_rank():
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         time.sleep(0.2)
         kernel = psutil.Process(manager.provisioner.process.pid)
-        assert _processes_with(token) == [] and kernel.children(recursive=True) == []
+        left = [c for c in kernel.children(recursive=True) if not _is_warm_server(c)]  # kept for the next launch
+        assert _processes_with(token) == [] and left == []
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
@@ -585,3 +594,87 @@ def test_ranks_exit_cleanly_after_their_work_every_time():
     # active exception" in about 1 run of 6 (torch 2.13); ranks now leave without it.
     for _ in range(12):
         assert launch(_fsdp1_meta_init, world_size=2, output="none") == [340, 340]
+
+
+# ---- warm launches: ranks forked from a server that has imported torch ----------------
+
+
+def _leave_traces():
+    import json
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    seed = torch.initial_seed()
+    torch.manual_seed(5)
+    json.LEFT_BY_A_PREVIOUS_LAUNCH = True
+    os.environ["LEFT_BY_A_PREVIOUS_LAUNCH"] = "1"
+    return os.getpid(), seed, random.random()
+
+
+def _look_for_traces():
+    import json
+    import random
+
+    import torch
+
+    return (os.getpid(), torch.initial_seed(), hasattr(json, "LEFT_BY_A_PREVIOUS_LAUNCH"),
+            "LEFT_BY_A_PREVIOUS_LAUNCH" in os.environ, random.random())
+
+
+def test_warm_ranks_are_fresh_processes_with_nothing_from_the_previous_launch():
+    from fsdp_guide.launcher import launches
+
+    first = launch(_leave_traces, world_size=2, output="none")
+    second = launch(_look_for_traces, world_size=2, output="none")
+    assert all(rank["warm"] for rank in launches()[-1]["ranks"])  # forked from the pre-imported server
+    assert {pid for pid, *_ in first}.isdisjoint(pid for pid, *_ in second)  # new processes
+    assert [s[2:4] for s in second] == [(False, False)] * 2  # no module attribute, no environment variable
+    # torch and Python seeded anew in each process, as a new interpreter is: no seed shared or left behind
+    assert len({s[1] for s in second} | {f[1] for f in first} | {5}) == 5
+    assert len({s[4] for s in second} | {f[2] for f in first}) == 4
+
+
+def test_warm_launches_can_be_turned_off(monkeypatch):
+    from fsdp_guide.launcher import launches
+
+    monkeypatch.setenv("FSDP_GUIDE_WARM", "0")
+    launch(len, [], world_size=2, output="none")
+    assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
+
+
+def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
+    from fsdp_guide.launcher import launches
+
+    launch(len, [], world_size=2, output="none")  # the server exists, started with this environment
+    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")  # read by torch when it is imported
+    launch(len, [], world_size=2, output="none")
+    assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
+
+
+def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children(tmp_path):
+    token = f"fsdp-guide-test-{uuid.uuid4().hex}"
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import subprocess, time
+        from fsdp_guide import launch, _warm
+        def work():
+            subprocess.Popen({_sleeper(token)!r})
+            time.sleep(300)
+        launch(len, [], world_size=2)  # starts the server when it ends
+        print(_warm.server_pids()[0], flush=True)
+        launch(work, world_size=2)  # warm ranks
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(parent.stdout.readline()))
+    deadline = time.monotonic() + 60
+    while len(_processes_with(token)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_with(token)) == 2
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while (_processes_with(token) or server.is_running()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(token) == [] and not (server.is_running() and server.status() != psutil.STATUS_ZOMBIE)

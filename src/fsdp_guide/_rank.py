@@ -65,8 +65,11 @@ def where_this_rank_ran(backend: str) -> dict:
 
     from fsdp_guide.devices import placement
 
+    from fsdp_guide import _warm
+
     where = placement()
-    return {"backend": backend, "device": str(where.device), "shared": where.shared, "torch": str(torch.__version__)}  # a plain str: unpickling TorchVersion imports torch
+    return {"backend": backend, "device": str(where.device), "shared": where.shared,
+            "torch": str(torch.__version__), "warm": _warm.forked}  # a plain str: unpickling TorchVersion imports torch
 
 
 def _store(rank: int, world_size: int, timeout: float):
@@ -140,6 +143,7 @@ def main() -> None:
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
     threading.Thread(target=_exit_when_parent_dies, args=(run_dir,), daemon=True).start()
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
+    sys.path[:] = config["sys_path"]  # a warm rank was forked with the server's (a cold one has it already)
     try:
         fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
         import torch.distributed as dist

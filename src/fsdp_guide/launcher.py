@@ -16,9 +16,10 @@ import the notebook's ``__main__``), it makes the parent
 import torch (a second or more before any rank starts), and its ranks
 rendezvous over a TCP port that a concurrent launch may also pick. Here the
 parent stays torch-free and starts plain Python processes with the standard
-library's :mod:`subprocess` (see :mod:`fsdp_guide._rank`), ships the function
-by value with ``cloudpickle``, and hands rank 0 an already-listening
-loopback socket for torch's own ``TCPStore``.
+library's :mod:`subprocess` (see :mod:`fsdp_guide._rank`), or, after the first
+launch, forks them from a server that has imported torch (:mod:`fsdp_guide._warm`),
+ships the function by value with ``cloudpickle``, and hands rank 0 an
+already-listening loopback socket for torch's own ``TCPStore``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from fsdp_guide import _warm
 from fsdp_guide._rank import BOOTSTRAP
 
 __all__ = ["launch", "LaunchError", "launches"]
@@ -95,6 +97,17 @@ def launch(
     it is shipped by value. Return plain Python data (numbers, lists, dicts);
     what a rank prints is streamed to this process's output while it runs,
     each line prefixed with ``[rankN]``.
+
+    Warm launches: the first launch in a process starts new interpreters, which import
+    torch (seconds). When it ends, a server that imports torch once (Python's
+    ``multiprocessing`` forkserver) starts in the background, and later launches fork
+    their ranks from it: they start in a fraction of a second, still as fresh processes
+    (nothing a previous launch did is in them; each has its own random seeds). The server
+    never initialises CUDA or a process group, and ends with this process. A launch whose
+    interpreter, ``torch`` on ``sys.path``, or environment variables torch reads at import
+    (``TORCH_*``, ``CUDA_*``, ``LD_*``, ...) differ from the server's starts cold. Set
+    ``FSDP_GUIDE_WARM=0`` to start every launch cold: to debug what happens at import, or
+    after replacing the installed torch (the server keeps the torch it imported).
 
     The ranks rendezvous on a free port of 127.0.0.1 (``MASTER_PORT``) and talk
     over loopback (``GLOO_SOCKET_IFNAME=lo``), so concurrent launches never
@@ -155,12 +168,13 @@ def launch(
         config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
                   "sys_path": list(sys.path), "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
-        ranks = _Ranks(run_dir, world_size, output)
+        ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start())
         try:
             ranks.start()
             results, where, caught = ranks.wait(timeout)
         finally:
             ranks.stop()
+            _warm.start_server()  # for the next launch (a no-op once it runs)
     _record(fn, world_size, where)
     _show_warnings(caught)
     return results
@@ -308,8 +322,9 @@ def _threads_per_rank(world_size: int) -> int:
 class _Ranks:
     """The rank processes of one launch: start them, stream their output, wait, stop."""
 
-    def __init__(self, run_dir: Path, world_size: int, output: str):
+    def __init__(self, run_dir: Path, world_size: int, output: str, warm: bool = False):
         self.run_dir = run_dir
+        self.warm = warm  # forked from the pre-imported server (fsdp_guide._warm), or a new interpreter
         self.world_size = world_size
         self.output = output
         self.procs: list[subprocess.Popen] = []
@@ -341,9 +356,19 @@ class _Ranks:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
+        if self.warm:
+            proc = _warm.WarmRank([str(self.run_dir), str(rank)], env, pass_fd=sock.fileno() if rank == 0 else None)
+        else:
+            proc = self._start_cold(rank, env, sock)
+        self._background(self._forward, rank, proc.stdout, "stdout")
+        self._background(self._forward, rank, proc.stderr, "stderr")
+        self._background(self._reap, rank, proc)
+        return proc
+
+    def _start_cold(self, rank: int, env: dict, sock: socket.socket) -> subprocess.Popen:
         if rank == 0:
             env["FSDP_GUIDE_STORE_FD"] = str(sock.fileno())
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-c", BOOTSTRAP, str(self.run_dir), str(rank)],
             env=env,
             stdin=subprocess.PIPE,
@@ -352,10 +377,6 @@ class _Ranks:
             pass_fds=(sock.fileno(),) if rank == 0 else (),
             start_new_session=True,  # its own process group: stopping it stops its children too
         )
-        self._background(self._forward, rank, proc.stdout, "stdout")
-        self._background(self._forward, rank, proc.stderr, "stderr")
-        self._background(self._reap, rank, proc)
-        return proc
 
     def _background(self, target, *args) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
@@ -481,7 +502,10 @@ def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        try:  # a warm rank not yet in its own group (it calls setsid first thing)
+            os.kill(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _describe_exit(code: int) -> str:

@@ -1,0 +1,183 @@
+"""Warm launches: rank processes forked from a server that has already imported torch.
+
+A cold rank is ``python -c BOOTSTRAP``: a new interpreter that spends seconds importing
+torch before it does any work. The server here is Python's own ``multiprocessing``
+forkserver (an instance of its ``ForkServer``), started once per launching process, after
+its first launch, with torch preloaded (``set_forkserver_preload``): each later rank is a
+fresh ``fork()`` of it, so it starts with torch imported and nothing else done. The server never initialises CUDA or a process
+group (it only imports), listens on a Unix socket only, and exits when the launching
+process does (multiprocessing's "alive" pipe); the ranks follow through their stdin pipe,
+as cold ranks do.
+
+What the forkserver does not do, and is written here: a rank must look like a cold one.
+``multiprocessing.Process`` would re-import the parent's ``__main__`` (a script's
+top-level code would run again in every rank) and close stdin, so each rank is started
+with ``connect_to_new_process`` directly (the forkserver module's own API) and an object
+whose ``_bootstrap`` sets the rank's streams, session, environment, working directory,
+arguments and ``sys.path`` before running :func:`fsdp_guide._rank.main`, which a cold rank runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+from multiprocessing import forkserver, reduction
+
+__all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
+
+WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.checkpoint", "cloudpickle"]
+# Read when torch is imported (libraries loaded, threads, CUDA devices): if they change, the
+# server's torch is not the one a cold rank would import, and the launch starts cold.
+_IMPORT_TIME_ENV = ("LD_", "CUDA_", "TORCH_", "PYTORCH_", "MKL_", "KMP_", "GOMP_", "PYTHON", "NVIDIA_")
+
+_lock = threading.Lock()
+_server: forkserver.ForkServer | None = None  # our own instance: the process's default forkserver stays the user's
+_server_for: tuple | None = None
+forked = False  # True in a rank forked from the server
+
+
+def enabled() -> bool:
+    return os.environ.get(WARM_ENV, "1") != "0" and sys.platform != "win32"
+
+
+def _what_torch_would_be() -> tuple:
+    """What a cold rank would import: this interpreter, the torch on sys.path now, the import-time environment."""
+    spec = importlib.util.find_spec("torch")  # finds, does not import
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV))
+    return sys.executable, spec.origin if spec else None, tuple(env)
+
+
+def can_start() -> bool:
+    """True if this launch's ranks may be forked from the server: it runs, and it imported the torch they would."""
+    with _lock:
+        return enabled() and _server is not None and _server_for == _what_torch_would_be()
+
+
+def start_server() -> None:
+    """Start the server, if it is not running, to import torch while the caller goes on.
+
+    Called when a launch has finished, not before: the first launch's ranks then import
+    torch without a third process competing for the cores. The next launch waits for the
+    server only if it is still importing."""
+    global _server, _server_for
+    if not enabled():
+        return
+    with _lock:
+        if _server is not None:
+            return
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(PRELOAD)
+        python_path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # it imports what we import
+        # Started with SIGINT ignored, Python installs no KeyboardInterrupt handler in it: an
+        # interrupt sent to the notebook kernel's process group cannot stop it mid-import.
+        quiet = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if quiet else None
+        try:
+            server.ensure_running()
+        finally:
+            if quiet:
+                signal.signal(signal.SIGINT, previous)
+            if python_path is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = python_path
+        _server, _server_for = server, _what_torch_would_be()
+
+
+def server_pids() -> list[int]:
+    """The helper processes warm launches keep: the forkserver and multiprocessing's resource tracker."""
+    from multiprocessing import resource_tracker
+
+    pids = [_server._forkserver_pid if _server else None, resource_tracker._resource_tracker._pid]
+    return [pid for pid in pids if pid is not None]
+
+
+class WarmRank:
+    """A rank forked by the server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
+
+    def __init__(self, argv: list[str], env: dict, pass_fd: int | None = None):
+        stdin_r, stdin_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        fds = [stdin_r, out_w, err_w] + ([pass_fd] if pass_fd is not None else [])
+        status_r, data_w = _server.connect_to_new_process(fds)
+        with open(data_w, "wb", closefd=True) as data:
+            reduction.dump({}, data)  # no preparation data: the rank sets up itself (_Rank._bootstrap)
+            reduction.dump(_Rank(argv, env, os.getcwd()), data)
+        for fd in (stdin_r, out_w, err_w):  # the rank has its copies
+            os.close(fd)
+        self.pid = forkserver.read_signed(status_r)
+        self.stdin, self.stdout, self.stderr = open(stdin_w, "wb"), open(out_r, "rb"), open(err_r, "rb")
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+        threading.Thread(target=self._wait_for_exit, args=(status_r,), daemon=True).start()
+
+    def _wait_for_exit(self, status_r: int) -> None:
+        try:
+            self.returncode = forkserver.read_signed(status_r)  # the server writes it when the rank exits
+        except EOFError:  # the server itself died
+            self.returncode = -9
+        finally:
+            os.close(status_r)
+            self._exited.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._exited.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+        return self.returncode
+
+
+class _Rank:
+    """Unpickled in the forked process; ``_bootstrap`` is what ``multiprocessing.spawn._main`` calls."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: str):
+        self.argv, self.env, self.cwd = argv, env, cwd
+
+    def _bootstrap(self, parent_sentinel) -> int:
+        global forked
+        forked = True
+        stdin, out, err, *store = forkserver.get_inherited_fds()
+        os.setsid()  # a process group of its own, as a cold rank's start_new_session gives it
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a rank raises
+        for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        # Unbuffered, as PYTHONUNBUFFERED=1 makes a cold rank's streams.
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
+                                      errors="backslashreplace")
+        os.environ.clear()
+        os.environ.update(self.env)
+        if store:
+            os.environ["FSDP_GUIDE_STORE_FD"] = str(store[0])
+        os.chdir(self.cwd)
+        sys.argv = ["-c", *self.argv]
+        _fresh_state()
+        from fsdp_guide._rank import main
+
+        main()  # sets sys.path from the launch, runs the function, and always ends with os._exit
+        return 1
+
+
+def _fresh_state() -> None:
+    """What a new interpreter would not share with its siblings: its random seeds; torch's thread count."""
+    import random
+
+    import torch
+
+    random.seed()  # from os.urandom, as at a cold start
+    torch.seed()  # a new process's torch starts from a non-deterministic seed too (not the server's)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))  # the server imported torch before this launch chose the count
