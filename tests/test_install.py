@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -47,8 +48,14 @@ def test_the_package_alone_launches_trains_checkpoints_and_resumes(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
     python = str(venv / "bin" / "python")
+    # A copy of the package's sources: pip builds in the source tree (build/), which must stay clean.
+    source = tmp_path / "fsdp_guide-source"
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     # The pinned torch (the CPU build here), and nothing from the extras.
-    _run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), str(ROOT)], cwd=tmp_path, timeout=900)
+    _run([python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), str(source)], cwd=tmp_path,
+         timeout=900)
     installed = _run([python, "-m", "pip", "list", "--format=json"], cwd=tmp_path)
     names = {p["name"].lower() for p in json.loads(installed)}
     assert "fsdp_guide" in names or "fsdp-guide" in names
