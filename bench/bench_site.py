@@ -3,6 +3,7 @@
 Prints, from one run:
 - the site build: cold (empty cache, every notebook executed), a rebuild with nothing
   changed, and a fresh build (no doctrees) that takes the executed notebooks from the cache;
+  and the cold build again with every launch cold (``FSDP_GUIDE_WARM=0``), against warm launches;
 - each notebook's execution time in the cold build, slowest first (from the cache's records);
 - the landing page's weight: its HTML plus the JavaScript and CSS files it links.
 
@@ -12,6 +13,7 @@ an unchanged rebuild under 30 s. Run it in the pinned environment: `nox -s bench
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -24,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 GOALS = {"cold": 8 * 60, "notebook": 90, "unchanged": 30}
 
 
-def seconds(argv: list[str]) -> float:
+def seconds(argv: list[str], **env: str) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, **env})
     return time.perf_counter() - start
 
 
@@ -50,12 +52,19 @@ def page_weight(html_dir: Path, page: str = "index.html") -> dict[str, int]:
     return weight
 
 
+def sphinx(out: Path, cache: str = "cache", doctrees: str = "doctrees") -> list[str]:
+    return [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
+            "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={out / cache}",
+            "-d", str(out / doctrees), str(ROOT)]
+
+
 def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="fsdp_guide-site-"))
-    build = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
-             "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={out / 'cache'}",
-             "-d", str(out / "doctrees"), str(ROOT)]
+    build = sphinx(out)
     try:
+        # The same cold build with every launch starting cold (issue 14's "before").
+        all_cold = seconds(sphinx(out, "cache-cold", "doctrees-cold") + [str(out / "html-cold")], FSDP_GUIDE_WARM="0")
+        all_cold_notebooks = sum(notebook_seconds(out / "cache-cold").values())
         cold = seconds(build + [str(out / "html")])
         unchanged = seconds(build + [str(out / "html")])
         shutil.rmtree(out / "doctrees")
@@ -73,6 +82,9 @@ def main() -> None:
     print(f"  {'rebuild, nothing changed':40} {unchanged:7.1f} s   goal < {GOALS['unchanged']} s: "
           f"{verdict(unchanged, GOALS['unchanged'])}")
     print(f"  {'fresh build, notebooks from the cache':40} {from_cache:7.1f} s")
+    print(f"  {'cold, every launch cold (FSDP_GUIDE_WARM=0)':40} {all_cold:7.1f} s   warm launches save "
+          f"{all_cold - cold:.1f} s ({cold / all_cold:.2f}x); notebooks {all_cold_notebooks:.1f} s -> "
+          f"{sum(notebooks.values()):.1f} s")
     print("\nnotebook execution in the cold build, slowest first:")
     for name, secs in sorted(notebooks.items(), key=lambda item: -item[1]):
         print(f"  {name:40} {secs:7.1f} s   {verdict(secs, GOALS['notebook'])}")

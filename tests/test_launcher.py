@@ -651,6 +651,8 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
     monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")  # read by torch when it is imported
     launch(len, [], world_size=2, output="none")
     assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
+    launch(len, [], world_size=2, output="none")  # a server for the new environment replaced the old one
+    assert all(rank["warm"] for rank in launches()[-1]["ranks"])
 
 
 def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children(tmp_path):

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing import forkserver, reduction
 
 __all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
@@ -65,13 +66,16 @@ def start_server() -> None:
 
     Called when a launch has finished, not before: the first launch's ranks then import
     torch without a third process competing for the cores. The next launch waits for the
-    server only if it is still importing."""
+    server only if it is still importing. A server started for another environment (the
+    launch that just ran cold because of it) is replaced."""
     global _server, _server_for
     if not enabled():
         return
     with _lock:
-        if _server is not None:
+        if _server is not None and _server_for == _what_torch_would_be():
             return
+        if _server is not None:  # torch's environment changed: this launch ran cold; the next ones need a new server
+            _retire(_server)
         server = forkserver.ForkServer()
         server.set_forkserver_preload(PRELOAD)
         python_path = os.environ.get("PYTHONPATH")
@@ -90,6 +94,17 @@ def start_server() -> None:
             else:
                 os.environ["PYTHONPATH"] = python_path
         _server, _server_for = server, _what_torch_would_be()
+
+
+def _retire(server: forkserver.ForkServer) -> None:
+    """Let an outdated server go: it exits once the ranks forked from it have (they hold its "alive" pipe too)."""
+    os.close(server._forkserver_alive_fd)
+    pid = server._forkserver_pid
+    for _ in range(100):  # with no rank of its own left, it exits at once
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return
+        time.sleep(0.01)
+    threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()  # reap it later, without waiting here
 
 
 def server_pids() -> list[int]:
