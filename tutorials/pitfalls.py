@@ -24,7 +24,7 @@
 # 5. expecting DDP's results from an optimizer that is not pointwise;
 # 6. putting activation checkpointing around an FSDP unit instead of inside it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 40 seconds on 2 CPU cores. The code
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores. The code
 # is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its own GPU (`cuda:LOCAL_RANK`) where each rank has one, else
 # the CPU (as on the machine that executed this page). Batches are built on the CPU from
@@ -120,7 +120,7 @@ def fsdp1_grad_norms():
 
 truth = single_process_grad_norm()
 print(f"one process, whole batch:               total norm {truth:.6f}")
-# One launch runs both (starting 2 ranks takes seconds; a process group is reusable).
+# One launch runs both: a process group is reusable, and one launch is one rendezvous.
 results = launch(lambda: (fsdp2_grad_norms(), fsdp1_grad_norms()), output="none")
 for rank, ((shard_norm, total), _) in enumerate(results):
     print(f"FSDP2 rank {rank}: norm of its shard {shard_norm:.6f}, "
