@@ -91,8 +91,11 @@ def _differs_between_ranks(obj) -> bool:
     return len(set(digests)) > 1
 
 
+_PER_RANK = "@rank"  # state saved per rank is keyed name@rankN
+
+
 def _key(name: str, rank: int | None) -> str:
-    return name if rank is None else f"{name}@rank{rank}"
+    return name if rank is None else f"{name}{_PER_RANK}{rank}"
 
 
 def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -242,7 +245,7 @@ def _per_rank(path: Path, metadata, name: str, world: int) -> int | None:
     saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
     if name in saved:
         return None
-    ranks = sorted(int(key.split("@rank", 1)[1]) for key in saved if key.startswith(f"{name}@rank"))
+    ranks = sorted(int(key.split(_PER_RANK, 1)[1]) for key in saved if key.startswith(f"{name}{_PER_RANK}"))
     if not ranks:
         raise CheckpointError(f"{path}: the checkpoint holds no {name!r} state, which this run needs (it has "
                               f"{', '.join(sorted(_names(saved)))}): it was saved by a run with other settings")
@@ -254,7 +257,7 @@ def _per_rank(path: Path, metadata, name: str, world: int) -> int | None:
 
 
 def _names(saved: set[str]) -> set[str]:
-    return {key.split("@rank", 1)[0] for key in saved if not key.startswith(("rng.", "cuda_rng."))}
+    return {key.split(_PER_RANK, 1)[0] for key in saved if not key.startswith(("rng.", "cuda_rng."))}
 
 
 def _rng_states(rank: int) -> dict[str, torch.Tensor]:

@@ -280,9 +280,9 @@ def _check_options(world_size, backend, timeout, collective_timeout, output) -> 
         raise ValueError(f"collective_timeout={collective_timeout!r} s is too long for torch's timedelta; "
                          "use at most 1e9 s")
     if "nccl" in backend:
-        import torch  # only here: asking for NCCL is asking for CUDA
+        from fsdp_guide.devices import _gpu_count  # only here (it imports torch): asking for NCCL is asking for CUDA
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = _gpu_count()
         if gpus < world_size:
             raise RuntimeError(
                 f'backend={backend!r} needs one GPU per rank (NCCL refuses two ranks on one GPU): world_size={world_size} but {gpus} GPU(s) are visible; '
