@@ -7,35 +7,34 @@ import sys
 import time
 from pathlib import Path
 
-import jupytext
 import pytest
-from jupyter_cache import get_cache
-from jupyter_cache.base import CacheBundleIn
-from nbclient.exceptions import DeadKernelError
-from pytest_notebook.nb_regression import NBRegressionFixture
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
 NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))  # pages that execute code: the tutorials and the cluster page
 
-# The tutorials are .py files without stored outputs: there is nothing to diff against,
-# so the check is that every cell runs (a cell error fails the test) and the assertions
-# the tutorials make in their own cells hold.
-EXECUTE = NBRegressionFixture(
-    exec_timeout=180,
-    exec_cwd=str(ROOT / "tutorials"),
-    diff_ignore=("/cells/*/outputs", "/cells/*/execution_count", "/metadata"),
-)
-
 
 def _execute(tutorial: Path, tmp_dir: Path):
     """The tutorial converted to .ipynb by jupytext and executed by pytest-notebook."""
+    # Imported here: the package's tests (`nox -s torch`) run without the notebook tools.
+    import jupytext
+    from nbclient.exceptions import DeadKernelError
+    from pytest_notebook.nb_regression import NBRegressionFixture
+
+    # The tutorials are .py files without stored outputs: there is nothing to diff against,
+    # so the check is that every cell runs (a cell error fails the test) and the assertions
+    # the tutorials make in their own cells hold.
+    execute = NBRegressionFixture(
+        exec_timeout=180,
+        exec_cwd=str(ROOT / "tutorials"),
+        diff_ignore=("/cells/*/outputs", "/cells/*/execution_count", "/metadata"),
+    )
     notebook = tmp_dir / f"{tutorial.stem}.ipynb"
     jupytext.write(jupytext.read(tutorial), notebook)
     try:
-        return EXECUTE.check(str(notebook)).nb_final
+        return execute.check(str(notebook)).nb_final
     except DeadKernelError:  # the intermittent kernel crash described at KERNEL_CRASH below: once more
-        return EXECUTE.check(str(notebook)).nb_final
+        return execute.check(str(notebook)).nb_final
 
 
 class Executed(dict):
@@ -70,6 +69,9 @@ def execution_cache(executed, tmp_path_factory) -> Path:
     .py file: the site then shows the outputs the notebook tests checked, instead of
     executing every tutorial a second time. A tutorial missing here is executed by the build.
     """
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
     path = tmp_path_factory.mktemp("jupyter_cache")
     cache = get_cache(str(path))
     for tutorial in NOTEBOOKS:

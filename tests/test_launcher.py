@@ -152,6 +152,28 @@ def test_output_can_be_limited_to_rank_0_or_silenced(capfd):
     assert capfd.readouterr() == ("", "")
 
 
+def _gloo_reports(world_size):
+    import os
+
+    import torch.distributed as dist
+
+    # gloo's own report on torch 2.8 to 2.10, written to the file descriptor as its C++ does:
+    # the counts agree on every rank, and rank 0 also reports a group short of a peer.
+    peers = world_size - 1
+    report = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}\n"
+    os.write(1, report.format(dist.get_rank(), peers, peers).encode())
+    if dist.get_rank() == 0:
+        os.write(1, report.format(0, peers - 1, peers).encode())
+    print("after", flush=True)
+
+
+def test_gloo_s_connection_report_is_dropped_unless_a_peer_is_missing(capfd):
+    launch(_gloo_reports, 2, world_size=2)
+    out = sorted(capfd.readouterr().out.splitlines())
+    short = "[rank0] [Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1"
+    assert out == sorted(["[rank0] after", short, "[rank1] after"])
+
+
 def _warns():
     import warnings
 

@@ -388,8 +388,8 @@ def _shard_fsdp2(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
         CustomPolicy(lambda module: {"reshard_after_forward": reshard} if module in unit_set else False),
         mesh=mesh,
         # The root's backward starts right after its forward: resharding it would only
-        # gather it again (FSDP1 keeps its root gathered too; torch>=2.8's default None
-        # means the same, but 2.7 lacks it).
+        # gather it again (FSDP1 keeps its root gathered too; torch's default None means
+        # the same for the root, and False says it for every release).
         reshard_after_forward=False,
         mp_policy=MixedPrecisionPolicy(param_dtype=mp["param_dtype"], reduce_dtype=mp["reduce_dtype"]),
         offload_policy=CPUOffloadPolicy(pin_memory=pin) if config.cpu_offload else OffloadPolicy(),

@@ -75,13 +75,9 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
     ('FSDPFloat8Linear', 'WeightWithDynamicFloat8CastTensor')
     """
     quiet_torchao()
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
-
-    if dist.get_backend() == "gloo" and not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise RuntimeError(f"FP8 with FSDP2 on gloo needs FSDPModule.set_custom_all_gather (torch >= 2.9; this is "
-                           f"{torch.__version__}): gloo cannot all-gather float8 tensors. Use NCCL, or a newer torch.")
 
     def fp8_capable(module: nn.Module, fqn: str) -> bool:
         return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0

@@ -29,6 +29,7 @@ import collections
 import json
 import math
 import os
+import re
 import pickle
 import signal
 import socket
@@ -319,6 +320,19 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+# Torch 2.8 to 2.10 print this from gloo for every process group they create (2.11 no
+# longer does). When the two counts agree it carries no news, and it would fill the output
+# of every cell on those releases: the launcher drops it then, and shows a mismatch.
+_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+                             r"Expected number of connected peer ranks is : (\d+)\s*$")
+
+
+def _says_nothing(line: str) -> bool:
+    """gloo's connection report with matching counts (see _GLOO_CONNECTED)."""
+    match = _GLOO_CONNECTED.match(line)
+    return bool(match) and match[1] == match[2]
+
+
 class _Ranks:
     """The rank processes of one launch: start them, stream their output, wait, stop."""
 
@@ -408,6 +422,8 @@ class _Ranks:
         pipe.close()
 
     def _emit(self, rank: int, line: str, stream: str, show: bool) -> None:
+        if _says_nothing(line):
+            return
         self.tails[rank].append(line.rstrip("\r\n"))
         if show:
             out = sys.stdout if stream == "stdout" else sys.stderr
