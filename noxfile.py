@@ -58,7 +58,7 @@ def torch(session: nox.Session, release: str) -> None:
     constraints = Path(session.create_tmp()) / "constraints-but-torch.txt"
     constraints.write_text("\n".join(pins) + "\n")
     session.install(*TORCH[release])
-    session.install("-c", str(constraints), "-e", ".", "pytest", "pytest-timeout", "psutil", "hypothesis",
+    session.install("-c", str(constraints), "-e", ".[hf]", "pytest", "pytest-timeout", "psutil", "hypothesis",
                     "scikit-learn", "ipykernel")
     session.run("python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)")
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]

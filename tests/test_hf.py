@@ -1,0 +1,167 @@
+"""fsdp_guide.hf on real process groups of 1, 2 and 4 ranks, against the same model in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from fsdp_guide import launch
+from fsdp_guide.hf import from_pretrained, save_pretrained
+
+TOKENS = torch.arange(24).reshape(3, 8) % 40
+
+
+def _llama(**sizes) -> LlamaForCausalLM:
+    config = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **sizes}))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Llama written with save_pretrained, and its logits on TOKENS in this one process."""
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    model = _llama()
+    model.save_pretrained(path)
+    with torch.no_grad():
+        return path, model(TOKENS).logits
+
+
+def _load_and_run(path, tokens, read, model_cls):
+    import safetensors.torch
+    import torch.distributed as dist
+
+    import fsdp_guide
+
+    reads = []
+    load_file = safetensors.torch.load_file
+    safetensors.torch.load_file = lambda *a, **k: reads.append(a[0]) or load_file(*a, **k)
+    model = from_pretrained(path, read=read, model_cls=model_cls)
+    with torch.no_grad():
+        logits = model(tokens.to(fsdp_guide.device())).logits.cpu()
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return {"rank": dist.get_rank(), "logits": logits, "reads": len(reads), "local": local, "total": total,
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+
+
+@pytest.mark.parametrize("read, world_size", [("rank0", 1), ("rank0", 2), ("rank0", 4), ("sharded", 2),
+                                              ("sharded", 4)])
+def test_the_sharded_model_computes_what_the_saved_one_does_from_one_read(saved, read, world_size):
+    path, expected = saved
+    model_cls = LlamaForCausalLM if world_size == 1 else None  # the concrete class, or the Auto class by default
+    ranks = launch(_load_and_run, path, TOKENS, read, model_cls, world_size=world_size, output="none")
+    for r in ranks:
+        assert torch.equal(r["logits"], expected)  # the same weights, the same arithmetic on CPU
+        assert r["tied"]
+    # rank0: rank 0 reads the whole file and the others receive; sharded: nobody reads a whole file
+    whole_reads = [1] + [0] * (world_size - 1) if read == "rank0" else [0] * world_size
+    assert [r["reads"] for r in ranks] == whole_reads
+    total = ranks[0]["total"]
+    assert sum(r["local"] for r in ranks) == total  # the shards add up to the model, once
+    if world_size > 1:
+        assert max(r["local"] for r in ranks) < total / world_size + 200  # each rank about 1/N of it
+
+
+def _train(path, out, steps, tokens):
+    import torch.distributed as dist
+
+    import fsdp_guide
+
+    model = from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = tokens[rank::world].to(fsdp_guide.device())  # this rank's rows of the global batch
+    losses = []
+    for _ in range(steps):
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    save_pretrained(model, out)
+    return losses
+
+
+def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(saved, tmp_path):
+    path, _ = saved
+    tokens = torch.arange(32).reshape(4, 8) % 40  # 2 rows per rank, each the same length: mean of means = mean
+    sharded = launch(_train, path, tmp_path / "tuned", 3, tokens, world_size=2, output="none")[0]
+
+    single = AutoModelForCausalLM.from_pretrained(path)
+    optimizer = torch.optim.AdamW(single.parameters(), lr=1e-2)
+    for loss in sharded:
+        step = single(tokens, labels=tokens).loss
+        assert abs(step.item() - loss) < 1e-5
+        step.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # still tied
+    for (name, a), (_, b) in zip(reloaded.state_dict().items(), single.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), name
+    assert [p.name for p in tmp_path.iterdir()] == ["tuned"]  # published whole, nothing partial left
+
+
+def _tiny_round_trip(path, out, read):
+    import torch.distributed as dist
+
+    model = from_pretrained(path, read=read)
+    empty = [n for n, p in model.named_parameters() if p.to_local().numel() == 0]
+    with torch.no_grad():
+        logits = model(TOKENS % 8).logits
+    save_pretrained(model, out)
+    return dist.get_rank(), empty, logits
+
+
+@pytest.mark.parametrize("read", ["rank0", "sharded"])
+def test_parameters_with_fewer_rows_than_ranks_leave_empty_shards_that_still_work(tmp_path, read):
+    model = _llama(vocab_size=8, hidden_size=2, intermediate_size=2, num_attention_heads=1, num_key_value_heads=1,
+                   head_dim=2, num_hidden_layers=1)
+    model.save_pretrained(tmp_path / "tiny")
+    with torch.no_grad():
+        expected = model(TOKENS % 8).logits
+    ranks = launch(_tiny_round_trip, tmp_path / "tiny", tmp_path / "out", read, world_size=4, output="none")
+    assert ranks[0][1] == [] and "model.norm.weight" in ranks[3][1]  # 2 rows on 4 ranks: ranks 2 and 3 hold none
+    assert all(torch.equal(logits, expected) for _, _, logits in ranks)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for (name, a), (_, b) in zip(reloaded.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _load_and_save(path, out):
+    save_pretrained(from_pretrained(path), out)
+
+
+def test_saving_again_replaces_the_directory_whole(saved, tmp_path):
+    path, _ = saved
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("from an earlier save")
+    launch(_load_and_save, path, tmp_path / "out", world_size=2, output="none")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                     "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_directory_that_is_not_a_saved_model_or_an_unknown_read_is_named_in_the_error(tmp_path):
+    with pytest.raises(ValueError, match="read='all': use 'rank0' .* or 'sharded'"):
+        from_pretrained(tmp_path, read="all")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} is not a saved model: it has no config.json"):
+        from_pretrained(tmp_path)
+    _llama().config.save_pretrained(tmp_path)  # a config alone
+    with pytest.raises(FileNotFoundError, match="has no \\*.safetensors weights"):
+        from_pretrained(tmp_path)
+
+
+def test_a_model_class_that_does_not_match_the_config_says_which_to_pass(saved):
+    from transformers import GPT2LMHeadModel
+
+    path, _ = saved
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is a 'gpt2' model but .* holds a 'llama' model "
+                                         "\\(LlamaForCausalLM\\)"):
+        from_pretrained(path, model_cls=GPT2LMHeadModel)
