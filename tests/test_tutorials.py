@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -25,6 +25,21 @@ def test_tutorial_executes(tutorial, executed):
     text = _text_outputs(executed[tutorial.stem])
     assert "Traceback" not in text
     assert "torch 2." in text  # every page says which torch it was executed with
+
+
+def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_exactly(executed):
+    text = _text_outputs(executed["finetune_hf"])
+    rows = {line[:28].strip(): line[28:].replace("/", " ").split() for line in text.splitlines()
+            if line.startswith(("every rank reads", "rank 0 reads", "each rank reads"))}
+    every, broadcast, sliced = (list(map(float, rows[k])) for k in
+                                ("every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices"))
+    # (rank 0 resident, rank 0 private, rank 1 resident, rank 1 private, shard kept), in model sizes
+    assert every[1] >= 1.0 and every[3] >= 1.0  # a whole fp32 model allocated on each rank
+    assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
+    assert broadcast[0] <= 1.2  # rank 0: about one copy of the model (the mapped file) plus its shard
+    relative = float(text.split("largest relative difference: ")[1].split()[0])
+    assert relative < 1e-4
+    assert "logits equal the sharded model's: True" in text and "still tied to the embedding: True" in text
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):

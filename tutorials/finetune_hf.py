@@ -1,0 +1,286 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-finetune-hf)=
+# # Fine-tuning a Hugging Face model: weights in, train, weights out
+#
+# **What you will learn**
+#
+# - three ways to load a pretrained `transformers` model into FSDP2 on every rank, and
+#   what each costs in host memory, measured: every rank reading the whole file, rank 0
+#   reading and broadcasting into a model built on the `meta` device
+#   ({func}`fsdp_guide.hf.from_pretrained`), and each rank reading only its own slices;
+# - that fine-tuning the sharded model computes what one process computes;
+# - how to write the sharded model back as an ordinary Hugging Face directory
+#   ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one process.
+#
+# **What you need**: a CPU; 2 processes on gloo; Linux (the memory readings come from
+# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 30 seconds on
+# 2 CPU cores. Nothing is downloaded: the "pretrained" model is a small Llama built from a
+# config with a fixed seed. The same worker code is written to run unchanged with one GPU
+# per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are listed
+# {ref}`at the end <finetune-hf-tips>`.
+
+# %%
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing is downloaded
+
+import torch
+import transformers
+
+transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## A "pretrained" model on disk
+#
+# A Llama-architecture model with 8 decoder layers, its input embedding and output layer
+# tied, written by `save_pretrained` as a checkpoint from the Hub would be: `config.json`
+# and `model.safetensors`. (A second, tiny one serves to warm up the measurements below.)
+
+# %%
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def save_llama(path, hidden_size, layers):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, hidden_size=hidden_size, intermediate_size=hidden_size * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)  # the dtype most checkpoints on the Hub are stored in
+    return model
+
+
+workdir = Path(tempfile.mkdtemp())
+path = workdir / "llama"
+pretrained = save_llama(path, hidden_size=512, layers=8)
+warmup = workdir / "warmup"  # a tiny one, loaded first so imports do not count in the measurement
+save_llama(warmup, hidden_size=16, layers=1)
+
+pretrained.float()  # trained in fp32 below
+model_mb = sum(p.numel() * 4 for p in pretrained.parameters()) / 2**20
+print(f"{sum(p.numel() for p in pretrained.parameters()) / 1e6:.1f}M parameters: {model_mb:.0f} MiB in fp32, "
+      f"{(path / 'model.safetensors').stat().st_size / 2**20:.0f} MiB on disk in bf16")
+print(sorted(f.name for f in path.iterdir()))
+
+# %% [markdown]
+# ## Three ways in, measured
+#
+# Each rank records the rise of its resident memory while it loads (Linux's peak RSS,
+# `VmHWM`, reset just before) and the bytes of the parameters it keeps. The first way is
+# the one most scripts start with: every rank calls `transformers`' `from_pretrained`,
+# holding the whole model, and only then shards it. The other two are
+# {func}`fsdp_guide.hf.from_pretrained`: the model is built on the `meta` device (no
+# memory), sharded, and only the shards are allocated; then either rank 0 reads the file
+# and torch broadcasts each tensor (`read="rank0"`, the default), or each rank reads just
+# its own slices of the safetensors file (`read="sharded"`).
+
+# %%
+from fsdp_guide import launch
+
+
+def peak_memory_rise_mb(load):
+    """Run load(); return its result and how far this process's memory rose above the start, at
+    its peak, in MiB: all resident memory (Linux's VmHWM), and the private part (RssAnon, sampled)."""
+    import ctypes
+    import gc
+    import threading
+
+    def status(field):
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line.split()[1] for line in lines if line.startswith(field))) / 1024
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the rise counts every new byte
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak, to the current RSS
+    rss, anon = status("VmRSS:"), status("RssAnon:")
+    peak_anon, done = [anon], threading.Event()
+
+    def sample():  # the kernel keeps no peak of the private part: look every millisecond
+        while not done.wait(0.001):
+            peak_anon[0] = max(peak_anon[0], status("RssAnon:"))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    result = load()
+    done.set()
+    sampler.join()
+    return result, status("VmHWM:") - rss, max(peak_anon[0], status("RssAnon:")) - anon
+
+
+def every_rank_reads(path):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import fsdp_guide
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # the whole model, on every rank
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model.to(fsdp_guide.device())
+
+
+def load_and_measure(how, path, warmup):
+    import torch
+
+    from fsdp_guide.hf import from_pretrained
+
+    loaders = {"every rank reads": every_rank_reads,  # fp32 parameters from the bf16 file, in each way
+               "rank 0 reads, broadcasts": lambda p: from_pretrained(p, read="rank0", dtype=torch.float32),
+               "each rank reads its slices": lambda p: from_pretrained(p, read="sharded", dtype=torch.float32)}
+    loaders[how](warmup)  # imports and first calls, on a tiny model
+    model, rss, private = peak_memory_rise_mb(lambda: loaders[how](path))
+    kept = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
+    return rss, private, kept
+
+
+ways = ["every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices"]
+measured = {how: launch(load_and_measure, how, path, warmup, world_size=2, output="none") for how in ways}
+
+print(f"peak rise while loading, in model sizes ({model_mb:.0f} MiB); all resident memory / the private part")
+print(f"{'':28} {'rank 0':>13} {'rank 1':>13} {'shard kept':>11}")
+for how, ranks in measured.items():
+    (rss0, private0, kept), (rss1, private1, _) = (tuple(v / model_mb for v in r) for r in ranks)
+    print(f"{how:28} {rss0:5.1f} / {private0:3.1f} {rss1:7.1f} / {private1:3.1f} {kept:10.2f}")
+
+# %% [markdown]
+# Read the private part first: it is memory the rank allocated, which nothing else can use
+# and which the out-of-memory killer counts. When every rank reads, each builds the whole
+# fp32 model (1.1 model sizes, on *each* rank, so N copies on a machine of N ranks) before
+# sharding frees all but its half. {func}`fsdp_guide.hf.from_pretrained` never allocates
+# more than the shard: rank 0's file is mapped, not copied (safetensors reads through
+# `mmap`), so it shows only in the resident total, as file pages the kernel shares and can
+# drop; rank 1 receives the broadcast tensors one at a time (its extra 0.1). Reading its
+# own slices, each rank maps only the parts of the file it needs.
+
+# %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(9, 3))
+labels = [f"{how}\nrank {r}" for how in ways for r in (0, 1)]
+rss = [measured[how][r][0] / model_mb for how in ways for r in (0, 1)]
+private = [measured[how][r][1] / model_mb for how in ways for r in (0, 1)]
+x = range(len(labels))
+ax.bar([i - 0.2 for i in x], private, width=0.4, label="private (allocated)")
+ax.bar([i + 0.2 for i in x], rss, width=0.4, label="all resident (with mapped file pages)")
+ax.axhline(0.5, color="gray", linestyle=":", label="the shard each rank keeps")
+ax.set_xticks(list(x), labels, fontsize=7)
+ax.set_ylabel("peak rise, model sizes")
+ax.legend(fontsize=7)
+fig.tight_layout()
+
+# %% [markdown]
+# Which to use: `read="rank0"` (the default) when the files are on rank 0's machine only,
+# or on a slow shared file system that N ranks reading at once would crowd; it costs one
+# broadcast of the model. `read="sharded"` when every machine sees the files (a shared file
+# system) and the model is large: no broadcast, and no rank touches more than its slices.
+# Never let every rank build the full model: it is the N-copies-per-machine peak that kills
+# large fine-tuning jobs before their first step.
+#
+# ## Fine-tune, and check against one process
+#
+# Two ranks, each on its half of the batch, train the sharded model a few steps with AdamW
+# on one batch it can memorise; one process trains the same model on the whole batch. The
+# loss is the mean over tokens, and every row has the same number of tokens, so the two
+# losses are the same number computed two ways.
+
+# %%
+STEPS = 5
+tokens = torch.randint(0, 8192, (4, 32), generator=torch.Generator().manual_seed(0))
+
+
+def fine_tune(path, tokens, out):
+    import torch
+    import torch.distributed as dist
+
+    import fsdp_guide
+    from fsdp_guide.hf import from_pretrained, save_pretrained
+
+    device = fsdp_guide.device()
+    model = from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = tokens[rank::world].to(device)  # this rank's rows of the batch
+    losses = []
+    for _ in range(STEPS):
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(mean := loss.detach().clone(), op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
+    save_pretrained(model, out)  # every rank calls it; rank 0 writes
+    with torch.no_grad():
+        logits = model(tokens.to(device)).logits
+    return losses, logits.cpu()
+
+
+tuned = workdir / "llama-tuned"
+(sharded_losses, sharded_logits), _ = launch(fine_tune, path, tokens, tuned, world_size=2, output="none")
+
+single = pretrained  # the same weights, in fp32, in this process
+optimizer = torch.optim.AdamW(single.parameters(), lr=1e-3)
+single_losses = []
+for _ in range(STEPS):
+    loss = single(tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    single_losses.append(loss.item())
+
+print("step  2 ranks      1 process")
+for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
+    print(f"{step:4}  {a:.6f}  {b:.6f}")
+print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded_losses, single_losses)):.0e}")
+
+# %% [markdown]
+# The same losses, to fp32 rounding: one part in a million at the first step (a mean of
+# two means against one mean), grown by Adam's steps, which divide each gradient by its
+# own running size. Sharding split the work, not the arithmetic.
+#
+# ## Weights out: a directory `from_pretrained` loads
+#
+# `save_pretrained` above gathered the full state dict to rank 0's CPU, one parameter at a
+# time, and wrote it with `transformers`' own `save_pretrained` into a directory beside the
+# target, renamed into place when complete. One process loads it as any Hugging Face model:
+
+# %%
+from transformers import AutoModelForCausalLM
+
+reloaded = AutoModelForCausalLM.from_pretrained(tuned)
+with torch.no_grad():
+    logits = reloaded(tokens).logits
+print(sorted(f.name for f in tuned.iterdir()))
+print("output layer still tied to the embedding:", reloaded.lm_head.weight is reloaded.model.embed_tokens.weight)
+print("logits equal the sharded model's:", torch.equal(logits, sharded_logits),
+      f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})")
+
+# %% [markdown]
+# (finetune-hf-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-load-pretrained-once`
+# - {ref}`tip-export-safetensors`
+# - {ref}`tip-check-against-one-process`: the losses above.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("finetune_hf")
