@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from fsdp_guide import launch
+from fsdp_guide import LaunchError, launch
 from fsdp_guide.hf import from_pretrained, save_pretrained
 
 TOKENS = torch.arange(24).reshape(3, 8) % 40
@@ -49,14 +51,15 @@ def _load_and_run(path, tokens, read, model_cls):
 
 @pytest.mark.parametrize("read, world_size", [("rank0", 1), ("rank0", 2), ("rank0", 4), ("sharded", 2),
                                               ("sharded", 4)])
-def test_the_sharded_model_computes_what_the_saved_one_does_from_one_read(saved, read, world_size):
+def test_the_sharded_model_computes_what_the_saved_one_does_with_either_read(saved, read, world_size):
     path, expected = saved
     model_cls = LlamaForCausalLM if world_size == 1 else None  # the concrete class, or the Auto class by default
     ranks = launch(_load_and_run, path, TOKENS, read, model_cls, world_size=world_size, output="none")
     for r in ranks:
         assert torch.equal(r["logits"], expected)  # the same weights, the same arithmetic on CPU
         assert r["tied"]
-    # rank0: rank 0 reads the whole file and the others receive; sharded: nobody reads a whole file
+    # rank0: rank 0 reads the whole file and the others receive; sharded: nobody loads a whole file
+    # (each reads its slices through DCP; the equal logits show the slices were the right ones)
     whole_reads = [1] + [0] * (world_size - 1) if read == "rank0" else [0] * world_size
     assert [r["reads"] for r in ranks] == whole_reads
     total = ranks[0]["total"]
@@ -111,10 +114,12 @@ def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(saved, tmp_path):
 def _tiny_round_trip(path, out, read):
     import torch.distributed as dist
 
+    import fsdp_guide
+
     model = from_pretrained(path, read=read)
     empty = [n for n, p in model.named_parameters() if p.to_local().numel() == 0]
     with torch.no_grad():
-        logits = model(TOKENS % 8).logits
+        logits = model((TOKENS % 8).to(fsdp_guide.device())).logits.cpu()
     save_pretrained(model, out)
     return dist.get_rank(), empty, logits
 
@@ -148,20 +153,62 @@ def test_saving_again_replaces_the_directory_whole(saved, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+@pytest.mark.parametrize("read", ["rank0", "sharded"])
+def test_a_checkpoint_in_several_files_is_read_from_its_index_and_other_files_are_ignored(saved, tmp_path, read):
+    path, expected = saved
+    _llama().save_pretrained(tmp_path / "split", max_shard_size="20KB")  # model-0000N-of-0000M + an index
+    files = sorted(p.name for p in (tmp_path / "split").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "split" / "model.safetensors.index.json").exists()
+    shutil.copy(path / "model.safetensors", tmp_path / "split" / "consolidated.safetensors")  # not the model's
+    ranks = launch(_load_and_run, tmp_path / "split", TOKENS, read, None, world_size=2, output="none")
+    assert all(torch.equal(r["logits"], expected) for r in ranks)
+
+
+def _drop_a_tensor(path, out):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    weights = load_file(out / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_weights_that_do_not_match_the_model_are_an_error_on_every_rank_not_a_hang(saved, tmp_path):
+    path, _ = saved
+    _drop_a_tensor(path, tmp_path / "broken")
+    with pytest.raises(LaunchError, match="do not match the model its config describes: missing "
+                                          "\\['model.norm.weight'\\]") as raised:
+        launch(_load_and_run, tmp_path / "broken", TOKENS, "rank0", None, world_size=2, output="none", timeout=120)
+    assert "KeyError" in str(raised.value)
+
+
+def test_a_save_that_fails_on_rank_0_fails_on_every_rank(saved, tmp_path):
+    path, _ = saved
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(LaunchError, match="rank [01] raised (NotADirectoryError|FileNotFoundError)"):
+        launch(_load_and_save, path, tmp_path / "a-file" / "out", world_size=2, output="none", timeout=120)
+
+
+def _load(path, **options):
+    from_pretrained(path, **options)
+
+
+def _error_of(path, **options) -> str:
+    with pytest.raises(LaunchError) as raised:
+        launch(_load, path, **options, world_size=2, output="none", timeout=120)
+    return str(raised.value)
+
+
 def test_a_directory_that_is_not_a_saved_model_or_an_unknown_read_is_named_in_the_error(tmp_path):
-    with pytest.raises(ValueError, match="read='all': use 'rank0' .* or 'sharded'"):
-        from_pretrained(tmp_path, read="all")
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path} is not a saved model: it has no config.json"):
-        from_pretrained(tmp_path)
+    assert "read='all': use 'rank0'" in _error_of(tmp_path, read="all")
+    assert f"{tmp_path} is not a saved model: it has no config.json" in _error_of(tmp_path)
     _llama().config.save_pretrained(tmp_path)  # a config alone
-    with pytest.raises(FileNotFoundError, match="has no \\*.safetensors weights"):
-        from_pretrained(tmp_path)
+    assert "has no *.safetensors files and no model.safetensors.index.json" in _error_of(tmp_path)
 
 
 def test_a_model_class_that_does_not_match_the_config_says_which_to_pass(saved):
     from transformers import GPT2LMHeadModel
 
     path, _ = saved
-    with pytest.raises(ValueError, match="GPT2LMHeadModel is a 'gpt2' model but .* holds a 'llama' model "
-                                         "\\(LlamaForCausalLM\\)"):
-        from_pretrained(path, model_cls=GPT2LMHeadModel)
+    error = _error_of(path, model_cls=GPT2LMHeadModel)
+    assert "GPT2LMHeadModel is a 'gpt2' model but" in error and "holds a 'llama' model (LlamaForCausalLM)" in error

@@ -162,13 +162,16 @@ for how, ranks in measured.items():
 
 # %% [markdown]
 # Read the private part first: it is memory the rank allocated, which nothing else can use
-# and which the out-of-memory killer counts. When every rank reads, each builds the whole
-# fp32 model (1.1 model sizes, on *each* rank, so N copies on a machine of N ranks) before
-# sharding frees all but its half. {func}`fsdp_guide.hf.from_pretrained` never allocates
-# more than the shard: rank 0's file is mapped, not copied (safetensors reads through
-# `mmap`), so it shows only in the resident total, as file pages the kernel shares and can
-# drop; rank 1 receives the broadcast tensors one at a time (its extra 0.1). Reading its
-# own slices, each rank maps only the parts of the file it needs.
+# and which the out-of-memory killer counts (sampled every millisecond, so a lower bound on
+# the peak). When every rank reads, each builds the whole fp32 model (1.1 model sizes, on
+# *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
+# forces that copy) before sharding frees all but its half. With
+# {func}`fsdp_guide.hf.from_pretrained`, rank 0's full copy is the file itself: safetensors
+# maps it rather than copying it, so it shows in the resident total only (0.5 model sizes:
+# the bf16 file), as file pages the kernel shares and can drop. Rank 1 receives the
+# broadcast one tensor at a time, each allocated whole before it keeps its slice (its
+# extra 0.1). Reading its own slices, each rank's private memory is its shard; the resident
+# 0.9 shows that the pages mapped around those slices come to most of the file.
 
 # %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
 import matplotlib.pyplot as plt
@@ -189,10 +192,11 @@ fig.tight_layout()
 # %% [markdown]
 # Which to use: `read="rank0"` (the default) when the files are on rank 0's machine only,
 # or on a slow shared file system that N ranks reading at once would crowd; it costs one
-# broadcast of the model. `read="sharded"` when every machine sees the files (a shared file
-# system) and the model is large: no broadcast, and no rank touches more than its slices.
-# Never let every rank build the full model: it is the N-copies-per-machine peak that kills
-# large fine-tuning jobs before their first step.
+# broadcast of the model, and each rank briefly holds the largest single tensor whole.
+# `read="sharded"` when every machine sees the files (a shared file system) and the model
+# is large: no broadcast, and each rank allocates only its slices. Never let every rank
+# build the full model: it is the N-copies-per-machine peak that kills large fine-tuning
+# jobs before their first step.
 #
 # ## Fine-tune, and check against one process
 #
@@ -248,11 +252,13 @@ for _ in range(STEPS):
 print("step  2 ranks      1 process")
 for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
     print(f"{step:4}  {a:.6f}  {b:.6f}")
-print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded_losses, single_losses)):.0e}")
+relative = [abs(a - b) / b for a, b in zip(sharded_losses, single_losses)]
+print(f"relative difference at the first step: {relative[0]:.0e}; "
+      f"largest relative difference: {max(relative):.0e}")
 
 # %% [markdown]
-# The same losses, to fp32 rounding: one part in a million at the first step (a mean of
-# two means against one mean), grown by Adam's steps, which divide each gradient by its
+# The same losses, to fp32 rounding: about one part in a million at the first step (a mean
+# of two means against one mean), grown by Adam's steps, which divide each gradient by its
 # own running size. Sharding split the work, not the arithmetic.
 #
 # ## Weights out: a directory `from_pretrained` loads
