@@ -48,13 +48,17 @@ SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_devi
               "test_install.py", "test_gpu_run.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
-# fallback). They test the operating system and the launcher, not torch, and take a
-# minute per session that CI's 30 do not have; `nox -s tests` runs them.
+# fallback, warm launches off) and its waits (timeouts, Ctrl-C). They test the operating
+# system and the launcher, not torch, and take over a minute per session that CI's 30 do
+# not have; `nox -s tests` runs them.
 PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defined_in_a_scripts_main_is_shipped_by_value",
                  "test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory",
                  "test_interrupting_the_notebook_kernel_stops_every_rank",
                  "test_a_launch_whose_torch_environment_changed_starts_cold",
-                 "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children"]
+                 "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children",
+                 "test_a_hang_in_a_collective_ends_at_the_timeout",
+                 "test_a_timeout_names_the_ranks_still_running_and_stops_them",
+                 "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off"]
 
 
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version

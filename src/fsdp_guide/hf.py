@@ -46,8 +46,9 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     ``model_cls`` defaults to ``AutoModelForCausalLM``; ``dtype`` to the one the config
     records (a bf16 checkpoint trains in bf16 unless ``dtype=torch.float32``). The names in
     the files must be the model's own: checkpoints whose names transformers converts while
-    loading (fused MoE experts, renamed prefixes) are refused with the mismatch named. The units are the model's ``_no_split_modules`` (its decoder layers), then the
-    root, which keeps tied embedding and output weights together. The shards live on
+    loading (fused MoE experts, renamed prefixes) are refused with the mismatch named. The
+    units are the model's ``_no_split_modules`` (its decoder layers), then the root, which
+    keeps tied embedding and output weights together. The shards live on
     :func:`fsdp_guide.device`.
 
     >>> import tempfile
