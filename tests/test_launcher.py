@@ -677,6 +677,22 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
 
 
+def _imported_before_the_work(names):
+    return [name in sys.modules for name in names]
+
+
+def test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported(monkeypatch):
+    import transformers.modeling_utils  # noqa: F401  (seconds of import a rank need not repeat)
+
+    from fsdp_guide.launcher import launches
+
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", "1")  # another import-time environment: a new server, started now
+    launch(len, [], world_size=2, output="none")
+    names = ["transformers.modeling_utils", "torch.distributed.fsdp"]
+    assert launch(_imported_before_the_work, names, world_size=2, output="none") == [[True, True]] * 2
+    assert all(rank["warm"] for rank in launches()[-1]["ranks"])
+
+
 def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children(tmp_path):
     token = f"fsdp-guide-test-{uuid.uuid4().hex}"
     script = tmp_path / "parent.py"

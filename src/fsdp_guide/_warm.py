@@ -34,6 +34,11 @@ __all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
 WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "cloudpickle"]
+# Libraries that take seconds to import on top of torch. The server imports the modules of
+# theirs that the launching process has imported by the time it starts (the functions it ships
+# are likely to need them), so a Hugging Face rank starts warm too. Imported later, a rank
+# imports them itself, as a cold rank would.
+LIKELY = ("transformers", "peft")
 # Read when torch is imported (libraries loaded, threads, CUDA devices): if they change, the
 # server's torch is not the one a cold rank would import, and the launch starts cold.
 _IMPORT_TIME_ENV = ("LD_", "CUDA_", "TORCH_", "PYTORCH_", "MKL_", "KMP_", "GOMP_", "PYTHON", "NVIDIA_")
@@ -77,7 +82,7 @@ def start_server() -> None:
         if _server is not None:  # torch's environment changed: this launch ran cold; the next ones need a new server
             _retire(_server)
         server = forkserver.ForkServer()
-        server.set_forkserver_preload(PRELOAD)
+        server.set_forkserver_preload(_preload())
         python_path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # it imports what we import
         # Started with SIGINT ignored, Python installs no KeyboardInterrupt handler in it: an
@@ -94,6 +99,11 @@ def start_server() -> None:
             else:
                 os.environ["PYTHONPATH"] = python_path
         _server, _server_for = server, _what_torch_would_be()
+
+
+def _preload() -> list[str]:
+    """What the server imports: torch's modules, and those of LIKELY that this process has."""
+    return PRELOAD + sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY)
 
 
 def _retire(server: forkserver.ForkServer) -> None:
