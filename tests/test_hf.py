@@ -212,3 +212,81 @@ def test_a_model_class_that_does_not_match_the_config_says_which_to_pass(saved):
     path, _ = saved
     error = _error_of(path, model_cls=GPT2LMHeadModel)
     assert "GPT2LMHeadModel is a 'gpt2' model but" in error and "holds a 'llama' model (LlamaForCausalLM)" in error
+
+
+def _add_lora(model, train_norms=False):
+    from peft import LoraConfig, get_peft_model
+
+    # init_lora_weights=False: B is random too, so the adapters change the outputs from the start
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    for name, p in model.named_parameters():
+        if train_norms and "norm" in name:
+            p.requires_grad_(True)  # trainable in the base's dtype, beside peft's fp32 adapters
+    return model
+
+
+def _lora_train(path, out, read, dtype, steps, tokens, train_norms):
+    import functools
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    import fsdp_guide
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # seeded apart on purpose: every rank must still get rank 0's adapters
+    model = from_pretrained(path, read=read, dtype=dtype, adapt=functools.partial(_add_lora, train_norms=train_norms))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    mine = tokens[rank::world].to(fsdp_guide.device())
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    save_pretrained(model, out)
+    lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    return {"losses": losses, "trainable": sum(p.numel() for p in trainable),
+            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "adapter unit": isinstance(lora_a, FSDPModule)}
+
+
+@pytest.mark.parametrize("read, dtype, world_size, train_norms", [
+    ("rank0", torch.float32, 2, False), ("sharded", torch.float32, 4, False),
+    ("rank0", torch.bfloat16, 2, False), ("rank0", torch.bfloat16, 2, True)])
+def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(saved, tmp_path, read, dtype, world_size,
+                                                                             train_norms):
+    from peft import PeftModel
+
+    path, _ = saved
+    tokens = torch.arange(32).reshape(4, 8) % 40
+    ranks = launch(_lora_train, path, tmp_path / "adapter", read, dtype, 3, tokens, train_norms,
+                   world_size=world_size, output="none")
+
+    torch.manual_seed(0)  # rank 0's seed
+    single = _add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), train_norms)
+    optimizer = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad], lr=1e-2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 sums in another order on 2 ranks
+    for loss in ranks[0]["losses"]:
+        step = single(input_ids=tokens, labels=tokens).loss
+        assert abs(step.item() - loss) < tolerance
+        step.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert ranks[0]["trainable"] == sum(p.numel() for p in single.parameters() if p.requires_grad)
+    # peft keeps adapters in fp32 on a bf16 base. Beside a frozen base they share its units (FSDP2
+    # wants one dtype among a unit's trainable parameters only); beside trainable bf16 norms, units of their own.
+    assert ranks[0]["dtypes"] == sorted({"torch.float32", str(dtype)})
+    assert ranks[0]["adapter unit"] == train_norms
+
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
+                                                                         "adapter_model.safetensors"]
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tmp_path / "adapter")
+    trained = {n: p for n, p in single.named_parameters() if p.requires_grad}
+    for name, p in reloaded.named_parameters():
+        if "lora_" in name:
+            assert torch.allclose(p, trained[name.replace("lora_A.weight", "lora_A.default.weight")], atol=1e-4), name

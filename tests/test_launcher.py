@@ -670,7 +670,7 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
     from fsdp_guide.launcher import launches
 
     launch(len, [], world_size=2, output="none")  # the server exists, started with this environment
-    monkeypatch.setenv("TORCH_SHOW_CPP_STACKTRACES", "1")  # read by torch when it is imported
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", "1")  # TORCH_*: what torch may read when it is imported
     launch(len, [], world_size=2, output="none")
     assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
     launch(len, [], world_size=2, output="none")  # a server for the new environment replaced the old one
@@ -678,7 +678,10 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
 
 
 def _imported_before_the_work(names):
-    return [name in sys.modules for name in names]
+    import logging
+
+    # the server imported them with torchao's import-time logging silenced; the rank logs as a cold one
+    return [name in sys.modules for name in names] + [logging.getLogger("torchao").level]
 
 
 def test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported(monkeypatch):
@@ -689,7 +692,7 @@ def test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported(mo
     monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", "1")  # another import-time environment: a new server, started now
     launch(len, [], world_size=2, output="none")
     names = ["transformers.modeling_utils", "torch.distributed.fsdp"]
-    assert launch(_imported_before_the_work, names, world_size=2, output="none") == [[True, True]] * 2
+    assert launch(_imported_before_the_work, names, world_size=2, output="none") == [[True, True, 0]] * 2
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
 
 

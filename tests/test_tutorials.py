@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -40,6 +40,33 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     relative = float(text.split("largest relative difference: ")[1].split()[0])
     assert relative < 1e-4
     assert "logits equal the sharded model's: True" in text and "still tied to the embedding: True" in text
+
+
+def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
+    text = _text_outputs(executed["lora"])
+    lines = text.splitlines()
+
+    def row(prefix):
+        return next(line for line in lines if line.startswith(prefix))
+
+    full, lora = (float(row(how).split()[-1]) for how in ("full fine-tuning   ", "LoRA      "))
+    assert lora < full / 3  # the frozen base has no gradients or optimizer state
+    for how in ("full fine-tuning  measured", "LoRA              measured"):
+        assert abs(float(row(how).rsplit("(", 1)[1].rstrip("%)"))) < 2  # measure agrees with estimate
+    assert row("LoRA on a frozen bf16 base").endswith(": runs")
+    assert "FSDP expects uniform original parameter dtype" in row("LoRA, bf16 norms trained too")
+    states = {fix: float(row(fix).split()[-1]) for fix in ("1. adapters", "2. fp32", "3. adapters")}
+    assert states["2. fp32"] > 1.8 * states["1. adapters"] and states["3. adapters"] < states["1. adapters"]
+    assert row("1. adapters").split()[-2] == "21" and row("LoRA on the frozen bf16 base").split()[-2] == "5"
+    traffic = {mode: [float(x) for x in row(mode)[36:].split()] for mode in
+               ("reshard after forward", "kept from forward to backward", "kept gathered across", "replicated")}
+    assert all(abs(x - 1) < 0.05 for x in traffic["reshard after forward"][:4])
+    assert all(abs(x - 0.5) < 0.05 for x in traffic["kept from forward to backward"][:4])
+    assert abs(traffic["kept gathered across"][0] - 0.5) < 0.05 and traffic["kept gathered across"][1:4] == [0, 0, 0]
+    assert traffic["replicated"][:5] == [0, 0, 0, 0, 0] and abs(traffic["replicated"][5] - 1) < 0.05
+    assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
+    assert "logits equal the sharded model's: True" in text
+    assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from multiprocessing import forkserver, reduction
 __all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
 
 WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+PRELOAD = ["fsdp_guide._server_quiet", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
            "torch.distributed.checkpoint", "cloudpickle"]
 # Libraries that take seconds to import on top of torch. The server imports the modules of
 # theirs that the launching process has imported by the time it starts (the functions it ships
@@ -201,6 +202,10 @@ def _fresh_state() -> None:
 
     import torch
 
+    from fsdp_guide._server_quiet import NOISY
+
+    for name in NOISY:  # the server's imports were quiet; the rank logs as a cold one does
+        logging.getLogger(name).setLevel(logging.NOTSET)
     random.seed()  # from os.urandom, as at a cold start
     torch.seed()  # a new process's torch starts from a non-deterministic seed too (not the server's)
     threads = os.environ.get("OMP_NUM_THREADS")

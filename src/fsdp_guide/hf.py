@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ __all__ = ["from_pretrained", "save_pretrained"]
 
 
 def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=None, dtype: torch.dtype | None = None,
-                    mp_policy=None, reshard_after_forward: bool = True, mesh=None) -> nn.Module:
+                    mp_policy=None, reshard_after_forward: bool = True, mesh=None,
+                    adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """The model saved at ``path``, sharded with FSDP2 over every rank, its files read once.
 
     Every rank calls it after ``init_process_group``. How the files are read:
@@ -50,6 +52,16 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     units are the model's ``_no_split_modules`` (its decoder layers), then the root, which
     keeps tied embedding and output weights together. The shards live on
     :func:`fsdp_guide.device`.
+
+    ``adapt`` changes the model before it is sharded, e.g. adds LoRA adapters with
+    ``lambda model: peft.get_peft_model(model, LoraConfig(...))``. It runs as in one
+    process, so the parameters it adds get the values its library gives them (seed before
+    calling, as you would in one process); every rank then takes rank 0's. The saved
+    weights go to the parameters they belong to, whatever ``adapt`` renamed them to (a
+    wrapped layer keeps its parameters). FSDP2 wants one dtype among a unit's trainable
+    parameters (frozen ones may differ): peft's fp32 adapters on a frozen bf16 base share
+    the layers' units, but added parameters that train beside trainable parameters of
+    another dtype (fp32 adapters, bf16 norms) get units of their own.
 
     >>> import tempfile
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -82,11 +94,17 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     with torch.device("meta"):
         model = model_cls.from_config(config, dtype=dtype) if hasattr(model_cls, "from_config") \
             else model_cls._from_config(config, dtype=dtype)
+    saved_as = {name: name for name in model.state_dict()}  # the model's name -> the name in the files
+    added: dict[str, torch.Tensor] = {}
+    if adapt is not None:
+        model, saved_as, added = _adapted(model, adapt)
 
     device = rank_device()
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
               "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for owner in _owners_training_in_another_dtype(model, added):
+        fully_shard(owner, **kwargs)  # FSDP2 reduces one dtype per unit: fp32 adapters apart from bf16 norms
     units = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
     if not units:
         warnings.warn(f"{type(model).__name__} names no _no_split_modules: the whole model is one FSDP unit, "
@@ -98,11 +116,77 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     model.to_empty(device=device)  # the shards only, uninitialised
     _init_non_persistent_buffers(model)
     if read == "sharded":
-        _read_own_slices(path, model)
+        _read_own_slices(path, model, saved_as)
+        if added:  # rank 0's values of what adapt added, one broadcast each
+            set_model_state_dict(model, added if dist.get_rank() == 0 else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
     else:
-        full = _on_rank0_for_all(lambda: _read_weights(path, model), result_to_all=False)
+        full = _on_rank0_for_all(lambda: {**_read_weights(path, model, saved_as), **added}, result_to_all=False)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model
+
+
+def _adapted(model: nn.Module, adapt) -> tuple[nn.Module, dict[str, str], dict[str, torch.Tensor]]:
+    """``adapt(model)`` as one process runs it; the saved name of each tensor it kept, the value of each it added.
+
+    adapt runs on the model allocated on the CPU but never written: pages nothing touches
+    take no memory, and the library's initialisers (LoRA's) run on real tensors, consuming
+    the random stream as in one process. The adapted model goes back to ``meta`` for sharding.
+    """
+    import torch.utils.deterministic as deterministic
+
+    fill = deterministic.fill_uninitialized_memory
+    deterministic.fill_uninitialized_memory = False  # with deterministic algorithms on, torch.empty writes NaNs
+    tied = _names_by_tensor(model)
+    try:
+        _retied(model.to_empty(device="cpu"), tied)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
+    before = _names_by_tensor(model)
+    adapted = adapt(model)
+    if not isinstance(adapted, nn.Module):
+        raise TypeError(f"adapt returned {type(adapted).__name__}: it must return the model to shard "
+                        f"(e.g. lambda model: peft.get_peft_model(model, config))")
+    saved_as, added = {}, {}
+    for key, (tensor, names) in _names_by_tensor(adapted).items():
+        if key in before:  # a tensor of the saved model, perhaps renamed (peft: ...q_proj.base_layer.weight)
+            old = before[key][1]
+            if len(old) != len(names):
+                raise ValueError(f"adapt changed how often a tensor is shared: {old} became {names}")
+            saved_as.update(zip(names, old))
+        else:
+            added.update((name, tensor.detach().clone()) for name in names)
+    tied = _names_by_tensor(adapted)
+    return _retied(adapted.to("meta"), tied), saved_as, added
+
+
+def _retied(model: nn.Module, tensors: dict[int, tuple[torch.Tensor, list[str]]]) -> nn.Module:
+    """Tie again the parameters ``tensors`` lists under several names: moving a module to
+    another device gives each module a parameter of its own (the output layer loses its tie
+    to the embedding)."""
+    for _, names in tensors.values():
+        first = model.get_parameter(names[0]) if len(names) > 1 else None
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(leaf, first)
+    return model
+
+
+def _names_by_tensor(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
+    """Each tensor of the state dict, once, with its names (several for tied weights), in module order."""
+    found: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        found.setdefault(id(tensor), (tensor, []))[1].append(name)
+    return found
+
+
+def _owners_training_in_another_dtype(model: nn.Module, added: dict[str, torch.Tensor]) -> list[nn.Module]:
+    """The modules holding added trainable parameters whose dtype no other trainable parameter has."""
+    params = dict(model.named_parameters())
+    others = {p.dtype for name, p in params.items() if p.requires_grad and name not in added}
+    owners = {name.rpartition(".")[0] for name in added
+              if name in params and params[name].requires_grad and others and params[name].dtype not in others}
+    return [module for name, module in model.named_modules() if name in owners]
 
 
 def _on_rank0_for_all(fn, result_to_all: bool = True):
@@ -163,20 +247,20 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
             model._init_weights(module)
 
 
-def _read_weights(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rank 0: every tensor in the safetensors files, each tied name filled from the one saved."""
+def _read_weights(path: Path, model: nn.Module, saved_as: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Rank 0: every tensor in the safetensors files under the model's names, each tied name filled from the one saved."""
     from safetensors.torch import load_file
 
     weights = {}
     for file in _weight_files(path):
         weights.update(load_file(file))
-    for names in _tied_names(model):
+    for names in _tied_names(model, saved_as):
         saved = next((weights[n] for n in names if n in weights), None)
         for name in names:
             if saved is not None and name not in weights:
                 weights[name] = saved  # written once (transformers drops tied copies), loaded under each name
-    _check_names(path, set(weights), set(model.state_dict()))
-    return weights
+    _check_names(path, set(weights), set(saved_as.values()))
+    return {name: weights[saved] for name, saved in saved_as.items()}
 
 
 def _check_names(path: Path, saved: set[str], expected: set[str]) -> None:
@@ -190,7 +274,7 @@ def _check_names(path: Path, saved: set[str], expected: set[str]) -> None:
                        f"as saved; checkpoints whose names transformers converts on load are not supported.")
 
 
-def _read_own_slices(path: Path, model: nn.Module) -> None:
+def _read_own_slices(path: Path, model: nn.Module, saved_as: dict[str, str]) -> None:
     """Each rank: read its shards' slices of the safetensors files straight into the model's DTensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -201,19 +285,21 @@ def _read_own_slices(path: Path, model: nn.Module) -> None:
     for file in _on_rank0_for_all(lambda: _weight_files(path)):
         with safe_open(file, framework="pt") as f:  # the header only
             saved |= set(f.keys())
-    state = get_model_state_dict(model)  # DTensors sharing storage with the parameters: DCP loads in place
-    for names in _tied_names(model):
+    # DTensors sharing storage with the parameters, under their saved names: DCP loads in place.
+    state = {saved_as[name]: t for name, t in get_model_state_dict(model).items() if name in saved_as}
+    for names in _tied_names(model, saved_as):
         if saved & set(names):
             for alias in set(names) - saved:
                 state.pop(alias, None)  # the files hold a tied weight once; loading it fills every name
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter (several for tied weights)."""
+def _tied_names(model: nn.Module, saved_as: dict[str, str]) -> list[list[str]]:
+    """The saved names of each parameter (several for tied weights)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+        if name in saved_as:
+            names.setdefault(id(param), []).append(saved_as[name])
     return list(names.values())
 
 
@@ -225,11 +311,18 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
     The directory appears complete or not at all: it is written beside ``path`` and renamed,
     replacing an earlier save only once the new one is on disk.
     ``AutoModelForCausalLM.from_pretrained(path)`` in one process then loads exactly these weights.
+
+    A peft model (LoRA) writes its adapters only, in peft's format (``adapter_config.json``,
+    ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, path)`` reloads them):
+    only its trainable parameters are gathered, not the frozen base.
     """
     from fsdp_guide.checkpoint import _publish
 
     path = Path(path)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if hasattr(model, "peft_config"):  # peft's save_pretrained picks the adapters out of what it is given
+        full = {name: _full_on_cpu(p) for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def write():
         partial = path.with_name(f".partial-{path.name}")
@@ -239,3 +332,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
 
     _on_rank0_for_all(write)  # a failure on rank 0 (a full disk) is raised on every rank, not waited for
     return path
+
+
+def _full_on_cpu(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter on the CPU (a collective for a DTensor: every rank calls it, in the same order)."""
+    full = param.full_tensor() if hasattr(param, "full_tensor") else param
+    return full.detach().cpu()

@@ -1,0 +1,14 @@
+"""Imported first by the warm server, and only there: its imports log nothing.
+
+Libraries log at import time (torchao: CUDA kernels a CPU cannot load; torch's pytree:
+deprecations). In the server those records belong to no launch, and would appear in
+whatever output the launching process has (a notebook cell). A rank forked from the server
+sets these loggers back to their defaults (``_warm._fresh_state``), as a cold rank has them.
+"""
+
+import logging
+
+NOISY = ("torchao", "torch.utils._pytree")
+
+for name in NOISY:
+    logging.getLogger(name).setLevel(logging.ERROR)

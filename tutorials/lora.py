@@ -1,0 +1,464 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-lora)=
+# # LoRA and frozen weights with FSDP2
+#
+# **What you will learn**
+#
+# - how to add LoRA adapters with `peft` to a pretrained model and shard it with FSDP2,
+#   and what each rank then holds, measured against full fine-tuning and against
+#   {func}`fsdp_guide.memory.estimate`;
+# - FSDP2's dtype rule: the trainable parameters of a unit share one dtype, so fp32
+#   adapters on a frozen bf16 base are fine, but not beside trained bf16 weights; three
+#   fixes, each executed, with what it costs;
+# - how many bytes the frozen base is all-gathered per micro-batch under gradient
+#   accumulation with `reshard_after_forward=True`, `False`, kept gathered across
+#   micro-batches, and replicated instead of sharded, and how to choose;
+# - that LoRA training on 2 ranks computes what one process computes;
+# - how to export the adapters in `peft`'s format, and a merged model, and reload both in
+#   one process.
+#
+# **What you need**: a CPU; 2 processes on gloo; `transformers`, `safetensors` and `peft`
+# (the package's `test` or `docs` extras); about 30 seconds on 2 CPU cores. Nothing is
+# downloaded: the "pretrained" model is a small Llama built from a config with a fixed
+# seed, as in {ref}`tutorial-finetune-hf`. The worker code is written to run unchanged with
+# one GPU per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are
+# listed {ref}`at the end <lora-tips>`.
+
+# %%
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing is downloaded
+
+import warnings
+
+from fsdp_guide.fp8 import quiet_torchao
+
+quiet_torchao()  # peft imports torchao, whose import logs about CUDA kernels a CPU cannot load
+
+import peft
+import torch
+import transformers
+
+transformers.utils.logging.disable_progress_bar()
+# peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+warnings.filterwarnings("ignore", message="IProgress not found")  # peft's tqdm import: no widgets here
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+      f"Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## A pretrained model, and the adapters
+#
+# A Llama with 4 decoder layers, saved in bf16 as checkpoints on the Hub are. `add_lora` is
+# what every rank will apply: rank-8 LoRA on the attention's query and value projections,
+# `peft`'s defaults otherwise (`A` random, `B` zero, so training starts from the
+# pretrained model's outputs).
+
+# %%
+from transformers import LlamaConfig, LlamaForCausalLM
+
+workdir = Path(tempfile.mkdtemp())
+path = workdir / "llama"
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def add_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+print(sorted(f.name for f in path.iterdir()))
+
+# %% [markdown]
+# (lora-memory)=
+# ## LoRA, then shard: what each rank holds
+#
+# {func}`fsdp_guide.hf.from_pretrained` takes the function as `adapt`: it builds the model
+# on the `meta` device, applies `add_lora` *before* sharding (FSDP2 shards the parameters a
+# unit holds when `fully_shard` is called: adapters added afterwards would not be sharded or
+# reduced), gives `peft`'s adapters the values `peft` initialises them with on rank 0, shards
+# every decoder layer and the root, and loads the pretrained weights into the base. One
+# optimizer step later, {func}`fsdp_guide.memory.measure` counts the model states each rank
+# holds; full fine-tuning of the same model is measured the same way.
+
+# %%
+from fsdp_guide import launch
+
+
+def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, train_norms=False):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    import fsdp_guide
+    from fsdp_guide.hf import from_pretrained
+    from fsdp_guide.memory import measure
+
+    def adapt(model):  # LoRA as add_lora adds it; the variants of the dtype section below
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(model, config, autocast_adapter_dtype=not cast_adapters)
+        for name, p in model.named_parameters():  # optionally the RMSNorm weights too, in the base's dtype
+            p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
+        return model
+
+    torch.manual_seed(0)
+    model = from_pretrained(path, dtype=dtype, mp_policy=mp_policy, adapt=adapt if lora else None)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = tokens.to(fsdp_guide.device())
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    dtypes = lambda ps: "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in ps}))  # noqa: E731
+    return {"states": measure(model, optimizer),
+            "all DTensors": all(hasattr(p, "to_local") for p in model.parameters()),
+            "params": sum(p.numel() for p in model.parameters()),
+            "trainable": sum(p.numel() for p in trainable),
+            "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
+            "trainable dtype": dtypes(trainable),
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules())}
+
+
+fp32 = {"full fine-tuning": launch(one_step_states, path, False, torch.float32, world_size=2, output="none"),
+        "LoRA": launch(one_step_states, path, True, torch.float32, world_size=2, output="none")}
+lora = fp32["LoRA"][0]
+print(f"LoRA: {lora['params'] / 1e6:.2f}M parameters, {lora['trainable']:,} trainable "
+      f"({lora['trainable'] / lora['params']:.2%}); every parameter sharded (a DTensor): {lora['all DTensors']}")
+print(f"\nfp32 model states on rank 0 after one AdamW step, MiB: {'params':>7} {'grads':>7} {'optimizer':>9} "
+      f"{'total':>7}")
+for how, ranks in fp32.items():
+    s = ranks[0]["states"]
+    print(f"{how:50} {s.params / 2**20:7.2f} {s.grads / 2**20:7.2f} {s.optimizer / 2**20:9.2f} "
+          f"{s.total / 2**20:7.2f}")
+
+# %% [markdown]
+# With LoRA every parameter is still sharded, frozen or not: each rank keeps half the
+# model. What changes is the rest. The frozen base has no gradients and no optimizer state;
+# only the adapters, under 1% of the parameters, have both. Full fine-tuning with AdamW holds four
+# copies of the model's bytes (parameters, gradients, two moments); LoRA holds one, plus
+# three copies of the adapters.
+#
+# {func}`fsdp_guide.memory.estimate` predicts this if you give it the two parts as what
+# they are: the adapters as a model that trains, the base as parameters only. (The
+# differences are FSDP's padding: a shard is a whole number of rows, and the estimate
+# divides bytes exactly.)
+
+# %%
+from fsdp_guide.memory import estimate
+
+adapters = estimate(lora["trainable"], 2, "FULL_SHARD", optimizer="adamw")
+base = estimate(lora["params"] - lora["trainable"], 2, "FULL_SHARD", optimizer="adamw").params
+predicted = {"full fine-tuning": estimate(lora["params"], 2, "FULL_SHARD", optimizer="adamw").total,
+             "LoRA": base + adapters.total}
+for how, ranks in fp32.items():
+    measured = ranks[0]["states"].total
+    print(f"{how:17} measured {measured / 2**20:6.2f} MiB, estimated {predicted[how] / 2**20:6.2f} MiB "
+          f"({measured / predicted[how] - 1:+.1%})")
+
+# %% [markdown]
+# (lora-dtypes)=
+# ## The dtype rule: one dtype among a unit's trainable parameters
+#
+# Models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
+# (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small
+# updates. FSDP2 all-gathers parameters of any dtypes together (as bytes), but it
+# reduce-scatters a unit's gradients in one dtype: when a unit is first run it checks that
+# its *trainable* parameters share one dtype, and raises `FSDP expects uniform original
+# parameter dtype` if not (`FSDPParamGroup._init_mp_dtypes` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`; frozen parameters are left
+# out of the check). So a frozen bf16 base with fp32 adapters is fine in one unit; training
+# anything of the base beside them (here the RMSNorm weights, a common LoRA variant; or
+# `peft`'s `modules_to_save`) is not. Each decoder layer is one unit below:
+
+# %%
+def first_forward(train_norms):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fsdp_guide
+
+    small = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(small).to(fsdp_guide.device(), torch.bfloat16)  # a bf16 checkpoint, loaded
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
+    layer = model.base_model.model.model.layers[0]
+    trainable = sorted(str(dtype) for dtype in {p.dtype for p in layer.parameters() if p.requires_grad})
+    fully_shard(layer)
+    fully_shard(model)
+    try:
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=fsdp_guide.device()))
+    except Exception as error:  # noqa: BLE001 (shown, not handled)
+        return trainable, f"{type(error).__name__}: {error}"
+    return trainable, "runs"
+
+
+for train_norms in (False, True):
+    trainable, outcome = launch(first_forward, train_norms, world_size=2, output="none")[0]
+    what = "LoRA, bf16 norms trained too" if train_norms else "LoRA on a frozen bf16 base"
+    print(f"{what:30} trainable dtypes in the layer's unit {trainable}: {outcome}")
+
+# %% [markdown]
+# Three ways out, each run below on the bf16 checkpoint with the norms trained, with the
+# same one-step measurement (and, first, plain LoRA on the frozen bf16 base, for scale):
+#
+# 1. **Adapters in units of their own.** Each adapter module is `fully_shard`ed before its
+#    decoder layer, so the layer's unit trains the bf16 norms only and each adapter unit
+#    its fp32 adapter. {func}`fsdp_guide.hf.from_pretrained` does this by itself when
+#    `adapt` adds trainable parameters in a dtype no other trainable parameter has. The
+#    cost: each adapter is one more (small) all-gather in forward and reduce-scatter in
+#    backward.
+# 2. **One storage dtype, a mixed-precision policy for compute.** Store everything in fp32
+#    and let `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` cast each unit's gathered
+#    parameters to bf16 for compute. The cost: the frozen base is stored in fp32, twice its
+#    bf16 bytes, for a base that never changes.
+# 3. **Cast the adapters to bf16** (`get_peft_model(..., autocast_adapter_dtype=False)`):
+#    one dtype, no extra units, the smallest memory. The cost: the adapters, their
+#    gradients and AdamW's moments in bf16, whose 8-bit mantissa drops updates much smaller
+#    than the weight.
+
+# %%
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+bf16 = torch.bfloat16
+fixes = {
+    "LoRA on the frozen bf16 base": dict(dtype=bf16),
+    "1. adapters in their own units": dict(dtype=bf16, train_norms=True),
+    "2. fp32 storage, bf16 compute": dict(dtype=torch.float32, mp_policy=MixedPrecisionPolicy(param_dtype=bf16),
+                                          train_norms=True),
+    "3. adapters cast to bf16": dict(dtype=bf16, cast_adapters=True, train_norms=True),
+}
+fixed = {fix: launch(one_step_states, path, True, world_size=2, output="none", **options)[0]
+         for fix, options in fixes.items()}
+print(f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'rank 0 model states, MiB':>25}")
+for fix, r in fixed.items():
+    print(f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} "
+          f"{r['states'].total / 2**20:25.2f}")
+
+# %% [markdown]
+# All four train. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
+# base. With the norms trained, the first fix adds 16 units (one per adapter module: 2
+# projections × `A`, `B` × 4 layers) and keeps the memory of bf16; the second stores the
+# base in fp32, about twice the model states; the third is smallest and least precise.
+# Choose the first by default; the second when the extra collectives matter more than
+# memory (many small adapters, a slow network); the third only with a reason.
+#
+# (lora-traffic)=
+# ## The frozen base still travels
+#
+# Freezing a weight removes its gradient, not its all-gather: FSDP2 gathers every unit's
+# parameters for forward, and, with `reshard_after_forward=True`, again for backward (the
+# input gradient needs the weight, frozen or not). Under gradient accumulation that
+# traffic is paid every micro-batch. Below, 4 micro-batches per optimizer step, counting
+# the bytes each rank receives in all-gathers (with {func}`fsdp_guide.precision.record_dtypes`,
+# which sees every collective: a rank receives the gathered bytes less its own shard),
+# and the parameters each rank holds between micro-batches:
+#
+# - `reshard_after_forward=True` (the default): gathered in forward, again in backward;
+# - `reshard_after_forward=False`: gathered once per micro-batch, kept from forward to
+#   backward;
+# - `False`, and kept gathered across the micro-batches too (`set_reshard_after_backward(False)`
+#   until the last one): gathered once per optimizer step;
+# - replicated: every rank holds the whole base (here a 2-D mesh whose shard dimension has
+#   size 1, i.e. HSDP with nothing to shard), nothing is gathered.
+
+# %%
+MICRO = 4
+
+
+def accumulation_traffic(path, mode):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_guide
+    from fsdp_guide.hf import from_pretrained
+    from fsdp_guide.precision import record_dtypes
+
+    device, world = fsdp_guide.device(), dist.get_world_size()
+    if mode == "replicated":  # HSDP: replicated over the first dimension, "sharded" over 1 rank
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    shard_size = mesh.size(-1)  # how many ranks share one parameter's shards
+    model = from_pretrained(path, dtype=torch.float32, mesh=mesh, adapt=add_lora,
+                            reshard_after_forward=mode == "reshard after forward")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tokens = torch.randint(0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    received, held = [], []
+    for step in range(2):  # the second step is the one measured: the first sets FSDP up
+        received.clear(), held.clear()
+        for micro in range(MICRO):
+            last = micro == MICRO - 1
+            model.set_requires_gradient_sync(last)  # adapters: reduce their gradients once, at the end
+            if mode == "kept gathered across micro-batches":
+                model.set_reshard_after_backward(last)
+            batch = tokens[micro].to(device)
+            with record_dtypes() as seen:
+                model(input_ids=batch, labels=batch).loss.backward()
+            gathered = seen.nbytes[("forward", "all-gather")] + seen.nbytes[("backward", "all-gather")]
+            received.append(gathered * (shard_size - 1) / shard_size)
+            held.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                            if not hasattr(p, "to_local")))  # gathered, not sharded, after this micro-batch
+        optimizer.step()
+        optimizer.zero_grad()
+    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()
+                if hasattr(p, "to_local") and not p.requires_grad)
+    return {"received": received, "base": base, "held between": held[:-1], "shard": local}
+
+
+modes = ["reshard after forward", "kept from forward to backward", "kept gathered across micro-batches", "replicated"]
+traffic = {mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes}
+base_mib = traffic["replicated"]["base"] / 2**20
+print(f"frozen base: {base_mib:.2f} MiB in fp32; all-gathered into rank 0, in base sizes, per micro-batch")
+print(f"{'':36} {'micro-batch 1  2  3  4':>26} {'per step':>9} {'base held between micro-batches':>32}")
+for mode, r in traffic.items():
+    per_micro = [b / r["base"] for b in r["received"]]
+    held = max(r["held between"] + [r["shard"]]) / r["base"]
+    print(f"{mode:36} {'':>10}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} {held:32.2f}")
+
+# %% [markdown]
+# Read it per micro-batch. Resharding after forward pays the base twice per micro-batch
+# (half of it each time, the other half being the rank's own shard): 1.0 base sizes, 4 per
+# optimizer step. Keeping it from forward to backward halves that. Keeping it across the
+# micro-batches pays it once per step, and holds the whole base between micro-batches, as
+# replication does all the time; replication moves nothing.
+#
+# **The rule**: a frozen base costs memory *or* traffic, never neither. If the whole base
+# fits on each rank next to the activations, keep it gathered for the accumulation
+# window (or replicate it, when it always fits); if it does not, `reshard_after_forward=False`
+# for the layers you can afford, and accept one gather per micro-batch; the default
+# `True` is for the model that fits only sharded. The adapters' gradients are reduced once
+# per step in every case (`set_requires_gradient_sync(False)` until the last micro-batch).
+#
+# ## LoRA on 2 ranks computes what one process computes
+#
+# Five AdamW steps of LoRA on 2 ranks, each on half of the batch, against `peft` on the
+# whole model in one process, seeded alike (so `peft` gives both the same adapters).
+
+# %%
+STEPS = 5
+batch = torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def train_lora(path, batch, out):
+    import torch
+    import torch.distributed as dist
+
+    import fsdp_guide
+    from fsdp_guide.hf import from_pretrained, save_pretrained
+
+    device = fsdp_guide.device()
+    torch.manual_seed(0)  # peft's initialisation of A, as in the one process below
+    model = from_pretrained(path, dtype=torch.float32, adapt=add_lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = batch[rank::world].to(device)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(mean := loss.detach().clone(), op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
+    save_pretrained(model, out)  # a peft model: its adapters, in peft's format
+    with torch.no_grad():
+        logits = model(input_ids=batch.to(device)).logits
+    return losses, logits.cpu()
+
+
+adapter_dir = workdir / "adapter"
+(sharded_losses, sharded_logits), _ = launch(train_lora, path, batch, adapter_dir, world_size=2, output="none")
+
+from transformers import AutoModelForCausalLM
+
+torch.manual_seed(0)
+single = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+optimizer = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad], lr=1e-2)
+single_losses = []
+for _ in range(STEPS):
+    loss = single(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    single_losses.append(loss.item())
+print("step  2 ranks      1 process")
+for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
+    print(f"{step:4}  {a:.6f}  {b:.6f}")
+print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded_losses, single_losses)):.0e}")
+
+# %% [markdown]
+# The same losses to fp32 rounding: the base is frozen, the adapters move the same way on
+# 2 ranks as in one process.
+#
+# (lora-export)=
+# ## Export: the adapters, and a merged model
+#
+# {func}`fsdp_guide.hf.save_pretrained` on a `peft` model gathers only the trainable
+# parameters (the adapters, not the frozen base) to rank 0 and writes them with `peft`'s own
+# `save_pretrained`: a directory `PeftModel.from_pretrained` loads onto the base. Merging
+# the adapters into the base weights is `peft`'s `merge_and_unload`, done once, in one
+# process, on the reloaded model; the result is an ordinary `transformers` model.
+
+# %%
+from peft import PeftModel
+
+print("adapter directory:", sorted(f.name for f in adapter_dir.iterdir()),
+      f"({(adapter_dir / 'adapter_model.safetensors').stat().st_size / 2**10:.0f} KiB)")
+reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter_dir)
+with torch.no_grad():
+    logits = reloaded(input_ids=batch).logits
+print("base + reloaded adapters: logits equal the sharded model's:", torch.equal(logits, sharded_logits),
+      f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})")
+
+merged_dir = workdir / "merged"
+reloaded.merge_and_unload().save_pretrained(merged_dir)
+merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+with torch.no_grad():
+    merged_logits = merged(input_ids=batch).logits
+print("merged model, loaded by transformers alone:", type(merged).__name__,
+      f"largest difference from the sharded model's logits {(merged_logits - sharded_logits).abs().max().item():.1e}")
+
+# %% [markdown]
+# The adapters reload to the same numbers. The merged model computes `x (W + BA)` where
+# the adapted one computes `xW + (xA)B`: the same function, rounded in another order,
+# hence differences at fp32's last digits rather than none.
+#
+# (lora-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-lora-before-sharding`
+# - {ref}`tip-lora-dtypes`
+# - {ref}`tip-frozen-weight-traffic`
+# - {ref}`tip-check-against-one-process`: the losses above.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("lora")
