@@ -59,6 +59,7 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children",
                  "test_a_hang_in_a_collective_ends_at_the_timeout",
                  "test_a_timeout_names_the_ranks_still_running_and_stops_them",
+                 "test_a_timeout_shows_the_line_each_rank_is_stuck_on",
                  "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off"]
 
 

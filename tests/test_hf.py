@@ -214,18 +214,20 @@ def test_a_model_class_that_does_not_match_the_config_says_which_to_pass(saved):
     assert "GPT2LMHeadModel is a 'gpt2' model but" in error and "holds a 'llama' model (LlamaForCausalLM)" in error
 
 
-def _add_lora(model, train_norms=False):
+def _add_lora(model, train_norms=False, dora=False):
     from peft import LoraConfig, get_peft_model
 
-    # init_lora_weights=False: B is random too, so the adapters change the outputs from the start
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    # init_lora_weights=False: B is random too, so the adapters change the outputs from the start.
+    # DoRA: its magnitudes are computed from the pretrained weights, which adapt must therefore see.
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, use_dora=dora)
+    model = get_peft_model(model, config)
     for name, p in model.named_parameters():
         if train_norms and "norm" in name:
             p.requires_grad_(True)  # trainable in the base's dtype, beside peft's fp32 adapters
     return model
 
 
-def _lora_train(path, out, read, dtype, steps, tokens, train_norms):
+def _lora_train(path, out, read, dtype, steps, tokens, variant):
     import functools
 
     import torch.distributed as dist
@@ -235,7 +237,7 @@ def _lora_train(path, out, read, dtype, steps, tokens, train_norms):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # seeded apart on purpose: every rank must still get rank 0's adapters
-    model = from_pretrained(path, read=read, dtype=dtype, adapt=functools.partial(_add_lora, train_norms=train_norms))
+    model = from_pretrained(path, read=read, dtype=dtype, adapt=functools.partial(_add_lora, **variant))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     mine = tokens[rank::world].to(fsdp_guide.device())
@@ -249,26 +251,27 @@ def _lora_train(path, out, read, dtype, steps, tokens, train_norms):
         dist.all_reduce(total)
         losses.append(total.item() / world)
     save_pretrained(model, out)
-    lora_a = model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"]
+    llama = model.base_model.model
     return {"losses": losses, "trainable": sum(p.numel() for p in trainable),
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "adapter unit": isinstance(lora_a, FSDPModule)}
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "tied": llama.lm_head.weight is llama.model.embed_tokens.weight}
 
 
-@pytest.mark.parametrize("read, dtype, world_size, train_norms", [
-    ("rank0", torch.float32, 2, False), ("sharded", torch.float32, 4, False),
-    ("rank0", torch.bfloat16, 2, False), ("rank0", torch.bfloat16, 2, True)])
+@pytest.mark.parametrize("read, dtype, world_size, variant", [
+    ("rank0", torch.float32, 2, {}), ("sharded", torch.float32, 4, {}), ("sharded", torch.float32, 2, {"dora": True}),
+    ("rank0", torch.bfloat16, 2, {}), ("sharded", torch.bfloat16, 2, {"train_norms": True})])
 def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(saved, tmp_path, read, dtype, world_size,
-                                                                             train_norms):
-    from peft import PeftModel
+                                                                             variant):
+    from peft import PeftModel, get_peft_model_state_dict
 
     path, _ = saved
     tokens = torch.arange(32).reshape(4, 8) % 40
-    ranks = launch(_lora_train, path, tmp_path / "adapter", read, dtype, 3, tokens, train_norms,
+    ranks = launch(_lora_train, path, tmp_path / "adapter", read, dtype, 3, tokens, variant,
                    world_size=world_size, output="none")
 
     torch.manual_seed(0)  # rank 0's seed
-    single = _add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), train_norms)
+    single = _add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **variant)
     optimizer = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad], lr=1e-2)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 sums in another order on 2 ranks
     for loss in ranks[0]["losses"]:
@@ -279,14 +282,23 @@ def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(sav
         optimizer.zero_grad()
     assert ranks[0]["trainable"] == sum(p.numel() for p in single.parameters() if p.requires_grad)
     # peft keeps adapters in fp32 on a bf16 base. Beside a frozen base they share its units (FSDP2
-    # wants one dtype among a unit's trainable parameters only); beside trainable bf16 norms, units of their own.
+    # wants one dtype among a unit's trainable parameters only); beside trainable bf16 norms, each of
+    # the 2 layers x 2 projections x (A, B) adapter modules is a unit of its own.
     assert ranks[0]["dtypes"] == sorted({"torch.float32", str(dtype)})
-    assert ranks[0]["adapter unit"] == train_norms
+    assert ranks[0]["units"] == 2 + 1 + (8 if variant.get("train_norms") else 0)
+    assert ranks[0]["tied"]
 
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
                                                                          "adapter_model.safetensors"]
+    import safetensors.torch
+
+    written = safetensors.torch.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    expected = get_peft_model_state_dict(single)
+    assert sorted(written) == sorted(expected)  # what peft itself saves for this model, nothing less
+    for name, value in expected.items():
+        assert torch.allclose(written[name].float(), value.float(), atol=1e-4), name
+    if variant.get("train_norms"):
+        return  # norms trained outside peft's adapters are not in its file (adapters and modules_to_save only)
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), tmp_path / "adapter")
-    trained = {n: p for n, p in single.named_parameters() if p.requires_grad}
-    for name, p in reloaded.named_parameters():
-        if "lora_" in name:
-            assert torch.allclose(p, trained[name.replace("lora_A.weight", "lora_A.default.weight")], atol=1e-4), name
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=tokens).logits, single(input_ids=tokens).logits, atol=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -370,6 +371,40 @@ def _only_rank_0_waits():
 def test_a_hang_in_a_collective_ends_at_the_timeout():
     with pytest.raises(LaunchError, match="still running: ranks 0, 1"):
         launch(_only_rank_0_waits, world_size=2, timeout=5, output="none")
+
+
+def _line_of(fn, text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_timeout_shows_the_line_each_rank_is_stuck_on():
+    with pytest.raises(LaunchError) as info:
+        launch(_only_rank_0_waits, world_size=2, timeout=6, output="none")
+    stacks = info.value.stacks
+    assert sorted(stacks) == [0, 1]
+    assert f"line {_line_of(_only_rank_0_waits, 'dist.barrier()')} in _only_rank_0_waits" in stacks[0]
+    assert "in barrier" in stacks[0]  # inside torch's barrier, called from that line
+    assert f"line {_line_of(_only_rank_0_waits, 'time.sleep(120)')} in _only_rank_0_waits" in stacks[1]
+    assert "Where each rank still running was (most recent call first):" in str(info.value)
+    assert stacks[1] in str(info.value).replace("\n  ", "\n")
+
+
+def _rank_1_fails_while_rank_0_is_busy():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 gives up")
+    time.sleep(120)  # rank 0 elsewhere: reading data, say
+
+
+def test_when_a_rank_fails_the_error_shows_where_the_others_were():
+    with pytest.raises(LaunchError) as info:
+        launch(_rank_1_fails_while_rank_0_is_busy, world_size=2, output="none")
+    assert info.value.rank == 1 and sorted(info.value.stacks) == [0]
+    line = _line_of(_rank_1_fails_while_rank_0_is_busy, "time.sleep(120)")
+    assert f"line {line} in _rank_1_fails_while_rank_0_is_busy" in info.value.stacks[0]
+    assert "The other ranks (0) were stopped.\nWhere each rank still running was" in str(info.value)
 
 
 def test_keyboard_interrupt_stops_every_rank():

@@ -46,6 +46,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing i
 
 import warnings
 
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+# peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+
 from fsdp_guide.fp8 import quiet_torchao
 
 quiet_torchao()  # peft imports torchao, whose import logs about CUDA kernels a CPU cannot load
@@ -55,9 +59,6 @@ import torch
 import transformers
 
 transformers.utils.logging.disable_progress_bar()
-# peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-warnings.filterwarnings("ignore", message="IProgress not found")  # peft's tqdm import: no widgets here
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
       f"Python {sys.version.split()[0]}")
 
@@ -112,6 +113,7 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
     import fsdp_guide
     from fsdp_guide.hf import from_pretrained
     from fsdp_guide.memory import measure
+    from fsdp_guide.precision import record_dtypes
 
     def adapt(model):  # LoRA as add_lora adds it; the variants of the dtype section below
         from peft import LoraConfig, get_peft_model
@@ -128,7 +130,11 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
     tokens = tokens.to(fsdp_guide.device())
-    model(input_ids=tokens, labels=tokens).loss.backward()
+    model(input_ids=tokens, labels=tokens).loss.backward()  # the first step sets FSDP up
+    optimizer.step()
+    optimizer.zero_grad()
+    with record_dtypes() as seen:
+        model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
     dtypes = lambda ps: "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in ps}))  # noqa: E731
     return {"states": measure(model, optimizer),
@@ -137,7 +143,8 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
             "trainable": sum(p.numel() for p in trainable),
             "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
             "trainable dtype": dtypes(trainable),
-            "units": sum(isinstance(m, FSDPModule) for m in model.modules())}
+            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "gathers": seen.count[("forward", "all-gather")]}
 
 
 fp32 = {"full fine-tuning": launch(one_step_states, path, False, torch.float32, world_size=2, output="none"),
@@ -160,16 +167,15 @@ for how, ranks in fp32.items():
 # three copies of the adapters.
 #
 # {func}`fsdp_guide.memory.estimate` predicts this if you give it the two parts as what
-# they are: the adapters as a model that trains, the base as parameters only. (The
-# differences are FSDP's padding: a shard is a whole number of rows, and the estimate
-# divides bytes exactly.)
+# they are: the adapters as a model that trains, the base as parameters only.
 
 # %%
 from fsdp_guide.memory import estimate
 
 adapters = estimate(lora["trainable"], 2, "FULL_SHARD", optimizer="adamw")
 base = estimate(lora["params"] - lora["trainable"], 2, "FULL_SHARD", optimizer="adamw").params
-predicted = {"full fine-tuning": estimate(lora["params"], 2, "FULL_SHARD", optimizer="adamw").total,
+full = fp32["full fine-tuning"][0]["params"]  # the model without adapters
+predicted = {"full fine-tuning": estimate(full, 2, "FULL_SHARD", optimizer="adamw").total,
              "LoRA": base + adapters.total}
 for how, ranks in fp32.items():
     measured = ranks[0]["states"].total
@@ -183,9 +189,10 @@ for how, ranks in fp32.items():
 # Models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
 # (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small
 # updates. FSDP2 all-gathers parameters of any dtypes together (as bytes), but it
-# reduce-scatters a unit's gradients in one dtype: when a unit is first run it checks that
-# its *trainable* parameters share one dtype, and raises `FSDP expects uniform original
-# parameter dtype` if not (`FSDPParamGroup._init_mp_dtypes` in
+# reduce-scatters a unit's gradients in one dtype: at the root's first forward (FSDP2's lazy
+# initialisation) it checks, for every unit, that the unit's *trainable* parameters share
+# one dtype, and raises `FSDP expects uniform original parameter dtype` if not
+# (`FSDPParamGroup._init_mp_dtypes` in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`; frozen parameters are left
 # out of the check). So a frozen bf16 base with fp32 adapters is fine in one unit; training
 # anything of the base beside them (here the RMSNorm weights, a common LoRA variant; or
@@ -230,16 +237,22 @@ for train_norms in (False, True):
 #    decoder layer, so the layer's unit trains the bf16 norms only and each adapter unit
 #    its fp32 adapter. {func}`fsdp_guide.hf.from_pretrained` does this by itself when
 #    `adapt` adds trainable parameters in a dtype no other trainable parameter has. The
-#    cost: each adapter is one more (small) all-gather in forward and reduce-scatter in
-#    backward.
+#    cost: one more (small) all-gather per adapter in forward and reduce-scatter in
+#    backward, and the norms train in bf16.
 # 2. **One storage dtype, a mixed-precision policy for compute.** Store everything in fp32
-#    and let `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` cast each unit's gathered
-#    parameters to bf16 for compute. The cost: the frozen base is stored in fp32, twice its
-#    bf16 bytes, for a base that never changes.
+#    and let `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`
+#    cast each unit's gathered parameters to bf16 for compute and reduce gradients in fp32.
+#    The cost: the frozen base is stored in fp32, twice its bf16 bytes, for a base that
+#    never changes.
 # 3. **Cast the adapters to bf16** (`get_peft_model(..., autocast_adapter_dtype=False)`):
 #    one dtype, no extra units, the smallest memory. The cost: the adapters, their
-#    gradients and AdamW's moments in bf16, whose 8-bit mantissa drops updates much smaller
-#    than the weight.
+#    gradients and AdamW's moments in bf16, whose 8 significant bits (7 stored) round away
+#    any update smaller than about 1/256 of the weight.
+#
+# Upcasting only the norms to fp32 is not a fourth way with this model: Llama's RMSNorm
+# returns `weight * hidden_states.to(input_dtype)` (`LlamaRMSNorm.forward` in
+# `transformers/models/llama/modeling_llama.py`), so an fp32 weight turns the hidden states
+# fp32, and the next bf16 linear layer refuses them.
 
 # %%
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -248,24 +261,27 @@ bf16 = torch.bfloat16
 fixes = {
     "LoRA on the frozen bf16 base": dict(dtype=bf16),
     "1. adapters in their own units": dict(dtype=bf16, train_norms=True),
-    "2. fp32 storage, bf16 compute": dict(dtype=torch.float32, mp_policy=MixedPrecisionPolicy(param_dtype=bf16),
-                                          train_norms=True),
+    "2. fp32 storage, bf16 compute": dict(dtype=torch.float32, train_norms=True,
+                                          mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)),
     "3. adapters cast to bf16": dict(dtype=bf16, cast_adapters=True, train_norms=True),
 }
 fixed = {fix: launch(one_step_states, path, True, world_size=2, output="none", **options)[0]
          for fix, options in fixes.items()}
-print(f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'rank 0 model states, MiB':>25}")
+print(f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per forward':>23} "
+      f"{'rank 0 model states, MiB':>25}")
 for fix, r in fixed.items():
-    print(f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} "
+    print(f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
           f"{r['states'].total / 2**20:25.2f}")
 
 # %% [markdown]
 # All four train. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
 # base. With the norms trained, the first fix adds 16 units (one per adapter module: 2
-# projections × `A`, `B` × 4 layers) and keeps the memory of bf16; the second stores the
-# base in fp32, about twice the model states; the third is smallest and least precise.
-# Choose the first by default; the second when the extra collectives matter more than
-# memory (many small adapters, a slow network); the third only with a reason.
+# projections × `A`, `B` × 4 layers), each one more all-gather per forward, and keeps the
+# memory of bf16; the second stores the base in fp32, about twice the model states; the
+# third is smallest and least precise. Choose the first by default; the second when
+# memory allows and the extra collectives matter (many small adapters, a slow network);
+# the third only with a reason. (Norms trained beside the adapters are not in `peft`'s
+# adapter file unless declared in `modules_to_save`.)
 #
 # (lora-traffic)=
 # ## The frozen base still travels
@@ -278,13 +294,16 @@ for fix, r in fixed.items():
 # which sees every collective: a rank receives the gathered bytes less its own shard),
 # and the parameters each rank holds between micro-batches:
 #
-# - `reshard_after_forward=True` (the default): gathered in forward, again in backward;
+# - `reshard_after_forward=True` for every unit ({func}`fsdp_guide.hf.from_pretrained`'s
+#   default): gathered in forward, again in backward (FSDP2's own default, `None`, does this
+#   for every unit but the root, whose embedding and output layer stay gathered until backward);
 # - `reshard_after_forward=False`: gathered once per micro-batch, kept from forward to
 #   backward;
 # - `False`, and kept gathered across the micro-batches too (`set_reshard_after_backward(False)`
 #   until the last one): gathered once per optimizer step;
 # - replicated: every rank holds the whole base (here a 2-D mesh whose shard dimension has
-#   size 1, i.e. HSDP with nothing to shard), nothing is gathered.
+#   size 1, i.e. HSDP with nothing to shard); FSDP2 calls no all-gather for a shard group
+#   of one rank, as the count of all-gathers shows.
 
 # %%
 MICRO = 4
@@ -309,9 +328,9 @@ def accumulation_traffic(path, mode):
                             reshard_after_forward=mode == "reshard after forward")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tokens = torch.randint(0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-    received, held = [], []
+    received, held, gathers = [], [], []
     for step in range(2):  # the second step is the one measured: the first sets FSDP up
-        received.clear(), held.clear()
+        received.clear(), held.clear(), gathers.clear()
         for micro in range(MICRO):
             last = micro == MICRO - 1
             model.set_requires_gradient_sync(last)  # adapters: reduce their gradients once, at the end
@@ -322,6 +341,7 @@ def accumulation_traffic(path, mode):
                 model(input_ids=batch, labels=batch).loss.backward()
             gathered = seen.nbytes[("forward", "all-gather")] + seen.nbytes[("backward", "all-gather")]
             received.append(gathered * (shard_size - 1) / shard_size)
+            gathers.append(seen.count[("forward", "all-gather")] + seen.count[("backward", "all-gather")])
             held.append(sum(p.numel() * p.element_size() for p in model.parameters()
                             if not hasattr(p, "to_local")))  # gathered, not sharded, after this micro-batch
         optimizer.step()
@@ -329,37 +349,42 @@ def accumulation_traffic(path, mode):
     base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()
                 if hasattr(p, "to_local") and not p.requires_grad)
-    return {"received": received, "base": base, "held between": held[:-1], "shard": local}
+    return {"received": received, "gathers": gathers, "base": base, "held between": held[:-1], "shard": local}
 
 
 modes = ["reshard after forward", "kept from forward to backward", "kept gathered across micro-batches", "replicated"]
 traffic = {mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes}
 base_mib = traffic["replicated"]["base"] / 2**20
 print(f"frozen base: {base_mib:.2f} MiB in fp32; all-gathered into rank 0, in base sizes, per micro-batch")
-print(f"{'':36} {'micro-batch 1  2  3  4':>26} {'per step':>9} {'base held between micro-batches':>32}")
+print(f"{'':36} {'micro-batch 1  2  3  4':>26} {'per step':>9} {'all-gathers per step':>21} "
+      f"{'base held between micro-batches':>32}")
 for mode, r in traffic.items():
     per_micro = [b / r["base"] for b in r["received"]]
     held = max(r["held between"] + [r["shard"]]) / r["base"]
-    print(f"{mode:36} {'':>10}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} {held:32.2f}")
+    print(f"{mode:36} {'':>10}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
+          f"{sum(r['gathers']):21} {held:32.2f}")
 
 # %% [markdown]
 # Read it per micro-batch. Resharding after forward pays the base twice per micro-batch
 # (half of it each time, the other half being the rank's own shard): 1.0 base sizes, 4 per
-# optimizer step. Keeping it from forward to backward halves that. Keeping it across the
-# micro-batches pays it once per step, and holds the whole base between micro-batches, as
-# replication does all the time; replication moves nothing.
+# optimizer step, in 10 all-gathers per micro-batch (5 units, forward and backward).
+# Keeping it from forward to backward halves that. Keeping it across the micro-batches
+# pays it once per step, and holds the whole base between micro-batches, as replication
+# does all the time; replication moves nothing.
 #
 # **The rule**: a frozen base costs memory *or* traffic, never neither. If the whole base
 # fits on each rank next to the activations, keep it gathered for the accumulation
 # window (or replicate it, when it always fits); if it does not, `reshard_after_forward=False`
-# for the layers you can afford, and accept one gather per micro-batch; the default
-# `True` is for the model that fits only sharded. The adapters' gradients are reduced once
+# for the layers you can afford, and accept one gather per micro-batch; resharding every
+# unit after forward is for the model that fits only sharded. The adapters' gradients are reduced once
 # per step in every case (`set_requires_gradient_sync(False)` until the last micro-batch).
 #
 # ## LoRA on 2 ranks computes what one process computes
 #
 # Five AdamW steps of LoRA on 2 ranks, each on half of the batch, against `peft` on the
-# whole model in one process, seeded alike (so `peft` gives both the same adapters).
+# whole model in one process. The ranks are seeded differently (0 and 1) and the one process
+# like rank 0: {func}`fsdp_guide.hf.from_pretrained` gives every rank rank 0's adapters, so
+# the runs agree only if it does.
 
 # %%
 STEPS = 5
@@ -374,10 +399,10 @@ def train_lora(path, batch, out):
     from fsdp_guide.hf import from_pretrained, save_pretrained
 
     device = fsdp_guide.device()
-    torch.manual_seed(0)  # peft's initialisation of A, as in the one process below
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)  # seeded apart: every rank still starts from rank 0's adapters
     model = from_pretrained(path, dtype=torch.float32, adapt=add_lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    rank, world = dist.get_rank(), dist.get_world_size()
     mine = batch[rank::world].to(device)
     losses = []
     for _ in range(STEPS):
@@ -398,7 +423,7 @@ adapter_dir = workdir / "adapter"
 
 from transformers import AutoModelForCausalLM
 
-torch.manual_seed(0)
+torch.manual_seed(0)  # rank 0's seed
 single = add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 optimizer = torch.optim.AdamW([p for p in single.parameters() if p.requires_grad], lr=1e-2)
 single_losses = []
@@ -446,9 +471,11 @@ print("merged model, loaded by transformers alone:", type(merged).__name__,
       f"largest difference from the sharded model's logits {(merged_logits - sharded_logits).abs().max().item():.1e}")
 
 # %% [markdown]
-# The adapters reload to the same numbers. The merged model computes `x (W + BA)` where
-# the adapted one computes `xW + (xA)B`: the same function, rounded in another order,
-# hence differences at fp32's last digits rather than none.
+# The adapters reload to the same numbers (here, on the CPU like the ranks; ranks on GPUs
+# compute in another order, and would differ by rounding). The merged model computes
+# `x (W + sBA)`, with `s = lora_alpha / r = 2`, where the adapted one computes
+# `xW + s(xA)B`: the same function, rounded in another order, hence differences at fp32's
+# last digits rather than none.
 #
 # (lora-tips)=
 # ## The tips behind this

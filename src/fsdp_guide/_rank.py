@@ -27,6 +27,8 @@ from pathlib import Path
 
 import cloudpickle
 
+STACKS_SIGNAL = signal.SIGUSR1
+
 BOOTSTRAP = (
     "import pickle, sys; "
     "sys.path[:] = pickle.load(open(sys.argv[1] + '/config.pkl', 'rb'))['sys_path']; "
@@ -105,6 +107,26 @@ def _exit_when_parent_dies(run_dir: Path) -> None:
         os._exit(70)  # only if the group could not be signalled
 
 
+_stacks_file = None  # kept open: faulthandler writes to its descriptor from a signal handler
+
+
+def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
+    """On SIGUSR1, write every thread's Python stack to ``RUN_DIR/rankN.stacks``.
+
+    The launcher asks a rank that is still running when it times out, or when another
+    rank failed, so its error can show the line each rank was stuck on. faulthandler
+    writes from its C signal handler, without the interpreter: a rank blocked inside a
+    collective answers too. The first line names the main thread, the one running the function.
+    """
+    import faulthandler
+
+    global _stacks_file
+    _stacks_file = open(run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
+    _stacks_file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")  # after register: the launcher
+    _stacks_file.flush()  # signals only a rank whose file has this line (unhandled, SIGUSR1 would kill it)
+
+
 def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
     """Rank 0 serves the store: it leaves only after every rank has said it is done with it."""
     store.add("fsdp_guide/finished", 1)
@@ -141,6 +163,7 @@ def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
 
 def main() -> None:
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    _dump_stacks_when_asked(run_dir, rank)
     threading.Thread(target=_exit_when_parent_dies, args=(run_dir,), daemon=True).start()
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
     sys.path[:] = config["sys_path"]  # a warm rank was forked with the server's (a cold one has it already)

@@ -53,12 +53,21 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     keeps tied embedding and output weights together. The shards live on
     :func:`fsdp_guide.device`.
 
+    ``reshard_after_forward`` applies to every unit, the root included: with the default,
+    ``True``, nothing stays gathered after a forward (evaluation, generation). FSDP2's own
+    default for the root (``None``) keeps the root's parameters (embeddings, output layer)
+    gathered from forward to backward, saving their all-gather in backward.
+
     ``adapt`` changes the model before it is sharded, e.g. adds LoRA adapters with
-    ``lambda model: peft.get_peft_model(model, LoraConfig(...))``. It runs as in one
-    process, so the parameters it adds get the values its library gives them (seed before
-    calling, as you would in one process); every rank then takes rank 0's. The saved
-    weights go to the parameters they belong to, whatever ``adapt`` renamed them to (a
-    wrapped layer keeps its parameters). FSDP2 wants one dtype among a unit's trainable
+    ``lambda model: peft.get_peft_model(model, LoraConfig(...))``. Every rank runs it on
+    the model allocated on the CPU but never written (for its structure and names: it
+    costs address space, not memory), and rank 0 runs it once more on the pretrained model
+    loaded whole (``model_cls.from_pretrained``: one full copy on rank 0's CPU, briefly),
+    so that what it adds gets the values one process would give it, including values
+    computed from the weights (DoRA's magnitudes, copies for ``modules_to_save``); seed
+    before calling, as you would in one process. Every rank takes rank 0's values. The
+    saved weights go to the parameters they belong to, whatever ``adapt`` renamed them to
+    (a wrapped layer keeps its parameters). FSDP2 wants one dtype among a unit's trainable
     parameters (frozen ones may differ): peft's fp32 adapters on a frozen bf16 base share
     the layers' units, but added parameters that train beside trainable parameters of
     another dtype (fp32 adapters, bf16 norms) get units of their own.
@@ -95,15 +104,18 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
         model = model_cls.from_config(config, dtype=dtype) if hasattr(model_cls, "from_config") \
             else model_cls._from_config(config, dtype=dtype)
     saved_as = {name: name for name in model.state_dict()}  # the model's name -> the name in the files
-    added: dict[str, torch.Tensor] = {}
+    added: dict[str, torch.Tensor] = {}  # what adapt added -> rank 0's initial value (empty on other ranks)
+    added_names: list[str] = []
     if adapt is not None:
-        model, saved_as, added = _adapted(model, adapt)
+        model, saved_as, added_names = _adapted(model, adapt)
+        added = _on_rank0_for_all(lambda: _added_values(path, model_cls, dtype, adapt, added_names),
+                                  result_to_all=False)
 
     device = rank_device()
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
               "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    for owner in _owners_training_in_another_dtype(model, added):
+    for owner in _owners_training_in_another_dtype(model, set(added_names)):
         fully_shard(owner, **kwargs)  # FSDP2 reduces one dtype per unit: fp32 adapters apart from bf16 norms
     units = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
     if not units:
@@ -117,7 +129,7 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     _init_non_persistent_buffers(model)
     if read == "sharded":
         _read_own_slices(path, model, saved_as)
-        if added:  # rank 0's values of what adapt added, one broadcast each
+        if added_names:  # rank 0's values of what adapt added, one broadcast each (every rank takes part)
             set_model_state_dict(model, added if dist.get_rank() == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
     else:
@@ -126,12 +138,13 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     return model
 
 
-def _adapted(model: nn.Module, adapt) -> tuple[nn.Module, dict[str, str], dict[str, torch.Tensor]]:
-    """``adapt(model)`` as one process runs it; the saved name of each tensor it kept, the value of each it added.
+def _adapted(model: nn.Module, adapt) -> tuple[nn.Module, dict[str, str], list[str]]:
+    """``adapt(model)`` for its structure: the adapted model on ``meta``, the saved name of each tensor it kept,
+    the names of those it added.
 
-    adapt runs on the model allocated on the CPU but never written: pages nothing touches
-    take no memory, and the library's initialisers (LoRA's) run on real tensors, consuming
-    the random stream as in one process. The adapted model goes back to ``meta`` for sharding.
+    adapt runs on the model allocated on the CPU but never written (pages nothing touches
+    take no memory; libraries' initialisers need real tensors, not ``meta`` ones), with the
+    random stream restored afterwards: rank 0's run on the real weights is the one that counts.
     """
     import torch.utils.deterministic as deterministic
 
@@ -143,21 +156,36 @@ def _adapted(model: nn.Module, adapt) -> tuple[nn.Module, dict[str, str], dict[s
     finally:
         deterministic.fill_uninitialized_memory = fill
     before = _names_by_tensor(model)
-    adapted = adapt(model)
+    with torch.random.fork_rng(devices=[]):
+        adapted = adapt(model)
     if not isinstance(adapted, nn.Module):
         raise TypeError(f"adapt returned {type(adapted).__name__}: it must return the model to shard "
                         f"(e.g. lambda model: peft.get_peft_model(model, config))")
-    saved_as, added = {}, {}
-    for key, (tensor, names) in _names_by_tensor(adapted).items():
+    saved_as, added = {}, []
+    for key, (_, names) in _names_by_tensor(adapted).items():
         if key in before:  # a tensor of the saved model, perhaps renamed (peft: ...q_proj.base_layer.weight)
             old = before[key][1]
             if len(old) != len(names):
                 raise ValueError(f"adapt changed how often a tensor is shared: {old} became {names}")
             saved_as.update(zip(names, old))
         else:
-            added.update((name, tensor.detach().clone()) for name in names)
+            added += names
     tied = _names_by_tensor(adapted)
     return _retied(adapted.to("meta"), tied), saved_as, added
+
+
+def _added_values(path: Path, model_cls, dtype: torch.dtype, adapt, names: list[str]) -> dict[str, torch.Tensor]:
+    """Rank 0: what ``adapt`` gives the tensors it adds to the pretrained model, loaded whole as in one process."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in rank 0's output for a load the user did not ask for
+    try:
+        state = adapt(model_cls.from_pretrained(path, dtype=dtype)).state_dict()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return {name: state[name] for name in names}
 
 
 def _retied(model: nn.Module, tensors: dict[int, tuple[torch.Tensor, list[str]]]) -> nn.Module:
@@ -180,12 +208,20 @@ def _names_by_tensor(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str
     return found
 
 
-def _owners_training_in_another_dtype(model: nn.Module, added: dict[str, torch.Tensor]) -> list[nn.Module]:
-    """The modules holding added trainable parameters whose dtype no other trainable parameter has."""
+def _owners_training_in_another_dtype(model: nn.Module, added: set[str]) -> list[nn.Module]:
+    """The modules holding added trainable parameters whose dtype no other trainable parameter has.
+
+    A holder that is not called (a ParameterDict, as peft's embedding adapters use) is
+    replaced by its parent: FSDP2 gathers a unit in its forward hook."""
     params = dict(model.named_parameters())
     others = {p.dtype for name, p in params.items() if p.requires_grad and name not in added}
-    owners = {name.rpartition(".")[0] for name in added
-              if name in params and params[name].requires_grad and others and params[name].dtype not in others}
+    owners = set()
+    for name in added:
+        if name in params and params[name].requires_grad and others and params[name].dtype not in others:
+            owner = name.rpartition(".")[0]
+            while owner and type(model.get_submodule(owner)).forward is nn.Module.forward:
+                owner = owner.rpartition(".")[0]
+            owners.add(owner)
     return [module for name, module in model.named_modules() if name in owners]
 
 
@@ -287,6 +323,8 @@ def _read_own_slices(path: Path, model: nn.Module, saved_as: dict[str, str]) -> 
             saved |= set(f.keys())
     # DTensors sharing storage with the parameters, under their saved names: DCP loads in place.
     state = {saved_as[name]: t for name, t in get_model_state_dict(model).items() if name in saved_as}
+    tied_unsaved = {alias for names in _tied_names(model, saved_as) if saved & set(names) for alias in set(names) - saved}
+    _check_names(path, saved, set(state) - tied_unsaved)  # before DCP: its error would name no file
     for names in _tied_names(model, saved_as):
         if saved & set(names):
             for alias in set(names) - saved:
@@ -314,13 +352,17 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
 
     A peft model (LoRA) writes its adapters only, in peft's format (``adapter_config.json``,
     ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, path)`` reloads them):
-    only its trainable parameters are gathered, not the frozen base.
+    only the tensors peft saves are gathered (``get_peft_model_state_dict``), not the frozen base.
     """
     from fsdp_guide.checkpoint import _publish
 
     path = Path(path)
-    if hasattr(model, "peft_config"):  # peft's save_pretrained picks the adapters out of what it is given
-        full = {name: _full_on_cpu(p) for name, p in model.named_parameters() if p.requires_grad}
+    if hasattr(model, "peft_config"):  # gather only what peft's save_pretrained will pick out of the state dict
+        from peft import get_peft_model_state_dict
+
+        state = model.state_dict(keep_vars=True)
+        wanted = {id(t) for t in get_peft_model_state_dict(model, state_dict=state).values()}
+        full = {name: _full_on_cpu(t) for name, t in state.items() if id(t) in wanted}
     else:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

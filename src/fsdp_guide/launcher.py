@@ -45,7 +45,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from fsdp_guide import _warm
-from fsdp_guide._rank import BOOTSTRAP
+from fsdp_guide._rank import BOOTSTRAP, STACKS_SIGNAL
 
 __all__ = ["launch", "LaunchError", "launches"]
 
@@ -68,15 +68,20 @@ class LaunchError(RuntimeError):
         exit_code: the failing rank's exit code (negative: killed by that signal), ``None`` for a timeout.
         remote_traceback: the traceback text the failing rank printed, if it raised.
         output: the last lines the failing ranks printed.
+        stacks: for each rank still running when the launch gave up (at the timeout, or
+            after another rank failed), its main thread's Python stack at that moment,
+            most recent call first, as ``faulthandler`` prints it.
     """
 
-    def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=()):
+    def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=(),
+                 stacks=None):
         super().__init__(message)
         self.rank = rank
         self.ranks = list(ranks)
         self.exit_code = exit_code
         self.remote_traceback = remote_traceback
         self.output = list(output)
+        self.stacks = dict(stacks or {})
 
 
 def launch(
@@ -463,15 +468,44 @@ class _Ranks:
     def _timeout(self, timeout: float) -> LaunchError:
         with self.exited:
             running = [r for r in range(self.world_size) if r not in self.exits]
+        stacks = self._stacks(running)
         self.stop()
         return LaunchError(
             f"the ranks did not finish within timeout={timeout:g} s; still running: "
             f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))}. "
             "All ranks were stopped. Raise `timeout` (or pass None) if the work is just slow; "
-            "a rank waiting in a collective that another rank never calls waits up to collective_timeout.",
+            "a rank waiting in a collective that another rank never calls waits up to collective_timeout."
+            + _where(stacks),
             ranks=running,
             output=[f"[rank{r}] {line}" for r in running for line in self.tails[r]],
+            stacks=stacks,
         )
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The main thread's Python stack of each of these running ranks, asked for with STACKS_SIGNAL."""
+        files = {r: self.run_dir / f"rank{r}.stacks" for r in ranks}
+        asked = {}
+        for r, file in files.items():
+            try:
+                before = file.read_text()
+            except FileNotFoundError:
+                continue
+            if not before.endswith("\n"):
+                continue  # the rank has not installed its handler yet: the signal would kill it
+            try:
+                os.kill(self.procs[r].pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                continue
+            asked[r] = len(before)
+        stacks, deadline = {}, time.monotonic() + 2.0
+        while asked and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for r, start in list(asked.items()):
+                dump = files[r].read_text()
+                if len(dump) > start and dump.endswith("\n") and dump == files[r].read_text():
+                    stacks[r] = _main_thread_stack(dump)
+                    del asked[r]
+        return stacks
 
     def _failure(self) -> LaunchError:
         with self.exited:
@@ -484,14 +518,18 @@ class _Ranks:
         else:
             remote_tb = None
             message = f"rank {rank} {_describe_exit(code)}"
+        with self.exited:
+            running = [r for r in range(self.world_size) if r not in self.exits]
+        stacks = self._stacks(running)  # where the others waited for it, before they are stopped
         self.stop()  # also drains the output, so the tail below is complete
         tail = list(self.tails[rank])
         if tail:
             message += f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail)
         others = [r for r in range(self.world_size) if r != rank]
         if others:
-            message += f"\nThe other ranks ({', '.join(map(str, others))}) were stopped."
-        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb, output=tail)
+            message += f"\nThe other ranks ({', '.join(map(str, others))}) were stopped." + _where(stacks)
+        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb, output=tail,
+                           stacks=stacks)
 
     def stop(self) -> None:
         """Stop every rank process and anything it started; idempotent."""
@@ -512,6 +550,23 @@ class _Ranks:
             proc.stdin.close()
         for thread in self.threads:
             thread.join(timeout=5)
+
+
+def _main_thread_stack(dump: str) -> str:
+    """From a rank's stacks file (its main thread's id, then faulthandler's dumps), the main thread's last dump."""
+    header, _, dumps = dump.partition("\n")
+    main = header.split()[-1]
+    blocks = [block for block in dumps.split("\n\n") if block.strip()]
+    mine = [block for block in blocks if block.lstrip().split("(")[0].split()[-1] == main]
+    lines = (mine or blocks)[-1].strip().splitlines()
+    return "\n".join(line.strip() for line in lines[1:])  # the frames, without the "Thread 0x..." line
+
+
+def _where(stacks: dict[int, str]) -> str:
+    if not stacks:
+        return ""
+    return "\nWhere each rank still running was (most recent call first):\n" + "\n".join(
+        f"[rank{r}]\n" + "\n".join(f"  {line}" for line in stack.splitlines()) for r, stack in sorted(stacks.items()))
 
 
 def _signal_group(pgid: int, sig: int) -> None:
