@@ -705,7 +705,7 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
     from fsdp_guide.launcher import launches
 
     launch(len, [], world_size=2, output="none")  # the server exists, started with this environment
-    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", "1")  # TORCH_*: what torch may read when it is imported
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # TORCH_*: what torch may read at import
     launch(len, [], world_size=2, output="none")
     assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
     launch(len, [], world_size=2, output="none")  # a server for the new environment replaced the old one
@@ -724,7 +724,7 @@ def test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported(mo
 
     from fsdp_guide.launcher import launches
 
-    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", "1")  # another import-time environment: a new server, started now
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # an import-time environment no server has had
     launch(len, [], world_size=2, output="none")
     names = ["transformers.modeling_utils", "torch.distributed.fsdp"]
     assert launch(_imported_before_the_work, names, world_size=2, output="none") == [[True, True, 0]] * 2

@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["communication", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -69,6 +69,25 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
     assert "logits equal the sharded model's: True" in text
     assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
+
+
+def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
+    text = _text_outputs(executed["debugging_hangs"])
+    assert "rank 0: innermost 'all_reduce', called from ['evaluate" in text
+    assert "rank 1: innermost 'all_gather_single', called from ['evaluate" in text
+    assert "rank 1 is running collective number" in text and "_ALLGATHER_BASE" in text and "ALLREDUCE" in text
+    assert "Rank 1 failed to pass monitoredBarrier" in text
+    fr = text.split("rank 0's last collectives")[1].split("batches evaluated")[0]
+    rank0, rank1 = fr.split("rank 1's last collectives")
+    assert rank0.strip().splitlines()[-1].split()[1:2] == ["gloo:all_reduce"]
+    assert rank1.strip().splitlines()[-1].split()[1:2] == ["gloo:all_gather"]
+    assert rank0.strip().splitlines()[-1].split()[0] == rank1.strip().splitlines()[-1].split()[0]  # same number
+    assert "batches evaluated per rank: [2, 2]" in text
+    assert "rank 0 called the expert: True" in text and "rank 1 called the expert: False" in text
+    assert "every rank finished, the expert's gradient reduced: [True, True]" in text
+    spy0 = text.split("rank 0, py-spy's main thread")[1].split("rank 1, py-spy")[0]
+    assert "get_model_state_dict" in spy0 and "barrier" in text.split("rank 1, py-spy's main thread")[1]
+    assert "file written: True" in text
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):
