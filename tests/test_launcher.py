@@ -384,7 +384,9 @@ def test_a_timeout_shows_the_line_each_rank_is_stuck_on():
     stacks = info.value.stacks
     assert sorted(stacks) == [0, 1]
     assert f"line {_line_of(_only_rank_0_waits, 'dist.barrier()')} in _only_rank_0_waits" in stacks[0]
-    assert "in barrier" in stacks[0]  # inside torch's barrier, called from that line
+    assert stacks[0].splitlines()[0].endswith(" in barrier")  # innermost: torch's barrier, called from that line
+    assert stacks[1].splitlines()[0].endswith(" in _only_rank_0_waits")  # innermost: the sleep itself
+    assert not any("_exit_when_parent_dies" in stack for stack in stacks.values())  # the main thread's only
     assert f"line {_line_of(_only_rank_0_waits, 'time.sleep(120)')} in _only_rank_0_waits" in stacks[1]
     assert "Where each rank still running was (most recent call first):" in str(info.value)
     assert stacks[1] in str(info.value).replace("\n  ", "\n")

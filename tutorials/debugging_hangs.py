@@ -27,9 +27,13 @@
 #
 # **What you need**: a CPU; 2 processes on gloo; `py-spy` for its section (the package's
 # `test` or `docs` extra); about 60 seconds on 2 CPU cores, most of it spent waiting for
-# hangs to time out. The worker code takes each rank's device from
-# {func}`fsdp_guide.device`, so it is written to run unchanged on GPUs (NCCL); the tools'
-# outputs below are gloo's. The tips are listed {ref}`at the end <debugging-hangs-tips>`.
+# hangs to time out. The hangs run on gloo on purpose, even where GPUs are present
+# (`backend="gloo"`): a gloo collective blocks the Python line that called it, so the
+# tools below find the rank on that line. NCCL collectives are queued on a CUDA stream
+# and return at once, so an NCCL rank hangs later, at its next synchronisation (an
+# `.item()`, a barrier), and its watchdog's timeout and dumps are the tools there
+# (`TORCH_NCCL_DUMP_ON_TIMEOUT`, `TORCH_FR_DUMP_TEMP_FILE`). The models are built on
+# {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <debugging-hangs-tips>`.
 
 # %%
 import os
@@ -72,9 +76,10 @@ def user_frames(stack):
 # The evaluation set is split across ranks, and one rank gets one batch more. Every
 # forward of an FSDP model all-gathers its units' parameters, so the rank with the extra
 # batch waits in an all-gather that the other rank, already summing the results in an
-# `all_reduce`, never joins. Nothing errors; both wait until the collective timeout
-# (default 10 minutes on gloo, 5 here). {func}`fsdp_guide.launch` stops them after
-# `timeout` seconds, and its error shows where each rank was:
+# `all_reduce`, never joins. Nothing errors; both wait until the collective timeout (30
+# minutes by default on gloo; 5 minutes under `launch`, its `collective_timeout`).
+# {func}`fsdp_guide.launch` stops them after `timeout` seconds, and its error shows where
+# each rank was:
 
 # %%
 def evaluate(batches_on_rank_1, monitored=None, where=None):
@@ -105,7 +110,7 @@ def evaluate(batches_on_rank_1, monitored=None, where=None):
 
 
 try:
-    launch(evaluate, 3, world_size=2, timeout=5, output="none")
+    launch(evaluate, 3, world_size=2, backend="gloo", timeout=10, output="none")  # the ranks hang within 5 s
 except LaunchError as error:
     print(str(error).splitlines()[0][:110], "...")
     for rank, stack in sorted(error.stacks.items()):
@@ -120,13 +125,14 @@ except LaunchError as error:
 #
 # `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns the wait into an error. Set in the environment the
 # ranks start with, it wraps every process group so that before each collective the ranks
-# compare what they are about to run (an extra check over gloo, paid on every collective:
-# a debugging setting, not a production one):
+# compare what they are about to run (before every collective, a monitored barrier and an
+# all-gather of the collectives' fingerprints on an extra gloo group: a debugging
+# setting, not a production one):
 
 # %%
 os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
 try:
-    launch(evaluate, 3, world_size=2, timeout=30, output="none")
+    launch(evaluate, 3, world_size=2, backend="gloo", timeout=30, output="none")
 except LaunchError as error:
     report = str(error).splitlines()[0]
     for rank, sequence, op in re.findall(r"Rank (\d) is running collective: CollectiveFingerPrint\("
@@ -138,23 +144,23 @@ finally:
 
 # %% [markdown]
 # The report names both collectives: rank 0 in an `ALLREDUCE`, rank 1 in an
-# `ALLGATHER_BASE` (FSDP's). `dist.monitored_barrier` is the cheap, targeted version: put
-# it before the collective where ranks should meet, and rank 0 names who did not arrive
-# in time (gloo only):
+# `_ALLGATHER_BASE` (FSDP's). `dist.monitored_barrier` is the targeted version: put it
+# before the collective where ranks should meet, and rank 0 names who did not arrive in
+# time. It runs on a gloo group (with NCCL training, on a gloo group created for it), and
+# costs a round trip to rank 0: a debugging aid too.
 
 # %%
 try:
-    launch(evaluate, 3, str(workdir), world_size=2, timeout=30, output="none")
+    launch(evaluate, 3, str(workdir), world_size=2, backend="gloo", timeout=30, output="none")
 except LaunchError:
     print((workdir / "monitored0.txt").read_text().splitlines()[0])
 
 # %% [markdown]
 # Torch's *flight recorder* keeps, in each rank, a ring buffer of the last collectives and
-# their state: set `TORCH_FR_BUFFER_SIZE` before the process group starts and dump it while
-# the rank hangs. With gloo in torch 2.13 the dump is a private function,
-# `torch._C._distributed_c10d._dump_fr_trace_json` (NCCL ranks also write it to files on
-# a timeout: `TORCH_FR_DUMP_TEMP_FILE`). A thread started in each rank dumps it 2 seconds
-# after the model is built, while the ranks hang:
+# their state (on by default in torch 2.13, 2000 entries: `TORCH_FR_BUFFER_SIZE` resizes
+# it, 0 turns it off). For gloo the dump is a private function,
+# `torch._C._distributed_c10d._dump_fr_trace_json`. A thread started in each rank dumps it
+# 2 seconds after the model is built, while the ranks hang:
 
 # %%
 def dump_flight_recorder_after(seconds, where):
@@ -172,13 +178,10 @@ def dump_flight_recorder_after(seconds, where):
     threading.Timer(seconds, dump).start()
 
 
-os.environ["TORCH_FR_BUFFER_SIZE"] = "64"
 try:
-    launch(evaluate, 3, None, str(workdir), world_size=2, timeout=10, output="none")
+    launch(evaluate, 3, None, str(workdir), world_size=2, backend="gloo", timeout=10, output="none")
 except LaunchError as error:
     print(str(error).splitlines()[0][:60], "...")
-finally:
-    del os.environ["TORCH_FR_BUFFER_SIZE"]
 import json
 
 for rank in (0, 1):
@@ -190,7 +193,8 @@ for rank in (0, 1):
 # Read the sequence numbers: the ranks agree up to the last collective they share (the
 # second batch's all-gathers), then rank 0's next is the `all_reduce` and rank 1's an
 # all-gather of its third batch. The first sequence number at which the ranks' operations
-# differ is where their control flow parted.
+# differ is where their control flow parted. (The recorder numbers collectives from 1, the
+# DETAIL report above from 0: the same collective.)
 #
 # **The fix**: every rank runs the same number of forwards. Either pad the split so each
 # rank gets the same number of batches (`DistributedSampler` pads by repeating samples,
@@ -233,8 +237,7 @@ print("batches evaluated per rank:", [steps for steps, _ in launch(evaluate_toge
 #
 # A model whose forward takes a branch that depends on the data (a mixture-of-experts
 # router, an early exit, a skipped layer) calls some FSDP units on some ranks only. The
-# rank that calls the unit waits in its all-gather; the other has moved on, here into
-# backward:
+# rank that calls the unit all-gathers it; the other has moved on. Where do they hang?
 
 # %%
 def train_with_a_branch(where):
@@ -259,20 +262,22 @@ def train_with_a_branch(where):
 
 
 try:
-    launch(train_with_a_branch, str(workdir), world_size=2, timeout=5, output="none")
+    launch(train_with_a_branch, str(workdir), world_size=2, backend="gloo", timeout=8, output="none")
 except LaunchError as error:
     for rank, stack in sorted(error.stacks.items()):
         print(f"rank {rank} called the expert: {(workdir / f'expert{rank}.txt').read_text()}; stuck in "
               f"{stack.splitlines()[0].split(' in ')[-1]!r}, from {user_frames(stack)}")
 
 # %% [markdown]
-# Both ranks wait in backward (line 18 is `y.sum().backward()`), not in the branch: rank 0's
-# all-gather for the expert met rank 1's first all-gather of backward, a tensor of the same
-# size (the expert and a body layer are both 16×16 plus a bias), and gloo pairs collectives
-# by their order, not their meaning. Both went on, rank 0 with the wrong layer's weights,
-# until their sequences no longer matched in size. The stacks show where ranks wait, which
-# can be later than where they parted: for that, the flight recorder's sequences or
-# `TORCH_DISTRIBUTED_DEBUG=DETAIL`, which compares every collective before it runs.
+# Both ranks wait in backward (line 18 is `y.sum().backward()`), not in the branch: rank
+# 0's all-gather for the expert met rank 1's first all-gather of backward, a tensor of the
+# same size (the expert and a body layer are both 16×16 plus a bias). Collectives are
+# paired by their order, on every backend, not by what they mean: both ranks went on with
+# mixed-up weights (rank 1's layer got half of the expert's), until one ran a reduce-scatter
+# where the other ran an all-gather. The stacks show where ranks wait, which can be later
+# than where they parted; here the flight recorder and DETAIL, which compare operations,
+# sizes and dtypes, would see the two all-gathers as a match too. What finds this bug is
+# reading the forward for FSDP units called under data-dependent conditions.
 #
 # **The fix**: call every unit on every rank, and let the data decide what its output
 # counts for. Here, compute the expert on every rank and select with `torch.where`; for
@@ -308,7 +313,7 @@ print("every rank finished, the expert's gradient reduced:", launch(train_every_
 # gathering a sharded model's full state dict is a collective (an all-gather per
 # parameter), which every rank must call. Here rank 0 calls `get_model_state_dict` and
 # rank 1 goes on to a barrier. `py-spy dump` prints a running process's Python stacks
-# from outside, without stopping it (it reads the process's memory with `ptrace`): a
+# from outside, pausing it for a moment (it reads the process's memory with `ptrace`): a
 # thread in each rank runs it on its own process after 3 seconds.
 
 # %%
@@ -343,7 +348,7 @@ def save_on_rank_0_only(where):
 
 
 try:
-    launch(save_on_rank_0_only, str(workdir), world_size=2, timeout=8, output="none")
+    launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=8, output="none")
 except LaunchError as error:
     print(str(error).splitlines()[0][:60], "...")
 for rank in (0, 1):
@@ -351,13 +356,14 @@ for rank in (0, 1):
     main = dump.split('"MainThread"')[-1].split("\nThread ")[0].strip().splitlines()
     print(f"rank {rank}, py-spy's main thread, innermost first:", *[line.strip() for line in main[:2]],
           "...", *[line.strip() for line in main if any(name in line for name in (
-              "_all_gather", "get_model_state_dict (", "save_on_rank_0_only"))], sep="\n    ")
+              "wait_tensor", "DTensor.redistribute", "get_model_state_dict (", "save_on_rank_0_only"))], sep="\n    ")
 
 # %% [markdown]
-# Rank 0 is inside the state-dict gather (an all-gather under `get_model_state_dict`);
-# rank 1 is in `barrier`. py-spy needs permission to trace the process (here the ranks
-# run as root; elsewhere `ptrace_scope` or a container's missing `SYS_PTRACE` can forbid
-# it, and the file above would say so).
+# Rank 0 is inside the state-dict gather: `get_model_state_dict` redistributes each sharded
+# parameter to a full one (an all-gather) and waits for it (`wait_tensor`); rank 1 is in
+# `barrier`. py-spy needs permission to trace the
+# process: it had it here; elsewhere `ptrace_scope` or a container without `SYS_PTRACE`
+# can forbid it, and the file above would hold py-spy's error instead.
 #
 # **The fix**: every rank calls the gather; only rank 0 writes.
 
@@ -384,11 +390,11 @@ print("tensors in the saved state dict:", launch(save_everywhere_write_on_rank_0
 # | Symptom | First tool | What it shows | Fix |
 # |---|---|---|---|
 # | hangs at the end of an epoch or of evaluation | the launcher's stacks (or py-spy) | one rank in FSDP's all-gather, the other in your `all_reduce` | equal batch counts: pad, or `all_reduce(MIN)` of "I have data" |
-# | hangs inside forward, data-dependent | the launcher's stacks | one rank in a unit's all-gather, the other past it | run every unit on every rank; select with `torch.where` |
+# | hangs in backward after a data-dependent forward | the launcher's stacks, then reading the forward | ranks in different collectives of backward | run every unit on every rank; select with `torch.where` |
 # | any hang, to see the collectives | flight recorder | the ranks' collective sequences part at one number | (the fix of the hang it points to) |
 # | hangs at saving | py-spy (or the launcher's stacks) | rank 0 in a state-dict gather, the others elsewhere | gather on every rank, write on rank 0 |
-# | any of them, to turn a hang into an error | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | both collectives, named | (debug runs only: it checks every collective) |
-# | "who is late?" | `dist.monitored_barrier` | the ranks that did not arrive | (gloo only) |
+# | a hang, turned into an error | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | both collectives, named, where they differ in operation, size or dtype | (debug runs only: it checks every collective) |
+# | "who is late?" | `dist.monitored_barrier` | the ranks that did not arrive | (on a gloo group) |
 #
 # (debugging-hangs-tips)=
 # ## The tips behind this

@@ -27,7 +27,10 @@ from pathlib import Path
 
 import cloudpickle
 
-STACKS_SIGNAL = signal.SIGUSR1
+# The signal that asks a rank for its stacks: a real-time one, which programs (and
+# libraries handling SIGUSR1, as SLURM requeue handlers do) rarely use; SIGUSR1 where
+# there are none (macOS).
+STACKS_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 BOOTSTRAP = (
     "import pickle, sys; "
@@ -111,7 +114,7 @@ _stacks_file = None  # kept open: faulthandler writes to its descriptor from a s
 
 
 def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
-    """On SIGUSR1, write every thread's Python stack to ``RUN_DIR/rankN.stacks``.
+    """On STACKS_SIGNAL, write every thread's Python stack to ``RUN_DIR/rankN.stacks``.
 
     The launcher asks a rank that is still running when it times out, or when another
     rank failed, so its error can show the line each rank was stuck on. faulthandler
@@ -124,7 +127,7 @@ def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
     _stacks_file = open(run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     _stacks_file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")  # after register: the launcher
-    _stacks_file.flush()  # signals only a rank whose file has this line (unhandled, SIGUSR1 would kill it)
+    _stacks_file.flush()  # signals only a rank whose file has this line (unhandled, the signal would kill it)
 
 
 def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:

@@ -492,19 +492,26 @@ class _Ranks:
                 continue
             if not before.endswith("\n"):
                 continue  # the rank has not installed its handler yet: the signal would kill it
+            with self.exited:
+                running = r not in self.exits and self.procs[r].poll() is None
+            if not running:  # exited (its pid may be reused): signal nothing
+                continue
             try:
                 os.kill(self.procs[r].pid, STACKS_SIGNAL)
             except ProcessLookupError:
                 continue
-            asked[r] = len(before)
+            asked[r] = (len(before), -1)
         stacks, deadline = {}, time.monotonic() + 2.0
         while asked and time.monotonic() < deadline:
             time.sleep(0.05)
-            for r, start in list(asked.items()):
+            for r, (start, seen) in list(asked.items()):
                 dump = files[r].read_text()
-                if len(dump) > start and dump.endswith("\n") and dump == files[r].read_text():
-                    stacks[r] = _main_thread_stack(dump)
+                stack = _main_thread_stack(dump) if len(dump) > start else None
+                if stack is not None and len(dump) == seen:  # the main thread's block, unchanged since the last look
+                    stacks[r] = stack
                     del asked[r]
+                else:
+                    asked[r] = (start, len(dump))
         return stacks
 
     def _failure(self) -> LaunchError:
@@ -552,13 +559,16 @@ class _Ranks:
             thread.join(timeout=5)
 
 
-def _main_thread_stack(dump: str) -> str:
-    """From a rank's stacks file (its main thread's id, then faulthandler's dumps), the main thread's last dump."""
+def _main_thread_stack(dump: str) -> str | None:
+    """From a rank's stacks file (its main thread's id, then faulthandler's dumps), the main
+    thread's frames in the last dump; None while that block is not (fully) written."""
     header, _, dumps = dump.partition("\n")
     main = header.split()[-1]
     blocks = [block for block in dumps.split("\n\n") if block.strip()]
     mine = [block for block in blocks if block.lstrip().split("(")[0].split()[-1] == main]
-    lines = (mine or blocks)[-1].strip().splitlines()
+    if not mine or not dump.endswith("\n"):
+        return None
+    lines = mine[-1].strip().splitlines()
     return "\n".join(line.strip() for line in lines[1:])  # the frames, without the "Thread 0x..." line
 
 
