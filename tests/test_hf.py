@@ -69,24 +69,29 @@ def test_the_sharded_model_computes_what_the_saved_one_does_with_either_read(sav
 
 
 def _train(path, out, steps, tokens):
+    model = from_pretrained(path)
+    losses = _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tokens, steps)
+    save_pretrained(model, out)
+    return losses
+
+
+def _steps(model, optimizer, tokens, steps) -> list[float]:
+    """``steps`` optimizer steps, each rank on its rows of the global batch; the mean loss of each step."""
     import torch.distributed as dist
 
     import fsdp_guide
 
-    model = from_pretrained(path)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = tokens[rank::world].to(fsdp_guide.device())  # this rank's rows of the global batch
     losses = []
     for _ in range(steps):
-        loss = model(mine, labels=mine).loss
+        loss = model(input_ids=mine, labels=mine).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
+        total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    save_pretrained(model, out)
     return losses
 
 
@@ -233,23 +238,10 @@ def _lora_train(path, out, read, dtype, steps, tokens, variant):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    import fsdp_guide
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(rank)  # seeded apart on purpose: every rank must still get rank 0's adapters
+    torch.manual_seed(dist.get_rank())  # seeded apart on purpose: every rank must still get rank 0's adapters
     model = from_pretrained(path, read=read, dtype=dtype, adapt=functools.partial(_add_lora, **variant))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
-    mine = tokens[rank::world].to(fsdp_guide.device())
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().float()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = _steps(model, torch.optim.AdamW(trainable, lr=1e-2), tokens, steps)
     save_pretrained(model, out)
     llama = model.base_model.model
     return {"losses": losses, "trainable": sum(p.numel() for p in trainable),
