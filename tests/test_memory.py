@@ -135,3 +135,38 @@ def test_saved_for_backward_tells_the_weights_fsdp_frees_after_forward_from_what
         weights = 64 * 64 * 4  # the second layer's gathered weight (the first's input needs no gradient)
         activations = 2 * 8 * 64 * 4  # the input, and the ReLU's output (the second matmul's input)
         assert (nbytes, held) == (weights + activations, activations)
+
+
+def _grads_held_while_accumulating(skip):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    if skip == "all-reduce":  # HSDP: 2 replicas
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    held = []
+    for last in (False, False, True):  # two micro-batches accumulated, then the whole reduction
+        if skip == "gradient sync":
+            model.set_requires_gradient_sync(last)
+        else:
+            model.set_requires_all_reduce(last)
+        model(torch.ones(8, 64)).sum().backward()
+        held.append(measure(model).grads)
+    return held
+
+
+@pytest.mark.parametrize("skip, world_size", [("gradient sync", 2), ("all-reduce", 4)])
+def test_measure_counts_the_gradients_fsdp2_accumulates_outside_grad(skip, world_size):
+    full = 2 * 64 * 64 * 4
+    for held in launch(_grads_held_while_accumulating, skip, world_size=world_size, output="none"):
+        if skip == "gradient sync":  # whole gradients while sync is off, then this rank's shards
+            assert held == [full, full, full // 2]
+        else:  # HSDP on 2 x 2: the reduce-scattered shards summed until the all-reduce, then .grad
+            assert held == [full // 2, full // 2, full // 2]

@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -90,6 +90,38 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert "get_model_state_dict" in spy0 and "DTensor.redistribute" in spy0 and "wait_tensor" in spy0
     assert "barrier (" in spy1 and "get_model_state_dict" not in spy1
     assert "file written: True" in text
+
+
+def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradient_memory(executed):
+    text = _text_outputs(executed["loss_and_accumulation"])
+    lines = text.splitlines()
+
+    def row(prefix):
+        return next(line for line in lines if line.startswith(prefix)).split()
+
+    error = {how: float(row(how)[-1]) for how in ("per-rank mean", "global count x ranks", "global count, divide factor 1",
+                                                   "micro-batch mean / micro-batches")}
+    assert error["per-rank mean"] > 0.05 and error["micro-batch mean / micro-batches"] > 0.05
+    assert error["global count x ranks"] < 1e-5 and error["global count, divide factor 1"] < 1e-5
+    accumulated = [line for line in lines if line.startswith("global count, divide factor 1")][-1]
+    assert len(accumulated.split()) == 6 and float(accumulated.split()[-1]) < 1e-5  # the accumulation table's row
+    logged = {float(row(how)[-2]) for how in ("per-rank mean", "global count x ranks", "global count, divide factor 1")}
+    assert logged == {float(text.split("one process: loss ")[1].split()[0])}
+    assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in text
+
+    def costs(prefix, table):  # (all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes), held
+        values = [float(v) for v in [line for line in lines if line.startswith(prefix)][table].split()[-10:]]
+        return values[0:2], values[2:4], values[4:6], values[6:]
+    sync, no_sync = costs("sync every micro-batch", 0), costs("no sync until the last", 0)
+    assert sync[0] == no_sync[0]  # the same all-gathers
+    assert sync[1] == [12, 4.0] and no_sync[1] == [3, 1.0] and sync[2] == no_sync[2] == [0, 0.0]
+    assert sync[3] == [0.5] * 4 and no_sync[3] == [1.0, 1.0, 1.0, 0.5]
+    hsdp = {mode: costs(mode, -1) for mode in ("sync every micro-batch", "no all-reduce until the last", "no sync until")}
+    assert hsdp["sync every micro-batch"][2] == [12, 2.0] and hsdp["no all-reduce until the last"][2] == [3, 0.5]
+    assert hsdp["no all-reduce until the last"][1] == [12, 4.0] and hsdp["no all-reduce until the last"][3] == [0.5] * 4
+    assert hsdp["no sync until"][1] == [3, 1.0] and hsdp["no sync until"][3] == [1.0, 1.0, 1.0, 0.5]
+    for difference in re.findall(r"largest difference between the modes' final gradients: (\S+)", text):
+        assert float(difference) < 1e-6
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):

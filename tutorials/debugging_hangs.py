@@ -76,7 +76,7 @@ def user_frames(stack):
 # The evaluation set is split across ranks, and one rank gets one batch more. Every
 # forward of an FSDP model all-gathers its units' parameters, so the rank with the extra
 # batch waits in an all-gather that the other rank, already summing the results in an
-# `all_reduce`, never joins. Nothing errors; both wait until the collective timeout (30
+# `all_reduce`, never joins. Nothing errors; both wait until the {term}`collective timeout` (30
 # minutes by default on gloo; 5 minutes under `launch`, its `collective_timeout`).
 # {func}`fsdp_guide.launch` stops them after `timeout` seconds, and its error shows where
 # each rank was:
@@ -120,7 +120,7 @@ except LaunchError as error:
 # %% [markdown]
 # Rank 1, on its third batch, waits in FSDP's all-gather (`all_gather_single`, called from
 # the forward on the evaluation line); rank 0 waits in the `all_reduce` after the loop. The
-# two ranks are in *different* collectives: that is the signature of a hang from control
+# two ranks are in *different* {term}`collectives <collective>`: that is the signature of a hang from control
 # flow that differs between ranks.
 #
 # `TORCH_DISTRIBUTED_DEBUG=DETAIL` turns the wait into an error. Set in the environment the
@@ -144,7 +144,7 @@ finally:
 
 # %% [markdown]
 # The report names both collectives: rank 0 in an `ALLREDUCE`, rank 1 in an
-# `_ALLGATHER_BASE` (FSDP's). `dist.monitored_barrier` is the targeted version: put it
+# `_ALLGATHER_BASE` (FSDP's). `dist.monitored_barrier` (a {term}`monitored barrier`) is the targeted version: put it
 # before the collective where ranks should meet, and rank 0 names who did not arrive in
 # time. It runs on a gloo group (with NCCL training, on a gloo group created for it), and
 # costs a round trip to rank 0: a debugging aid too.
@@ -156,7 +156,7 @@ except LaunchError:
     print((workdir / "monitored0.txt").read_text().splitlines()[0])
 
 # %% [markdown]
-# Torch's *flight recorder* keeps, in each rank, a ring buffer of the last collectives and
+# Torch's {term}`flight recorder` keeps, in each rank, a ring buffer of the last collectives and
 # their state (on by default in torch 2.13, 2000 entries: `TORCH_FR_BUFFER_SIZE` resizes
 # it, 0 turns it off). For gloo the dump is a private function,
 # `torch._C._distributed_c10d._dump_fr_trace_json`. A thread started in each rank dumps it

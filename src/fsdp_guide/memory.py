@@ -107,18 +107,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _fsdp2_sharded_params(model: nn.Module) -> list[torch.Tensor]:
-    """FSDP2's own sharded parameters: between forward and backward they are not the registered ones."""
+def _fsdp2_param_groups(model: nn.Module) -> list:
+    """FSDP2's parameter groups: what it holds for each unit beside the registered parameters."""
     from torch.distributed.fsdp import FSDPModule
 
-    params = []
+    groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()  # private: there is no public way to reach them
-            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
-            for group in filter(None, groups):
-                params += [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
-    return params
+            groups += filter(None, getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)])
+    return groups
+
+
+def _fsdp2_sharded_params(model: nn.Module) -> list[torch.Tensor]:
+    """FSDP2's own sharded parameters: between forward and backward they are not the registered ones."""
+    return [fsdp_param.sharded_param for group in _fsdp2_param_groups(model) for fsdp_param in group.fsdp_params]
+
+
+def _fsdp2_accumulating_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Gradients FSDP2 holds outside ``.grad`` while it accumulates over micro-batches.
+
+    With ``set_requires_gradient_sync(False)``: full-size gradients on its unsharded
+    parameters (or in ``unsharded_accumulated_grad`` when the reduction runs in another
+    dtype). With HSDP's ``set_requires_all_reduce(False)``: the reduce-scattered shards,
+    summed in the unit's ``_partial_reduce_output`` until the all-reduce.
+    """
+    grads = []
+    for group in _fsdp2_param_groups(model):
+        grads.append(getattr(group, "_partial_reduce_output", None))
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)  # exists after the first all-gather
+            grads += [getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)]
+    return [g for g in grads if g is not None]
 
 
 def _fsdp1_flat_shards(model: nn.Module) -> list[torch.Tensor]:
@@ -172,7 +192,9 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
 
     Parameters are the ones the modules hold (this rank's shard of each DTensor, or
     FSDP1's flat shard) plus FSDP's own sharded copies while the modules hold
-    gathered ones (from forward to backward); gradients are those parameters' ``.grad``; optimizer state is
+    gathered ones (from forward to backward); gradients are those parameters' ``.grad``, plus
+    what FSDP2 accumulates outside them over micro-batches (whole gradients while gradient
+    sync is off, HSDP's shards while its all-reduce is off); optimizer state is
     every tensor in ``optimizer.state`` except the 0-dimensional step counters, plus
     any tensor the optimizer steps that the model does not hold (a master copy, as
     optimizers that keep fp32 master weights have). Each storage counts once, at its
@@ -191,7 +213,8 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     storages = _Storages()
     params = list(model.parameters()) + _fsdp2_sharded_params(model)
     param_bytes = storages.bytes(params + _fsdp1_flat_shards(model))
-    grad_bytes = storages.bytes(p.grad for p in params if p.is_leaf)  # a non-leaf (a view) has no .grad of its own
+    grad_bytes = storages.bytes([p.grad for p in params if p.is_leaf]  # a non-leaf (a view) has no .grad of its own
+                                + _fsdp2_accumulating_grads(model))
     state = [] if optimizer is None else [
         t for per_param in optimizer.state.values() for t in per_param.values()
         if isinstance(t, torch.Tensor) and t.dim() > 0
