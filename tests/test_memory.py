@@ -142,18 +142,22 @@ def _grads_held_while_accumulating(skip):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    # bf16 compute reduced in fp32: FSDP2 moves the gradients to fp32 buffers of its own while sync is off
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if "bf16" in skip else None
     if skip == "all-reduce":  # HSDP: 2 replicas
         mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
     held = []
     for last in (False, False, True):  # two micro-batches accumulated, then the whole reduction
-        if skip == "gradient sync":
+        if skip.startswith("gradient sync"):
             model.set_requires_gradient_sync(last)
         else:
             model.set_requires_all_reduce(last)
@@ -162,11 +166,11 @@ def _grads_held_while_accumulating(skip):
     return held
 
 
-@pytest.mark.parametrize("skip, world_size", [("gradient sync", 2), ("all-reduce", 4)])
+@pytest.mark.parametrize("skip, world_size", [("gradient sync", 2), ("gradient sync, bf16", 2), ("all-reduce", 4)])
 def test_measure_counts_the_gradients_fsdp2_accumulates_outside_grad(skip, world_size):
-    full = 2 * 64 * 64 * 4
+    full = 2 * 64 * 64 * 4  # fp32 bytes of both weights
     for held in launch(_grads_held_while_accumulating, skip, world_size=world_size, output="none"):
-        if skip == "gradient sync":  # whole gradients while sync is off, then this rank's shards
+        if skip.startswith("gradient sync"):  # whole fp32 gradients while sync is off, then this rank's shards
             assert held == [full, full, full // 2]
         else:  # HSDP on 2 x 2: the reduce-scattered shards summed until the all-reduce, then .grad
             assert held == [full // 2, full // 2, full // 2]

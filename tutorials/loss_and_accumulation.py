@@ -17,9 +17,9 @@
 # **What you will learn**
 #
 # - why the per-rank mean loss of masked, variable-length batches gives gradients that
-#   differ from one process's on the same global batch, by how much, and the two fixes
-#   that match one process to rounding: the global token count, and FSDP's gradient
-#   divide factor;
+#   differ from one process's on the same global batch, by how much, and the fix that
+#   matches one process to rounding: divide by the global token count, then undo FSDP's
+#   average (times the number of ranks, or FSDP's gradient divide factor set to 1);
 # - the same under gradient accumulation, with micro-batches of different token counts;
 # - what `set_requires_gradient_sync(False)` saves against reducing every micro-batch,
 #   counted in collectives and bytes per step, and what it costs in gradient memory per
@@ -124,8 +124,9 @@ print(f"one process: loss {reference_loss:.6f}")
 #   FSDP module; torch 2.9 to 2.15 have
 #   it): the reduction is then a plain sum.
 #
-# The logged loss is the mean over all real tokens in every case (the summed losses and
-# counts `all_reduce`d), so the three print the same value; the gradients differ.
+# The logged loss is what a training loop prints: for the per-rank mean, the usual
+# average of the ranks' losses (`all_reduce` of the loss, divided by the number of ranks);
+# for the other two, the summed losses over the global count.
 
 # %%
 import torch.distributed as dist
@@ -150,7 +151,7 @@ def sum_over_ranks(value):
 
 
 def set_divide_factor(model, factor, force_sum=True):
-    for module in model.modules():  # each FSDP module reduces its own parameters
+    for module in model.modules():  # the setting is per FSDP module: it does not recurse
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(factor)
             # plain SUM collectives, then a division (none for 1.0): gloo has no PREMUL_SUM
@@ -176,7 +177,10 @@ def gradients_on_two_ranks(how):
         set_divide_factor(model, 1.0)
         loss = loss_sum / global_count
     loss.backward()
-    logged = (sum_over_ranks(loss_sum) / global_count).item()
+    if how == "per-rank mean":  # the mean of the ranks' means
+        logged = (sum_over_ranks(loss) / dist.get_world_size()).item()
+    else:  # every real token once
+        logged = (sum_over_ranks(loss_sum) / global_count).item()
     return logged, full_gradients(model)
 
 
@@ -193,10 +197,11 @@ for how, (logged, grads) in results.items():
     print(f"{how:32} {logged:12.6f} {relative_error(grads):30.1e}")
 
 # %% [markdown]
-# `set_force_sum_reduction_for_comms(True)` is there for gloo. With a divide factor and
-# float32 or bfloat16 gradients, FSDP2 otherwise reduces with `ReduceOp.PREMUL_SUM(1/factor)`
-# (`_get_gradient_divide_factors` in `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`),
-# which NCCL has and gloo does not:
+# `set_force_sum_reduction_for_comms(True)` is there for gloo. With a divide factor other
+# than the shard group's size and a float32 or bfloat16 reduce dtype, FSDP2 otherwise
+# reduce-scatters with `ReduceOp.PREMUL_SUM(1/factor)` (`_get_gradient_divide_factors` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; fp16 sums and divides before
+# and after instead), which NCCL has and gloo does not:
 
 # %%
 def divide_factor_without_force_sum():
@@ -210,22 +215,29 @@ def divide_factor_without_force_sum():
 try:  # on gloo on purpose, even where GPUs are: its refusal is what this cell shows
     launch(divide_factor_without_force_sum, backend="gloo", output="none")
     print("reduced without an error")
-except fsdp_guide.LaunchError as error:
-    print(str(error).splitlines()[0])
+except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank failed first
+    print("a rank raised", str(error).splitlines()[0].split(" raised ", 1)[1])
 
 # %% [markdown]
-# With the sum forced, a factor of 1 costs nothing: the collective is a plain `SUM` and
-# there is nothing left to divide by.
+# With the sum forced, a factor of 1 costs nothing, on NCCL as on gloo: the collective is
+# a plain `SUM` and there is nothing left to divide by. (Should gloo gain `PREMUL_SUM`, the
+# cell above will print that it reduced without an error.) On HSDP the all-reduce between
+# replicas is a plain `SUM` in either case, so one factor divides the total over every
+# data-parallel rank once. `set_gradient_divide_factor` sets only its own module's unit
+# (`FSDPModule.set_gradient_divide_factor` in `_fully_shard.py`), hence the loop over every
+# FSDP module.
 #
 # The per-rank mean's gradient is 24% away from one process's. FSDP averages the two
 # ranks' means, and a mean of means weighs each of rank 0's 75 tokens by 1/150 and each of
-# rank 1's 120 by 1/240, where one process weighs every token by 1/195. Its logged loss is
-# right (it is computed from sums); only the gradient is wrong, silently. The two fixes agree
-# with one process to float32 rounding (4e-8): the same numbers, added in another order.
+# rank 1's 120 by 1/240, where one process weighs every token by 1/195. Its logged loss,
+# the mean of the ranks' means, is slightly off too (5.542033 against 5.543871). Divided by the global count, both ways of undoing FSDP's average
+# agree with one process to float32 rounding (4e-8): the same numbers, added in another
+# order.
 #
 # The error comes from the spread of token counts between ranks: larger batches shrink the
-# spread relative to the count but do not remove it, and packing sequences to equal lengths
-# does. Nothing fails: training follows a different, length-weighted objective.
+# spread relative to the count but do not remove it. Packing sequences removes it only when
+# every rank then has the same number of tokens that count (prompt masking in fine-tuning
+# breaks that). Nothing fails: training follows a different, length-weighted objective.
 #
 # (loss-accumulation)=
 # ## Under gradient accumulation
@@ -235,12 +247,14 @@ except fsdp_guide.LaunchError as error:
 # FSDP reduces only after the last micro-batch (`set_requires_gradient_sync(False)` before
 # the others; the next section counts what that saves). The micro-batches hold different
 # token counts, so the usual recipe (each micro-batch's mean, divided by the number of
-# micro-batches; Hugging Face's `Trainer` did this until its October 2024 fix, which passes
-# `num_items_in_batch` to the loss: the blog post "Fixing Gradient Accumulation") weighs
-# tokens unevenly twice, across micro-batches and across ranks.
-# The fix is the same count, taken over the whole step: count the real tokens of all of the
-# step's micro-batches first (one `all_reduce` per step), then divide every micro-batch's
-# summed loss by it.
+# micro-batches) weighs tokens unevenly twice, across micro-batches and across ranks.
+# Hugging Face's `Trainer` did this until its October 2024 fix
+# (<https://huggingface.co/blog/gradient_accumulation>), which passes the loss
+# `num_items_in_batch`, the count over the rank's micro-batches; its
+# `average_tokens_across_devices` option (on by default in transformers 5.24) sums that
+# count over the ranks too. The fix is the same count, taken over the whole step: fetch the
+# step's micro-batches, count their real tokens (one `all_reduce` per step), then divide
+# every micro-batch's summed loss by it, and undo FSDP's average as above.
 
 # %%
 MICRO = 2  # micro-batches per rank per step
@@ -314,6 +328,7 @@ def accumulation_costs(mode, mesh_shape):
     device = fsdp_guide.device()
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     model = shard_model(init_device_mesh(device.type, mesh_shape, mesh_dim_names=names))
+    set_divide_factor(model, 1.0)  # the loss below is already over the global count
     P = sum(p.numel() * p.element_size() for p in model.parameters())  # whole (unsharded) bytes
     step_tokens, step_targets = global_batch(seed=1 + dist.get_rank())  # 8 rows of its own: 4 micro-batches of 2
     global_count = sum_over_ranks(torch.tensor(int((step_targets != IGNORE).sum()), device=device))
@@ -338,19 +353,28 @@ def costs(modes, mesh_shape):
     return {mode: accumulation_costs(mode, mesh_shape) for mode in modes}
 
 
-def print_costs(measured):
+def one_process_step_gradients(world):
+    """One process on every rank's rows of the step, the loss over their real tokens."""
+    batches = [global_batch(seed=1 + rank) for rank in range(world)]
+    model = build_model()
+    loss, count = summed_loss(model, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    (loss / count).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def print_costs(measured, world):
+    step_reference = one_process_step_gradients(world)
     print(f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
-          "gradients held / P after micro-batch 1..4")
-    print(f"{'':30}" + f" {'count   bytes/P':>15}" * 3)
-    first = next(iter(measured.values()))[2]
+          f"{'gradients held / P after':>24}  {'gradient error':>14}")
+    print(f"{'':30}" + f" {'count   bytes/P':>15}" * 3 + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}")
     for mode, (traffic, held, grads) in measured.items():
         cells = " ".join(f"{traffic[k][0]:6} {traffic[k][1]:8.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
-        print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held)}")
-    same = max((grads[n] - first[n]).abs().max().item() for n in first for _, _, grads in measured.values())
-    print(f"largest difference between the modes' final gradients: {same:.1e}")
+        error = (sum(((grads[n] - g) ** 2).sum() for n, g in step_reference.items())
+                 / sum((g ** 2).sum() for g in step_reference.values())).sqrt().item()
+        print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
 
 
-print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[0])
+print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[0], world=2)
 
 # %% [markdown]
 # Per step of 4 micro-batches on 2 ranks, P the parameters' bytes:
@@ -361,13 +385,15 @@ print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], 
 #   not turn off resharding: for that,
 #   `set_reshard_after_backward(False)` (and `reshard_after_forward=False`), at the cost of
 #   holding the parameters unsharded too ({ref}`lora-traffic` measures it).
-# - **Reduce-scatters fall from 4 per step to 1**: 4 P of gradients handed to
-#   reduce-scatters per step become 1 P.
+# - **Reduce-scatters fall from 12 per step to 3**: one per unit (3) per backward that
+#   reduces, so *M* x 3 become 3, and the 4 *P* of gradients handed to them per step
+#   become 1 *P*.
 # - **Gradient memory rises from P/2 to P per rank**: from the first micro-batch to the
 #   reduction, every rank holds the whole model's gradients, unsharded, where the default
 #   holds only its shard (1/N of them on N ranks).
-# - The final gradients are the same to rounding: accumulating before or after the
-#   reduction adds the same numbers.
+# - The final gradients are one process's, to rounding, either way (each micro-batch's
+#   summed loss over the global count, FSDP's divide factor 1): accumulating before or
+#   after the reduction adds the same numbers.
 #
 # (loss-hsdp)=
 # ## HSDP: skip the all-reduce, keep the reduce-scatter
@@ -380,22 +406,26 @@ print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], 
 
 # %%
 hsdp_modes = ["sync every micro-batch", "no all-reduce until the last", "no sync until the last"]
-print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0])
+print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0], world=4)
 
 # %% [markdown]
 # Per step on the 2 x 2 mesh:
 #
-# - **Syncing every micro-batch** all-reduces across replicas 4 times per step (the
-#   all-reduce moves each rank's shard of the gradients, P/2).
-# - **`set_requires_all_reduce(False)`** all-reduces once: 3 of the 4 inter-replica
-#   all-reduces are gone, the reduce-scatters inside each replica stay, and the gradients
-#   held stay sharded, P/2 per rank.
+# - **Syncing every micro-batch** all-reduces across replicas after every backward: 12
+#   all-reduces per step (3 units x 4), each of the rank's shard of a unit's gradients,
+#   *P*/2 per micro-batch in all.
+# - **`set_requires_all_reduce(False)`** all-reduces after the last micro-batch only: 3
+#   instead of 12, 0.5 *P* instead of 2 *P*; the reduce-scatters inside each replica stay,
+#   and the gradients held stay sharded, *P*/2 per rank (FSDP sums the reduce-scattered
+#   shards until the all-reduce).
 # - **`set_requires_gradient_sync(False)`** removes both until the last micro-batch, and
 #   holds P per rank: the whole model's gradients.
 #
 # ## The rule
 #
-# With *M* micro-batches per step, *N* ranks sharding, and *P* bytes of parameters:
+# With *M* micro-batches per step, *U* FSDP units, *N* ranks sharding, and *P* bytes of
+# parameters; the bytes handed to the collectives per step, each collective counted once per
+# unit (*M* x *U* of them, or *U*), and fp32 throughout as here:
 #
 # | | reduce-scatter per step | cross-replica all-reduce per step (HSDP) | gradients held per rank |
 # |---|---|---|---|
@@ -403,8 +433,18 @@ print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0])
 # | `set_requires_all_reduce(False)` (HSDP) | *M* x *P* | *P*/*N* | *P*/*N* |
 # | `set_requires_gradient_sync(False)` | *P* | *P*/*N* | *P* |
 #
-# Measured above with *M* = 4 and *N* = 2: 4 reduce-scatters per step became 1 and the
-# gradients held went from 0.5 *P* to 1.0 *P*; on HSDP, 4 all-reduces became 1 at 0.5 *P*.
+# Measured above with *M* = 4, *U* = 3 and *N* = 2: 12 reduce-scatters per step (4 *P*)
+# became 3 (1 *P*) and the gradients held went from 0.5 *P* to 1.0 *P*; on HSDP, 12
+# all-reduces (2 *P*) became 3 (0.5 *P*), the gradients held staying at 0.5 *P*.
+#
+# With mixed precision the bytes change by dtype: all-gathers move `param_dtype`,
+# reductions the reduce dtype. While the sync is off, FSDP accumulates the unsharded
+# gradients in the reduce dtype when it differs from `param_dtype`, and otherwise in
+# `param_dtype` itself (`FSDPParam.to_accumulated_grad_if_needed` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param.py`): in torch 2.13, with
+# `param_dtype=torch.bfloat16` and no `reduce_dtype`, *M* micro-batches are summed in bf16. Set
+# `reduce_dtype=torch.float32` when accumulating without sync; the gradients held are then
+# 4 bytes per parameter.
 #
 # - Turn the **gradient sync** off when the unsharded gradients (*P* per rank, what one
 #   process would hold, in the reduce dtype) fit beside everything else: it divides the
@@ -415,7 +455,8 @@ print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0])
 # - On **HSDP**, turn the **all-reduce** off, at no memory cost: it removes *M* - 1 of the
 #   *M* all-reduces between replicas, typically the slow inter-node ones.
 # - Either way, divide each micro-batch's summed loss by the step's **global token count**,
-#   counted before the first micro-batch.
+#   counted before the first micro-batch, and undo FSDP's average (divide factor 1, or
+#   times the number of data-parallel ranks: replicas x shards on HSDP).
 #
 # (loss-and-accumulation-tips)=
 # ## The tips behind this

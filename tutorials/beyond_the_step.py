@@ -1,0 +1,510 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-beyond-the-step)=
+# # Beyond the training step: evaluation, generation, EMA and a frozen teacher
+#
+# **What you will learn**
+#
+# - how FSDP2 evaluates under `torch.no_grad()`: all-gathers per forward with
+#   `reshard_after_forward` true and false, what each leaves gathered, and `reshard()`;
+# - how to evaluate an eval set that does not split evenly over the ranks, counting every
+#   example once, where `DistributedSampler` repeats some;
+# - how a sharded model generates token by token, the all-gathers per generated token,
+#   the cost of keeping it unsharded instead, and when `register_fsdp_forward_method` is
+#   needed;
+# - how to keep an exponential moving average (EMA) of a sharded model on the shards, with
+#   no communication, equal to one process's, and how to export it;
+# - what a frozen teacher (or reference) model costs beside the trained one, sharded.
+#
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores. The
+# worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
+# {func}`fsdp_guide.device`. The tips it demonstrates are listed
+# {ref}`at the end <beyond-the-step-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# The model is the package's small GPT ({class}`fsdp_guide.gpt.GPT`), 2 blocks, each
+# block an FSDP unit and the root holding the embeddings (the output head is tied to them).
+# `gathers` runs a function and counts FSDP's all-gathers in it, with
+# {func}`fsdp_guide.precision.record_dtypes`; `held` is the parameter bytes a rank holds,
+# from {func}`fsdp_guide.memory.measure`, in units of *P*, the whole model's parameter
+# bytes.
+
+# %%
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import fsdp_guide
+from fsdp_guide import launch
+from fsdp_guide.gpt import GPT, GPTConfig
+from fsdp_guide.memory import measure
+from fsdp_guide.precision import record_dtypes
+
+CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def build_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CONFIG)
+    model.init_weights()
+    return model
+
+
+def shard_model(model, **kwargs):
+    mesh = init_device_mesh(fsdp_guide.device().type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def whole_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def gathers(fn):
+    """fn's result, and how many all-gathers FSDP ran in it."""
+    with record_dtypes() as seen:
+        result = fn()
+    return result, seen.count[("forward", "all-gather")] + seen.count[("backward", "all-gather")]
+
+
+def held(model):
+    return measure(model).params / whole_bytes(model)
+
+
+def reshard_all(model):
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+# %% [markdown]
+# (beyond-eval)=
+# ## Evaluation under `no_grad`
+#
+# Three evaluation forwards in a row, after `model.eval()` and under `torch.no_grad()`,
+# with FSDP2's default (`reshard_after_forward=None`: `True` for the blocks, `False` for
+# the root) and with `reshard_after_forward=False` everywhere:
+
+# %%
+def evaluation_forwards(reshard_after_forward):
+    device = fsdp_guide.device()
+    kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    model = shard_model(build_model(), **kwargs)
+    model.eval()
+    tokens = torch.randint(CONFIG.vocab_size, (4, CONFIG.block_size), generator=torch.Generator().manual_seed(1))
+    rows = []
+    with torch.no_grad():
+        for _ in range(3):
+            _, count = gathers(lambda: model(tokens.to(device)))
+            rows.append((count, held(model)))
+    reshard_all(model)
+    return rows, held(model)
+
+
+def both_settings():
+    return {setting: evaluation_forwards(setting) for setting in (None, False)}
+
+
+print(f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
+      f"{'after reshard()':>16}")
+for setting, (rows, after) in launch(both_settings, output="none")[0].items():
+    name = "None (the default)" if setting is None else str(setting)
+    print(f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
+          f"{after:16.2f}")
+
+# %% [markdown]
+# - With the default, each forward gathers the 2 blocks again; the root is gathered once
+#   and **stays gathered** after the forward (0.50 *P* of shards plus the root's
+#   embeddings and final norm, whole: 0.77 *P*). In training, the backward reshards it; evaluation has no backward, so
+#   it stays until something reshards it.
+# - With `reshard_after_forward=False`, the first forward gathers all 3 units and later
+#   forwards gather nothing, but the rank then holds the whole model beside its shards
+#   (1.5 *P*) until `reshard()`.
+# - `reshard()` on every FSDP module frees the gathered parameters: call it after
+#   evaluating, before training resumes, so the gathered copies are not held through the
+#   next step.
+#
+# `no_grad` itself changes nothing in FSDP's collectives for the forward; it saves the
+# activations autograd would keep for a backward.
+#
+# (beyond-uneven-eval)=
+# ## An eval set that does not split evenly
+#
+# Nine examples on 2 ranks. `DistributedSampler` (the usual choice) pads the split by
+# repeating examples from the start, so that every rank gets the same number; the metric
+# then counts those twice. Splitting the examples without padding (every example exactly
+# once) gives ranks different numbers of batches, the first hang of
+# {ref}`tutorial-debugging-hangs`. Done right: every rank runs the largest number of
+# batches any rank has (one `all_reduce` with `MAX`), a rank out of data runs the forward
+# on an empty batch (its all-gathers still run; its rows add nothing), and the summed
+# losses and token counts are `all_reduce`d once at the end.
+
+# %%
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+EVAL_EXAMPLES, EVAL_BATCH = 9, 2
+
+
+def eval_set():
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randint(CONFIG.vocab_size, (EVAL_EXAMPLES, CONFIG.block_size + 1), generator=g)
+    return TensorDataset(rows[:, :-1], rows[:, 1:])
+
+
+def summed_loss(model, tokens, targets):
+    logits, _ = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def evaluate_one_process():
+    model = build_model().eval()
+    tokens, targets = eval_set().tensors
+    with torch.no_grad():
+        return (summed_loss(model, tokens, targets) / targets.numel()).item()
+
+
+def sum_over_ranks(*values, op=dist.ReduceOp.SUM):
+    t = torch.tensor(values, dtype=torch.float64, device=fsdp_guide.device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def evaluate(model, loader):
+    """Mean loss per token over everything the loader gives, on every rank's share."""
+    device = fsdp_guide.device()
+    batches = list(loader)
+    most = int(sum_over_ranks(len(batches), op=dist.ReduceOp.MAX)[0])
+    empty = [torch.zeros(0, CONFIG.block_size, dtype=torch.long)] * 2  # no rows: the forward, not the data
+    loss, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(most):  # the same number of forwards on every rank
+            x, y = batches[i] if i < len(batches) else empty
+            loss += summed_loss(model, x.to(device), y.to(device)).item()
+            tokens += y.numel()
+    loss, tokens, examples = sum_over_ranks(loss, tokens, sum(len(x) for x, _ in batches))
+    return loss / tokens, int(examples), len(batches)
+
+
+def evaluate_both_ways():
+    model = shard_model(build_model()).eval()
+    data = eval_set()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    padded = evaluate(model, DataLoader(data, batch_size=EVAL_BATCH, sampler=sampler))
+    exact = evaluate(model, DataLoader(torch.utils.data.Subset(data, range(rank, len(data), world)),
+                                       batch_size=EVAL_BATCH))
+    return {"DistributedSampler (pads)": padded, "every example once": exact}
+
+
+print(f"{'one process':28} loss {evaluate_one_process():.6f} over {EVAL_EXAMPLES} examples")
+results = launch(evaluate_both_ways, output="none")
+for name, (loss, examples, _) in results[0].items():
+    batches = [r[name][2] for r in results]
+    print(f"{name:28} loss {loss:.6f} over {examples} examples, batches per rank {batches}")
+
+# %% [markdown]
+# `DistributedSampler` evaluated 10 examples, one of them twice, and its loss differs from
+# one process's; splitting without padding counts each of the 9 once and gives one
+# process's loss (to the float32 rounding of the sums), though rank 1 had one batch fewer.
+# `DistributedSampler(drop_last=True)` would instead drop the ninth example. The metric is
+# the summed loss over the summed count, never the mean of the ranks' means (see
+# {ref}`tutorial-loss-and-accumulation`).
+#
+# (beyond-generation)=
+# ## Generating token by token
+#
+# {meth}`fsdp_guide.gpt.GPT.generate` appends one token per forward. Each rank generates
+# from its own prompt (data-parallel generation), greedily; one process generates from both
+# prompts for comparison. Every forward gathers what the previous one resharded:
+
+# %%
+PROMPT, NEW_TOKENS = 8, 6
+
+
+def prompts():
+    return torch.randint(CONFIG.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+
+
+def generate_sharded(keep_gathered):
+    device = fsdp_guide.device()
+    model = shard_model(build_model()).eval()
+    prompt = prompts()[dist.get_rank()][None].to(device)
+    if keep_gathered:  # gather once, then hold the whole model until reshard()
+        model.set_reshard_after_forward(False)
+    out, count = gathers(lambda: model.generate(prompt, NEW_TOKENS, temperature=0))
+    during = held(model)
+    reshard_all(model)
+    return out[0].tolist(), count, during
+
+
+def generation_both_ways():
+    return {keep: generate_sharded(keep) for keep in (False, True)}
+
+
+one_process = build_model().eval().generate(prompts(), NEW_TOKENS, temperature=0).tolist()
+results = launch(generation_both_ways, output="none")
+print(f"{'':44} {'all-gathers':>11} {'per new token':>13} {'held / P':>9} {'tokens as one process':>22}")
+for keep in (False, True):
+    _, count, during = results[0][keep]
+    same = all(results[rank][keep][0] == one_process[rank] for rank in (0, 1))
+    name = "kept gathered (reshard_after_forward=False)" if keep else "resharded after each forward"
+    print(f"{name:44} {count:11} {count / NEW_TOKENS:13.2f} {during:9.2f} {str(same):>22}")
+
+# %% [markdown]
+# Resharding after each forward, the first forward gathers all 3 units and each later one
+# the 2 blocks again (the root stays gathered, as in evaluation): 13 all-gathers for 6
+# tokens. Kept gathered, the 3 units are gathered once and the rank holds the whole model
+# beside its shard (1.5 *P*) while it generates. On GPUs each all-gather per token is a
+# round of latency on a decoding step that otherwise does little work, so for more than a
+# few tokens keep the model gathered when it fits, and `reshard()` afterwards.
+#
+# Every rank must run the same number of forwards: a rank that stops at its end-of-sequence
+# token while another continues hangs in the next all-gather (Hugging Face's `generate`
+# has `synced_gpus=True` for this: finished ranks keep running forwards until all are
+# done). Here every rank generates exactly `NEW_TOKENS`.
+#
+# `generate` needed nothing from FSDP because it calls the model itself (`self(...)`), so
+# FSDP's pre-forward and post-forward hooks run. A method that uses the root unit's
+# parameters without going through `forward` does not gather them; such methods are
+# registered with `register_fsdp_forward_method`:
+
+# %%
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+
+class GPTWithFeatures(GPT):
+    def features(self, idx):
+        """The final hidden states: a second entry point, as `get_text_features` is."""
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+
+def features_sharded(register):
+    device = fsdp_guide.device()
+    torch.manual_seed(0)
+    model = GPTWithFeatures(CONFIG)
+    model.init_weights()
+    shard_model(model)
+    if register:
+        register_fsdp_forward_method(model, "features")
+    with torch.no_grad():
+        return model.features(prompts()[:1].to(device)).shape
+
+
+for register in (False, True):
+    try:
+        print(f"register_fsdp_forward_method: {register!s:5} -> features of shape",
+              tuple(launch(features_sharded, register, output="none")[0]))
+    except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank failed first
+        print(f"register_fsdp_forward_method: {register!s:5} ->", str(error).splitlines()[0].split(" raised ")[1].split(", need")[0])
+
+# %% [markdown]
+# Unregistered, the root's embedding weight is still a sharded `DTensor` when `features`
+# uses it, and the embedding fails on the mix of a DTensor and a plain tensor; registered,
+# FSDP gathers the root before the method and the blocks gather themselves as usual.
+#
+# (beyond-ema)=
+# ## An EMA of a sharded model
+#
+# An exponential moving average ({term}`EMA`) is elementwise: `ema = decay * ema + (1 - decay) * param`.
+# Kept as a copy of each parameter's **shard** (the `DTensor`s FSDP2 registers), it needs
+# no communication and costs *P*/*N* per rank. torch's `AveragedModel` deep-copies the model,
+# which FSDP refuses:
+
+# %%
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+DECAY, STEPS = 0.9, 8
+
+
+def averaged_model_of_sharded():
+    model = shard_model(build_model())
+    AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+
+
+try:
+    launch(averaged_model_of_sharded, output="none")
+except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank failed first
+    print("a rank raised", str(error).splitlines()[0].split(" raised ", 1)[1])
+
+# %% [markdown]
+# So the EMA is a second model, built and sharded as the trained one and frozen: its
+# parameters are `DTensor` shards laid out like the model's, updated after every optimizer
+# step with the update `AveragedModel` would apply (`get_ema_multi_avg_fn`, a
+# `torch._foreach_lerp_` over the two lists of shards). Being a model, it is exported and
+# checkpointed like one: `get_model_state_dict` gathers it whole for one file (tied
+# weights under both names), and DCP saves its shards with the training state. One process
+# runs the same function on the whole model, for the same steps on the same global batches:
+
+# %%
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+
+def train_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    rows = torch.randint(CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=g)
+    return rows[:, :-1], rows[:, 1:]
+
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def train_with_ema(model, ema_model, device, rows=slice(None)):
+    """Train STEPS steps, updating ema_model after each; the number of collectives the updates ran."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    update = get_ema_multi_avg_fn(DECAY)
+    ema_collectives = 0
+    for step in range(STEPS):
+        tokens, targets = train_batch(step)
+        _, loss = model(tokens[rows].to(device), targets[rows].to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with record_dtypes() as seen:
+            update(list(ema_model.parameters()), list(model.parameters()), step)
+        ema_collectives += sum(n for (_, kind), n in seen.count.items() if kind in COLLECTIVES)
+    return ema_collectives
+
+
+def ema_sharded():
+    device = fsdp_guide.device()
+    model = shard_model(build_model())
+    ema_model = shard_model(build_model()).requires_grad_(False)  # the same start, the same shards
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # this rank's half of each global batch
+    ema_collectives = train_with_ema(model, ema_model, device, rows)
+    per_rank = measure(ema_model).total / whole_bytes(ema_model)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+    full, trained = get_model_state_dict(ema_model, options=options), get_model_state_dict(model, options=options)
+    return (full, trained) if dist.get_rank() == 0 else None, ema_collectives, per_rank
+
+
+one, one_ema = build_model(), build_model().requires_grad_(False)
+train_with_ema(one, one_ema, torch.device("cpu"))  # cpu-only: the one-process reference runs in the notebook
+(exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
+
+
+def largest_difference(full, reference):
+    return max((full[name] - t).abs().max().item() for name, t in reference.state_dict().items())
+
+
+print(f"collectives in {STEPS} EMA updates: {ema_collectives}; EMA model per rank: {per_rank:.2f} P")
+print(f"trained model vs one process's: largest difference {largest_difference(trained, one):.1e}")
+print(f"exported EMA vs one process's:  largest difference {largest_difference(exported, one_ema):.1e}")
+
+import tempfile
+from pathlib import Path
+
+path = Path(tempfile.mkdtemp()) / "ema.pt"
+torch.save(exported, path)  # rank 0's export, loaded into a plain model:
+plain = build_model()
+print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
+
+# %% [markdown]
+# The EMA updates ran no collective (no all-gather, reduce-scatter or all-reduce was
+# dispatched during them). The EMA model
+# holds half of the model per rank, parameters only, and after 8 steps equals the EMA one
+# process computes as closely as the trained models agree with each other (their float32
+# rounding, carried through 8 AdamW steps): an elementwise rule on shards is the same rule
+# on the whole. The export is a plain state dict, with the tied
+# head under both names, which a plain `GPT` loads with no missing or unexpected key.
+#
+# (beyond-teacher)=
+# ## A frozen teacher beside the student
+#
+# Distillation, or a reference model in preference training, runs a second model forward
+# only. Sharded like the student, with its parameters frozen ({term}`frozen parameter`), it holds *P*/*N* per rank and
+# no gradients or optimizer state. Its root unit is what to watch: with the default it
+# stays gathered after every forward, and a teacher never runs a backward to reshard it.
+
+# %%
+def distillation_step(teacher_reshard_root):
+    device = fsdp_guide.device()
+    student = shard_model(build_model(seed=0))
+    teacher = build_model(seed=1).requires_grad_(False).eval()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in teacher.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(teacher, mesh=mesh, reshard_after_forward=teacher_reshard_root)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    tokens, _ = train_batch(0)
+    tokens = tokens[2 * dist.get_rank():2 * dist.get_rank() + 2].to(device)
+
+    def student_step(teacher_logits):
+        logits, _ = student(tokens)
+        loss = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(teacher_logits.float(), -1),
+                        log_target=True, reduction="batchmean")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    counts = []
+    for _ in range(2):  # the second step shows the steady state
+        with torch.no_grad():
+            (teacher_logits, _), teacher_gathers = gathers(lambda: teacher(tokens))
+        _, student_gathers = gathers(lambda: student_step(teacher_logits))
+        counts.append((teacher_gathers, student_gathers))
+    P = whole_bytes(student)
+    return {"teacher": ([t for t, _ in counts], measure(teacher).total / P),
+            "student": ([s for _, s in counts], measure(student, optimizer).total / P)}
+
+
+def both_teachers():
+    return {setting: distillation_step(setting) for setting in (None, True)}
+
+
+print(f"{'teacher root':28} {'':8} {'all-gathers in step 1, 2':>25} {'model states held / P':>22}")
+for setting, parts in launch(both_teachers, output="none")[0].items():
+    for who, (counts, states) in parts.items():
+        name = "default" if setting is None else "reshard_after_forward=True"
+        print(f"{name:28} {who:8} {' '.join(f'{c:3}' for c in counts):>25} {states:22.2f}")
+
+# %% [markdown]
+# The student, trained with AdamW, holds 1.5 *P* per rank after its step: half its
+# parameters and half of each of AdamW's two moments (`zero_grad()` has freed the
+# gradients). The teacher holds parameters only. Its root is the choice:
+#
+# - with the default, the root stays gathered after the teacher's forward and through the
+#   student's whole step (0.77 *P*: its shards and the root's embeddings, whole), and the
+#   next step's teacher forward gathers only the 2 blocks;
+# - with `reshard_after_forward=True` passed to the teacher's root, the teacher holds its
+#   shards only (0.50 *P*), and pays one more all-gather, the root's, per step.
+#
+# Replicated instead of sharded, the teacher would hold 1 *P* on every rank and gather
+# nothing. `no_grad` keeps the teacher out of autograd: no activations saved for it, no
+# backward, so no backward all-gathers, gradients or reduce-scatters.
+# `requires_grad_(False)` makes that hold outside `no_grad` too (a forward that forgot it
+# would still give the teacher no gradients).
+#
+# (beyond-the-step-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-eval-reshard`
+# - {ref}`tip-generation-gathers`
+# - {ref}`tip-ema-on-shards`
+# - {ref}`tip-frozen-teacher`
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("beyond_the_step")
