@@ -115,7 +115,8 @@ def evaluation_forwards(reshard_after_forward):
         for _ in range(3):
             _, count = gathers(lambda: model(tokens.to(device)))
             rows.append((count, held(model)))
-    reshard_all(model)
+    reshard_all(model)  # free what evaluation left gathered
+    model.train()  # back to training behaviour (dropout, norms) before the next step
     return rows, held(model)
 
 
@@ -134,15 +135,18 @@ for setting, (rows, after) in launch(both_settings, output="none")[0].items():
 # - With the default, each forward gathers the 2 blocks again; the root is gathered once
 #   and **stays gathered** after the forward (0.50 *P* of shards plus the root's
 #   embeddings and final norm, whole: 0.77 *P*). In training, the backward reshards it; evaluation has no backward, so
-#   it stays until something reshards it.
+#   it stays until something reshards it: a backward, `reshard()`, or `state_dict()` and
+#   `load_state_dict()`, whose hooks reshard first.
 # - With `reshard_after_forward=False`, the first forward gathers all 3 units and later
 #   forwards gather nothing, but the rank then holds the whole model beside its shards
 #   (1.5 *P*) until `reshard()`.
-# - `reshard()` on every FSDP module frees the gathered parameters: call it after
-#   evaluating, before training resumes, so the gathered copies are not held through the
-#   next step.
+# - `reshard()` on every FSDP module (it does not recurse) frees the gathered parameters.
+#   Call it after evaluating: the next training step would reuse the gathered root and
+#   reshard it in its backward, but whatever runs in between (a checkpoint, generation,
+#   an EMA update) would have the memory held, and would see plain gathered tensors where
+#   `parameters()` otherwise gives the shards. Then `model.train()` again.
 #
-# `no_grad` itself changes nothing in FSDP's collectives for the forward; it saves the
+# `no_grad` itself changes nothing in FSDP's collectives for the forward; it spares the
 # activations autograd would keep for a backward.
 #
 # (beyond-uneven-eval)=
@@ -182,26 +186,23 @@ def evaluate_one_process():
         return (summed_loss(model, tokens, targets) / targets.numel()).item()
 
 
-def sum_over_ranks(*values, op=dist.ReduceOp.SUM):
-    t = torch.tensor(values, dtype=torch.float64, device=fsdp_guide.device())
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
 def evaluate(model, loader):
-    """Mean loss per token over everything the loader gives, on every rank's share."""
+    """Mean loss per token over everything the loader gives every rank; and this rank's batch count."""
     device = fsdp_guide.device()
-    batches = list(loader)
-    most = int(sum_over_ranks(len(batches), op=dist.ReduceOp.MAX)[0])
+    most = torch.tensor(len(loader), device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest batch count of any rank
     empty = [torch.zeros(0, CONFIG.block_size, dtype=torch.long)] * 2  # no rows: the forward, not the data
-    loss, tokens = 0.0, 0
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, tokens, examples
+    batches = iter(loader)
     with torch.no_grad():
-        for i in range(most):  # the same number of forwards on every rank
-            x, y = batches[i] if i < len(batches) else empty
-            loss += summed_loss(model, x.to(device), y.to(device)).item()
-            tokens += y.numel()
-    loss, tokens, examples = sum_over_ranks(loss, tokens, sum(len(x) for x, _ in batches))
-    return loss / tokens, int(examples), len(batches)
+        for _ in range(int(most)):  # the same number of forwards on every rank
+            x, y = next(batches, empty)
+            totals[0] += summed_loss(model, x.to(device), y.to(device)).double()  # stays on the device: no sync
+            totals[1] += y.numel()
+            totals[2] += len(x)
+    dist.all_reduce(totals)  # once, at the end
+    loss, tokens, examples = totals.tolist()
+    return loss / tokens, int(examples), len(loader)
 
 
 def evaluate_both_ways():
@@ -225,6 +226,9 @@ for name, (loss, examples, _) in results[0].items():
 # `DistributedSampler` evaluated 10 examples, one of them twice, and its loss differs from
 # one process's; splitting without padding counts each of the 9 once and gives one
 # process's loss (to the float32 rounding of the sums), though rank 1 had one batch fewer.
+# The empty batch ran through PyTorch's own attention (`scaled_dot_product_attention`) here;
+# attention kernels that reject zero rows (the `flash-attn` package) need one real row
+# instead, with its loss and count multiplied by zero.
 # `DistributedSampler(drop_last=True)` would instead drop the ninth example. The metric is
 # the summed loss over the summed count, never the mean of the ranks' means (see
 # {ref}`tutorial-loss-and-accumulation`).
@@ -253,6 +257,9 @@ def generate_sharded(keep_gathered):
     out, count = gathers(lambda: model.generate(prompt, NEW_TOKENS, temperature=0))
     during = held(model)
     reshard_all(model)
+    if keep_gathered:  # back to the default for training: the blocks reshard, the root does not
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
     return out[0].tolist(), count, during
 
 
@@ -274,18 +281,23 @@ for keep in (False, True):
 # the 2 blocks again (the root stays gathered, as in evaluation): 13 all-gathers for 6
 # tokens. Kept gathered, the 3 units are gathered once and the rank holds the whole model
 # beside its shard (1.5 *P*) while it generates. On GPUs each all-gather per token is a
-# round of latency on a decoding step that otherwise does little work, so for more than a
-# few tokens keep the model gathered when it fits, and `reshard()` afterwards.
+# round of latency on a decoding step that otherwise does little work (a KV cache makes the
+# step smaller still, not the gathers fewer), so for more than a few tokens keep the model
+# gathered when it fits; afterwards `reshard()`, and restore the training setting
+# (`set_reshard_after_forward` stays set until changed).
 #
 # Every rank must run the same number of forwards: a rank that stops at its end-of-sequence
-# token while another continues hangs in the next all-gather (Hugging Face's `generate`
-# has `synced_gpus=True` for this: finished ranks keep running forwards until all are
-# done). Here every rank generates exactly `NEW_TOKENS`.
+# token while another continues hangs in the next all-gather. Hugging Face's `generate`
+# has `synced_gpus=True` for this (finished ranks keep running forwards until all are done,
+# at one small all-reduce per token); transformers 5.24 turns it on by itself only for
+# FSDP1 or models its own FSDP integration sharded (`is_fsdp_managed_module`), so pass it
+# for a model you sharded with `fully_shard`. Here every rank generates exactly
+# `NEW_TOKENS`.
 #
 # `generate` needed nothing from FSDP because it calls the model itself (`self(...)`), so
-# FSDP's pre-forward and post-forward hooks run. A method that uses the root unit's
-# parameters without going through `forward` does not gather them; such methods are
-# registered with `register_fsdp_forward_method`:
+# FSDP's pre-forward and post-forward hooks run. A method that uses a unit's parameters
+# without going through that unit's `forward` (here the root's embeddings) does not gather
+# them; such methods are registered with `register_fsdp_forward_method`:
 
 # %%
 from torch.distributed.fsdp import register_fsdp_forward_method
@@ -322,7 +334,10 @@ for register in (False, True):
 # %% [markdown]
 # Unregistered, the root's embedding weight is still a sharded `DTensor` when `features`
 # uses it, and the embedding fails on the mix of a DTensor and a plain tensor; registered,
-# FSDP gathers the root before the method and the blocks gather themselves as usual.
+# FSDP gathers the root before the method and the blocks gather themselves as usual. The
+# failure depends on state: after a default forward the root stays gathered (as above), and
+# the unregistered method runs, until the next backward or `reshard()`. Register it rather
+# than rely on that.
 #
 # (beyond-ema)=
 # ## An EMA of a sharded model
@@ -330,7 +345,7 @@ for register in (False, True):
 # An exponential moving average ({term}`EMA`) is elementwise: `ema = decay * ema + (1 - decay) * param`.
 # Kept as a copy of each parameter's **shard** (the `DTensor`s FSDP2 registers), it needs
 # no communication and costs *P*/*N* per rank. torch's `AveragedModel` deep-copies the model,
-# which FSDP refuses:
+# which FSDP refuses for a sharded one:
 
 # %%
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -349,25 +364,36 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
     print("a rank raised", str(error).splitlines()[0].split(" raised ", 1)[1])
 
 # %% [markdown]
-# So the EMA is a second model, built and sharded as the trained one and frozen: its
-# parameters are `DTensor` shards laid out like the model's, updated after every optimizer
-# step with the update `AveragedModel` would apply (`get_ema_multi_avg_fn`, a
-# `torch._foreach_lerp_` over the two lists of shards). Being a model, it is exported and
-# checkpointed like one: `get_model_state_dict` gathers it whole for one file (tied
-# weights under both names), and DCP saves its shards with the training state. One process
-# runs the same function on the whole model, for the same steps on the same global batches:
+# (`AveragedModel` built *before* `fully_shard`, with its `.module` sharded the same way,
+# is the other way round this.) Here the EMA is a second model, built and sharded as the
+# trained one, frozen, and started from a copy of the model's shards (also right for a model
+# loaded from a checkpoint). Its parameters are `DTensor` shards laid out like the model's,
+# updated after every optimizer step with `AveragedModel`'s update (`get_ema_multi_avg_fn`,
+# a `torch._foreach_lerp_` over the two lists of shards). torch's `CommDebugMode` counts
+# the collectives the updates run, including any a `DTensor` operation would run inside.
+# Being a model, the EMA is exported like one: `get_model_state_dict` gathers it whole for
+# one file (tied weights under both names); its shards go into a DCP checkpoint as the
+# model's do ({ref}`tutorial-llm`). One process runs the same function on the whole model,
+# for the same steps on the same global batches:
 
 # %%
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor.debug import CommDebugMode
+
+
+@torch.no_grad()
+def copy_of(model, ema_model):
+    """ema_model, frozen, holding a copy of model's parameters (shard by shard when sharded)."""
+    ema_model.requires_grad_(False)
+    for ema, param in zip(ema_model.parameters(), model.parameters()):
+        ema.copy_(param.detach())
+    return ema_model
 
 
 def train_batch(step):
     g = torch.Generator().manual_seed(100 + step)
     rows = torch.randint(CONFIG.vocab_size, (4, CONFIG.block_size + 1), generator=g)
     return rows[:, :-1], rows[:, 1:]
-
-
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 def train_with_ema(model, ema_model, device, rows=slice(None)):
@@ -381,16 +407,16 @@ def train_with_ema(model, ema_model, device, rows=slice(None)):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        with record_dtypes() as seen:
+        with CommDebugMode() as comm:
             update(list(ema_model.parameters()), list(model.parameters()), step)
-        ema_collectives += sum(n for (_, kind), n in seen.count.items() if kind in COLLECTIVES)
+        ema_collectives += comm.get_total_counts()
     return ema_collectives
 
 
 def ema_sharded():
     device = fsdp_guide.device()
     model = shard_model(build_model())
-    ema_model = shard_model(build_model()).requires_grad_(False)  # the same start, the same shards
+    ema_model = copy_of(model, shard_model(build_model()))  # the same layout, the model's values
     rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # this rank's half of each global batch
     ema_collectives = train_with_ema(model, ema_model, device, rows)
     per_rank = measure(ema_model).total / whole_bytes(ema_model)
@@ -399,7 +425,8 @@ def ema_sharded():
     return (full, trained) if dist.get_rank() == 0 else None, ema_collectives, per_rank
 
 
-one, one_ema = build_model(), build_model().requires_grad_(False)
+one = build_model()
+one_ema = copy_of(one, build_model())
 train_with_ema(one, one_ema, torch.device("cpu"))  # cpu-only: the one-process reference runs in the notebook
 (exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
 
@@ -421,13 +448,20 @@ plain = build_model()
 print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
 
 # %% [markdown]
-# The EMA updates ran no collective (no all-gather, reduce-scatter or all-reduce was
-# dispatched during them). The EMA model
+# The EMA updates ran no collective. The EMA model
 # holds half of the model per rank, parameters only, and after 8 steps equals the EMA one
 # process computes as closely as the trained models agree with each other (their float32
 # rounding, carried through 8 AdamW steps): an elementwise rule on shards is the same rule
 # on the whole. The export is a plain state dict, with the tied
 # head under both names, which a plain `GPT` loads with no missing or unexpected key.
+#
+# Two cautions. While a unit is gathered, `parameters()` gives its whole plain tensors, not
+# the shards: `reshard()` the EMA model after evaluating it (and the model before updating
+# the EMA), or the update mixes tensors and `DTensor`s, or updates a gathered copy that
+# resharding then drops. And the EMA's dtype is its parameters': under a
+# `MixedPrecisionPolicy` the sharded parameters stay fp32, so the EMA does; a model stored in
+# bf16 needs its EMA kept in fp32 (with a decay of 0.999, most updates are smaller than a
+# bf16 value's rounding step).
 #
 # (beyond-teacher)=
 # ## A frozen teacher beside the student
@@ -492,9 +526,11 @@ for setting, parts in launch(both_teachers, output="none")[0].items():
 #
 # Replicated instead of sharded, the teacher would hold 1 *P* on every rank and gather
 # nothing. `no_grad` keeps the teacher out of autograd: no activations saved for it, no
-# backward, so no backward all-gathers, gradients or reduce-scatters.
-# `requires_grad_(False)` makes that hold outside `no_grad` too (a forward that forgot it
-# would still give the teacher no gradients).
+# backward, so no backward all-gathers, gradients or reduce-scatters. `requires_grad_(False)`
+# keeps its parameters out of the optimizer and gradient-free; it is not a substitute for
+# `no_grad` when the teacher's inputs require gradients (the student's hidden states, soft
+# prompts): autograd then saves the teacher's activations, and FSDP gathers its units again
+# in backward.
 #
 # (beyond-the-step-tips)=
 # ## The tips behind this

@@ -116,6 +116,10 @@ def record_dtypes() -> DtypeRecord:
     Kinds: ``matmul``, ``softmax`` (and log-softmax), ``loss`` (``mse_loss``, and the
     ``nll_loss`` of ``cross_entropy``), ``all-gather``, ``reduce-scatter``, ``all-reduce``.
 
+    Collectives are those dispatched on plain tensors, as FSDP's are; the ones a
+    ``DTensor`` operation runs inside its own dispatch (``full_tensor()``,
+    ``redistribute``) are not seen: torch's ``CommDebugMode`` counts those.
+
     Example:
 
     >>> import torch
