@@ -4,11 +4,13 @@ crafted files, and an optimizer that does not match. Each on real gloo process g
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import CheckpointError, latest
@@ -248,3 +250,56 @@ def test_every_file_and_directory_is_fsynced_before_and_after_the_rename(tmp_pat
     synced.clear()
     exported = checkpoint.export_consolidated(model, tmp_path / "model.pt")
     assert synced == [exported.with_name("model.pt.partial"), tmp_path]
+
+
+class _SlowWriter(FileSystemWriter):
+    """DCP's writer, taking a second to write each rank's part: a save that is still in flight."""
+
+    def write_data(self, plan, planner):
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+
+def _two_async_saves_then_load(directory):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    at_step_1 = _weights(model)
+    first = checkpoint.async_save(directory, 1, model, opt, storage_writer=_SlowWriter)
+    returned_before_written = not first.done()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # training goes on while step 1 is written
+    second = checkpoint.async_save(directory, 2, model, opt, storage_writer=_SlowWriter)
+    first_done_when_second_started = first.done()  # at most one save in flight
+    second.wait()
+    names = sorted(p.name for p in Path(directory).iterdir())
+    checkpoint.load(Path(directory) / "step-00000001", model, opt)
+    restored = all(torch.equal(a, b) for a, b in zip(_weights(model), at_step_1))
+    return returned_before_written, first_done_when_second_started, names, restored
+
+
+def test_an_async_save_returns_before_it_is_written_keeps_the_state_at_the_call_and_one_flies_at_a_time(tmp_path):
+    for returned_early, one_at_a_time, names, restored in launch(_two_async_saves_then_load, str(tmp_path),
+                                                                 world_size=2, output="none"):
+        assert returned_early and one_at_a_time
+        assert names == ["step-00000001", "step-00000002"]  # published, nothing partial left
+        assert restored  # step 1's values, though the parameters were zeroed while it was written
+
+
+def _async_save_killed_in_flight(directory):
+    import os
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.save(directory, 1, model, opt)
+    checkpoint.async_save(directory, 2, model, opt, storage_writer=_SlowWriter)
+    os._exit(1)  # the job dies while step 2 is being written
+
+
+def test_a_crash_while_an_async_save_is_in_flight_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(LaunchError):
+        launch(_async_save_killed_in_flight, str(tmp_path), world_size=2, output="none")
+    assert latest(tmp_path).name == "step-00000001"
+    assert launch(_load_on_one_rank, str(tmp_path), world_size=1, output="none") == [1]

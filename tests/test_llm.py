@@ -84,6 +84,23 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_which_resume
     assert latest(tmp_path).name == f"step-{2 * K:08d}" and not list(tmp_path.glob(".partial-*"))
 
 
+def test_async_checkpoints_leave_training_unchanged_and_resume_bit_for_bit(straight, tmp_path):
+    first = run(stop_at=K, checkpoint_dir=str(tmp_path), checkpoint_every=K, async_checkpoint=True)
+    assert first["losses"] == straight[:K] and first["checkpoint"].endswith(f"step-{K:08d}")
+    resumed = run(checkpoint_dir=str(tmp_path), resume="latest", checkpoint_every=K, async_checkpoint=True)
+    assert resumed["losses"] == straight[K:]
+    assert latest(tmp_path).name == f"step-{2 * K:08d}" and not list(tmp_path.glob(".partial-*"))
+
+
+def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_which_resumes_exactly(straight, tmp_path):
+    config = dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), checkpoint_every=K, async_checkpoint=True)
+    with pytest.raises(LaunchError, match="rank 1"):
+        launch(train, config, storage_writer=_KilledWhileSaving, world_size=2, output="none", timeout=120)
+    assert latest(tmp_path).name == f"step-{K:08d}"  # the save in flight was never published
+    resumed = run(checkpoint_dir=str(tmp_path), resume="latest", checkpoint_every=K)
+    assert resumed["losses"] == straight[K:]
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_resume_on_a_different_number_of_ranks_reshards(saved_at_k, straight, world_size):
     resumed = run(world_size, checkpoint_dir=str(saved_at_k), resume="latest")

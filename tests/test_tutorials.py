@@ -329,6 +329,12 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert "straight == stopped and resumed, all 40 losses bit for bit: True" in text
     assert "rank 1" in text and "left on disk: ['.partial-step-00000040', 'step-00000020']" in text
     assert "steps 21-40 after the crash equal the straight run: True" in text
+    stalls = {how: [float(ms) for ms in line[28:].split()] for line in text.splitlines()
+              for how in ("slow storage, synchronous", "slow storage, asynchronous") if line.startswith(how)}
+    assert all(ms > 500 for ms in stalls["slow storage, synchronous"])  # the half-second write, waited for
+    assert all(ms < 250 for ms in stalls["slow storage, asynchronous"])  # the write went to the background
+    assert "losses equal the straight run: True" in text
+    assert "published, by every run: [('step-00000020', 'step-00000040')]" in text
     for world_size in (4, 1):
         line = next(l for l in text.splitlines() if l.startswith(f"saved on 2, resumed on {world_size}:"))
         assert float(line.rsplit("=", 1)[1]) < 1e-4

@@ -14,6 +14,12 @@ that has a checkpoint renames the old one aside (``.old-step-N``, which :func:`l
 still finds) until the new one has its name: at every moment a complete checkpoint of
 the step exists. State that differs between ranks is saved per rank.
 
+:func:`async_save` returns as soon as the state is copied to CPU memory (DCP's
+``async_save``); the files are written in a background thread, on a gloo process group
+of their own so that its collectives never interleave with training's, and published
+under the same rules when complete. At most one save is in flight: the next save, or
+``load``, waits for it.
+
 DCP does the writing and resharding; what is written here by hand is what it does
 not do: the atomic publish, choosing the latest complete checkpoint, telling per-rank
 from replicated state, reading metadata without running code, and errors that name
@@ -29,6 +35,7 @@ import pickle
 import re
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -45,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdp_guide.devices import device as rank_device
 
-__all__ = ["CheckpointError", "export_consolidated", "latest", "load", "save"]
+__all__ = ["CheckpointError", "PendingSave", "async_save", "export_consolidated", "latest", "load", "save"]
 
 _NAME = re.compile(r"step-(\d+)")
 
@@ -114,12 +121,138 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     Raises:
         ValueError: ``keep < 1`` or a ``stateful`` name that ``load`` could not tell apart.
     """
+    state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
+    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
+    _barrier()  # every rank has written its part
+    if _rank() == 0:
+        _publish(partial, final)
+        _remove_older(final.parent, step, keep)
+    _barrier()
+    return final
+
+
+class PendingSave:
+    """A checkpoint being written in the background by :func:`async_save`.
+
+    ``path`` is where it will be published; ``wait()`` blocks until it is (on every
+    rank) and returns ``path``, or raises what the save raised; ``done()`` tells without
+    blocking.
+    """
+
+    def __init__(self, path: Path, written: Future):
+        self.path = path
+        self._written = written
+
+    def done(self) -> bool:
+        return self._written.done()
+
+    def wait(self) -> Path:
+        self._written.result()
+        return self.path
+
+
+def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+               keep: int = 2, storage_writer=None, **stateful) -> PendingSave:
+    """:func:`save`, returning once the state is copied to CPU memory; the files are written in the background.
+
+    Training may change the model, optimizer and ``stateful`` objects as soon as it
+    returns: what is written is their state at the call. The checkpoint is published as
+    ``step-N`` by rank 0 once every rank has written its part, and only then are older
+    ones deleted, so a crash while it is in flight leaves the previous checkpoints as they
+    were. At most one save is in flight: this call (and :func:`save`, :func:`load`) first
+    waits for the previous one. Call ``wait()`` on the result before the program ends.
+
+    Example:
+
+    >>> from fsdp_guide import checkpoint, launch
+    >>> def worker(directory):
+    ...     import torch
+    ...     model = torch.nn.Linear(4, 4)
+    ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     pending = checkpoint.async_save(directory, 1, model, optimizer)
+    ...     model.weight.data.zero_()  # training goes on; the checkpoint keeps step 1's values
+    ...     return pending.wait().name
+    >>> import tempfile
+    >>> launch(worker, tempfile.mkdtemp(), output="none")
+    ['step-00000001', 'step-00000001']
+    """
+    state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
+    group = _checkpoint_group()
+    written = dcp.async_save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial),
+                             process_group=group)
+
+    def publish() -> None:  # rank 0: every rank's part is written when the coordinator's save completes
+        _publish(partial, final)
+        _remove_older(final.parent, step, keep)
+
+    global _in_flight
+    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group))
+    return _in_flight
+
+
+_in_flight: PendingSave | None = None
+_group = None  # (the default group it was made beside, the checkpoint group)
+
+
+def _wait_in_flight() -> None:
+    """Let the previous asynchronous save finish first: one save in flight at a time."""
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is not None:
+        pending.wait()
+
+
+def _checkpoint_group():
+    """A gloo group for DCP's background collectives, apart from the training's (made once, by every rank)."""
+    global _group
+    if not dist.is_initialized():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _group is None or _group[0] is not default:
+        _group = (default, dist.new_group(backend="gloo"))
+    return _group[1]
+
+
+def _then(future: Future, publish, group) -> Future:
+    """A future completed on every rank once ``future`` has and rank 0 has run ``publish()`` after it.
+
+    It runs in the writing thread: each rank then meets the others in a barrier on the
+    checkpoint group, success or not, so no rank's ``wait()`` returns before the name exists,
+    and none is left waiting because another failed.
+    """
+    published: Future = Future()
+
+    def run(done: Future) -> None:
+        error = None
+        try:
+            done.result()
+            if publish is not None:
+                publish()
+        except BaseException as failed:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
+            error = failed
+        try:
+            if group is not None:
+                dist.barrier(group=group)
+        except BaseException as failed:  # noqa: BLE001
+            error = error or failed
+        if error is None:
+            published.set_result(None)
+        else:
+            published.set_exception(error)
+
+    future.add_done_callback(run)
+    return published
+
+
+def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, stateful: dict):
+    """Check the arguments, wait for a save in flight, make the partial directory; the state to write."""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep={keep!r}: expected an int >= 1 (this checkpoint and the ones before it to keep)")
     for name in stateful:
         if name in _RESERVED or "@" in name or "." in name:
             raise ValueError(f"{name}=...: choose another keyword for this state (not {', '.join(sorted(_RESERVED))}, "
                              "and without '.' or '@')")
+    _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
     if rank == 0:
@@ -131,13 +264,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
         state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
     state["step"] = step
     state.update(_rng_states(rank))  # each rank its own keys: they differ
-    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
-    _barrier()  # every rank has written its part
-    if rank == 0:
-        _publish(partial, final)
-        _remove_older(directory, step, keep)
-    _barrier()
-    return final
+    return state, partial, final
 
 
 _RESERVED = ("model", "optim", "step", "rng", "cuda_rng")
@@ -217,6 +344,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     DCP as raw bytes. Still, prefer checkpoints you or your jobs wrote: this checks what
     the files contain, not who made them.
     """
+    _wait_in_flight()  # the checkpoint being written may be the one asked for
     path = Path(path)
     metadata = _read_metadata(path)
     state = _model_and_optimizer(model, optimizer)

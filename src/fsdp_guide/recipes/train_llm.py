@@ -70,6 +70,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps; 0: never
     keep: int = 2  # checkpoints kept in checkpoint_dir, the newest
+    async_checkpoint: bool = False  # write checkpoints in the background while training goes on
     resume: str | None = None  # "latest" (in checkpoint_dir) or a checkpoint's path
     export: str | None = None  # write the consolidated model here at the end
     # output
@@ -218,7 +219,8 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     """Train on the ranks of the default process group; returns a summary of the run.
 
     Every rank returns the same losses and memory peaks (each rank's, gathered);
-    ``tokens_per_s`` is timed on this rank's clock.
+    ``tokens_per_s`` is timed on this rank's clock, as is ``save_stall_s``, the seconds
+    training waited in each checkpoint save.
 
     ``storage_writer`` builds DCP's writer from a path (default ``FileSystemWriter``).
     """
@@ -244,7 +246,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
             print(f"resumed from {path} at step {start}")
 
     tokens_per_step = config.batch_size * config.block_size * config.grad_accum
-    losses, last_log, last_time, saved = [], start, time.perf_counter(), None
+    losses, last_log, last_time, saved, stalls = [], start, time.perf_counter(), None, []
     bar = tqdm(total=config.steps, initial=start, disable=rank != 0 or not config.progress, file=sys.stderr)
     last = config.stop_at or config.steps
     run_start = time.perf_counter()
@@ -260,8 +262,13 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
                 tqdm.write(f"step {step:4} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.1e} "
                            f"| {tokens_per_s:8,.0f} tokens/s", file=sys.stdout)
         if config.checkpoint_every and step % config.checkpoint_every == 0:
-            saved = checkpoint.save(config.checkpoint_dir, step, model, optimizer, keep=config.keep,
-                                    storage_writer=storage_writer, **stateful)
+            save = checkpoint.async_save if config.async_checkpoint else checkpoint.save
+            stall = time.perf_counter()  # how long training waits for the save
+            saved = save(config.checkpoint_dir, step, model, optimizer, keep=config.keep,
+                         storage_writer=storage_writer, **stateful)
+            stalls.append(time.perf_counter() - stall)
+    if isinstance(saved, checkpoint.PendingSave):  # the last one is published before the run ends
+        saved = saved.wait()
     bar.close()
     tokens_per_s = tokens_per_step * len(losses) / (time.perf_counter() - run_start)  # saves included
     if config.export:
@@ -272,7 +279,8 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if rank == 0:
         print(f"peak memory per rank, {what}: " + ", ".join(f"rank{r} {mib:,.0f} MiB" for r, mib in enumerate(peaks)))
     return dict(first_step=start + 1, losses=losses, dtype=str(dtype).removeprefix("torch."),
-                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s, checkpoint=str(saved) if saved else None)
+                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s,
+                checkpoint=str(saved) if saved else None, save_stall_s=stalls)
 
 
 _HELP = {
@@ -283,6 +291,7 @@ _HELP = {
     "precision": "auto: bf16 on GPUs that have it, fp16 with a gradient scaler on older GPUs, fp32 on CPU",
     "checkpoint_every": "save every N steps into --checkpoint-dir (0: never)",
     "keep": "how many checkpoints to keep in --checkpoint-dir, the newest (at least 1)",
+    "async_checkpoint": "write each checkpoint in the background (DCP's async_save) while training goes on",
     "resume": "'latest' (the newest complete checkpoint in --checkpoint-dir) or a checkpoint's path",
     "export": "write the consolidated model (one torch.save file) here at the end",
 }
