@@ -303,3 +303,53 @@ def test_a_crash_while_an_async_save_is_in_flight_leaves_the_previous_checkpoint
         launch(_async_save_killed_in_flight, str(tmp_path), world_size=2, output="none")
     assert latest(tmp_path).name == "step-00000001"
     assert launch(_load_on_one_rank, str(tmp_path), world_size=1, output="none") == [1]
+
+
+class _FailsOnRank1(FileSystemWriter):
+    """Rank 1 cannot write step 2 (a full disk, say), after rank 0 has written its part."""
+
+    def write_data(self, plan, planner):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and "step-00000002" in str(self.path):
+            time.sleep(0.5)
+            raise OSError(28, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def _async_save_that_fails(directory, where):
+    import torch.distributed as dist
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.save(directory, 1, model, opt)
+    rename = checkpoint.os.rename
+    if where == "publish" and dist.get_rank() == 0:
+        def cannot_rename(src, dst):  # DCP's own renames (its .metadata) still work
+            if Path(dst).name == "step-00000002":
+                raise PermissionError(13, "Permission denied", str(dst))
+            return rename(src, dst)
+
+        checkpoint.os.rename = cannot_rename  # this rank's only: publishing fails on rank 0
+    writer = _FailsOnRank1 if where == "write" else FileSystemWriter
+    pending = checkpoint.async_save(directory, 2, model, opt, storage_writer=writer)
+    try:
+        pending.wait()
+        return "published"
+    except BaseException as error:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
+        return f"{type(error).__name__}: {error}"
+    finally:
+        checkpoint.os.rename = rename  # the launcher renames this rank's result into place
+
+
+@pytest.mark.parametrize("where", ["write", "publish"])
+def test_an_async_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the_previous(tmp_path, where):
+    raised = launch(_async_save_that_fails, str(tmp_path), where, world_size=2, output="none", timeout=120)
+    if where == "write":  # DCP gathers the write results: every rank learns of rank 1's failure
+        assert all("No space left on device" in message for message in raised)
+    else:  # rank 0's rename failed after every rank wrote: rank 0 tells the others
+        assert "Permission denied" in raised[0]
+        assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with PermissionError" in raised[1]
+    assert latest(tmp_path).name == "step-00000001"  # nothing half-written was published
+    assert launch(_load_on_one_rank, str(tmp_path), world_size=1, output="none") == [1]

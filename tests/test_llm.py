@@ -85,18 +85,22 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_which_resume
 
 
 def test_async_checkpoints_leave_training_unchanged_and_resume_bit_for_bit(straight, tmp_path):
-    first = run(stop_at=K, checkpoint_dir=str(tmp_path), checkpoint_every=K, async_checkpoint=True)
-    assert first["losses"] == straight[:K] and first["checkpoint"].endswith(f"step-{K:08d}")
-    resumed = run(checkpoint_dir=str(tmp_path), resume="latest", checkpoint_every=K, async_checkpoint=True)
+    # steps K+1.. train while step K's checkpoint is being written: what it holds is the state at step K
+    whole = run(checkpoint_dir=str(tmp_path), checkpoint_every=K, async_checkpoint=True)
+    assert whole["losses"] == straight and whole["checkpoint"].endswith(f"step-{2 * K:08d}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{K:08d}", f"step-{2 * K:08d}"]
+    resumed = run(resume=str(tmp_path / f"step-{K:08d}"))
     assert resumed["losses"] == straight[K:]
-    assert latest(tmp_path).name == f"step-{2 * K:08d}" and not list(tmp_path.glob(".partial-*"))
 
 
 def test_a_rank_killed_during_an_async_save_leaves_the_previous_checkpoint_which_resumes_exactly(straight, tmp_path):
     config = dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), checkpoint_every=K, async_checkpoint=True)
+    before = _children()
     with pytest.raises(LaunchError, match="rank 1"):
         launch(train, config, storage_writer=_KilledWhileSaving, world_size=2, output="none", timeout=120)
-    assert latest(tmp_path).name == f"step-{K:08d}"  # the save in flight was never published
+    assert _children() <= before  # no rank left behind
+    assert (tmp_path / f".partial-step-{2 * K:08d}").is_dir()  # the save in flight, never published
+    assert latest(tmp_path).name == f"step-{K:08d}"
     resumed = run(checkpoint_dir=str(tmp_path), resume="latest", checkpoint_every=K)
     assert resumed["losses"] == straight[K:]
 

@@ -312,11 +312,13 @@ print(f"steps 21-40 after the crash equal the straight run: {after_crash['losses
 #
 # A synchronous save stops training until every rank has written its part.
 # `async_checkpoint=True` (`--async-checkpoint` on the command line) saves with
-# {func}`fsdp_guide.checkpoint.async_save` instead, built on DCP's `async_save`: it copies
-# the state to CPU memory, returns, and a background thread writes the files, on a gloo
-# process group of its own, then rank 0 publishes `step-N` as before. Training waits only
-# for the copy, and for the previous save if it is still in flight (one at a time). The
-# straight run above saved synchronously; the same run, saving in the background:
+# {func}`fsdp_guide.checkpoint.async_save` instead, built on DCP's `async_save`: it gathers
+# the state dict, copies it to CPU memory, returns, and a background thread writes the
+# files, on a gloo process group of its own, then rank 0 publishes `step-N` as before.
+# Training waits for the foreground part, and for the previous save if it is still in
+# flight (one at a time); the end of the run waits for the last one, which the time of the
+# last save below includes. The straight run above saved synchronously; the same run,
+# saving each way, on the local disk and on storage that is slow to write:
 
 # %%
 import time
@@ -347,12 +349,13 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 
 # %% [markdown]
 # Both ways train exactly the straight run and publish both checkpoints. On the local
-# disk the write is short, and what remains in the foreground is what every save does
-# first: the state dict, the check of which state differs between ranks, and (in the
-# background case) the copy to CPU memory; the numbers vary from run to run. With storage
-# that takes half a second to write, a synchronous save stops training for that half
-# second and more, and an asynchronous one for about what it did on the local disk: the
-# write is what moves to the background.
+# disk the write is short, and most of a save's time is what stays in the foreground (the
+# state dict, the check of which state differs between ranks, the copy to CPU memory, and
+# for the first save the checkpoint group's creation); the numbers vary from run to run.
+# With storage that takes half a second to write, a synchronous save stops training for
+# that half second and more; the asynchronous one at step 20 costs about what it did on the
+# local disk, as the write goes on while steps 21 to 40 train. The save at step 40 is the
+# run's last, and the run waits for its write before it ends.
 #
 # %% [markdown]
 # ## Resume on another number of ranks

@@ -164,6 +164,13 @@ def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
     tmp.rename(run_dir / f"rank{rank}.pkl")  # the parent never sees half a file
 
 
+def _finish_saves() -> None:
+    """Publish an asynchronous checkpoint still being written, before the process group goes away."""
+    checkpoint = sys.modules.get("fsdp_guide.checkpoint")  # not imported: nothing to wait for
+    if checkpoint is not None:
+        checkpoint._wait_in_flight()
+
+
 def main() -> None:
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
     _dump_stacks_when_asked(run_dir, rank)
@@ -179,6 +186,7 @@ def main() -> None:
         where = where_this_rank_ran(backend)
         with _warnings_kept(not _shown(config["output"], rank)) as caught:
             result = fn(*args, **kwargs)
+            _finish_saves()
         if dist.is_initialized():  # the function may have torn it down itself
             dist.destroy_process_group()
         try:

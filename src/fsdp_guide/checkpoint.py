@@ -62,7 +62,11 @@ class CheckpointError(RuntimeError):
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step in ``directory``, or ``None`` if there is none."""
+    """The complete checkpoint with the highest step in ``directory``, or ``None`` if there is none.
+
+    A save of this process still in flight (:func:`async_save`) is waited for first.
+    """
+    _wait_in_flight()
     steps = _complete(Path(directory))
     return max(steps)[1] if steps else None
 
@@ -147,6 +151,9 @@ class PendingSave:
         return self._written.done()
 
     def wait(self) -> Path:
+        global _in_flight
+        if _in_flight is self:  # waited for here: the next save has nothing to wait for, or re-raise
+            _in_flight = None
         self._written.result()
         return self.path
 
@@ -159,8 +166,12 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
     returns: what is written is their state at the call. The checkpoint is published as
     ``step-N`` by rank 0 once every rank has written its part, and only then are older
     ones deleted, so a crash while it is in flight leaves the previous checkpoints as they
-    were. At most one save is in flight: this call (and :func:`save`, :func:`load`) first
-    waits for the previous one. Call ``wait()`` on the result before the program ends.
+    were. At most one save is in flight: this call (and :func:`save`, :func:`load`,
+    :func:`latest`) first waits for the previous one, and raises what it raised (a failed
+    save surfaces there, or at ``wait()``). Call ``wait()`` on the result before the
+    program ends, or before ``destroy_process_group()``: a process that exits first leaves
+    only ``.partial-step-N`` (:func:`fsdp_guide.launch`'s ranks wait for it themselves).
+    A ``storage_writer`` that stages asynchronously itself is not supported.
 
     Example:
 
@@ -180,13 +191,16 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
     group = _checkpoint_group()
     written = dcp.async_save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial),
                              process_group=group)
+    if not isinstance(written, Future):  # an AsyncSaveResponse: the writer staged in the background itself
+        raise TypeError(f"storage_writer={storage_writer!r} stages asynchronously itself; give async_save a "
+                        "writer that stages when called (DCP's FileSystemWriter does)")
 
     def publish() -> None:  # rank 0: every rank's part is written when the coordinator's save completes
         _publish(partial, final)
         _remove_older(final.parent, step, keep)
 
     global _in_flight
-    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group))
+    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group, final))
     return _in_flight
 
 
@@ -209,16 +223,25 @@ def _checkpoint_group():
         return None
     default = dist.distributed_c10d._get_default_group()
     if _group is None or _group[0] is not default:
-        _group = (default, dist.new_group(backend="gloo"))
+        _group = (default, dist.new_group(backend="gloo", timeout=_timeout(default)))
     return _group[1]
 
 
-def _then(future: Future, publish, group) -> Future:
+def _timeout(group):
+    """The group's collective timeout, so that a save waits no longer than training would (None: gloo's default)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout  # private: no public getter
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _then(future: Future, publish, group, final: Path) -> Future:
     """A future completed on every rank once ``future`` has and rank 0 has run ``publish()`` after it.
 
-    It runs in the writing thread: each rank then meets the others in a barrier on the
-    checkpoint group, success or not, so no rank's ``wait()`` returns before the name exists,
-    and none is left waiting because another failed.
+    It runs in the writing thread. Rank 0 then tells every rank how publishing went (a
+    broadcast on the checkpoint group, success or not): no rank's ``wait()`` returns before
+    the name exists, a failure on rank 0 is raised on every rank, and none is left
+    waiting because another failed.
     """
     published: Future = Future()
 
@@ -232,7 +255,10 @@ def _then(future: Future, publish, group) -> Future:
             error = failed
         try:
             if group is not None:
-                dist.barrier(group=group)
+                outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+                dist.broadcast_object_list(outcome, src=0, group=group)
+                if error is None and outcome[0] is not None:
+                    error = CheckpointError(f"{final} was not published: rank 0 failed with {outcome[0]}")
         except BaseException as failed:  # noqa: BLE001
             error = error or failed
         if error is None:

@@ -251,13 +251,15 @@ def _world_size(asked: int | None) -> int:
 def _run_in_this_process(fn, args, kwargs, backend, timeout):
     import torch.distributed as dist
 
-    from fsdp_guide._rank import init_process_group
+    from fsdp_guide._rank import _finish_saves, init_process_group
 
     created = not dist.is_initialized()
     if created:
         init_process_group(backend, timeout=timeout)
     try:
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        _finish_saves()
+        return result
     finally:
         if created and dist.is_initialized():  # fn may have torn it down itself
             dist.destroy_process_group()

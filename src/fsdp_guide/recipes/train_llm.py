@@ -268,7 +268,9 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
                          storage_writer=storage_writer, **stateful)
             stalls.append(time.perf_counter() - stall)
     if isinstance(saved, checkpoint.PendingSave):  # the last one is published before the run ends
+        stall = time.perf_counter()
         saved = saved.wait()
+        stalls[-1] += time.perf_counter() - stall  # the end of the run waits for it
     bar.close()
     tokens_per_s = tokens_per_step * len(losses) / (time.perf_counter() - run_start)  # saves included
     if config.export:
