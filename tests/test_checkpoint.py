@@ -353,3 +353,16 @@ def test_an_async_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the
         assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with PermissionError" in raised[1]
     assert latest(tmp_path).name == "step-00000001"  # nothing half-written was published
     assert launch(_load_on_one_rank, str(tmp_path), world_size=1, output="none") == [1]
+
+
+def _async_save_never_waited_for(directory):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    checkpoint.async_save(directory, 1, model, opt, storage_writer=_SlowWriter)
+    return "returned"  # without wait(): the rank publishes it before its process group goes
+
+
+def test_a_launched_function_that_does_not_wait_still_gets_its_async_save_published(tmp_path):
+    assert launch(_async_save_never_waited_for, str(tmp_path), world_size=2, output="none") == ["returned"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
