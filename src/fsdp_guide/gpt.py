@@ -39,15 +39,21 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.head_dim = config.n_embd // config.n_head
+        # Separate projections (not one fused qkv) so that tensor parallelism can shard each
+        # by columns: a rank then holds whole heads of q, k and v.
+        self.q = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.k = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.v = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        B, T, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_dim  # all of them, or this rank's share under tensor parallelism
+        q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
 class MLP(nn.Module):
