@@ -88,17 +88,18 @@ print("real tokens per rank:", [int((t != IGNORE).sum()) for t in targets.chunk(
 # batch, the quantity the sharded runs should reproduce:
 
 # %%
-def one_process_gradients():
+def one_process_gradients(tokens, targets):
+    """One process on all these rows: the mean loss over their real tokens, and the gradients."""
     model = build_model()
     loss, count = summed_loss(model, tokens, targets)
     (loss / count).backward()
     return (loss / count).item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-reference_loss, reference = one_process_gradients()
+reference_loss, reference = one_process_gradients(tokens, targets)
 
 
-def relative_error(grads):
+def relative_error(grads, reference=reference):
     """|g - g_ref| / |g_ref| over all parameters together."""
     diff = sum(((grads[n] - reference[n]) ** 2).sum() for n in reference)
     return (diff / sum((g ** 2).sum() for g in reference.values())).sqrt().item()
@@ -353,24 +354,15 @@ def costs(modes, mesh_shape):
     return {mode: accumulation_costs(mode, mesh_shape) for mode in modes}
 
 
-def one_process_step_gradients(world):
-    """One process on every rank's rows of the step, the loss over their real tokens."""
-    batches = [global_batch(seed=1 + rank) for rank in range(world)]
-    model = build_model()
-    loss, count = summed_loss(model, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-    (loss / count).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
-
-
 def print_costs(measured, world):
-    step_reference = one_process_step_gradients(world)
+    batches = [global_batch(seed=1 + rank) for rank in range(world)]  # every rank's rows of the step
+    _, step_reference = one_process_gradients(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
     print(f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
           f"{'gradients held / P after':>24}  {'gradient error':>14}")
     print(f"{'':30}" + f" {'count   bytes/P':>15}" * 3 + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}")
     for mode, (traffic, held, grads) in measured.items():
         cells = " ".join(f"{traffic[k][0]:6} {traffic[k][1]:8.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
-        error = (sum(((grads[n] - g) ** 2).sum() for n, g in step_reference.items())
-                 / sum((g ** 2).sum() for g in step_reference.values())).sqrt().item()
+        error = relative_error(grads, step_reference)
         print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
 
 
