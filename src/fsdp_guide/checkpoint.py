@@ -129,8 +129,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
     _barrier()  # every rank has written its part
     if _rank() == 0:
-        _publish(partial, final)
-        _remove_older(final.parent, step, keep)
+        _publish_and_clean(partial, final, step, keep)
     _barrier()
     return final
 
@@ -196,8 +195,7 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
                         "writer that stages when called (DCP's FileSystemWriter does)")
 
     def publish() -> None:  # rank 0: every rank's part is written when the coordinator's save completes
-        _publish(partial, final)
-        _remove_older(final.parent, step, keep)
+        _publish_and_clean(partial, final, step, keep)
 
     global _in_flight
     _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group, final))
@@ -322,6 +320,12 @@ def _publish(partial: Path, final: Path) -> None:
     os.rename(partial, final)
     _fsync(final.parent)
     _remove(old)
+
+
+def _publish_and_clean(partial: Path, final: Path, step: int, keep: int) -> None:
+    """Rank 0, once every rank has written: give the checkpoint its name, then delete the oldest beyond ``keep``."""
+    _publish(partial, final)
+    _remove_older(final.parent, step, keep)
 
 
 def _remove(path: Path) -> None:
