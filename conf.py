@@ -42,7 +42,7 @@ myst_heading_anchors = 3
 nitpicky = True
 nitpick_ignore_regex = [
     # No intersphinx (the build is offline): names from the standard library and torch stay plain text.
-    ("py:class", r"(collections\.abc\.)?(Callable|Iterator|Iterable)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future"),
+    ("py:class", r"(collections\.abc\.)?(Callable|Iterator|Iterable)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future|DeviceMesh"),
 ]
 
 autodoc_member_order = "bysource"

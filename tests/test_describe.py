@@ -31,11 +31,11 @@ def _describe(api):
 
 def test_fsdp2_rows_are_dtensor_shards():
     (rows0, bytes0, text0, html0), (rows1, _, _, _) = launch(_describe, "fsdp2", world_size=2, output="none")
-    assert rows0[0] == ParamShard("0.weight", (3, 5), (2, 5), "Shard(dim=0) over mesh 2", 40, "float32")
-    assert rows1[0] == ParamShard("0.weight", (3, 5), (1, 5), "Shard(dim=0) over mesh 2", 20, "float32")
+    assert rows0[0] == ParamShard("0.weight", (3, 5), (2, 5), "Shard(dim=0) over mesh 2", "[0:2, :]", 40, "float32")
+    assert rows1[0] == ParamShard("0.weight", (3, 5), (1, 5), "Shard(dim=0) over mesh 2", "[2:3, :]", 20, "float32")
     assert [r.name for r in rows0] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert bytes0 == sum(r.local_bytes for r in rows0) == 4 * (10 + 2 + 3 + 1)
-    assert text0.splitlines()[0].split() == ["name", "full", "shape", "local", "shape", "placement", "local", "bytes", "dtype"]
+    assert text0.splitlines()[0].split() == ["name", "full", "shape", "local", "shape", "placement", "holds", "local", "bytes", "dtype"]
     assert html0.startswith("<table>") and "<td>0.weight</td>" in html0
 
 
@@ -46,12 +46,54 @@ def test_fsdp1_rows_show_each_parameters_slice_of_the_flat_parameter():
     assert by_rank[0]["0.weight"].local_shape == (9,) and by_rank[0]["0.bias"].local_shape == (0,)
     assert by_rank[1]["0.weight"].local_shape == (6,) and by_rank[1]["0.bias"].local_shape == (3,)
     assert by_rank[0]["0.bias"].placement == "none on this rank"
-    assert by_rank[1]["0.weight"].placement == "elements [9:15] of the parameter, at [0:6] of this rank's flat shard"
+    assert by_rank[1]["0.weight"].placement == "at [0:6] of this rank's flat shard"
+    assert by_rank[1]["0.weight"].holds == "elements 9:15 (flattened)" and by_rank[0]["0.bias"].holds == "none"
     for name, full in (("0.weight", 15), ("0.bias", 3), ("2.weight", 6), ("2.bias", 2)):
         assert by_rank[0][name].local_shape[0] + by_rank[1][name].local_shape[0] == full
 
 
 def test_a_plain_module_is_described_as_not_sharded():
     table = describe_sharding(_model())
-    assert table[0] == ParamShard("0.weight", (3, 5), (3, 5), "not sharded", 60, "float32")
+    assert table[0] == ParamShard("0.weight", (3, 5), (3, 5), "not sharded", "all", 60, "float32")
     assert table.local_bytes == 4 * (15 + 3 + 6 + 2)
+
+
+def _describe_2d():
+    """Tensor parallel over tp (a column-wise and a row-wise Linear), then FSDP over dp, on a 2x2 mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    rows = {row.name: row for row in describe_sharding(model)}
+    # the held slices, read back out of the full parameter, are this rank's shard
+    held_is_local = {name: torch.equal(_take(p.full_tensor(), rows[name].holds), p.to_local())
+                     for name, p in model.named_parameters()}
+    return dist.get_rank(), rows, held_is_local
+
+
+def _take(full: torch.Tensor, holds: str) -> torch.Tensor:
+    """full[holds] for a string like "[0:2+4:6, :]"."""
+    for dim, ranges in enumerate(holds.strip("[]").split(", ")):
+        if ranges != ":":
+            index = [i for r in ranges.split("+") for i in range(*map(int, r.split(":")))]
+            full = full.index_select(dim, torch.tensor(index))
+    return full
+
+
+def test_a_2d_mesh_shows_named_dims_the_strided_shard_and_the_rows_each_rank_holds():
+    results = launch(_describe_2d, world_size=4, output="none")
+    holds = {rank: {name: row.holds for name, row in rows.items()} for rank, rows, _ in results}
+    _, rows, _ = results[0]
+    # column-wise TP splits the weight's rows over tp; FSDP then splits each TP shard's rows over dp
+    assert rows["0.weight"].placement == "_StridedShard(dim=0, sf=2) over dp=2, Shard(dim=0) over tp=2"
+    assert rows["2.weight"].placement == "Shard(dim=0) over dp=2, Shard(dim=1) over tp=2"
+    assert rows["2.bias"].placement == "Shard(dim=0) over dp=2, Replicate() over tp=2"
+    # ranks are (dp, tp) = (0, 0), (0, 1), (1, 0), (1, 1): a TP group shares rows 0:4 of 8
+    assert [holds[r]["0.weight"] for r in range(4)] == ["[0:2, :]", "[4:6, :]", "[2:4, :]", "[6:8, :]"]
+    assert [holds[r]["2.weight"] for r in range(4)] == ["[0:3, 0:4]", "[0:3, 4:8]", "[3:6, 0:4]", "[3:6, 4:8]"]
+    assert all(all(same.values()) for _, _, same in results)

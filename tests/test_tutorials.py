@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -161,6 +161,43 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     (_, _, t1, t2, t_held), (_, _, s1, s2, s_held), (_, _, r1, r2, r_held), (_, _, q1, q2, q_held) = teachers
     assert (t1, t2, t_held) == ("3", "2", "0.77") and (r1, r2, r_held) == ("3", "3", "0.50")
     assert s1 == s2 == q1 == q2 == "5" and s_held == q_held == "1.50"
+
+
+def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_trap_clipping_and_resharding(executed):
+    text = _text_outputs(executed["tensor_parallel"])
+    lines = text.splitlines()
+
+    def numbers(prefix):
+        line = next(line for line in lines if line.startswith(prefix))
+        return [float(x) for x in re.findall(r"(?<![\w(])-?\d+(?:\.\d+)?(?:e-?\d+)?", line.removeprefix(prefix))]
+
+    assert "   2   1   0         [0, 2]        [2, 3]" in text  # rank 2: dp 1, tp 0
+    # FSDP splits each TP shard's rows: rank 2 (dp 1, tp 0) holds rows 8:16 of q, not 16:24
+    assert re.search(r"2 \(1, 0\)\s+\[8:16, :\]\s+\[16:32, 0:16\]\s+\[16:32\]\s+\[128:256, :\]", text)
+    assert "_StridedShard(dim=0, sf=2) over dp=2, Shard(dim=0) over tp=2" in text
+    fsdp, tp = numbers("FSDP alone (dp=4)"), numbers("TP alone (tp=4)")
+    assert fsdp[:4] == [5, 1.74, 3, 1.0] and fsdp[-1] == 0.25
+    assert tp[:2] == [10, 1.22] and tp[2] == 8 and tp[4] == 24 and tp[-1] > 0.25  # activations; norms' grads
+    both = lines.index(next(line for line in lines if line.startswith("FSDP x TP (2 x 2)")))
+    dp_row, tp_row = numbers("FSDP x TP (2 x 2)"), [float(x) for x in lines[both + 1].split()[1:]]
+    assert dp_row[:4] == [5, 1.01, 3, 0.63] and 0.25 < dp_row[-1] < 0.45  # smaller all-gathers than FSDP alone
+    assert tp_row[0] == 10 and tp_row[2] == 8 and tp_row[4] == 8
+    one = text.split("one process  losses ")[1].splitlines()[0]
+    assert text.split("FSDP x TP    losses ")[1].splitlines()[0] == one
+    exact, wrong = (float(x.split()[0]) for x in text.split("parameters after 3 steps: largest difference ")[1:3])
+    assert exact < 1e-4 and wrong > 100 * exact
+    assert "(no error raised)" in text and "{'dp rows': True, 'rank quarters': False}" in text
+    fsdp_tp, hsdp = text.split("FSDP x TP:\n")[1], text.split("fully_shard(mesh=2D mesh):\n")[1]
+    assert "q's output on a rank (4, 16, 16); params held 0.32 P" in fsdp_tp
+    assert "Replicate() over dp=2, Shard(dim=0) over tp=2" in hsdp
+    assert "q's output on a rank (4, 16, 32); params held 0.50 P" in hsdp and "('dp', 'all-reduce', 3)" in hsdp
+    assert fsdp_tp.split("loss ")[1].split()[0] == hsdp.split("loss ")[1].split()[0]  # both train the same
+    assert "clip_grad_norm_ on every parameter: All operands in aten.stack.default must have the same mesh" in text
+    one_norm, total = numbers("one process total norm")
+    assert abs(one_norm - total) < 1e-6 and numbers("clipped gradients vs one process's")[0] < 1e-7
+    assert "exported file into a plain GPT: <All keys matched successfully>" in text
+    assert "step 2; 1D parameters equal the 2D ones exactly: True" in text
+    assert "AdamW's first moments equal exactly: True" in text and "exported file equals the 2D parameters exactly: True" in text
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):

@@ -5,21 +5,30 @@ from __future__ import annotations
 import html
 from dataclasses import astuple, dataclass, fields
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP's placement on a 2D mesh
 
 __all__ = ["describe_sharding", "ParamShard", "ShardingTable"]
 
 
 @dataclass(frozen=True)
 class ParamShard:
-    """One parameter as this rank holds it."""
+    """One parameter as this rank holds it.
+
+    ``placement``: how it is split, one placement per mesh dimension (each named with its
+    size when the mesh has names); ``holds``: which part of the full parameter is here,
+    as a slice of each dimension (``[8:16, :]``: rows 8 to 15, every column), ``all``, or
+    for FSDP1 the elements of the flattened parameter.
+    """
 
     name: str
     full_shape: tuple
     local_shape: tuple
     placement: str
+    holds: str
     local_bytes: int
     dtype: str
 
@@ -53,7 +62,11 @@ def describe_sharding(module: nn.Module) -> ShardingTable:
     """One row per parameter: name, full shape, local shape, placement, local bytes, dtype, on this rank.
 
     - FSDP2 (``fully_shard``) or any DTensor parameter: the DTensor's global shape,
-      its local shard, and its placements over the device mesh.
+      its local shard, its placements over the device mesh, and the slice of the full
+      tensor the local shard is. On a 2D mesh (FSDP over ``dp`` after tensor parallelism
+      over ``tp``) a parameter that both shard along dim 0 gets FSDP's
+      ``_StridedShard(dim=0, sf=2)``: FSDP splits the rows this rank's TP group holds,
+      not the full tensor's, and ``holds`` shows which rows that leaves here.
     - FSDP1 (``FullyShardedDataParallel``): each original parameter inside the
       flattened ``FlatParameter``: which elements of the flattened parameter this
       rank holds, and where they lie in this rank's flat shard (read from FSDP1's
@@ -68,10 +81,10 @@ def describe_sharding(module: nn.Module) -> ShardingTable:
     >>> def describe():
     ...     return str(describe_sharding(fully_shard(nn.Linear(4, 3))))
     >>> print(launch(describe, world_size=2, output="none")[1])
-    name    full shape  local shape  placement                 local bytes  dtype
-    ------  ----------  -----------  ------------------------  -----------  -------
-    weight  (3, 4)      (1, 4)       Shard(dim=0) over mesh 2  16           float32
-    bias    (3,)        (1,)         Shard(dim=0) over mesh 2  4            float32
+    name    full shape  local shape  placement                 holds     local bytes  dtype
+    ------  ----------  -----------  ------------------------  --------  -----------  -------
+    weight  (3, 4)      (1, 4)       Shard(dim=0) over mesh 2  [2:3, :]  16           float32
+    bias    (3,)        (1,)         Shard(dim=0) over mesh 2  [2:3]     4            float32
     total local bytes: 20
     """
     rows = ShardingTable()
@@ -96,15 +109,58 @@ def _dtype(p) -> str:
 
 def _plain_row(name: str, p) -> ParamShard:
     shape = tuple(p.shape)
-    return ParamShard(name, shape, shape, "not sharded", p.numel() * p.element_size(), _dtype(p))
+    return ParamShard(name, shape, shape, "not sharded", "all", p.numel() * p.element_size(), _dtype(p))
 
 
 def _dtensor_row(name: str, p: DTensor) -> ParamShard:
     local = p.to_local()
-    placements = ", ".join(repr(pl) for pl in p.placements)
-    mesh = "x".join(str(s) for s in p.device_mesh.shape)
-    return ParamShard(name, tuple(p.shape), tuple(local.shape), f"{placements} over mesh {mesh}",
+    return ParamShard(name, tuple(p.shape), tuple(local.shape), _placements(p), _holds(p),
                       local.numel() * local.element_size(), _dtype(p))
+
+
+def _placements(p: DTensor) -> str:
+    mesh = p.device_mesh
+    if mesh.mesh_dim_names is None:
+        return f"{', '.join(repr(pl) for pl in p.placements)} over mesh {'x'.join(map(str, mesh.shape))}"
+    return ", ".join(f"{pl!r} over {name}={size}"
+                     for pl, name, size in zip(p.placements, mesh.mesh_dim_names, mesh.shape))
+
+
+def _holds(p: DTensor) -> str:
+    """The slice of the full tensor this rank's shard is, e.g. ``[8:16, :]``."""
+    if not any(_shards(pl) for pl in p.placements):
+        return "all"
+    return "[" + ", ".join(_indices_held(p, dim) for dim in range(p.dim())) + "]"
+
+
+def _indices_held(p: DTensor, dim: int) -> str:
+    # DTensor's own sharding rules (``_StridedShard`` included) applied to one index
+    # vector per dimension: no formula of ours to drift from torch's, and no
+    # communication (``src_data_rank=None``: every rank splits its own copy).
+    placements = [pl if _shards(pl, dim) else Replicate() for pl in p.placements]
+    if all(isinstance(pl, Replicate) for pl in placements):
+        return ":"
+    shape = [1] * p.dim()
+    shape[dim] = p.shape[dim]
+    index = torch.arange(p.shape[dim]).view(shape)
+    held = distribute_tensor(index, p.device_mesh, placements, src_data_rank=None).to_local().flatten().tolist()
+    return "+".join(f"{start}:{stop}" for start, stop in _runs(held)) or "none"
+
+
+def _shards(placement, dim: int | None = None) -> bool:
+    # Since torch 2.10 _StridedShard is no longer a subclass of Shard, and its is_shard() is False.
+    return isinstance(placement, (Shard, _StridedShard)) and dim in (None, placement.dim)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive indices as half-open ranges: [0, 1, 2, 8, 9] -> [(0, 3), (8, 10)]."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _flat_param_rows(prefix: str, flat) -> list[ParamShard]:
@@ -114,11 +170,12 @@ def _flat_param_rows(prefix: str, flat) -> list[ParamShard]:
         # intra_param_*_idx index the flattened original parameter (end inclusive);
         # offset_in_shard/numel_in_shard locate those elements in this rank's flat shard
         # (torch/distributed/fsdp/_flat_param.py, _ShardParamInfo).
-        where = (f"elements [{info.intra_param_start_idx}:{info.intra_param_end_idx + 1}] of the parameter, "
-                 f"at [{info.offset_in_shard}:{info.offset_in_shard + info.numel_in_shard}] of this rank's flat shard"
+        where = (f"at [{info.offset_in_shard}:{info.offset_in_shard + info.numel_in_shard}] of this rank's flat shard"
                  if info.in_shard else "none on this rank")
         name = _clean(f"{prefix}.{fqn}" if prefix else fqn)
-        rows.append(ParamShard(name, tuple(shape), (numel,), where, numel * flat.element_size(), _dtype(flat)))
+        holds = (f"elements {info.intra_param_start_idx}:{info.intra_param_end_idx + 1} (flattened)"
+                 if info.in_shard else "none")
+        rows.append(ParamShard(name, tuple(shape), (numel,), where, holds, numel * flat.element_size(), _dtype(flat)))
     return rows
 
 
