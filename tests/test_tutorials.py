@@ -176,12 +176,14 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert re.search(r"2 \(1, 0\)\s+\[8:16, :\]\s+\[16:32, 0:16\]\s+\[16:32\]\s+\[128:256, :\]", text)
     assert "_StridedShard(dim=0, sf=2) over dp=2, Shard(dim=0) over tp=2" in text
     fsdp, tp = numbers("FSDP alone (dp=4)"), numbers("TP alone (tp=4)")
-    assert fsdp[:4] == [5, 1.74, 3, 1.0] and fsdp[-1] == 0.25
-    assert tp[:2] == [10, 1.22] and tp[2] == 8 and tp[4] == 24 and tp[-1] > 0.25  # activations; norms' grads
+    assert fsdp[:4] == [5, 1.74, 3, 1.0] and fsdp[-2] == 0.25  # (..., params held / P, saved KiB)
+    assert tp[:2] == [10, 1.22] and tp[2] == 8 and tp[4] == 24 and tp[-2] > 0.25  # activations; norms' grads
     both = lines.index(next(line for line in lines if line.startswith("FSDP x TP (2 x 2)")))
     dp_row, tp_row = numbers("FSDP x TP (2 x 2)"), [float(x) for x in lines[both + 1].split()[1:]]
-    assert dp_row[:4] == [5, 1.01, 3, 0.63] and 0.25 < dp_row[-1] < 0.45  # smaller all-gathers than FSDP alone
+    assert dp_row[:4] == [5, 1.01, 3, 0.63] and 0.25 < dp_row[-2] < 0.45  # smaller all-gathers than FSDP alone
     assert tp_row[0] == 10 and tp_row[2] == 8 and tp_row[4] == 8
+    no_sp = numbers("FSDP x TP, no seq. parallel")
+    assert no_sp[-2] == dp_row[-2] and no_sp[-1] > dp_row[-1]  # sequence parallelism saves activations
     one = text.split("one process  losses ")[1].splitlines()[0]
     assert text.split("FSDP x TP    losses ")[1].splitlines()[0] == one
     exact, wrong = (float(x.split()[0]) for x in text.split("parameters after 3 steps: largest difference ")[1:3])

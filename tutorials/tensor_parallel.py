@@ -17,7 +17,7 @@
 # **What you will learn**
 #
 # - how a 2D {term}`device mesh` with named dimensions (`dp`, `tp`) groups 4 ranks, and
-#   which process group each dimension is;
+#   which process groups each dimension stands for;
 # - how to apply {term}`tensor parallelism` (column-wise and row-wise `Linear`s, with
 #   {term}`sequence parallelism` for the norms) to the GPT's attention and MLP, then shard
 #   with `fully_shard` over `dp`, and what each rank then holds, strided shards included;
@@ -30,10 +30,11 @@
 # - gradient clipping when the parameters live on two meshes, and a 2D checkpoint loaded
 #   by a 1D FSDP run and exported to one file.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 50 seconds on 2 CPU cores. The
+# **What you need**: a CPU; 4 processes on gloo; about 30 seconds on 2 CPU cores. The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
-# on {func}`fsdp_guide.device`'s type. Tensor parallelism pays off on GPUs joined by a
-# fast link (NVLink) inside a node; here it shows what runs and what is exact, not speed.
+# on {func}`fsdp_guide.device`'s type. Tensor parallelism is expected to pay off on GPUs
+# joined by a fast link (NVLink) inside a node; this page shows what runs and what is
+# exact, not speed.
 # The tips it demonstrates are listed {ref}`at the end <tensor-parallel-tips>`.
 
 # %%
@@ -102,7 +103,8 @@ for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output=
 # set of process groups: a rank's `tp` group is its row (ranks 0 and 1 work on the same
 # sequences and split every layer between them), its `dp` group its column (ranks 0 and 2
 # hold the same TP shard of each layer and split the batch). The last dimension gets
-# adjacent ranks: on a GPU node, TP, the chattiest, then runs between neighbouring GPUs.
+# adjacent ranks: with torchrun's numbering, adjacent ranks share a node, so a TP group
+# no larger than a node's GPUs keeps its per-layer collectives on the node's fast link.
 #
 # (tp-plan)=
 # ## Tensor parallelism, then FSDP
@@ -204,9 +206,12 @@ for rank, table in enumerate(tables):
 # %% [markdown]
 # - `attn.q.weight` (32 x 32, output features by rows) is split by TP into rows 0:16 (tp
 #   rank 0) and 16:32 (tp rank 1); FSDP then splits *each TP shard's* rows over `dp`:
-#   rank 2 holds rows 8:16, not 16:24. That is `_StridedShard(dim=0, sf=2)` on `dp`: a
-#   shard along the same dimension as the TP shard after it, taken from within it.
-#   Gathering over `dp` alone (FSDP's all-gather) rebuilds exactly this rank's TP shard.
+#   rank 2 holds rows 8:16, not 16:24. Seen over `dp` alone, dp rank 0 holds rows 0:8
+#   and 16:24 (interleaved, so not a plain `Shard`): that is torch's private
+#   `_StridedShard(dim=0, sf=2)`, where `sf=2` is the number of TP shards of dim 0
+#   (placements are listed by mesh dimension, though TP's split was applied first). The
+#   `Shard(dim=0)` over `tp` then picks one block of rows. Gathering over `dp` alone
+#   (FSDP's all-gather) rebuilds exactly this rank's TP shard.
 # - `attn.proj.weight` is row-wise (split along its input features, dim 1) by TP and along
 #   dim 0 by FSDP: two plain `Shard`s, a quarter each.
 # - The norms are `Replicate()` over `tp` (sequence parallelism shards the activations,
@@ -220,12 +225,16 @@ for rank, table in enumerate(tables):
 # One training step (forward, backward, AdamW step; the second step, after FSDP's lazy
 # initialisation) on 4 ranks, counted with {func}`fsdp_guide.collectives.count_collectives`,
 # which sees FSDP's collectives and the ones DTensor runs for TP, and names the mesh
-# dimension whose process group ran each. Bytes are each collective's full-size tensor, in
-# units of *P*, the whole model's parameter bytes.
+# dimension whose process group ran each. Bytes are each collective's full-size buffer
+# (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer), in units of
+# *P*, the whole model's parameter bytes. The last column is what the forward leaves saved
+# for the backward on a rank ({func}`fsdp_guide.memory.saved_for_backward`), in KiB; a rank
+# runs 2 sequences with FSDP alone, 8 with TP alone and 4 with both, so compare the last
+# two rows with each other.
 
 # %%
 from fsdp_guide.collectives import count_collectives
-from fsdp_guide.memory import measure
+from fsdp_guide.memory import measure, saved_for_backward
 
 SETUPS = {"FSDP alone (dp=4)": ((4, 1), True), "TP alone (tp=4)": ((1, 4), True),
           "FSDP x TP (2 x 2)": ((2, 2), True), "FSDP x TP, no seq. parallel": ((2, 2), False)}
@@ -238,11 +247,13 @@ def one_step_counted(shape, sequence_parallel):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         with count_collectives(mesh) as seen:
-            _, loss = model(*my_rows(mesh, step))
+            with saved_for_backward() as saved:
+                _, loss = model(*my_rows(mesh, step))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    return [(dim, kind, n, nbytes / whole) for dim, kind, n, nbytes in seen.rows()], measure(model).params / whole
+    rows = [(dim, kind, n, nbytes / whole) for dim, kind, n, nbytes in seen.rows()]
+    return rows, measure(model).params / whole, saved.held_at_exit / 1024
 
 
 def every_setup():
@@ -250,12 +261,13 @@ def every_setup():
 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
-print(f"{'':28} {'dim':4}" + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS) + f"{'params held / P':>17}")
-for name, (rows, held) in launch(every_setup, world_size=4, output="none")[0].items():
+print(f"{'':28} {'dim':4}" + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS)
+      + f"{'params held / P':>17}{'saved, KiB':>12}")
+for name, (rows, held, saved) in launch(every_setup, world_size=4, output="none")[0].items():
     for i, dim in enumerate(sorted({dim for dim, *_ in rows})):
         cells = {kind: f"{n:3} {size:6.2f}" for d, kind, n, size in rows if d == dim}
         print(f"{name if i == 0 else '':28} {dim:4}" + "".join(f"{cells.get(kind, '-'):>24}" for kind in KINDS)
-              + (f"{held:17.2f}" if i == 0 else ""))
+              + (f"{held:17.2f}{saved:12.0f}" if i == 0 else ""))
 
 # %% [markdown]
 # - **FSDP alone** all-gathers each of the 3 units in the forward and the 2 blocks again
@@ -267,26 +279,34 @@ for name, (rows, held) in launch(every_setup, world_size=4, output="none")[0].it
 #   A rank holds 0.45 *P*: the embeddings and norms are whole on every rank. The 24 small
 #   all-reduces are the norms' gradients: sequence parallelism leaves them `Partial(sum)`
 #   (each rank summed over its part of the sequence), and AdamW's step, reading each of
-#   the 8 three times, all-reduces it each time.
+#   the 8 three times, all-reduces it each time. Reducing them once before the step
+#   (`p.grad = p.grad.redistribute(placements=[Replicate()])` for each partial gradient)
+#   leaves 8. Until then, `p.grad.to_local()` is a partial sum: hand-written logging or
+#   clipping that reads it is wrong.
 # - **FSDP x TP** does both on separate groups: FSDP's collectives run over `dp` on
 #   TP-split units (1.01 *P* of all-gathers instead of 1.74: the blocks are half-size, the
 #   root is not split by TP); TP's run over `tp` on half the batch. Each rank holds
-#   0.32 *P*: the TP-split weights a quarter, the embeddings half. Here the norms'
-#   gradients are all-reduced once, in FSDP's backward (8 all-reduces, 0.01 *P*).
+#   0.32 *P*, about a third: the TP-split weights a quarter, the embeddings half. Here the
+#   norms' gradients are all-reduced once, in FSDP's backward (8 all-reduces, 0.01 *P*).
 # - **Without sequence parallelism** each sub-layer's partial sums are all-reduced (4
-#   all-reduces each way). An all-reduce moves what a reduce-scatter and an all-gather
-#   move together, so the wire carries the same activation bytes either way, plus, here,
-#   one all-gather into the first block and one out of the last (the embeddings and final
-#   norm are outside the plan). What sequence parallelism saves is activation memory: the
-#   norms and the residual stream are split along the sequence.
+#   all-reduces each way). The table counts full-size buffers, not bytes on the wire:
+#   with a ring algorithm a rank sends (n-1)/n of the buffer for an all-gather or a
+#   reduce-scatter and twice that for an all-reduce, so the 8 all-reduces of 0.49 *P*
+#   carry what 8 reduce-scatters and 8 all-gathers of 0.49 *P* carry. Sequence
+#   parallelism adds two all-gathers here: out of the last block in the forward, and of
+#   the gradient at the first block's input in the backward (the embeddings and final
+#   norm are outside the plan). What it saves is activation memory, the norms' inputs and
+#   the residual stream split along the sequence: 260 KiB saved for backward against 277
+#   KiB. Little here, because each projection keeps its all-gathered input whole for its
+#   backward, and that dominates this small model.
 #
 # What the split buys is not on this table: with TP, each rank's matmuls are a fraction of
 # the layer, so more GPUs work on one batch without the global batch growing, and FSDP's
-# all-gathers shrink with the TP degree. On GPUs, TP belongs inside a node (its
-# collectives are on the critical path of every layer) and FSDP across nodes.
+# all-gathers shrink with the TP degree. On GPUs, TP is expected to belong inside a node
+# (its collectives are on the critical path of every layer) and FSDP across nodes.
 #
 # (tp-exact)=
-# ## Exact: 2D training is one process on the global batch
+# ## 2D training equals one process on the global batch, up to rounding
 #
 # Three AdamW steps on the 2 x 2 mesh, each `dp` rank on its half of the global batch and
 # both ranks of a TP group on the same half; and one process on the whole batch:
@@ -389,8 +409,10 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 #
 # A user who wants FSDP x TP builds the 2 x 2 mesh and passes it to `fully_shard`,
 # expecting it to use both dimensions. It does, as {term}`HSDP`: the first dimension
-# replicates, the second shards. The names on the mesh are only labels; `fully_shard`
-# never reads them.
+# replicates, the second shards. `fully_shard` requires a 2D mesh to have dimension
+# names, but does not interpret them: `dp` here replicates and `tp` shards. (torch 2.13
+# adds a `dp_mesh_dims` argument that names a mesh's data-parallel dimensions; this page
+# keeps to passing `mesh["dp"]`, which every torch version it supports accepts.)
 
 # %%
 from torch.distributed.fsdp import FSDPModule
@@ -404,8 +426,9 @@ def hsdp_by_mistake(model, mesh):
 
 def q_output_width(model, mesh):
     widths = []
-    model.blocks[0].attn.q.register_forward_hook(lambda m, i, out: widths.append(tuple(out.shape)))
+    hook = model.blocks[0].attn.q.register_forward_hook(lambda m, i, out: widths.append(tuple(out.shape)))
     model(*my_rows(mesh))
+    hook.remove()
     return widths[0]
 
 
@@ -431,20 +454,22 @@ for name, (placement, width, held, collectives, loss) in launch(both_ways, world
 
 # %% [markdown]
 # Both train, and to the same loss: HSDP is data parallelism, correct on any batches,
-# and here each TP-style pair feeds it the same batch twice. What differs:
+# and here each TP-style pair feeds it the same batch twice. (Each counts 4 all-gathers
+# over `dp` or `tp`, not the table's 5: the forward that measured `q`'s output left the
+# root gathered.) What differs:
 #
 # - **the placements**: `Replicate() over dp` on the first dimension is HSDP's signature;
 #   FSDP x TP shows a `Shard` (or `_StridedShard`) on `dp` and a `Shard` on `tp` for every
 #   planned weight;
 # - **the work**: under HSDP every rank computes all 4 heads (`q`'s output is 32 wide) on
 #   a batch its neighbour also computes: half the machine repeats the other half;
-# - **the memory**: HSDP holds half the model per rank, FSDP x TP about a quarter;
+# - **the memory**: HSDP holds half the model per rank, FSDP x TP about a third;
 # - **the collectives**: HSDP all-gathers and reduce-scatters over the second dimension
 #   and all-reduces gradients over the first; nothing runs per layer on activations.
 #
-# For HSDP, the batch must differ across *all* ranks (it is data parallel over 4); for
-# FSDP x TP, pass `mesh["dp"]` to `fully_shard` after `parallelize_module` over
-# `mesh["tp"]`.
+# For HSDP, the batch should differ across *all* ranks (it is data parallel over 4),
+# otherwise half the compute repeats; for FSDP x TP, pass `mesh["dp"]` to `fully_shard`
+# after `parallelize_module` over `mesh["tp"]`.
 #
 # (tp-clipping)=
 # ## Gradient clipping across both mesh dimensions
@@ -460,11 +485,14 @@ MAX_NORM = 0.1
 
 
 def clip_grad_norm_across_meshes(parameters, max_norm):
-    """clip_grad_norm_ for parameters on several meshes: one norm per mesh, combined, then clip each group."""
+    """clip_grad_norm_ for DTensor parameters on several meshes: one norm per mesh, combined, then clip each group.
+
+    Every parameter must be a DTensor (under FSDP2 they all are).
+    """
     by_mesh = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
-            by_mesh[p.grad.device_mesh].append(p)  # torch's foreach kernels need one mesh per call
+            by_mesh[p.grad.device_mesh].append(p)  # torch's stack and _foreach_mul_ take one mesh per call
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor() for group in by_mesh.values()]
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in by_mesh.values():
@@ -498,8 +526,9 @@ print(f"clipped gradients vs one process's: largest difference "
 
 # %% [markdown]
 # torch's `clip_grad_norm_` stacks the per-parameter norms into one tensor, and DTensor
-# refuses an operation whose operands live on different meshes. Grouping the parameters
-# by mesh works: each group's norm is a DTensor whose `full_tensor()` reduces over every
+# refuses an operation whose operands live on different meshes; its scaling step
+# (`_foreach_mul_` in `clip_grads_with_norm_`) fails the same way over both meshes.
+# Grouping the parameters by mesh, for both steps, works: each group's norm is a DTensor whose `full_tensor()` reduces over every
 # dimension its gradients are split on (`dp`, or `dp` and `tp`), the groups' norms combine
 # as the norm of norms, and each group is scaled by the same factor. The result is one
 # process's norm, and one process's clipped gradients. (torchtitan sidesteps the two
@@ -509,8 +538,9 @@ print(f"clipped gradients vs one process's: largest difference "
 # ## A 2D checkpoint, loaded by a 1D FSDP run and exported to one file
 #
 # The 2 x 2 run saves its model and AdamW state with {func}`fsdp_guide.checkpoint.save`
-# (DCP: each rank writes its shards, with their placements). A 2-rank FSDP run without
-# TP loads it: DCP reads whichever slices each new shard needs. It then exports one
+# (DCP: each rank writes its shards, each recorded with its offsets and sizes in the
+# global tensor). A 2-rank FSDP run without TP loads it: DCP reads whichever slices each
+# new shard needs. It then exports one
 # `torch.save` file with {func}`fsdp_guide.checkpoint.export_consolidated`.
 
 # %%
@@ -560,9 +590,13 @@ print("exported file equals the 2D parameters exactly:",
 # Nothing in the checkpoint ties it to the mesh that wrote it: DCP stores each tensor's
 # global shape and which slice every file holds, and the loading run asks for the slices
 # its own placements need (here a `_StridedShard` over `dp` and a `Shard` over `tp`
-# becomes a plain `Shard` over 2 ranks). The same holds in the other direction, and for
-# the export: `get_model_state_dict(..., full_state_dict=True)` gathers over every mesh
-# dimension. Bit for bit, because no arithmetic is involved, only copies.
+# becomes a plain `Shard` over 2 ranks); a 1D checkpoint is expected to load on a 2D run
+# the same way (not run here). The export's `get_model_state_dict(...,
+# full_state_dict=True)` gathers over every mesh dimension. Bit for bit, because no
+# arithmetic is involved, only copies. What does not carry over to a different number
+# of ranks is each rank's RNG state: {func}`fsdp_guide.checkpoint.load` restores it only
+# on the same world size, so a resumed run that draws random numbers (dropout, data
+# order) continues from new streams.
 #
 # (tensor-parallel-tips)=
 # ## The tips behind this
