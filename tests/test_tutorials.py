@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -200,6 +200,38 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert "exported file into a plain GPT: <All keys matched successfully>" in text
     assert "step 2; 1D parameters equal the 2D ones exactly: True" in text
     assert "AdamW's first moments equal exactly: True" in text and "exported file equals the 2D parameters exactly: True" in text
+
+
+def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_each_order(executed):
+    text = _text_outputs(executed["compile"])
+    lines = text.splitlines()
+    backend = text.split("backend: ")[1].split()[0]
+    assert backend in ("inductor", "aot_eager")
+    rows = {line[:32].strip(): line[32:].split() for line in lines
+            if line.startswith(("eager ", "each block, after", "each block, before", "whole model "))}
+    eager_losses = rows["eager"][:3]
+    for where in ("each block, after fully_shard", "each block, before fully_shard", "whole model"):
+        losses, difference, graphs, linears, collectives = rows[where][:3], float(rows[where][3]), *rows[where][4:]
+        assert (graphs, linears) == ("1", "[6]")  # one graph, a block's, shared by both blocks
+        assert collectives == rows["eager"][-1]  # FSDP's collectives unchanged
+        assert difference == 0.0 if backend == "aot_eager" else difference < 1e-4
+        assert losses == eager_losses or backend == "inductor"
+    assert "dynamo: graph break in loop" in text  # the root's frame, run eagerly
+    assert "fullgraph=True, each block   -> compiles" in text
+    assert "fullgraph=True, whole model  -> Unsupported: Attempted to call function marked as skipped" in text
+    assert "torch.compile(block): blocks.0._orig_mod.ln_1.weight" in text
+    assert "block.compile():      blocks.0.ln_1.weight" in text
+    graphs = {line[:30].strip(): int(line[30:].split()[0]) for line in lines if line.endswith("graph(s)")}
+    assert graphs == {"train step 1": 1, "train step 2": 1, "model.eval(), a forward": 1,
+                      "model.eval() under no_grad": 2, "model.train(), a step": 2, "reshard_after_forward=False": 2,
+                      "a step on 16 tokens": 3, "a step on 24 tokens": 3, "a step on 8 tokens": 3}
+    orders = {line[:26].strip(): line[26:].split() for line in lines
+              if line.startswith(("no checkpointing", "checkpointing, eager", "checkpoint, then", "compile, then"))}
+    saved = {order: float(row[2]) for order, row in orders.items()}
+    assert all(float(row[3]) == 0.0 for row in orders.values())  # checkpointing changes no number
+    assert orders["checkpoint, then compile"][:2] == ["1", "[0]"] and orders["compile, then checkpoint"][:2] == ["1", "[6]"]
+    assert saved["checkpointing, eager"] == saved["compile, then checkpoint"] < saved["checkpoint, then compile"]
+    assert saved["checkpoint, then compile"] < saved["no checkpointing, eager"] / 2
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):
