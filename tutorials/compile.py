@@ -46,7 +46,9 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # run trains 3 AdamW steps on the same batches, and returns its losses and the full
 # parameters. `CompileLog` is a `torch.compile` backend that records each graph dynamo
 # hands it (the number of `linear` calls in it says what it covers: a block has 6) and
-# passes it on to a real backend.
+# passes it on to a real backend. It, `torch._dynamo.reset()` and dynamo's counters are
+# this page's instruments, private debugging helpers; a training script just calls
+# `block.compile()` (with `mode=` or `options=` as it needs).
 
 # %%
 import torch.distributed as dist
@@ -92,8 +94,8 @@ def train(model, steps=STEPS):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    # checkpoint_wrapper adds "_checkpoint_wrapped_module." to the names under it (DCP's
-    # get_model_state_dict takes it out again): compare by the plain model's names
+    # checkpoint_wrapper adds "_checkpoint_wrapped_module." to the parameter names under it
+    # (not to its state_dict() keys): compare by the plain model's names
     params = {name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor().cpu()
               for name, p in model.named_parameters()}
     return losses, params
@@ -117,7 +119,8 @@ class CompileLog:
 # `inductor`, torch's default, generates C++ (with OpenMP) for the CPU and Triton for
 # GPUs. On a CPU it needs a C++ compiler; where it has none, this page falls back to
 # `aot_eager`: the same graph capture (dynamo) and autograd tracing (AOTAutograd), run by
-# eager kernels. Each rank tries `inductor` on a tiny function on its own device:
+# eager kernels. Each rank tries `inductor` on a tiny function on its own device (rank
+# 0's answer is used: here every rank is on the same machine):
 
 # %%
 def pick_backend():
@@ -199,14 +202,18 @@ for where, (losses, params, graphs, skipped, collectives) in results.items():
 # - **Each block, in either order**, compiles one graph: the block's forward (6 linears),
 #   which both blocks share (same code, and their parameters are inputs to the graph, not
 #   constants in it), with AOTAutograd deriving its backward. FSDP's hooks stay outside
-#   the graph and run eagerly around it, so the collectives are eager's, the same number
-#   as without compile.
-# - **The whole model** compiles the same single graph, and nothing else: FSDP2 marks its
-#   hooks `torch._dynamo.disable` ("skipping FSDP hooks", `_fsdp_common.py`), so calling a
-#   sharded block from the root's `forward` is a graph break; the break sits inside the
-#   `for block in self.blocks` loop, where dynamo cannot resume, so it gives up on the
-#   root's whole frame: the embeddings, final norm, head and loss run eagerly. Only the
-#   blocks, entered as frames of their own, are compiled.
+#   the graph: the first frame dynamo traces is `Block.forward`, while the hooks run in
+#   `Module._call_impl`, torch's own code, which it does not trace as a frame of its own.
+#   So there is no graph break at all, the hooks run eagerly around the graph, and the
+#   collectives are eager's. `fully_shard` after `compile()` adds its hooks to the same
+#   untraced path, which is why the two orders behave alike.
+# - **The whole model** compiles the same single graph, and nothing else: FSDP2 wraps its
+#   hooks in `torch._dynamo.disable` ("skipping FSDP hooks", `_dynamo_disable` in
+#   `_fsdp_common.py`), so when dynamo traces the root's `forward` into a sharded block's
+#   call, the call to `disable` is a graph break (the reason dynamo gives names `disable`);
+#   the break sits inside the `for block in self.blocks` loop, where dynamo cannot resume,
+#   so it gives up on the root's whole frame: the embeddings, final norm, head and loss
+#   run eagerly. Only the blocks, entered as frames of their own, are compiled.
 # - **The numbers**: with `aot_eager` the kernels are eager's, so training is identical;
 #   with `inductor`, fused kernels may round differently (the differences, if any, are in
 #   the column "params vs eager").
@@ -257,16 +264,22 @@ print("an eager checkpoint into the wrapped model:",
 # %% [markdown]
 # A checkpoint saved from the wrapped model has `_orig_mod.` in its keys, and does not
 # load into an eager model (or a differently compiled one) without renaming. DCP's
-# `get_model_state_dict` strips the prefix; a plain `state_dict()` and `torch.save` do
-# not. `module.compile()` leaves the state dict, the module's type and its FSDP methods
-# (`reshard()`, `set_requires_gradient_sync`) as they were.
+# `get_model_state_dict` removes the prefix when the compiled wrapper sits directly in
+# the model (torchtitan registers `torch.compile(block)` back into the model and relies on
+# that), but not when it is inside another wrapper (`checkpoint_wrapper(torch.compile(block))`
+# keeps it); a plain `state_dict()` and `torch.save` never do. `module.compile()` leaves
+# the names and the module's type as they were: it is still an `FSDPModule` to
+# `isinstance`, where the wrapper is not (its attributes, `reshard()` included, are
+# forwarded to the module inside).
 #
 # (compile-recompiles)=
 # ## What recompiles
 #
 # Each block compiled after `fully_shard`, with `aot_eager`: which graphs dynamo makes
-# (and when it makes new ones) is decided before any backend runs, so the backend does
-# not change this table. The count is the graphs compiled so far.
+# (and when it makes new ones) is decided by dynamo's guards, and the backend rarely adds
+# any (inductor can add shape guards). The count is the graphs compiled so far. The
+# forward in `eval()` with gradients enabled is there only to tell the two guards apart:
+# evaluate under `no_grad`.
 
 # %%
 def recompilations():
@@ -296,9 +309,7 @@ def recompilations():
     model.train()
     step()
     events.append(("model.train(), a step", len(log.graphs)))
-    for module in model.modules():
-        if isinstance(module, torch.distributed.fsdp.FSDPModule):
-            module.set_reshard_after_forward(False)
+    model.set_reshard_after_forward(False)  # recurses into every FSDP module below the root
     step()
     events.append(("reshard_after_forward=False", len(log.graphs)))
     for tokens in (16, 24, 8):
@@ -315,14 +326,18 @@ for event, graphs in launch(recompilations, output="none")[0]:
 #   dynamo guards on what the traced code reads, and nothing in this block reads
 #   `self.training` (no dropout). `no_grad` changes the grad mode, which every graph is
 #   guarded on: one more graph. Back in training the first graph is reused: dynamo keeps
-#   each graph it compiled and picks the one whose guards pass, up to
-#   `torch._dynamo.config.recompile_limit` (8) graphs per code object.
+#   each graph it compiled and picks the one whose guards pass. It compiles up to
+#   `torch._dynamo.config.recompile_limit` (8) graphs per code object (and module
+#   instance); past that it warns and runs the frame eagerly from then on, silently slow
+#   unless `fail_on_recompile_limit_hit` is set. The blocks here share one budget.
 # - `reshard_after_forward` changes nothing in the graph: FSDP's resharding happens in its
 #   hooks, outside it.
 # - A new sequence length recompiles once, with that dimension made dynamic (symbolic);
-#   later lengths reuse the dynamic graph. To avoid the first static graph, mark the
-#   dimension dynamic up front (`torch._dynamo.mark_dynamic`), or pad batches to a few
-#   fixed lengths.
+#   later lengths reuse the dynamic graph. To avoid the first static graph, compile with
+#   `dynamic=True` (every dimension symbolic, batch included), or mark the dimension with
+#   `torch._dynamo.mark_dynamic` on the block's input where the model's forward makes it
+#   (marking the token batch does not reach a graph that starts inside the blocks); or
+#   pad batches to a few fixed lengths.
 #
 # (compile-ac)=
 # ## Activation checkpointing and compile, in each order
@@ -377,8 +392,12 @@ for order, (losses, params, graphs, saved) in runs.items():
 #   dynamo traces the wrapper's `torch.utils.checkpoint` call as one higher-order
 #   operator (the block's linears sit in a subgraph, so the top level counts none), and
 #   AOTAutograd's partitioner recomputes the checkpointed region in the compiled
-#   backward. It saves a little more than eager checkpointing (9 KiB here): what the
-#   partitioner chooses to keep rather than recompute.
+#   backward. The partitioner keeps only the block's input; the extra 9 KiB over eager
+#   checkpointing is a snapshot of the CPU generator's state per block (about 5 KiB each),
+#   saved so that the recomputed attention, an operator with a dropout argument, replays
+#   the same random stream. Eager checkpointing keeps its RNG state too, as a Python
+#   attribute that `saved_tensors_hooks` does not see. (A CUDA generator's state is a few
+#   bytes.)
 # - **Compile, then checkpoint**: the wrapper is eager and calls the compiled block twice,
 #   in the forward and again in the backward's recomputation; the block's graph is the
 #   same as without checkpointing. It saves what eager checkpointing saves.
@@ -390,7 +409,7 @@ for order, (losses, params, graphs, saved) in runs.items():
 # ## What to expect on GPUs (not run here)
 #
 # - Inductor generates Triton kernels and fuses the pointwise work around the matmuls
-#   (norms, GELU, residual adds, the attention's reshapes), where eager launches one
+#   (norms, GELU, residual adds, the transposing copies around the attention), where eager launches one
 #   kernel each: that is where compile is expected to save time, more for small hidden
 #   sizes, where those kernels weigh more.
 # - FSDP's all-gathers and reduce-scatters stay in its eager hooks, on their own CUDA
