@@ -1,11 +1,12 @@
 # ---
 # jupyter:
 #   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #   kernelspec:
-#     display_name: Python 3
+#     display_name: Python 3 (ipykernel)
 #     language: python
 #     name: python3
 # ---
@@ -65,27 +66,31 @@
 # ## SLURM
 #
 # One `torchrun` per node, started by `srun`; `torchrun` starts the ranks of its node:
-#
-# ```bash
-# #!/bin/bash
-# #SBATCH --job-name=fsdp-llm
-# #SBATCH --nodes=2
-# #SBATCH --ntasks-per-node=1          # one torchrun per node
-# #SBATCH --gpus-per-node=8
-# #SBATCH --cpus-per-task=64
-# #SBATCH --time=04:00:00
-# #SBATCH --requeue                     # preempted jobs come back and resume
-#
-# head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-# ckpt=/shared/ckpt/$SLURM_JOB_NAME
-# resume=$(ls -d "$ckpt"/step-* >/dev/null 2>&1 && echo "--resume latest")  # only if one exists
-# export NCCL_SOCKET_IFNAME=ib0 OMP_NUM_THREADS=8
-#
-# srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
-#     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
-#     -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 $resume
-# ```
-#
+
+# %% [markdown]
+r"""
+```bash
+#!/bin/bash
+#SBATCH --job-name=fsdp-llm
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1          # one torchrun per node
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=64
+#SBATCH --time=04:00:00
+#SBATCH --requeue                     # preempted jobs come back and resume
+
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+ckpt=/shared/ckpt/$SLURM_JOB_NAME
+resume=$(ls -d "$ckpt"/step-* >/dev/null 2>&1 && echo "--resume latest")  # only if one exists
+export NCCL_SOCKET_IFNAME=ib0 OMP_NUM_THREADS=8
+
+srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
+    --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
+    -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 $resume
+```
+"""
+
+# %% [markdown]
 # `--resume latest` fails when there is no checkpoint (a resume that silently starts afresh
 # hides lost work), so the script asks for it only when one exists. The recipe publishes a
 # checkpoint only when it is complete ({ref}`tip-exact-resume`), so a job killed during a
