@@ -413,10 +413,11 @@ def test_keyboard_interrupt_stops_every_rank():
     timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # what Ctrl-C and Jupyter's interrupt send
     timer.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt, match=r"^launch interrupted: its 2 rank\(s\) were stopped$") as info:
             launch(_sleep, 120, world_size=2, output="none")
     finally:
         timer.cancel()
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # not chained to the wait's frames
     # the autouse fixture checks that no rank survived
 
 
@@ -620,6 +621,9 @@ def test_interrupting_the_notebook_kernel_stops_every_rank():
         while reply["parent_header"].get("msg_id") != msg_id:
             reply = client.get_shell_msg(timeout=30)
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert reply["content"]["evalue"] == "launch interrupted: its 2 rank(s) were stopped"
+        traceback = "\n".join(reply["content"]["traceback"])
+        assert "launcher.py" in traceback and "_wait_for_an_exit" not in traceback and "threading.py" not in traceback
         time.sleep(0.2)
         kernel = psutil.Process(manager.provisioner.process.pid)
         left = [c for c in kernel.children(recursive=True) if not _is_warm_server(c)]  # kept for the next launch

@@ -277,7 +277,7 @@ print("an eager checkpoint into the wrapped model:",
 # ## What recompiles
 #
 # Each block compiled after `fully_shard`, with `aot_eager`: which graphs dynamo makes
-# (and when it makes new ones) is decided by dynamo's guards, and the backend rarely adds
+# (and when a {term}`recompilation` makes a new one) is decided by dynamo's guards, and the backend rarely adds
 # any (inductor can add shape guards). The count is the graphs compiled so far. The
 # forward in `eval()` with gradients enabled is there only to tell the two guards apart:
 # evaluate under `no_grad`.

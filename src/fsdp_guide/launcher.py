@@ -148,7 +148,9 @@ def launch(
     Raises:
         LaunchError: a rank raised (its traceback is in the message), died without
             raising, or the ranks did not finish within ``timeout``. Every rank
-            process is stopped before it is raised; so it is on ``KeyboardInterrupt``.
+            process is stopped before it is raised.
+        KeyboardInterrupt: the wait was interrupted (Ctrl-C, Jupyter's stop button): raised
+            once every rank is stopped, saying how many were.
         ValueError: ``world_size < 1`` (or, under torchrun, other than ``WORLD_SIZE``), an
             unknown ``backend`` or ``output``, a timeout that is not a finite number of
             seconds > 0 (``timeout`` may also be ``None``).
@@ -175,12 +177,17 @@ def launch(
                   "sys_path": list(sys.path), "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
         ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start())
+        interrupted = False
         try:
             ranks.start()
             results, where, caught = ranks.wait(timeout)
+        except KeyboardInterrupt:
+            interrupted = True
         finally:
             ranks.stop()
             _warm.start_server()  # for the next launch (a no-op once it runs)
+    if interrupted:  # raised here, outside the waiting loop: the reader's traceback ends at launch()
+        raise KeyboardInterrupt(f"launch interrupted: its {world_size} rank(s) were stopped") from None
     _record(fn, world_size, where)
     _show_warnings(caught)
     return results
