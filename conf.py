@@ -26,7 +26,8 @@ root_doc = "index"
 # Only these are pages: with a .py notebook format, Sphinx would otherwise read conf.py,
 # noxfile.py, src/ and tests/ as notebooks.
 include_patterns = ["index.rst", "docs/**", "tutorials/*.py"]
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/__pycache__"]
+# The .ipynb files Jupyter pairs with the pages (jupytext.toml) are the reader's, not sources.
+exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
 
 # Tutorials are jupytext py:percent notebooks, executed at build time.
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}

@@ -1,6 +1,7 @@
 """The two commands of the README: `nox -s docs` builds the site, `nox -s tests torch` runs every test.
 
-`nox -s gpu` is the check for a machine with GPUs; `nox -s bench` measures speed."""
+`nox -s lab` opens the tutorials in JupyterLab; `nox -s gpu` is the check for a machine
+with GPUs; `nox -s bench` measures speed."""
 
 import os
 import shutil
@@ -14,9 +15,9 @@ nox.options.reuse_existing_virtualenvs = True
 SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-b", "html"]
 
 
-def install(session: nox.Session) -> None:
+def install(session: nox.Session, *extras: str) -> None:
     # The pinned environment the site is executed with (torch==2.13.0 among it).
-    session.install("-c", "constraints.txt", "-e", ".[test,docs]")
+    session.install("-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
 
 
 def install_chromium(session: nox.Session) -> None:
@@ -32,7 +33,7 @@ def install_chromium(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build, and the site in a browser."""
-    install(session)
+    install(session, "jupyter")  # tests/test_jupyter.py: the pages as JupyterLab saves them
     install_chromium(session)
     session.run("pytest", *session.posargs)
 
@@ -43,10 +44,10 @@ def tests(session: nox.Session) -> None:
 # Python float8 runs on 2.9, and it skips its compiled kernels (CUDA-only, built for 2.10).
 TORCH = {"oldest": ["torch==2.9.1", "torchao==0.16.0"], "newest": ["--upgrade", "torch", "torchao"]}
 # The package's own tests. Left out: the site (executing the pages, the built site, the
-# browser, the pages' code), the install-alone test (it installs the pinned torch), and the
+# browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the pinned torch), and the
 # GPU-run script (it executes the pages).
 SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_device_generic.py",
-              "test_install.py", "test_gpu_run.py"]
+              "test_install.py", "test_gpu_run.py", "test_jupyter.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
 # fallback, warm launches off) and its waits (timeouts, Ctrl-C). They test the operating
@@ -94,6 +95,28 @@ def docs(session: nox.Session) -> None:
     mode = "cache" if "--cached" in session.posargs else "force"
     session.run(*SPHINX, "-D", f"nb_execution_mode={mode}", ".", "_build/html")
     session.log("open _build/html/index.html, or: python -m http.server -b 127.0.0.1 -d _build/html 8000")
+
+
+# JupyterLab as `nox -s lab` runs it (tests/test_jupyter.py drives the same): on loopback;
+# the repository as its root, so that jupytext finds jupytext.toml, with the file browser
+# on tutorials/; and jupyter/ as its application settings directory, whose overrides.json
+# makes a double-click open a .py page as a notebook (read there, never written).
+LAB = ["--ServerApp.ip=127.0.0.1", "--ServerApp.root_dir=.", "--ServerApp.preferred_dir=tutorials",
+       "--LabApp.app_settings_dir=jupyter"]
+
+
+@nox.session
+def lab(session: nox.Session) -> None:
+    """JupyterLab on 127.0.0.1, its file browser on tutorials/: a double-click opens a .py tutorial as a notebook.
+
+    The pinned environment with the `jupyter` extra, and the repository's one JupyterLab
+    setting (jupyter/overrides.json: .py files open with jupytext's notebook view), given
+    to this command only. Arguments after `--` go to `jupyter lab`
+    (e.g. `nox -s lab -- --no-browser --port 8890`).
+    """
+    session.install("-c", "constraints.txt", "-e", ".[docs,jupyter]")
+    as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers often run as root; Jupyter refuses it otherwise
+    session.run("jupyter", "lab", *LAB, *as_root, *session.posargs)
 
 
 @nox.session
