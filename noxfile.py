@@ -97,7 +97,7 @@ def docs(session: nox.Session) -> None:
     session.log("open _build/html/index.html, or: python -m http.server -b 127.0.0.1 -d _build/html 8000")
 
 
-# JupyterLab as `nox -s lab` runs it (tests/test_jupyter.py drives the same): on loopback;
+# JupyterLab as `nox -s lab` runs it: on loopback;
 # the repository as its root, so that jupytext finds jupytext.toml, with the file browser
 # on tutorials/; and jupyter/ as its application settings directory, whose overrides.json
 # makes a double-click open a .py page as a notebook (read there, never written).

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import runpy
 import shutil
 import subprocess
-import time
 
 import pytest
 from conftest import NOTEBOOKS, ROOT
-from test_browser import browser  # noqa: F401  (the fixture: headless Chromium)
 
 
 def _contents_manager(root_dir):
@@ -54,83 +50,3 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     in_repository = page.with_suffix(".ipynb").relative_to(ROOT)
     ignored = subprocess.run(["git", "check-ignore", "-q", str(in_repository)], cwd=ROOT).returncode == 0
     assert ignored, f"git would track {in_repository}"
-
-
-# --- JupyterLab itself, as `nox -s lab` starts it, driven in Chromium ---------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """JupyterLab with `nox -s lab`'s options, on a copy of the repository's pages; yields (url, token, root)."""
-    import os
-    import secrets
-    import sys
-    import urllib.request
-
-    LAB = runpy.run_path(str(ROOT / "noxfile.py"))["LAB"]  # the options `nox -s lab` passes
-
-    root = tmp_path_factory.mktemp("repository")
-    shutil.copy(ROOT / "jupytext.toml", root)
-    shutil.copytree(ROOT / "tutorials", root / "tutorials", ignore=shutil.ignore_patterns("*.ipynb", "__pycache__"))
-    port, token, home = _free_port(), secrets.token_hex(16), tmp_path_factory.mktemp("home")
-    options = [o.replace("--LabApp.app_settings_dir=jupyter", f"--LabApp.app_settings_dir={ROOT / 'jupyter'}")
-               for o in LAB]
-    env = dict(os.environ, HOME=str(home), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", *options, "--no-browser", f"--port={port}", "--port-retries=0",
-         f"--IdentityProvider.token={token}", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5)
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise AssertionError(f"JupyterLab did not start:\n{server.stderr.read().decode()[-3000:]}")
-            time.sleep(0.5)
-    yield url, token, root
-    server.terminate()
-    server.wait(timeout=30)
-
-
-def test_jupyterlab_opens_a_tutorial_as_a_notebook_runs_it_and_saves_without_changing_it(lab, browser):
-    url, token, root = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{url}/lab?token={token}")
-    listing = page.locator(".jp-DirListing-item", has_text="quickstart.py")
-    listing.wait_for(timeout=60_000)  # the file browser starts in tutorials/
-    listing.dblclick()
-    notebook = page.locator(".jp-NotebookPanel")
-    notebook.wait_for(timeout=60_000)  # a notebook, not the text editor
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)  # kernel ready
-    page.get_by_role("menuitem", name="Run").click()
-    page.get_by_text("Run All Cells", exact=True).click()
-    # every code cell has run: each prompt shows its execution count ("[3]:"), none "[ ]:" or "[*]:"
-    page.wait_for_function("""() => {
-        const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-        return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-    }""", timeout=180_000)
-    outputs = notebook.locator(".jp-OutputArea-output").all_inner_texts()
-    assert any("torch 2." in text for text in outputs)
-    assert not any("Traceback" in text or "Error" in text.split("\n", 1)[0] for text in outputs)
-    page.keyboard.press("Control+s")
-    paired = root / "tutorials" / "quickstart.ipynb"
-    deadline = time.monotonic() + 30
-    while not paired.exists() and time.monotonic() < deadline:
-        page.wait_for_timeout(200)
-    assert (root / "tutorials" / "quickstart.py").read_text() == (ROOT / "tutorials" / "quickstart.py").read_text()
-    saved = json.loads(paired.read_text())
-    assert any(cell.get("outputs") for cell in saved["cells"])  # the outputs, kept in the ignored .ipynb
-    page.close()
