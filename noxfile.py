@@ -100,9 +100,11 @@ def docs(session: nox.Session) -> None:
 # JupyterLab as `nox -s lab` runs it: on loopback;
 # the repository as its root, so that jupytext finds jupytext.toml, with the file browser
 # on tutorials/; and jupyter/ as its application settings directory, whose overrides.json
-# makes a double-click open a .py page as a notebook (read there, never written).
+# makes a double-click open a .py page as a notebook (read there, never written); and
+# jupytext's contents manager with the pages' references to other pages made into links
+# JupyterLab follows (fsdp_guide._jupyter: rewritten on open, put back on save).
 LAB = ["--ServerApp.ip=127.0.0.1", "--ServerApp.root_dir=.", "--ServerApp.preferred_dir=tutorials",
-       "--LabApp.app_settings_dir=jupyter"]
+       "--LabApp.app_settings_dir=jupyter", "--ServerApp.contents_manager_class=fsdp_guide._jupyter.ContentsManager"]
 
 
 @nox.session

@@ -1,21 +1,35 @@
-"""The pages as Jupyter opens and saves them: jupytext's contents manager, with the repository's jupytext.toml."""
+"""The pages as Jupyter opens and saves them: `nox -s lab`'s contents manager (jupytext's, with the links), the repository's jupytext.toml."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import runpy
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import NOTEBOOKS, ROOT
+from test_browser import ARTIFACTS, browser  # noqa: F401  (the fixture: headless Chromium)
 
 
 def _contents_manager(root_dir):
-    # What JupyterLab's server uses once jupytext is installed: its contents manager over jupyter_server's.
-    from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
-    from jupytext.async_contentsmanager import build_async_jupytext_contents_manager_class
+    # What `nox -s lab`'s server uses: jupytext's contents manager over jupyter_server's,
+    # with the pages' references made into links (fsdp_guide._jupyter).
+    from fsdp_guide._jupyter import ContentsManager
 
-    return build_async_jupytext_contents_manager_class(AsyncLargeFileManager)(root_dir=str(root_dir))
+    return ContentsManager(root_dir=str(root_dir))
+
+
+def _repository_copy(root):
+    """The pages and jupytext.toml, laid out as in the repository (the links between them need all of them)."""
+    shutil.copy(ROOT / "jupytext.toml", root)  # found by walking up from the page, as in the repository
+    shutil.copy(ROOT / "index.rst", root)
+    for folder in ("tutorials", "docs"):
+        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("*.ipynb", "__pycache__"))
+    return root
 
 
 async def _run_all_and_save(manager, name: str) -> dict:
@@ -35,10 +49,8 @@ async def _run_all_and_save(manager, name: str) -> dict:
 
 @pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
 def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an_ignored_ipynb(page, tmp_path):
-    folder = tmp_path / page.parent.name
-    folder.mkdir()
-    shutil.copy(ROOT / "jupytext.toml", tmp_path)  # found by walking up from the page, as in the repository
-    shutil.copy(page, folder)
+    root = _repository_copy(tmp_path)
+    folder = root / page.parent.name
     # JupyterLab's root is the repository (`nox -s lab`): jupytext finds its configuration
     # in the page's folder or above it, within that root
     reloaded = asyncio.run(_run_all_and_save(_contents_manager(tmp_path), f"{folder.name}/{page.name}"))
@@ -50,3 +62,194 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     in_repository = page.with_suffix(".ipynb").relative_to(ROOT)
     ignored = subprocess.run(["git", "check-ignore", "-q", str(in_repository)], cwd=ROOT).returncode == 0
     assert ignored, f"git would track {in_repository}"
+
+
+LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?\)")
+ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?P<body>[^`]+)`")
+
+
+def _markdown(model) -> list[str]:
+    return [cell["source"] for cell in model["content"]["cells"] if cell["cell_type"] == "markdown"]
+
+
+@pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_page_opened_in_jupyter_links_to_the_pages_it_references_and_shows_no_roles(page, tmp_path):
+    root = _repository_copy(tmp_path)
+    manager, name = _contents_manager(root), page.relative_to(ROOT).as_posix()
+    opened = asyncio.run(manager.get(name, content=True, type="notebook"))
+    labels = set(re.findall(r"^\((?P<label>[\w-]+)\)=$", page.read_text().replace("# (", "("), re.M))
+    links = 0
+    for markdown in _markdown(opened):
+        for role in ROLE.finditer(markdown):  # only references within the page are left: jupyterlab-myst links them
+            label = role["body"].rsplit("<", 1)[-1].rstrip(">")
+            assert role["role"] == "ref" and label in labels, f"{role[0]} left as written in {name}"
+        for link in LINK.finditer(markdown):
+            if "://" in link["file"]:
+                continue  # a web link the page has itself
+            links += 1
+            target = (root / page.parent.name / link["file"]).resolve()
+            assert target.is_file(), f"{link[0]} in {name}: no such file"
+            kind, _, value = (link["fragment"] or "").partition("=")
+            if kind == "cell-id":  # another page's section: a cell of it with that id
+                other = asyncio.run(manager.get(target.relative_to(root).as_posix(), content=True, type="notebook"))
+                assert value in [cell["id"] for cell in other["content"]["cells"]], f"{link[0]}: no such cell"
+            elif kind == "line":  # a section of a reStructuredText page: its title's line, counted from 0
+                lines = target.read_text().splitlines()
+                assert set(lines[int(value) + 1].strip()) <= set("=-~^"), f"{link[0]}: line {value} is not a title"
+            else:
+                assert not link["fragment"], f"{link[0]}: a fragment JupyterLab does not follow"
+    cross_page = [r for r in ROLE.finditer(page.read_text()) if r["role"] in ("ref", "doc")
+                  and r["body"].rsplit("<", 1)[-1].rstrip(">") not in labels]
+    assert links >= len(cross_page)  # each reference to another page became a link
+
+
+def test_saving_keeps_what_the_reader_edited_and_puts_back_the_references_of_the_rest(tmp_path):
+    root = _repository_copy(tmp_path)
+    manager, name = _contents_manager(root), "tutorials/quickstart.py"
+    opened = asyncio.run(manager.get(name, content=True, type="notebook"))
+    cells = [c for c in opened["content"]["cells"] if c["cell_type"] == "markdown"]
+    assert "`fsdp_guide.launch()`" in cells[0]["source"] and "{func}" not in cells[0]["source"]
+    cells[0]["source"] += "\nA note of the reader's."
+    asyncio.run(manager.save({"type": "notebook", "content": opened["content"]}, name))
+    import jupytext
+
+    saved, written = jupytext.read(root / name).cells, jupytext.read(ROOT / name).cells
+    assert saved[0].source == cells[0]["source"]  # the edited cell, as edited (its references as opened)
+    assert [c.source for c in saved[1:]] == [c.source for c in written[1:]]  # the others, as written
+
+
+# --- JupyterLab itself, as `nox -s lab` starts it, driven in Chromium ---------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab with `nox -s lab`'s options, on a copy of the repository's pages; yields (url, token, root)."""
+    import os
+    import secrets
+    import sys
+    import urllib.request
+
+    LAB = runpy.run_path(str(ROOT / "noxfile.py"))["LAB"]  # the options `nox -s lab` passes
+
+    root = _repository_copy(tmp_path_factory.mktemp("repository"))
+    port, token, home = _free_port(), secrets.token_hex(16), tmp_path_factory.mktemp("home")
+    options = [o.replace("--LabApp.app_settings_dir=jupyter", f"--LabApp.app_settings_dir={ROOT / 'jupyter'}")
+               for o in LAB]
+    env = dict(os.environ, HOME=str(home), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
+    log = home / "jupyterlab.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the server
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", *options, "--no-browser", f"--port={port}", "--port-retries=0",
+         f"--IdentityProvider.token={token}", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5)
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError(f"JupyterLab did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+    yield url, token, root, log
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def test_jupyterlab_opens_a_tutorial_as_a_notebook_with_links_runs_it_and_saves_without_changing_it(lab, browser):
+    url, token, root, log = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        _open_run_and_save(page, url, token)
+        paired = root / "tutorials" / "quickstart.ipynb"
+        deadline = time.monotonic() + 30
+        while not paired.exists() and time.monotonic() < deadline:  # the save, before the page closes
+            time.sleep(0.2)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"), full_page=True)
+        print(log.read_text()[-5000:])  # the server's log, shown with the failure
+        raise
+    finally:
+        page.close()
+    assert (root / "tutorials" / "quickstart.py").read_text() == (ROOT / "tutorials" / "quickstart.py").read_text()
+    saved = json.loads(paired.read_text())
+    outputs = "".join("".join(out.get("text", "")) for cell in saved["cells"] for out in cell.get("outputs", []))
+    assert "torch 2." in outputs and "Traceback" not in outputs  # the run's outputs, kept in the ignored .ipynb
+
+
+FIRST_CELL_STARTED = """() => {
+    const prompt = document.querySelector('.jp-CodeCell .jp-InputPrompt');
+    return prompt && /\\[(\\*|\\d+)\\]/.test(prompt.textContent);
+}"""
+EVERY_CELL_RAN = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+    return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+}"""
+
+
+def _open_run_and_save(page, url: str, token: str) -> None:
+    page.goto(f"{url}/lab?token={token}")
+    listing = page.locator(".jp-DirListing-item", has_text="quickstart.py")
+    listing.wait_for(timeout=60_000)  # the file browser starts in tutorials/
+    listing.dblclick()
+    page.locator(".jp-NotebookPanel").wait_for(timeout=60_000)  # a notebook, not the text editor
+    _check_the_references_render(page)
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)  # kernel ready
+    for attempt in range(3):  # a kernel started moments ago may drop the first request (seen in a fresh clone)
+        page.get_by_role("menuitem", name="Run").click()
+        page.get_by_text("Run All Cells", exact=True).click()
+        try:
+            page.wait_for_function(FIRST_CELL_STARTED, timeout=30_000)
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+    page.wait_for_function(EVERY_CELL_RAN, timeout=180_000)  # each prompt shows its count, none [ ] or [*]
+    page.keyboard.press("Control+s")
+
+
+def _check_the_references_render(page) -> None:
+    """quickstart.py as rendered: no MyST markup; an API name as code; a tip opens at its title; an in-page link."""
+    rendered = page.locator(".jp-MarkdownCell .myst")
+    rendered.first.wait_for(timeout=60_000)
+    text = "\n".join(rendered.all_inner_texts())
+    assert not re.search(r"\{(ref|func|term|doc|class)\}|\(tutorial-quickstart\)=", text), text[:2000]
+    assert page.locator(".jp-MarkdownCell .myst code", has_text="fsdp_guide.launch()").count() > 0  # an API name
+    # a reference within the page: a link to the heading its label names (the browser scrolls there)
+    from playwright.sync_api import expect
+
+    expect(page.locator(".myst a", has_text="at the end").first).to_have_attribute("href", "#quickstart-tips")
+    expect(page.locator("h2#quickstart-tips", has_text="What this showed")).to_have_count(1)
+    # a tip: docs/fsdp_tips.rst in the editor, the cursor on the tip's title (line 13)
+    page.locator(".myst a", has_text="Run multi-process code from a notebook with fsdp_guide.launch").click()
+    page.locator(".jp-FileEditor").wait_for(timeout=30_000)
+    page.get_by_text(re.compile(r"^Ln 13, Col 1$")).wait_for(timeout=10_000)
+    page.get_by_role("tab", name="quickstart.py").click()  # back to the notebook
+
+
+def test_jupyterlab_follows_a_link_to_a_section_of_another_tutorial(lab, browser):
+    url, token, root, log = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{url}/lab/tree/tutorials/loss_and_accumulation.py?reset&token={token}")
+        link = page.locator(".myst a", has_text="The frozen base still travels")
+        link.wait_for(timeout=60_000)
+        link.click()  # lora.py opens, as a notebook (JupyterLab then scrolls to the cell, or near it: its own doing)
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="LoRA and frozen weights").wait_for(timeout=60_000)
+        assert page.get_by_role("tab", name="lora.py").get_attribute("aria-selected") == "true"
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-link-failure.png"), full_page=True)
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        page.close()
