@@ -111,9 +111,9 @@ LAB = ["--ServerApp.ip=127.0.0.1", "--ServerApp.root_dir=.", "--ServerApp.prefer
 def lab(session: nox.Session) -> None:
     """JupyterLab on 127.0.0.1, its file browser on tutorials/: a double-click opens a .py tutorial as a notebook.
 
-    The pinned environment with the `jupyter` extra, and the repository's one JupyterLab
-    setting (jupyter/overrides.json: .py files open with jupytext's notebook view), given
-    to this command only. Arguments after `--` go to `jupyter lab`
+    The pinned environment with the `jupyter` extra, and two settings given to this
+    command only: jupyter/overrides.json (.py files open with jupytext's notebook view),
+    and fsdp_guide._jupyter's contents manager (references to other pages become links). Arguments after `--` go to `jupyter lab`
     (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
     session.install("-c", "constraints.txt", "-e", ".[docs,jupyter]")

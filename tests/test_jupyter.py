@@ -26,7 +26,8 @@ def _contents_manager(root_dir):
 def _repository_copy(root):
     """The pages and jupytext.toml, laid out as in the repository (the links between them need all of them)."""
     shutil.copy(ROOT / "jupytext.toml", root)  # found by walking up from the page, as in the repository
-    shutil.copy(ROOT / "index.rst", root)
+    for file in ("index.rst", "conf.py"):  # conf.py marks the site's root, where the links start from
+        shutil.copy(ROOT / file, root)
     for folder in ("tutorials", "docs"):
         shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("*.ipynb", "__pycache__"))
     return root
@@ -64,57 +65,67 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     assert ignored, f"git would track {in_repository}"
 
 
-LINK = re.compile(r"\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?\)")
-ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?P<body>[^`]+)`")
+LINK = re.compile(r'\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?(?: "(?P<written>[^"]+)")?\)')
+ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?:(?P<title>[^`<]*?)\s*<)?(?P<name>[^`<>]+)>?`")
 
 
 def _markdown(model) -> list[str]:
     return [cell["source"] for cell in model["content"]["cells"] if cell["cell_type"] == "markdown"]
 
 
+def _check_link(link: re.Match, root, page, manager) -> None:
+    """A link made from a reference leads to the file, and the place in it, that the reference names."""
+    target = (root / page.parent.name / link["file"]).resolve()
+    assert target.is_file(), f"{link[0]}: no such file"
+    role = ROLE.fullmatch(link["written"])
+    kind, _, value = (link["fragment"] or "").partition("=")
+    if kind == "cell-id":  # a section of a notebook page: the cell holding its (label)= target
+        other = asyncio.run(manager.get(target.relative_to(root).as_posix(), content=True, type="notebook"))
+        cells = {cell["id"]: cell["source"] for cell in other["content"]["cells"]}
+        assert f"({role['name']})=" in cells.get(value, ""), f"{link[0]}: cell {value} does not hold the section"
+    elif kind == "line":  # in a .rst page, counted from 0: the section's title, the API entry or the term
+        line = target.read_text().splitlines()[int(value):int(value) + 2]
+        if role["role"] == "ref":
+            assert re.fullmatch(r"([=\-~^])\1+", line[1].strip()), f"{link[0]}: line {value} is not a title"
+            assert role["title"] or line[0].replace("``", "") == link["text"]  # Sphinx shows the title
+        elif role["role"] == "term":
+            assert line[0].strip().lower() == role["name"].lower(), f"{link[0]}: line {value} is not the term"
+        else:  # an API name: its entry, or its class's for a member
+            assert line[0].startswith(".. auto") and role["name"].startswith(line[0].split("::")[1].strip())
+    else:  # a whole page, opened at its top
+        assert not link["fragment"] and role["role"] in ("ref", "doc"), f"{link[0]}: a fragment JupyterLab does not follow"
+
+
 @pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
-def test_a_page_opened_in_jupyter_links_to_the_pages_it_references_and_shows_no_roles(page, tmp_path):
+def test_a_page_opened_in_jupyter_links_every_reference_to_the_place_it_names(page, tmp_path):
     root = _repository_copy(tmp_path)
     manager, name = _contents_manager(root), page.relative_to(ROOT).as_posix()
     opened = asyncio.run(manager.get(name, content=True, type="notebook"))
-    labels = set(re.findall(r"^\((?P<label>[\w-]+)\)=$", page.read_text().replace("# (", "("), re.M))
-    links = 0
+    labels = set(re.findall(r"^# \(([\w-]+)\)=$", page.read_text(), re.M))
+    links = []
     for markdown in _markdown(opened):
-        for role in ROLE.finditer(markdown):  # only references within the page are left: jupyterlab-myst links them
-            label = role["body"].rsplit("<", 1)[-1].rstrip(">")
-            assert role["role"] == "ref" and label in labels, f"{role[0]} left as written in {name}"
-        for link in LINK.finditer(markdown):
-            if "://" in link["file"]:
-                continue  # a web link the page has itself
-            links += 1
-            target = (root / page.parent.name / link["file"]).resolve()
-            assert target.is_file(), f"{link[0]} in {name}: no such file"
-            kind, _, value = (link["fragment"] or "").partition("=")
-            if kind == "cell-id":  # another page's section: a cell of it with that id
-                other = asyncio.run(manager.get(target.relative_to(root).as_posix(), content=True, type="notebook"))
-                assert value in [cell["id"] for cell in other["content"]["cells"]], f"{link[0]}: no such cell"
-            elif kind == "line":  # a section of a reStructuredText page: its title's line, counted from 0
-                lines = target.read_text().splitlines()
-                assert set(lines[int(value) + 1].strip()) <= set("=-~^"), f"{link[0]}: line {value} is not a title"
-            else:
-                assert not link["fragment"], f"{link[0]}: a fragment JupyterLab does not follow"
-    cross_page = [r for r in ROLE.finditer(page.read_text()) if r["role"] in ("ref", "doc")
-                  and r["body"].rsplit("<", 1)[-1].rstrip(">") not in labels]
-    assert links >= len(cross_page)  # each reference to another page became a link
+        links += [link for link in LINK.finditer(markdown) if link["written"]]
+        for role in ROLE.finditer(LINK.sub("", markdown)):  # what is left: references within the page only
+            assert role["role"] == "ref" and role["name"] in labels, f"{role[0]} left as written in {name}"
+    for link in links:
+        _check_link(link, root, page, manager)
+    in_page = sum(1 for role in ROLE.finditer(page.read_text()) if role["role"] == "ref" and role["name"] in labels)
+    assert len(links) == len(ROLE.findall(page.read_text())) - in_page  # every other reference became a link
 
 
-def test_saving_keeps_what_the_reader_edited_and_puts_back_the_references_of_the_rest(tmp_path):
+def test_saving_puts_back_the_references_in_every_cell_and_keeps_what_the_reader_wrote(tmp_path):
+    import jupytext
+
     root = _repository_copy(tmp_path)
     manager, name = _contents_manager(root), "tutorials/quickstart.py"
     opened = asyncio.run(manager.get(name, content=True, type="notebook"))
     cells = [c for c in opened["content"]["cells"] if c["cell_type"] == "markdown"]
-    assert "`fsdp_guide.launch()`" in cells[0]["source"] and "{func}" not in cells[0]["source"]
-    cells[0]["source"] += "\nA note of the reader's."
+    assert "[`fsdp_guide.launch()`](../docs/fsdp.rst#line=" in cells[0]["source"]
+    cells[0]["source"] += "\nA note of the reader's."  # an edited cell
+    (root / "docs" / "fsdp_tips.rst").write_text("\n" + (root / "docs" / "fsdp_tips.rst").read_text())  # moved
     asyncio.run(manager.save({"type": "notebook", "content": opened["content"]}, name))
-    import jupytext
-
     saved, written = jupytext.read(root / name).cells, jupytext.read(ROOT / name).cells
-    assert saved[0].source == cells[0]["source"]  # the edited cell, as edited (its references as opened)
+    assert saved[0].source == written[0].source + "\nA note of the reader's."  # its references as written
     assert [c.source for c in saved[1:]] == [c.source for c in written[1:]]  # the others, as written
 
 
@@ -170,11 +181,13 @@ def test_jupyterlab_opens_a_tutorial_as_a_notebook_with_links_runs_it_and_saves_
     url, token, root, log = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
+        tutorial, paired = root / "tutorials" / "quickstart.py", root / "tutorials" / "quickstart.ipynb"
+        before = tutorial.stat().st_mtime_ns
         _open_run_and_save(page, url, token)
-        paired = root / "tutorials" / "quickstart.ipynb"
-        deadline = time.monotonic() + 30
-        while not paired.exists() and time.monotonic() < deadline:  # the save, before the page closes
+        deadline = time.monotonic() + 30  # the save has written both files, before the page closes
+        while not (paired.exists() and tutorial.stat().st_mtime_ns > before) and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert tutorial.stat().st_mtime_ns > before, "the save did not write the .py"
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "jupyterlab-failure.png"), full_page=True)
         print(log.read_text()[-5000:])  # the server's log, shown with the failure
@@ -187,9 +200,9 @@ def test_jupyterlab_opens_a_tutorial_as_a_notebook_with_links_runs_it_and_saves_
     assert "torch 2." in outputs and "Traceback" not in outputs  # the run's outputs, kept in the ignored .ipynb
 
 
-FIRST_CELL_STARTED = """() => {
+FIRST_CELL_RAN = """() => {
     const prompt = document.querySelector('.jp-CodeCell .jp-InputPrompt');
-    return prompt && /\\[(\\*|\\d+)\\]/.test(prompt.textContent);
+    return prompt && /\\[\\d+\\]/.test(prompt.textContent);
 }"""
 EVERY_CELL_RAN = """() => {
     const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
@@ -205,11 +218,13 @@ def _open_run_and_save(page, url: str, token: str) -> None:
     page.locator(".jp-NotebookPanel").wait_for(timeout=60_000)  # a notebook, not the text editor
     _check_the_references_render(page)
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)  # kernel ready
-    for attempt in range(3):  # a kernel started moments ago may drop the first request (seen in a fresh clone)
+    # A kernel started moments ago may drop the first request (seen in a fresh clone): the
+    # prompt shows [*] as soon as a cell is queued, so wait for the first cell's count.
+    for attempt in range(3):
         page.get_by_role("menuitem", name="Run").click()
         page.get_by_text("Run All Cells", exact=True).click()
         try:
-            page.wait_for_function(FIRST_CELL_STARTED, timeout=30_000)
+            page.wait_for_function(FIRST_CELL_RAN, timeout=60_000)
             break
         except Exception:
             if attempt == 2:
@@ -220,14 +235,15 @@ def _open_run_and_save(page, url: str, token: str) -> None:
 
 def _check_the_references_render(page) -> None:
     """quickstart.py as rendered: no MyST markup; an API name as code; a tip opens at its title; an in-page link."""
-    rendered = page.locator(".jp-MarkdownCell .myst")
-    rendered.first.wait_for(timeout=60_000)
-    text = "\n".join(rendered.all_inner_texts())
-    assert not re.search(r"\{(ref|func|term|doc|class)\}|\(tutorial-quickstart\)=", text), text[:2000]
-    assert page.locator(".jp-MarkdownCell .myst code", has_text="fsdp_guide.launch()").count() > 0  # an API name
-    # a reference within the page: a link to the heading its label names (the browser scrolls there)
     from playwright.sync_api import expect
 
+    rendered = page.locator(".jp-MarkdownCell .myst")
+    rendered.first.wait_for(timeout=60_000)
+    expect(rendered).to_have_count(page.locator(".jp-MarkdownCell").count(), timeout=30_000)  # every cell
+    text = "\n".join(rendered.all_inner_texts())
+    assert not re.search(r"\{(ref|func|term|doc|class)\}|\(tutorial-quickstart\)=", text), text[:2000]
+    assert page.locator(".myst a code", has_text="fsdp_guide.launch()").count() > 0  # an API name, a link
+    # a reference within the page: a link to the heading its label names (the browser scrolls there)
     expect(page.locator(".myst a", has_text="at the end").first).to_have_attribute("href", "#quickstart-tips")
     expect(page.locator("h2#quickstart-tips", has_text="What this showed")).to_have_count(1)
     # a tip: docs/fsdp_tips.rst in the editor, the cursor on the tip's title (line 13)

@@ -1,18 +1,19 @@
-"""The pages' MyST references as Markdown that JupyterLab renders and follows (``nox -s lab``).
+"""The pages' MyST references as Markdown links that JupyterLab renders and follows (``nox -s lab``).
 
 Sphinx resolves ``{ref}``, ``{doc}``, ``{func}`` and ``{term}`` across the whole site;
-JupyterLab (with jupyterlab-myst) sees one notebook: it resolves a reference to a target in
+JupyterLab (with jupyterlab-myst) sees one notebook: it links a reference to a target in
 the same page, and shows the rest as plain text leading nowhere. ``ContentsManager`` is
-jupytext's contents manager with two steps added, so the ``.py`` pages stay as Sphinx reads
-them:
+jupytext's contents manager with two steps added, so that the ``.py`` pages stay as
+Sphinx reads them:
 
-- when a page is opened, each markdown cell is rewritten by :func:`to_jupyter`: a
-  reference to another page becomes a link to that page's file (a tutorial opens as a
-  notebook at the cell of the section, ``docs/*.rst`` opens in the editor at the line),
-  an API role becomes the name as code, a glossary term its text. References within the
-  page, and the ``(label)=`` targets, stay as they are: jupyterlab-myst renders those.
-- when it is saved, every markdown cell that still reads as it was opened gets its
-  original text back, so saving leaves the ``.py`` as it is in git.
+- when a page is opened, :func:`to_jupyter` makes each reference to another page a link
+  to that page's file: a tutorial opens as a notebook at the cell of the section, a
+  ``docs/*.rst`` page opens in the editor on the line of the section's title, an API name
+  on its ``auto...`` entry in the API reference, a glossary term on the term. The link's
+  title keeps the reference as written. References within the page, and the
+  ``(label)=`` targets, stay as they are: jupyterlab-myst links those itself.
+- when it is saved, :func:`from_jupyter` turns every such link back into the reference
+  its title holds, in edited cells too, so a save leaves the ``.py`` as it was.
 
 Written by hand: neither jupytext nor jupyterlab-myst resolves references across files,
 and Sphinx's own resolution needs a build of the whole site.
@@ -21,30 +22,39 @@ and Sphinx's own resolution needs a build of the whole site.
 from __future__ import annotations
 
 import functools
+import logging
 import posixpath
 import re
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Target", "find_targets", "to_jupyter", "ContentsManager"]
+__all__ = ["Target", "find_targets", "to_jupyter", "from_jupyter"]  # and ContentsManager, built on first use
 
-# The pages, relative to the repository's root: where labels are defined.
+# The pages, relative to the site's root (the folder with conf.py): where targets are defined.
 PAGES = ("*.rst", "docs/*.rst", "docs/*.py", "tutorials/*.py")
 
+LABEL = r"(?P<label>[A-Za-z0-9_-]{1,64})"  # a label that is also a valid notebook cell id
 ROLE = re.compile(r"\{(?P<role>ref|doc|term|func|class|meth|exc|attr|mod)\}`(?P<body>[^`]+)`")
 TITLED = re.compile(r"(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.S)
-PY_TARGET = re.compile(r"^# \((?P<label>[\w-]+)\)=$")
+TARGET_LINE = re.compile(rf"^\({LABEL}\)=$", re.M)  # a MyST target, in a markdown cell
+PY_TARGET = re.compile(rf"^# \({LABEL}\)=$")  # the same, in the py:percent file
 PY_HEADING = re.compile(r"^# #+ (?P<title>.+)$")
-RST_TARGET = re.compile(r"^\.\. _(?P<label>[\w-]+):$")
+RST_TARGET = re.compile(rf"^\.\. _{LABEL}:$")
 RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1+$")
+RST_AUTODOC = re.compile(r"^\.\. auto(?:function|class|exception|method|data|attribute)::\s+(?P<name>\S+)")
+RST_MEMBERS = re.compile(r"^\s+:members:\s+(?P<names>.+)$")
+# What to_jupyter writes: a link whose title is the reference as the page has it.
+LINK_BACK = re.compile(r"\[[^\]]*\]\([^)\s]*\s+\"(?P<role>\{[a-z]+\}`[^`\"]+`)\"\)")
+
+log = logging.getLogger(__name__)
 
 
 class Target(NamedTuple):
-    """Where a label (or a document) is defined, as a link from a notebook needs it."""
+    """Where a label, a page, an API name or a glossary term is defined, as a link from a notebook needs it."""
 
-    path: str  # relative to the repository's root, with "/"
+    path: str  # relative to the site's root, with "/"
     title: str  # what Sphinx shows for a reference without its own text
-    anchor: str  # the URL fragment JupyterLab follows: "cell-id=<label>" in a notebook, "line=<n>" in a text file
+    anchor: str  # the URL fragment JupyterLab follows: "cell-id=<id>" in a notebook, "line=<n>" (from 0) in a text file
 
 
 def _plain(title: str) -> str:
@@ -53,7 +63,11 @@ def _plain(title: str) -> str:
 
 
 def _py_targets(path: str, lines: list[str]) -> dict[str, Target]:
-    """The labels of a notebook page; each points at its cell (whose id is the cell's first label)."""
+    """The labels of a notebook page. Each opens its cell, whose id is the cell's first label.
+
+    Two sections in one markdown cell open at the same cell (its top): a cell id is all a
+    link into a notebook can name that JupyterLab finds before the cells are rendered.
+    """
     targets, cell_label = {}, None
     for i, line in enumerate(lines):
         if line.startswith("# %%"):
@@ -65,91 +79,123 @@ def _py_targets(path: str, lines: list[str]) -> dict[str, Target]:
             on_top = heading is not None and heading[0].startswith("# # ")  # the page's title: open it at the top
             targets[match["label"]] = Target(path, title, "" if on_top else f"cell-id={cell_label}")
     first = next((h for line in lines if (h := PY_HEADING.match(line))), None)
-    stem = path.rsplit(".", 1)[0]
-    targets[f"/{stem}"] = Target(path, _plain(first["title"]) if first else stem, "")  # the page, for {doc}
+    targets["doc:" + path.rsplit(".", 1)[0]] = Target(path, _plain(first["title"]) if first else path, "")
     return targets
 
 
 def _rst_targets(path: str, lines: list[str]) -> dict[str, Target]:
-    """The labels of a reStructuredText page; each points at the line of the title after it."""
-    def title_after(i: int) -> tuple[int, str] | None:
-        for j in range(i + 1, min(i + 4, len(lines) - 1)):
-            if lines[j].strip() and RST_UNDERLINE.match(lines[j + 1].strip()):
-                return j, lines[j]
-        return None
+    """The labels, API entries and glossary terms of a reStructuredText page, each on its line."""
+    def is_title(j: int) -> bool:
+        return j + 1 < len(lines) and bool(lines[j].strip()) and bool(RST_UNDERLINE.match(lines[j + 1].strip()))
 
-    targets = {}
+    targets, in_glossary, documented = {}, False, None  # documented: the last auto... entry, (name, line)
     for i, line in enumerate(lines):
-        if (match := RST_TARGET.match(line)) and (found := title_after(i)):
-            targets[match["label"]] = Target(path, _plain(found[1]), f"line={found[0]}")  # JupyterLab counts lines from 0
-    top = next(((i, lines[i]) for i in range(len(lines) - 1)
-                if lines[i].strip() and RST_UNDERLINE.match(lines[i + 1].strip())), None)  # the page's title
-    stem = path.rsplit(".", 1)[0]
-    targets[f"/{stem}"] = Target(path, _plain(top[1]) if top else stem, "")
+        if (match := RST_TARGET.match(line)) and (j := next((j for j in range(i + 1, i + 4) if is_title(j)), None)):
+            targets[match["label"]] = Target(path, _plain(lines[j]), f"line={j}")
+        if match := RST_AUTODOC.match(line):
+            documented = match["name"], i
+            targets["py:" + match["name"]] = Target(path, match["name"], f"line={i}")
+        elif (match := RST_MEMBERS.match(line)) and documented:  # members are documented under their class
+            for member in match["names"].split(","):
+                targets[f"py:{documented[0]}.{member.strip()}"] = Target(path, documented[0], f"line={documented[1]}")
+        if line.startswith(".. glossary::"):
+            in_glossary = True
+        elif line and not line.startswith(" "):
+            in_glossary = False
+        elif in_glossary and re.match(r"^   \S", line):  # a term: indented once; its definition, twice
+            targets["term:" + line.strip().lower()] = Target(path, line.strip(), f"line={i}")
+    top = next((j for j in range(len(lines)) if is_title(j)), None)
+    targets["doc:" + path.rsplit(".", 1)[0]] = Target(path, _plain(lines[top]) if top is not None else path, "")
     return targets
 
 
 def find_targets(root: Path) -> dict[str, Target]:
-    """Every label of the site's pages under ``root``, and every page as ``/<path without suffix>``.
+    """Every target of the site under ``root`` (the folder with ``conf.py``).
 
-    >>> from pathlib import Path
+    Keys: a label; ``doc:<path without suffix>`` for a page; ``py:<name>`` for an API
+    entry; ``term:<term, lower case>`` for a glossary term.
+
     >>> targets = find_targets(Path(__file__).parents[2])  # the repository, in a checkout
-    >>> targets["tip-describe-sharding"].path
-    'docs/fsdp_tips.rst'
-    >>> targets["tutorial-quickstart"].path, targets["quickstart-tips"].anchor
-    ('tutorials/quickstart.py', 'cell-id=quickstart-tips')
+    >>> targets["tip-describe-sharding"].path, targets["quickstart-tips"].anchor
+    ('docs/fsdp_tips.rst', 'cell-id=quickstart-tips')
+    >>> targets["compile-tips"].anchor  # the second section of the cell that opens with compile-gpu
+    'cell-id=compile-gpu'
+    >>> targets["py:fsdp_guide.launch"].path, targets["term:shard"].path
+    ('docs/fsdp.rst', 'docs/glossary.rst')
     """
     targets: dict[str, Target] = {}
     for pattern in PAGES:
         for file in sorted(root.glob(pattern)):
-            path, lines = file.relative_to(root).as_posix(), file.read_text().splitlines()
+            path, lines = file.relative_to(root).as_posix(), file.read_text(encoding="utf-8").splitlines()
             targets.update(_py_targets(path, lines) if file.suffix == ".py" else _rst_targets(path, lines))
     return targets
 
 
-def _link(page: str, target: Target) -> str:
-    """The URL of a target, relative to the page that links to it."""
+def _link(text: str, page: str, target: Target, written: str) -> str:
+    """A Markdown link from ``page`` to ``target``; its title keeps the reference as written."""
     url = posixpath.relpath(target.path, posixpath.dirname(page) or ".")
-    return f"{url}#{target.anchor}" if target.anchor else url
+    return f'[{text}]({url}{"#" + target.anchor if target.anchor else ""} "{written}")'
 
 
-def _role(match: re.Match, page: str, targets: dict[str, Target]) -> str:
-    role, body = match["role"], match["body"]
-    titled = TITLED.match(body)
-    title, name = (titled["title"], titled["target"]) if titled else (None, body)
+def _api_name(role: str, name: str) -> str:
+    """An API name as Sphinx shows it: ``~`` keeps the last part, functions and methods get ``()``."""
+    name = name.lstrip(".!").removesuffix("()")
+    shown = name[1:].rsplit(".", 1)[-1] if name.startswith("~") else name
+    return f"{shown}()" if role in ("func", "meth") else shown
+
+
+def _reference(role: str, title: str | None, name: str, page: str) -> tuple[str, str | None]:
+    """The key of what a reference points at, and the text Sphinx would show (None: the target's title)."""
+    if role == "ref":
+        return name, title
+    if role == "doc":  # relative to the page, or to the root with a leading "/"
+        return "doc:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)).lstrip("/"), title
     if role == "term":
-        return title or name
-    if role in ("ref", "doc"):
-        # {doc} names a page relative to this one, or to the root with a leading "/"
-        key = name if role == "ref" else "/" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)).lstrip("/")
-        target = targets.get(key)
-        if target is None or target.path == page:
-            return match[0]  # within the page (jupyterlab-myst links it), or unknown: left as written
-        return f"[{title or target.title}]({_link(page, target)})"
-    # An API role: the name as Sphinx shows it, as code (its reference is on the site, or help() in the kernel).
-    shown = name.lstrip("~").rsplit(".", 1)[-1] if name.startswith("~") else name
-    call = "()" if role in ("func", "meth") and not title else ""
-    return f"`{title or shown + call}`"
+        return "term:" + name.lower(), title or name
+    return "py:" + name.lstrip(".!~").removesuffix("()"), f"`{title}`" if title else f"`{_api_name(role, name)}`"
 
 
 def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
-    """A markdown cell of ``page`` with its MyST roles made into what JupyterLab renders and follows.
+    """A markdown cell of ``page`` with its references to other pages made into links.
 
     >>> targets = {"tip-x": Target("docs/fsdp_tips.rst", "A tip", "line=10"),
-    ...            "other": Target("tutorials/b.py", "Section", "cell-id=other"),
-    ...            "here": Target("tutorials/a.py", "Here", "cell-id=here")}
-    >>> to_jupyter("See {ref}`tip-x`, {ref}`that <other>` and {ref}`here`.", "tutorials/a.py", targets)
-    'See [A tip](../docs/fsdp_tips.rst#line=10), [that](b.py#cell-id=other) and {ref}`here`.'
-    >>> to_jupyter("{func}`fsdp_guide.launch`, {class}`~fsdp_guide.gpt.GPT`, {term}`shards <shard>`", "tutorials/a.py", {})
-    '`fsdp_guide.launch()`, `GPT`, shards'
+    ...            "here": Target("tutorials/a.py", "Here", "cell-id=here"),
+    ...            "py:fsdp_guide.launch": Target("docs/fsdp.rst", "fsdp_guide.launch", "line=350")}
+    >>> to_jupyter("See {ref}`tip-x` and {ref}`here`.", "tutorials/a.py", targets)
+    'See [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`") and {ref}`here`.'
+    >>> to_jupyter("{func}`fsdp_guide.launch`", "tutorials/a.py", targets)
+    '[`fsdp_guide.launch()`](../docs/fsdp.rst#line=350 "{func}`fsdp_guide.launch`")'
     """
-    return ROLE.sub(lambda match: _role(match, page, targets), markdown)
+    def rewrite(match: re.Match) -> str:
+        titled = TITLED.match(match["body"])
+        title, name = (titled["title"], titled["target"]) if titled else (None, match["body"])
+        key, text = _reference(match["role"], title, name, page)
+        target = targets.get(key)
+        if target is None or target.path == page:
+            return match[0]  # within the page (jupyterlab-myst links it), or not found: as written
+        if '"' in match[0] or re.search(r"[][]", text or target.title):
+            return match[0]  # would not survive as a Markdown link and its title: as written
+        return _link(text or target.title, page, target, match[0])
+
+    return ROLE.sub(rewrite, markdown)
 
 
-def cell_id(markdown: str) -> str | None:
-    """The id a markdown cell gets: its first ``(label)=`` target, which links from other pages open at."""
-    match = re.search(r"^\((?P<label>[\w-]+)\)=$", markdown, re.M)
-    return match["label"] if match else None
+def from_jupyter(markdown: str) -> str:
+    """A markdown cell with each link :func:`to_jupyter` made turned back into its reference.
+
+    >>> from_jupyter('See [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`"), [a site](https://a.b).')
+    'See {ref}`tip-x`, [a site](https://a.b).'
+    """
+    return LINK_BACK.sub(lambda match: match["role"], markdown)
+
+
+def _site_root(file: Path) -> Path | None:
+    """The folder with conf.py above a page: where its targets are, wherever JupyterLab was started."""
+    return next((parent for parent in file.parents if (parent / "conf.py").is_file()), None)
+
+
+def _text(source: str | list[str]) -> str:
+    return "".join(source) if isinstance(source, list) else source
 
 
 def __getattr__(name: str):
@@ -165,46 +211,36 @@ def _contents_manager_class():
     from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
     from jupytext.async_contentsmanager import build_async_jupytext_contents_manager_class
 
-    base = build_async_jupytext_contents_manager_class(AsyncLargeFileManager)
-
-    class ContentsManager(base):
-        """jupytext's contents manager; notebooks open with :func:`to_jupyter` applied and save with it undone."""
-
-        def _page(self, path: str) -> str | None:
-            """The page a notebook path is: the .py itself, or the .py an .ipynb is paired with."""
-            page = path.strip("/")
-            page = page if page.endswith(".py") else page.rsplit(".", 1)[0] + ".py"
-            return page if (Path(self.root_dir) / page).is_file() else None
+    class ContentsManager(build_async_jupytext_contents_manager_class(AsyncLargeFileManager)):
+        """jupytext's contents manager; notebooks open through :func:`to_jupyter` and save through :func:`from_jupyter`."""
 
         async def get(self, path, content=True, type=None, format=None, **kwargs):
             model = await super().get(path, content=content, type=type, format=format, **kwargs)
-            page = self._page(path)
-            if model["type"] == "notebook" and content and page:
-                targets = find_targets(Path(self.root_dir))
-                for cell in model["content"]["cells"]:
-                    if cell["cell_type"] == "markdown":
-                        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-                        cell["source"] = to_jupyter(source, page, targets)
-                        cell["id"] = cell_id(source) or cell.get("id")
+            if model["type"] == "notebook" and content:
+                try:
+                    self._add_links(model["content"], path)
+                except Exception:  # a page that opens without links beats one that does not open
+                    log.exception("fsdp_guide: could not make the references of %s into links", path)
             return model
 
-        async def save(self, model, path=""):
-            page = self._page(path)
-            if model["type"] == "notebook" and page:
-                self._restore(model["content"], page)
-            return await super().save(model, path)
-
-        def _restore(self, notebook: dict, page: str) -> None:
-            """Give each markdown cell the reader did not edit its text as the page has it."""
-            import jupytext
-
-            targets = find_targets(Path(self.root_dir))
-            saved = jupytext.read(Path(self.root_dir) / page)
-            original = {to_jupyter(cell.source, page, targets): cell.source
-                        for cell in saved.cells if cell.cell_type == "markdown"}
+        def _add_links(self, notebook: dict, path: str) -> None:
+            file = Path(self.root_dir, path.strip("/")).resolve()
+            root = _site_root(file)
+            if root is None:
+                return  # not a page of a site
+            page, targets = file.with_suffix(".py").relative_to(root).as_posix(), find_targets(root)
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "markdown":
-                    source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-                    cell["source"] = original.get(source, source)
+                    source = _text(cell["source"])
+                    cell["source"] = to_jupyter(source, page, targets)
+                    if label := TARGET_LINE.search(source):
+                        cell["id"] = label["label"]  # what links from other pages open (see _py_targets)
+
+        async def save(self, model, path=""):
+            if model["type"] == "notebook":
+                for cell in model["content"]["cells"]:
+                    if cell["cell_type"] == "markdown":
+                        cell["source"] = from_jupyter(_text(cell["source"]))
+            return await super().save(model, path)
 
     return ContentsManager
