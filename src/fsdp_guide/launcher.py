@@ -187,7 +187,8 @@ def launch(
             ranks.stop()
             _warm.start_server()  # for the next launch (a no-op once it runs)
     if interrupted:  # raised here, outside the waiting loop: the reader's traceback ends at launch()
-        raise KeyboardInterrupt(f"launch interrupted: its {world_size} rank(s) were stopped") from None
+        started = len(ranks.procs)  # fewer than world_size if the interrupt came while they were starting
+        raise KeyboardInterrupt(f"launch interrupted: its {started} rank(s) were stopped") from None
     _record(fn, world_size, where)
     _show_warnings(caught)
     return results
