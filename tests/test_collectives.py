@@ -1,4 +1,4 @@
-"""fsdp_guide.collectives.count_collectives on 4 gloo ranks: FSDP's and tensor parallelism's collectives, per mesh dimension."""
+"""fsdp_guide.collectives.count_collectives on gloo ranks: FSDP's and tensor parallelism's collectives, per mesh dimension, with their bytes (and record_dtypes', from the same table)."""
 
 from __future__ import annotations
 
@@ -42,3 +42,28 @@ def test_fsdp_and_tensor_parallel_collectives_are_counted_per_mesh_dimension_wit
             # column-wise layer's input gradient in backward (3 x 8 floats)
             ("tp", "all-reduce", 2, 2 * 3 * 8 * 4),
         ], f"with {meshes} mesh(es)"
+
+
+def _gathered_bytes(api: str):
+    """The bytes one forward all-gathers, as record_dtypes and count_collectives each see them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from fsdp_guide.collectives import count_collectives
+    from fsdp_guide.precision import record_dtypes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))  # 808 parameters: one unit, 3232 bytes
+    if api == "fsdp2":
+        model = fully_shard(model)
+    else:
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)  # cpu-only: gloo
+    with record_dtypes() as dtypes, count_collectives() as seen:
+        model(torch.ones(2, 16))
+    return dtypes.nbytes[("forward", "all-gather")], seen.nbytes[("other", "all-gather")]
+
+
+def test_record_dtypes_and_count_collectives_count_the_whole_gathered_unit_for_fsdp1_and_fsdp2():
+    for api in ("fsdp2", "fsdp1"):
+        recorded, counted = launch(_gathered_bytes, api, world_size=2, output="none")[0]
+        # FSDP1 on gloo gathers into a list of per-rank chunks: all of them count, not the first
+        assert recorded == counted == 808 * 4, api

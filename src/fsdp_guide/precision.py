@@ -15,10 +15,13 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_guide.collectives import _OPS, _nbytes
+
 __all__ = ["record_dtypes", "DtypeRecord", "low_precision_dtype"]
 
-# Schema names (without overload) -> the kind reported. Collectives as c10d
-# dispatches them on gloo and NCCL; their dtype is that of the tensor sent.
+# Schema names (without overload) -> the kind reported, for what computes. Collectives
+# come from fsdp_guide.collectives' table (c10d's ops as gloo and NCCL run them, and the
+# functional ones), the three kinds FSDP runs; their dtype is that of the tensor sent.
 _KINDS = {
     "aten::mm": "matmul",
     "aten::addmm": "matmul",
@@ -28,17 +31,8 @@ _KINDS = {
     "aten::_log_softmax": "softmax",
     "aten::mse_loss": "loss",
     "aten::nll_loss_forward": "loss",  # cross_entropy's
-    "c10d::_allgather_base_": "all-gather",
-    "c10d::allgather_": "all-gather",
-    "c10d::allgather_into_tensor_coalesced_": "all-gather",
-    "c10d::_reduce_scatter_base_": "reduce-scatter",
-    "c10d::reduce_scatter_": "reduce-scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce-scatter",
-    "c10d::allreduce_": "all-reduce",
-    "c10d::allreduce_coalesced_": "all-reduce",
-    "_c10d_functional::all_reduce": "all-reduce",
-    "_c10d_functional::all_reduce_": "all-reduce",
 }
+_COLLECTIVES = {name: found for name, found in _OPS.items() if found[0] in ("all-gather", "reduce-scatter", "all-reduce")}
 
 
 def _first_tensor(value):
@@ -85,25 +79,32 @@ class DtypeRecord(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        kind = _KINDS.get(func._schema.name)
-        if kind is not None:
-            # A collective's input is what goes on the wire (for an all-gather the first
-            # argument is the gathered buffer: same dtype, all the bytes); a matmul's
-            # operands are what it computes in; a softmax's or a loss's output is.
+        name = func._schema.name
+        if name in _COLLECTIVES:
+            # What goes on the wire: an all-gather's gathered buffer (same dtype, all the
+            # bytes), a reduce-scatter's input, an all-reduce's buffer (the table's argument).
+            kind, which = _COLLECTIVES[name]
+            sent = out if which is None else args[which]
+            self._record(kind, [_first_tensor(sent)], _nbytes(sent))
+        elif (kind := _KINDS.get(name)) is not None:
+            # A matmul's operands are what it computes in; a softmax's or a loss's output is.
             if kind == "matmul":  # both matrices (addmm and baddbmm take the added term first)
-                tensors = [_storage_tensor(t) for t in (args[1:3] if "add" in func._schema.name else args[:2])]
-            elif kind in ("softmax", "loss"):
-                tensors = [_first_tensor(out)]
+                tensors = [_storage_tensor(t) for t in (args[1:3] if "add" in name else args[:2])]
             else:
-                tensors = [_first_tensor(args[1] if kind == "reduce-scatter" else args)]
-            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-            if tensors:
-                # Private but long-standing: -1 outside autograd's backward pass.
-                phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
-                self.seen[(phase, kind)].update(_short(t.dtype) for t in tensors)
-                self.count[(phase, kind)] += 1
-                self.nbytes[(phase, kind)] += tensors[0].numel() * tensors[0].element_size()
+                tensors = [_first_tensor(out)]
+            self._record(kind, tensors)
         return out
+
+    def _record(self, kind: str, tensors: list, nbytes: int | None = None) -> None:
+        """One operation of ``kind``; ``nbytes`` defaults to the first tensor's."""
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        # Private but long-standing: -1 outside autograd's backward pass.
+        phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
+        self.seen[(phase, kind)].update(_short(t.dtype) for t in tensors)
+        self.count[(phase, kind)] += 1
+        self.nbytes[(phase, kind)] += tensors[0].numel() * tensors[0].element_size() if nbytes is None else nbytes
 
     def get(self, phase: str, kind: str) -> str:
         """The dtypes seen for ``kind`` in ``phase``, e.g. ``'bfloat16'``; ``'-'`` if none ran."""
