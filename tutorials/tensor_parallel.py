@@ -243,8 +243,9 @@ SETUPS = {"FSDP alone (dp=4)": ((4, 1), True), "TP alone (tp=4)": ((1, 4), True)
 
 def one_step_counted(shape, sequence_parallel):
     mesh = make_mesh(*shape)
-    model = parallelize(build_model(), mesh, sequence_parallel)
-    whole = whole_bytes(build_model())
+    model = build_model()
+    whole = whole_bytes(model)  # P, before sharding
+    model = parallelize(model, mesh, sequence_parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         with count_collectives(mesh) as seen:
@@ -434,11 +435,12 @@ def q_output_width(model, mesh):
 
 
 def both_ways():
-    whole = whole_bytes(build_model())
     result = {}
     for name, shard in (("FSDP x TP", parallelize), ("fully_shard(mesh=2D mesh)", hsdp_by_mistake)):
         mesh = make_mesh()
-        model = shard(build_model(), mesh)
+        model = build_model()
+        whole = whole_bytes(model)  # P, before sharding
+        model = shard(model, mesh)
         rows = {row.name: row.placement for row in describe_sharding(model)}
         width = q_output_width(model, mesh)
         with count_collectives(mesh) as seen:
