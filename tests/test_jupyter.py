@@ -121,11 +121,12 @@ def test_saving_puts_back_the_references_in_every_cell_and_keeps_what_the_reader
     opened = asyncio.run(manager.get(name, content=True, type="notebook"))
     cells = [c for c in opened["content"]["cells"] if c["cell_type"] == "markdown"]
     assert "[`fsdp_guide.launch()`](../docs/fsdp.rst#line=" in cells[0]["source"]
-    cells[0]["source"] += "\nA note of the reader's."  # an edited cell
+    note = "\nA note of the reader's: ranks [0, 2) [see the tip](../docs/fsdp_tips.rst)."
+    cells[0]["source"] += note  # an edited cell, with brackets of its own and a link of its own
     (root / "docs" / "fsdp_tips.rst").write_text("\n" + (root / "docs" / "fsdp_tips.rst").read_text())  # moved
     asyncio.run(manager.save({"type": "notebook", "content": opened["content"]}, name))
     saved, written = jupytext.read(root / name).cells, jupytext.read(ROOT / name).cells
-    assert saved[0].source == written[0].source + "\nA note of the reader's."  # its references as written
+    assert saved[0].source == written[0].source + note  # its references as written, the note as typed
     assert [c.source for c in saved[1:]] == [c.source for c in written[1:]]  # the others, as written
 
 

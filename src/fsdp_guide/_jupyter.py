@@ -44,7 +44,9 @@ RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1+$")
 RST_AUTODOC = re.compile(r"^\.\. auto(?:function|class|exception|method|data|attribute)::\s+(?P<name>\S+)")
 RST_MEMBERS = re.compile(r"^\s+:members:\s+(?P<names>.+)$")
 # What to_jupyter writes: a link whose title is the reference as the page has it.
-LINK_BACK = re.compile(r"\[[^\]]*\]\([^)\s]*\s+\"(?P<role>\{[a-z]+\}`[^`\"]+`)\"\)")
+# Its text has no brackets (to_jupyter never writes any), so a "[" earlier in the cell
+# (an interval "[0, N)") cannot start a match.
+LINK_BACK = re.compile(r"\[[^\[\]]*\]\([^)\s]*\s+\"(?P<role>\{[a-z]+\}`[^`\"]+`)\"\)")
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ def _rst_targets(path: str, lines: list[str]) -> dict[str, Target]:
             in_glossary = True
         elif line and not line.startswith(" "):
             in_glossary = False
-        elif in_glossary and re.match(r"^   \S", line):  # a term: indented once; its definition, twice
+        elif in_glossary and re.match(r"^   [^\s:]", line):  # a term: indented once (not an option); its definition, twice
             targets["term:" + line.strip().lower()] = Target(path, line.strip(), f"line={i}")
     top = next((j for j in range(len(lines)) if is_title(j)), None)
     targets["doc:" + path.rsplit(".", 1)[0]] = Target(path, _plain(lines[top]) if top is not None else path, "")
@@ -183,8 +185,8 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
 def from_jupyter(markdown: str) -> str:
     """A markdown cell with each link :func:`to_jupyter` made turned back into its reference.
 
-    >>> from_jupyter('See [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`"), [a site](https://a.b).')
-    'See {ref}`tip-x`, [a site](https://a.b).'
+    >>> from_jupyter('In [0, 2) see [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`"), [a site](https://a.b).')
+    'In [0, 2) see {ref}`tip-x`, [a site](https://a.b).'
     """
     return LINK_BACK.sub(lambda match: match["role"], markdown)
 
@@ -237,7 +239,7 @@ def _contents_manager_class():
                         cell["id"] = label["label"]  # what links from other pages open (see _py_targets)
 
         async def save(self, model, path=""):
-            if model["type"] == "notebook":
+            if model["type"] == "notebook" and _site_root(Path(self.root_dir, path.strip("/")).resolve()):
                 for cell in model["content"]["cells"]:
                     if cell["cell_type"] == "markdown":
                         cell["source"] = from_jupyter(_text(cell["source"]))
