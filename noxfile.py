@@ -113,8 +113,8 @@ def lab(session: nox.Session) -> None:
 
     The pinned environment with the `jupyter` extra, and two settings given to this
     command only: jupyter/overrides.json (.py files open with jupytext's notebook view),
-    and fsdp_guide._jupyter's contents manager (references to other pages become links). Arguments after `--` go to `jupyter lab`
-    (e.g. `nox -s lab -- --no-browser --port 8890`).
+    and fsdp_guide._jupyter's contents manager (references to other pages become links).
+    Arguments after `--` go to `jupyter lab` (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
     session.install("-c", "constraints.txt", "-e", ".[docs,jupyter]")
     as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers often run as root; Jupyter refuses it otherwise

@@ -34,16 +34,29 @@ def _repository_copy(root):
 
 
 async def _run_all_and_save(manager, name: str) -> dict:
-    """Open a page as a notebook, give every code cell an output as a run would, save it."""
+    """Open a page as a notebook, run it as JupyterLab would, save it.
+
+    What a save hands jupytext is the notebook as the browser holds it: the running
+    kernel's spec, language_info, jupytext's version fields, outputs and execution
+    metadata. The filter in every page's header drops the version fields; the rest is not
+    written to a .py.
+    """
+    import platform
+
+    import jupytext
     from jupyter_client.kernelspec import KernelSpecManager
 
     model = await manager.get(name, content=True, type="notebook")
     notebook = model["content"]
     spec = KernelSpecManager().get_kernel_spec("python3")
-    notebook["metadata"]["kernelspec"] = {"display_name": spec.display_name, "language": "python", "name": "python3"}
+    notebook["metadata"]["kernelspec"] = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+    notebook["metadata"]["language_info"] = {"name": "python", "version": platform.python_version()}
+    notebook["metadata"]["jupytext"]["text_representation"].update(jupytext_version=jupytext.__version__,
+                                                                   format_version="1.3")
     for count, cell in enumerate(c for c in notebook["cells"] if c["cell_type"] == "code"):
         cell["execution_count"] = count + 1
         cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": f"output {count}\n"}]
+        cell["metadata"]["execution"] = {"iopub.status.busy": "2026-12-01T00:00:00.000000Z"}
     await manager.save({"type": "notebook", "content": notebook}, name)
     return await manager.get(name, content=True, type="notebook")  # what a reload shows
 

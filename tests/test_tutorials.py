@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import NOTEBOOKS, TUTORIALS
+from conftest import TUTORIALS
 
 
 def _text_outputs(notebook) -> str:
@@ -465,30 +465,3 @@ def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_
     assert re.search(r"about (a minute|\d+ seconds)", text), "say how long it takes to run"
     assert re.search(r"\d+ process|ranks|GPU", text), "say what it needs: processes, CPU or GPU"
 
-
-@pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
-def test_saving_a_page_from_jupyterlab_leaves_its_file_unchanged(page):
-    """What JupyterLab's jupytext writes back on save (or autosave) is the file as it is in git.
-
-    A save hands jupytext the notebook as the browser holds it: the running kernel's spec,
-    language_info, jupytext's version fields, outputs and execution metadata. The filter in
-    every page's header drops the version fields; the rest is not written to a .py.
-    """
-    import platform
-
-    import jupytext
-    import nbformat
-    from jupyter_client.kernelspec import KernelSpecManager
-    from jupytext.config import load_jupytext_config
-
-    notebook = jupytext.read(page)
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    notebook.metadata["kernelspec"] = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
-    notebook.metadata["language_info"] = {"name": "python", "version": platform.python_version()}
-    notebook.metadata["jupytext"]["text_representation"].update(jupytext_version=jupytext.__version__,
-                                                                format_version="1.3")
-    for count, cell in enumerate(c for c in notebook.cells if c.cell_type == "code"):
-        cell.execution_count = count + 1
-        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ran\n")]
-        cell.metadata["execution"] = {"iopub.status.busy": "2026-12-01T00:00:00.000000Z"}
-    assert jupytext.writes(notebook, fmt="py:percent", config=load_jupytext_config(str(page))) == page.read_text()
