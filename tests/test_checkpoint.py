@@ -173,7 +173,7 @@ def test_a_crafted_metadata_file_is_refused_and_runs_nothing(tmp_path):
     crafted.mkdir()
     (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
     model = nn.Linear(4, 4)
-    with pytest.raises(CheckpointError, match=r"its \.metadata was refused \((io|builtins)\.open is not .*nothing in it was run"):
+    with pytest.raises(CheckpointError, match=r"step-00000001/\.metadata was refused \((io|builtins)\.open is not .*nothing in it was run"):
         checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
     assert not marker.exists()
 
@@ -317,7 +317,7 @@ class _FailsOnRank1(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _async_save_that_fails(directory, where):
+def _save_that_fails(directory, where, how):
     import torch.distributed as dist
 
     from fsdp_guide import checkpoint
@@ -333,9 +333,11 @@ def _async_save_that_fails(directory, where):
 
         checkpoint.os.rename = cannot_rename  # this rank's only: publishing fails on rank 0
     writer = _FailsOnRank1 if where == "write" else FileSystemWriter
-    pending = checkpoint.async_save(directory, 2, model, opt, storage_writer=writer)
     try:
-        pending.wait()
+        if how == "async":
+            checkpoint.async_save(directory, 2, model, opt, storage_writer=writer).wait()
+        else:
+            checkpoint.save(directory, 2, model, opt, storage_writer=writer)
         return "published"
     except BaseException as error:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
         return f"{type(error).__name__}: {error}"
@@ -343,9 +345,13 @@ def _async_save_that_fails(directory, where):
         checkpoint.os.rename = rename  # the launcher renames this rank's result into place
 
 
+@pytest.mark.parametrize("how", ["async", "sync"])
 @pytest.mark.parametrize("where", ["write", "publish"])
-def test_an_async_save_that_fails_on_one_rank_raises_on_every_rank_and_keeps_the_previous(tmp_path, where):
-    raised = launch(_async_save_that_fails, str(tmp_path), where, world_size=2, output="none", timeout=120)
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_at_once_and_keeps_the_previous(tmp_path, where, how):
+    # collective_timeout=60: a rank left waiting in a collective for one that raised (a synchronous save
+    # whose publish failed on rank 0 did that) would fail with a gloo timeout, not rank 0's error.
+    raised = launch(_save_that_fails, str(tmp_path), where, how, world_size=2, output="none", timeout=50,
+                    collective_timeout=60)
     if where == "write":  # DCP gathers the write results: every rank learns of rank 1's failure
         assert all("No space left on device" in message for message in raised)
     else:  # rank 0's rename failed after every rank wrote: rank 0 tells the others
@@ -366,3 +372,128 @@ def _async_save_never_waited_for(directory):
 def test_a_launched_function_that_does_not_wait_still_gets_its_async_save_published(tmp_path):
     assert launch(_async_save_never_waited_for, str(tmp_path), world_size=2, output="none") == ["returned"] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def _save_one(directory):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    return str(checkpoint.save(directory, 1, model, opt))
+
+
+def _try_load(path):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    try:
+        checkpoint.load(path, model, opt)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_metadata_dcp_cannot_use_never_falls_back_to_the_unchecked_rank_local_files(tmp_path):
+    [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
+    metadata_file, marker = Path(saved) / ".metadata", tmp_path / "ran"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    metadata.storage_meta = 5  # accepted by a restricted unpickler; DCP's own read of it then fails
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    (Path(saved) / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))  # DCP's fallback
+    [message] = launch(_try_load, saved, world_size=1, output="none")
+    assert message.startswith(f"{metadata_file} was refused: its storage_meta is a int")
+    assert not marker.exists()
+
+
+def _build_on(module: str, name: str) -> bytes:
+    """A pickle whose only effect is BUILD on a class: ``setattr(module.name, 'evil', 1)``."""
+    return (b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"N}X\x04\x00\x00\x00evilK\x01s\x86b.")
+
+
+@pytest.mark.parametrize("name", ["Metadata", "TensorStorageMetadata"])
+def test_a_metadata_that_sets_attributes_on_an_allowed_class_is_refused_and_changes_nothing(tmp_path, name):
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    from fsdp_guide import checkpoint
+
+    crafted = tmp_path / "step-00000001"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(_build_on(dcp_metadata.__name__, name))
+    model = nn.Linear(4, 4)
+    try:
+        with pytest.raises(CheckpointError, match=rf"^{crafted}/\.metadata was refused \(it sets attributes on "
+                                                  rf"<class '.*\.{name}'>"):
+            checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
+        assert not hasattr(getattr(dcp_metadata, name), "evil")  # the class is as DCP defines it
+    finally:
+        if hasattr(getattr(dcp_metadata, name), "evil"):
+            delattr(getattr(dcp_metadata, name), "evil")
+
+
+@pytest.mark.parametrize("crafted_path", ["../elsewhere.distcp", "/etc/hostname", "sub/__0_0.distcp", ".."])
+def test_a_metadata_that_points_outside_the_checkpoint_is_refused_before_anything_is_read(tmp_path, crafted_path):
+    import dataclasses
+
+    [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
+    metadata_file = Path(saved) / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path=crafted_path)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    [message] = launch(_try_load, saved, world_size=1, output="none")
+    assert message.startswith(f"{metadata_file} was refused: it points at {crafted_path!r}, which is not a file")
+
+
+@pytest.mark.parametrize("content, says", [(b"not a pickle", "cannot be read"), (pickle.dumps({"a": 1}), "holds a dict"),
+                                           (pickle.dumps({"a": 1})[:-3], "cannot be read")],
+                         ids=["garbage", "not-metadata", "truncated"])
+def test_every_refused_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, content, says):
+    from fsdp_guide import checkpoint
+
+    crafted = tmp_path / "step-00000001"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(content)
+    model = nn.Linear(4, 4)
+    with pytest.raises(CheckpointError, match=rf"^{crafted}/\.metadata (was refused|cannot be read)") as raised:
+        checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
+    assert says in str(raised.value)
+
+
+def _save_beside_a_user_s_folders(directory, steps):
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    outcome = []
+    for step in steps:
+        try:
+            outcome.append(checkpoint.save(directory, step, model, opt, keep=1).name)
+        except CheckpointError as error:
+            outcome.append(str(error))
+    return outcome, latest(directory).name
+
+
+def test_only_this_package_s_checkpoints_are_counted_kept_replaced_or_deleted(tmp_path):
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / "config.json").write_text("{}")  # an export made per step, beside the checkpoints
+    (tmp_path / "step-9").mkdir()  # an empty folder, further along
+    (tmp_path / "step-00000006").mkdir()
+    (tmp_path / "step-00000006" / "notes.txt").write_text("mine")
+    for rank_outcome in launch(_save_beside_a_user_s_folders, str(tmp_path), [4, 5, 6], world_size=2,
+                               output="none", timeout=60):
+        saved, newest = rank_outcome
+        assert saved[:2] == ["step-00000004", "step-00000005"]
+        assert saved[2].startswith(f"{tmp_path / 'step-00000006'} exists and is not a checkpoint of fsdp_guide")
+        assert newest == "step-00000005"  # neither step-9 nor the user's step-00000006
+    assert (tmp_path / "step-3" / "config.json").read_text() == "{}"
+    assert (tmp_path / "step-00000006" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000006", "step-3", "step-9"]
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_a_step_that_is_not_a_non_negative_int_is_refused_before_anything_is_written(tmp_path, step, how):
+    from fsdp_guide import checkpoint
+
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=rf"^step={step!r}: expected an int >= 0"):
+        getattr(checkpoint, how)(tmp_path, step, model, torch.optim.AdamW(model.parameters()))
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,9 @@ step, and each rank's RNG state.
 
 A checkpoint is written to ``.partial-step-N``, its files fsynced, and renamed to
 ``step-N`` only once every rank has finished, so a directory named ``step-N`` is always
-complete; the oldest beyond ``keep`` are deleted only after that. Saving again at a step
+complete; the oldest beyond ``keep`` are deleted only after that. Each checkpoint holds a
+marker file naming its step: only directories with it are counted by :func:`latest`,
+kept, replaced or deleted, so a user's own ``step-3/`` beside them is never touched. Saving again at a step
 that has a checkpoint renames the old one aside (``.old-step-N``, which :func:`latest`
 still finds) until the new one has its name: at every moment a complete checkpoint of
 the step exists. State that differs between ranks is saved per rank.
@@ -55,6 +57,21 @@ from fsdp_guide.devices import device as rank_device
 __all__ = ["CheckpointError", "PendingSave", "async_save", "export_consolidated", "latest", "load", "save"]
 
 _NAME = re.compile(r"step-(\d+)")
+# Written first into every checkpoint directory this package makes: only directories that
+# hold it (with their own step) are counted, kept, replaced or deleted; a user's step-3/
+# (an export made per step, an empty folder) is never taken for a checkpoint.
+_MARKER = ".fsdp_guide-checkpoint"
+
+
+def _marker_text(step: int) -> str:
+    return f"fsdp_guide checkpoint, step {step}\n"
+
+
+def _is_ours(path: Path, step: int) -> bool:
+    try:
+        return (path / _MARKER).read_text() == _marker_text(step)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 class CheckpointError(RuntimeError):
@@ -123,14 +140,22 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     published path.
 
     Raises:
-        ValueError: ``keep < 1`` or a ``stateful`` name that ``load`` could not tell apart.
+        ValueError: ``step`` is not an int >= 0, ``keep < 1``, or a ``stateful`` name that
+            ``load`` could not tell apart.
+        CheckpointError: ``step-<step>`` exists and is not a checkpoint of this package
+            (nothing is written), or rank 0 could not publish it (raised on every rank).
     """
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
-    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))
-    _barrier()  # every rank has written its part
+    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))  # returns once all have written
+    error = None
     if _rank() == 0:
-        _publish_and_clean(partial, final, step, keep)
-    _barrier()
+        try:
+            _publish_and_clean(partial, final, step, keep)
+        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
+            error = failed
+    error = _told_by_rank0(error, _checkpoint_group(), final)
+    if error is not None:
+        raise error
     return final
 
 
@@ -251,14 +276,7 @@ def _then(future: Future, publish, group, final: Path) -> Future:
                 publish()
         except BaseException as failed:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
             error = failed
-        try:
-            if group is not None:
-                outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-                dist.broadcast_object_list(outcome, src=0, group=group)
-                if error is None and outcome[0] is not None:
-                    error = CheckpointError(f"{final} was not published: rank 0 failed with {outcome[0]}")
-        except BaseException as failed:  # noqa: BLE001
-            error = error or failed
+        error = _told_by_rank0(error, group, final)
         if error is None:
             published.set_result(None)
         else:
@@ -268,8 +286,26 @@ def _then(future: Future, publish, group, final: Path) -> Future:
     return published
 
 
+def _told_by_rank0(error: BaseException | None, group, final: Path) -> BaseException | None:
+    """Every rank's error after rank 0 has published ``final`` or failed to: rank 0 broadcasts how it went.
+
+    A rank with no error of its own gets a :class:`CheckpointError` naming rank 0's, so no
+    rank returns before the name exists and none waits in a barrier for one that raised."""
+    try:
+        if group is not None:
+            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(outcome, src=0, group=group)
+            if error is None and outcome[0] is not None:
+                error = CheckpointError(f"{final} was not published: rank 0 failed with {outcome[0]}")
+    except BaseException as failed:  # noqa: BLE001
+        error = error or failed
+    return error
+
+
 def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, stateful: dict):
     """Check the arguments, wait for a save in flight, make the partial directory; the state to write."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r}: expected an int >= 0 (the training step this checkpoint continues from)")
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep={keep!r}: expected an int >= 1 (this checkpoint and the ones before it to keep)")
     for name in stateful:
@@ -279,9 +315,16 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
+    for path in (final, partial, _aside(final)):  # every rank: each raises the same error, none waits for another
+        if path.exists() and not _is_ours(path, step):
+            raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
+                                  f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
+                                  "into another directory")
+    _barrier()  # every rank has looked before rank 0 makes the partial directory
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save (ours: checked above)
         partial.mkdir(parents=True)
+        (partial / _MARKER).write_text(_marker_text(step))
     _barrier()
     state = _model_and_optimizer(model, optimizer)
     for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
@@ -313,13 +356,17 @@ def _publish(partial: Path, final: Path) -> None:
         if entry.is_file():
             _fsync(entry)
     _fsync(partial)  # the directory's entries
-    old = final.with_name(f".old-{final.name}")
+    old = _aside(final)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(partial, final)
     _fsync(final.parent)
     _remove(old)
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(f".old-{final.name}")
 
 
 def _publish_and_clean(partial: Path, final: Path, step: int, keep: int) -> None:
@@ -346,14 +393,15 @@ def _remove_older(directory: Path, step: int, keep: int) -> None:
 
 
 def _complete(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint: step-N, or .old-step-N left by a crash mid-publish."""
+    """(step, path) of every complete checkpoint: step-N, or .old-step-N left by a crash mid-publish.
+
+    Only this package's (its marker names the step) with a ``.metadata`` (DCP writes it last)."""
     found = {}
-    for path in directory.glob(".old-step-*"):
-        if m := _NAME.fullmatch(path.name.removeprefix(".old-")):
-            found[int(m.group(1))] = path
-    for path in directory.glob("step-*"):
-        if m := _NAME.fullmatch(path.name):
-            found[int(m.group(1))] = path  # the published one wins over its .old- copy
+    for pattern, prefix in ((".old-step-*", ".old-"), ("step-*", "")):  # the published one wins over its .old- copy
+        for path in directory.glob(pattern):
+            if (m := _NAME.fullmatch(path.name.removeprefix(prefix))) and _is_ours(path, int(m.group(1))) \
+                    and (path / ".metadata").is_file():
+                found[int(m.group(1))] = path
     return list(found.items())
 
 
@@ -368,11 +416,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     model (naming the parameter and both shapes), with another optimizer, or without a
     state this run restores.
 
-    What is safe to load: the ``.metadata`` file is read with an unpickler that accepts
-    only DCP's metadata classes, and non-tensor values with ``torch.load(weights_only=True)``,
-    so a crafted checkpoint is refused instead of running code. Tensor data is read by
-    DCP as raw bytes. Still, prefer checkpoints you or your jobs wrote: this checks what
-    the files contain, not who made them.
+    What is safe to load: the ``.metadata`` file is the only one unpickled, once, with an
+    unpickler that accepts only DCP's metadata classes (and sets attributes on nothing
+    else), and what it holds must have the shape DCP writes, its entries pointing at files
+    of the checkpoint's own directory; DCP is handed that copy, so it neither reads the file
+    again with plain ``pickle`` nor falls back to the rank-local ``__<rank>.metadata`` files.
+    Non-tensor values are read with ``torch.load(weights_only=True)``, tensors by DCP with
+    ``weights_only=True`` too. A crafted checkpoint is refused (a :class:`CheckpointError`
+    naming the file) instead of running code. Still, prefer checkpoints you or your jobs
+    wrote: this checks what the files contain, not who made them.
     """
     _wait_in_flight()  # the checkpoint being written may be the one asked for
     path = Path(path)
@@ -389,7 +441,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if saved_ranks == world else {}
     state.update(rng)
     try:
-        dcp.load(state, checkpoint_id=path, planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
     except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
         raise CheckpointError(f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
                               "or damaged; resume from another checkpoint") from error
@@ -440,18 +492,78 @@ def _last_line(error: BaseException) -> str:
 
 
 def _read_metadata(path: Path):
+    """The checkpoint's ``.metadata``, unpickled without running code and checked to be DCP's metadata.
+
+    This is the only file of a checkpoint read with pickle: :class:`_SafeReader` hands it to
+    DCP, which would otherwise read it again with plain ``pickle`` (and fall back to the
+    rank-local ``__<rank>.metadata`` files when that copy is unusable)."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    if not (path / ".metadata").is_file():
+    file = path / ".metadata"
+    if not file.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (it has no .metadata file); "
                               f"complete ones are named step-N")
     try:
-        return _safe_metadata(path)
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as error:
-        raise CheckpointError(f"{path}: its .metadata was refused ({error}): it is damaged, or was made to run "
-                              "code when loaded; nothing in it was run") from error
+        raise CheckpointError(f"{file} was refused ({error}): it is damaged, or was made to run code when "
+                              "loaded; nothing in it was run") from error
     except Exception as error:  # noqa: BLE001
-        raise CheckpointError(f"{path}: its .metadata cannot be read ({_last_line(error)})") from error
+        raise CheckpointError(f"{file} cannot be read ({_last_line(error)})") from error
+    if problem := _not_dcp_metadata(metadata):
+        raise CheckpointError(f"{file} was refused: {problem}; it is damaged, or was not written by DCP")
+    return metadata
+
+
+def _not_dcp_metadata(metadata) -> str | None:
+    """What in an unpickled ``.metadata`` is not the shape DCP writes, or None (what DCP's reader and planner use)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                       TensorStorageMetadata)
+
+    if not isinstance(metadata, Metadata):
+        return f"it holds a {type(metadata).__name__}, not DCP's Metadata"
+    if not isinstance(metadata.storage_meta, (StorageMeta, type(None))):
+        return f"its storage_meta is a {type(metadata.storage_meta).__name__}"
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or not all(
+            isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
+            for k, v in entries.items()):
+        return "its state_dict_metadata is not a map from names to DCP's storage metadata"
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        return f"its storage_data is a {type(storage).__name__}"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            return "its storage_data is not a map from DCP's indexes to storage entries"
+        name = info.relative_path
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"it points at {name!r}, which is not a file of the checkpoint's own directory"
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
+            return f"an entry of {name!r} has offset {info.offset!r} and length {info.length!r}"
+    return None
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, given the ``.metadata`` already read by :func:`_read_metadata`.
+
+    It never unpickles anything itself, and refuses DCP's fallback to the rank-local
+    ``__<rank>.metadata`` files, which nothing here has checked."""
+
+    def __init__(self, path: Path, metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path}: rank-local metadata files are not read")
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if self._metadata.storage_meta is None:  # as FileSystemReader.read_metadata does
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return self._metadata
 
 
 def _check_model_matches(path: Path, metadata, model_state: dict) -> None:
@@ -486,10 +598,16 @@ def _check_optimizer_matches(path: Path, metadata, optim_state: dict) -> None:
                               "with a different optimizer (or other optimizer settings); the files are not damaged")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
     """Unpickles only what DCP's ``.metadata`` holds: its own metadata classes and the torch
     values inside them. DCP's reader uses plain ``pickle.load`` (``FileSystemReader.read_metadata``),
-    which would run whatever a crafted file names; this refuses anything else first."""
+    which would run whatever a crafted file names; this refuses anything else first.
+
+    Python's own unpickler (``pickle._Unpickler``), not the C one: only it lets BUILD be
+    checked. BUILD sets attributes on whatever object is below it, a class too, and a file
+    that set attributes on DCP's classes would change them for the whole process."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         import pathlib
@@ -498,8 +616,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         import torch.distributed.checkpoint.metadata as dcp_metadata
 
         value = None
-        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
-            value = getattr(dcp_metadata, name)
+        defined = getattr(dcp_metadata, name, None)
+        if module == dcp_metadata.__name__ and isinstance(defined, type) and defined.__module__ == module:
+            value = defined  # DCP's own metadata classes, not whatever that module imports
         elif (module, name) == (dcp_filesystem.__name__, "_StorageInfo"):
             value = dcp_filesystem._StorageInfo
         elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
@@ -516,10 +635,18 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"{module}.{name} is not something a DCP checkpoint's metadata holds")
         return value
 
+    def _build(self) -> None:
+        import torch.distributed.checkpoint.filesystem as dcp_filesystem
+        import torch.distributed.checkpoint.metadata as dcp_metadata
 
-def _safe_metadata(path: Path):
-    with open(path / ".metadata", "rb") as f:
-        return _MetadataUnpickler(f).load()
+        target = self.stack[-2]  # BUILD's state is on top, the object it fills below
+        owner = type(target)
+        if isinstance(target, type) or owner.__module__ != dcp_metadata.__name__ \
+                and owner is not dcp_filesystem._StorageInfo:
+            raise pickle.UnpicklingError(f"it sets attributes on {target!r}, which DCP's metadata never does")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _build
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
