@@ -266,3 +266,139 @@ def test_low_precision_trains_and_fp16_checkpoints_its_scaler(precision, straigh
 
     keys = FileSystemReader(latest(tmp_path)).read_metadata().state_dict_metadata
     assert any(k.startswith("scaler.") for k in keys) == (precision == "fp16")
+
+
+PROG = "python -m fsdp_guide.recipes.train_llm"
+# Each: the arguments, and how the one-line error must begin (the option, as given).
+# "{tmp}" is an empty directory of the test's own; "{file}" a file in it.
+BAD_COMMANDS = [
+    ("--nproc 0", "--nproc 0: expected"),
+    ("--nproc -2", "--nproc -2: expected"),
+    ("--batch-size 3", "--batch-size 3: does not split"),  # over the default 2 ranks
+    ("--nproc 4 --batch-size 6", "--batch-size 6: does not split"),
+    ("--batch-size 0", "--batch-size 0: expected"),
+    ("--n-head 3", "--n-head 3: expected a divisor of --n-embd 64"),
+    ("--n-head 0", "--n-head 0: expected"),
+    ("--n-embd 0", "--n-embd 0: expected"),
+    ("--n-layer 0", "--n-layer 0: expected"),
+    ("--block-size 0", "--block-size 0: expected"),
+    ("--block-size 10000000", "--block-size 10000000: expected"),  # longer than the whole corpus
+    ("--steps 0", "--steps 0: expected"),
+    ("--stop-at 50", "--stop-at 50: expected"),  # past --steps 40
+    ("--stop-at -1", "--stop-at -1: expected"),
+    ("--lr 0", "--lr 0.0: expected"),
+    ("--lr -0.1", "--lr -0.1: expected"),
+    ("--lr nan", "--lr nan: expected"),
+    ("--lr inf", "--lr inf: expected"),
+    ("--warmup -1", "--warmup -1: expected"),
+    ("--grad-accum 0", "--grad-accum 0: expected"),
+    ("--weight-decay -0.1", "--weight-decay -0.1: expected"),
+    ("--weight-decay nan", "--weight-decay nan: expected"),
+    ("--clip 0", "--clip 0.0: expected"),
+    ("--clip -1", "--clip -1.0: expected"),
+    ("--clip nan", "--clip nan: expected"),
+    ("--seed -1", "--seed -1: expected"),
+    ("--simulated-size-in-batches 0 --data repeating", "--simulated-size-in-batches 0: expected"),
+    ("--log-every 0", "--log-every 0: expected"),
+    ("--keep 0", "--keep 0: expected"),
+    ("--timeout 0", "--timeout 0.0: expected"),
+    ("--timeout inf", "--timeout inf: expected"),
+    ("--checkpoint-every -1 --checkpoint-dir {tmp}", "--checkpoint-every -1: expected"),
+    ("--checkpoint-every 10", "--checkpoint-every 10: saves need --checkpoint-dir"),
+    ("--checkpoint-dir {file} --checkpoint-every 2", "--checkpoint-dir {file}: "),
+    ("--async-checkpoint", "--async-checkpoint needs --checkpoint-every"),
+    ("--async-checkpoint --checkpoint-dir {tmp}", "--async-checkpoint needs --checkpoint-every"),
+    ("--resume latest", "--resume latest needs --checkpoint-dir"),
+    ("--resume latest --checkpoint-dir {tmp}", "--resume latest: no complete checkpoint"),  # empty
+    ("--resume latest --checkpoint-dir {tmp}/nowhere", "--resume latest: no complete checkpoint"),  # missing
+    ("--resume {tmp}/nowhere", "--resume {tmp}/nowhere: no such checkpoint directory"),
+    ("--resume {tmp}", "--resume {tmp}: not a complete checkpoint"),  # a directory without .metadata
+    ("--export {tmp}/nowhere/model.pt", "--export {tmp}/nowhere/model.pt: "),
+    ("--export {tmp}", "--export {tmp}: "),  # a directory, not a file
+    ("--out {tmp}/nowhere/summary.json", "--out {tmp}/nowhere/summary.json: "),
+    ("--out {tmp}", "--out {tmp}: "),
+]
+
+
+@pytest.fixture
+def launches_nothing(monkeypatch):
+    """main()'s launch, replaced by one that records its calls: a refused command must never reach it."""
+    from fsdp_guide.recipes import train_llm
+
+    calls = []
+    monkeypatch.setattr(train_llm, "launch", lambda *args, **kwargs: calls.append(kwargs) or [{"losses": []}])
+    for name in ("RANK", "WORLD_SIZE"):  # not under torchrun, unless a test says so
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def _refused(argv: str, tmp_path, capsys) -> tuple[str, dict]:
+    """Run main() on these arguments: the message of its one-line usage error, and what filled the arguments in."""
+    from fsdp_guide.recipes.train_llm import main
+
+    (tmp_path / "a-file").write_text("")
+    fill = dict(tmp=tmp_path / "dir", file=tmp_path / "a-file")
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(SystemExit) as exit:
+        main(shlex.split(argv.format(**fill)))
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and out == ""
+    last = err.splitlines()[-1]
+    assert last.startswith(f"{PROG}: error: ") and err.count(": error: ") == 1, err
+    return last.removeprefix(f"{PROG}: error: "), fill
+
+
+@pytest.mark.parametrize("argv, begins", BAD_COMMANDS, ids=[argv for argv, _ in BAD_COMMANDS])
+def test_bad_commands_are_usage_errors_naming_the_option_before_any_rank_starts(argv, begins, tmp_path, capsys,
+                                                                                 launches_nothing):
+    message, fill = _refused(argv, tmp_path, capsys)
+    assert message.startswith(begins.format(**fill)), message
+    assert launches_nothing == []  # no rank started
+    assert list((tmp_path / "dir").iterdir()) == []  # nothing written: no checkpoint, export or summary
+
+
+@pytest.mark.parametrize("argv, begins", [("--batch-size 6", "--batch-size 6: does not split over the 4 ranks"),
+                                          ("--nproc 2", "--nproc 2: under torchrun")])
+def test_under_torchrun_its_world_size_is_the_number_of_ranks(argv, begins, tmp_path, capsys, monkeypatch,
+                                                              launches_nothing):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    message, _ = _refused(argv, tmp_path, capsys)
+    assert message.startswith(begins), message
+    assert launches_nothing == []
+
+
+def test_good_commands_reach_launch(tmp_path, launches_nothing, monkeypatch):
+    from fsdp_guide.recipes.train_llm import main
+
+    main(["--nproc", "4", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "new"), "--checkpoint-every", "2",
+          "--async-checkpoint", "--export", str(tmp_path / "model.pt"), "--out", str(tmp_path / "summary.json"),
+          "--clip", "inf", "--warmup", "0", "--lr", "1e-3"])
+    assert [call["world_size"] for call in launches_nothing] == [4]
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"losses": []}
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    main(["--batch-size", "4", "--out", str(tmp_path / "nowhere" / "summary.json")])  # only rank 0 writes --out
+    assert [call["world_size"] for call in launches_nothing] == [4, None]
+
+
+def test_a_bad_command_exits_with_status_2_and_one_line_before_starting_ranks(tmp_path):
+    command = [sys.executable, "-m", "fsdp_guide.recipes.train_llm", "--nproc", "0", "--out", str(tmp_path / "s.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "[rank" not in done.stderr and not (tmp_path / "s.json").exists()
+    assert done.stderr.splitlines()[-1].startswith(f"{PROG}: error: --nproc 0: expected"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_config_names_its_field_as_the_command_names_its_flag():
+    with pytest.raises(ValueError, match=r"^n_head=3: expected a divisor of n_embd=64"):
+        TrainConfig(n_head=3)
+    with pytest.raises(ValueError, match=r"^checkpoint_every=-1: expected"):
+        TrainConfig(checkpoint_every=-1, checkpoint_dir="ckpt")
+    with pytest.raises(ValueError, match=r"^lr=nan: expected"):
+        TrainConfig(lr=float("nan"))
+    with pytest.raises(ValueError, match=r"^async_checkpoint needs checkpoint_every"):
+        TrainConfig(async_checkpoint=True, checkpoint_dir="ckpt")
+    with pytest.raises(ValueError, match=r"^steps=40.0: expected a positive int"):
+        TrainConfig(steps=40.0)

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -78,22 +79,134 @@ class TrainConfig:
     progress: bool = True  # a tqdm bar on rank 0
 
     def __post_init__(self):
-        if self.data not in DATA:
-            raise ValueError(f"data={self.data!r}: expected one of {', '.join(DATA)}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: expected one of {', '.join(PRECISIONS)}")
-        for name in ("batch_size", "grad_accum", "steps", "log_every", "simulated_size_in_batches", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive int")
-        if not 0 <= self.stop_at <= self.steps:
-            raise ValueError(f"stop_at={self.stop_at!r}: expected 0 (run all steps) or a step up to steps={self.steps}")
-        if (self.checkpoint_every or self.resume == "latest") and not self.checkpoint_dir:
-            raise ValueError("checkpoint_every and resume='latest' need checkpoint_dir")
+        if problem := _problem(vars(self), cli=False):
+            raise ValueError(problem)
 
     def model_config(self):
         from fsdp_guide.gpt import GPTConfig
 
         return GPTConfig(block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+
+def _naming(values: dict, cli: bool):
+    """How a message names a setting (``name``) and a setting as given (``given``).
+
+    In a notebook the reader wrote TrainConfig's fields, ``stop_at=50``; on the command
+    line the flags, ``--stop-at 50``: the same checks speak to each in its own terms.
+    """
+    def name(field: str) -> str:
+        return "--" + field.replace("_", "-") if cli else field
+
+    def given(field: str) -> str:
+        value = values[field]
+        if not cli:
+            return f"{field}={value!r}"
+        return name(field) if value is True else f"{name(field)} {shlex.quote(str(value))}"
+
+    return name, given
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _problem(v: dict, cli: bool) -> str | None:
+    """The first thing wrong with these TrainConfig settings, in one line; None if nothing is.
+
+    Only what the settings alone tell: the number of ranks and the files are the
+    command's (``_command_problem``). Each of these would otherwise fail on every rank
+    after they started, or, worse, train on silently (a negative clip flips the gradients).
+    """
+    name, given = _naming(v, cli)
+    if v["data"] not in DATA:
+        return f"{given('data')}: expected one of {', '.join(DATA)}"
+    if v["precision"] not in PRECISIONS:
+        return f"{given('precision')}: expected one of {', '.join(PRECISIONS)}"
+    for field in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "steps", "log_every",
+                  "simulated_size_in_batches", "keep"):
+        if not _is_int(v[field]) or v[field] < 1:
+            return f"{given(field)}: expected a positive int"
+    if v["n_embd"] % v["n_head"]:  # each head attends over an equal slice of the embedding
+        return f"{given('n_head')}: expected a divisor of {given('n_embd')}"
+    for field, zero in (("warmup", "no warm-up"), ("checkpoint_every", "never save")):
+        if not _is_int(v[field]) or v[field] < 0:
+            return f"{given(field)}: expected 0 ({zero}) or a number of steps"
+    if not _is_int(v["stop_at"]) or not 0 <= v["stop_at"] <= v["steps"]:
+        return f"{given('stop_at')}: expected 0 (run all steps) or a step up to {given('steps')}"
+    if not _is_int(v["seed"]) or not 0 <= v["seed"] < 2**32:  # larger ones overflow torch's generator seeds
+        return f"{given('seed')}: expected an int from 0 to 2**32 - 1"
+    # Each written `not <what is right>`: NaN fails every comparison, so it is refused too.
+    if not _is_real(v["lr"]) or not 0 < v["lr"] < math.inf:
+        return f"{given('lr')}: expected a finite number > 0"
+    if not _is_real(v["weight_decay"]) or not 0 <= v["weight_decay"] < math.inf:
+        return f"{given('weight_decay')}: expected a finite number >= 0 (0: no decay)"
+    if not _is_real(v["clip"]) or not v["clip"] > 0:  # 0 zeroes every gradient; below it, they point uphill
+        return f"{given('clip')}: expected the largest gradient norm, a number > 0 (inf: no clipping)"
+    if v["checkpoint_every"] and not v["checkpoint_dir"]:
+        return f"{given('checkpoint_every')}: saves need {name('checkpoint_dir')}, the directory to write them into"
+    if v["resume"] == "latest" and not v["checkpoint_dir"]:
+        return f"{given('resume')} needs {name('checkpoint_dir')}, the directory to take the newest checkpoint from"
+    if v["async_checkpoint"] and not v["checkpoint_every"]:  # else it would do nothing, silently
+        return (f"{name('async_checkpoint')} needs {name('checkpoint_every')} and {name('checkpoint_dir')}: "
+                "without them there is no checkpoint to write in the background")
+    return None
+
+
+def _command_problem(args: dict) -> str | None:
+    """What the settings alone cannot tell: the number of ranks, and the files the run reads and writes.
+
+    Checked before any rank starts: a missing checkpoint would otherwise fail on every rank
+    after they started, and an --out or --export into a missing directory only after the
+    whole run, losing what it wrote.
+    """
+    from fsdp_guide.launcher import _under_torchrun
+
+    given = _naming(args, cli=True)[1]
+    nproc, timeout = args["nproc"], args["timeout"]
+    if timeout is not None and not 0 < timeout < math.inf:
+        return f"{given('timeout')}: expected a finite number of seconds > 0, or no --timeout for no limit"
+    if _under_torchrun():  # launch runs train in this process, one of the WORLD_SIZE torchrun started
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            return f"{given('nproc')}: under torchrun, which started WORLD_SIZE={world} ranks; leave --nproc out"
+    elif nproc is not None and nproc < 1:
+        return f"{given('nproc')}: expected a number of ranks >= 1"
+    else:
+        world = 2 if nproc is None else nproc  # launch's default
+    if args["batch_size"] % world:  # each rank takes an equal share of the rows
+        return f"{given('batch_size')}: does not split over the {world} ranks; expected a multiple of {world}"
+    if args["data"] == "python-docs":
+        from fsdp_guide.tokens import python_docs_corpus
+
+        size = python_docs_corpus().numel()  # each row is a window of block_size + 1 bytes, drawn from it
+        if args["block_size"] > size - 2:
+            return f"{given('block_size')}: expected at most {size - 2} (the corpus is {size} bytes)"
+    directory, resume = args["checkpoint_dir"], args["resume"]
+    if directory and Path(directory).exists() and not Path(directory).is_dir():
+        return f"{given('checkpoint_dir')}: not a directory; expected a directory to save checkpoints into"
+    if resume == "latest":
+        from fsdp_guide import checkpoint
+
+        if checkpoint.latest(directory) is None:  # asked to resume: never a silent fresh start
+            return (f"{given('resume')}: no complete checkpoint (step-N) in {given('checkpoint_dir')} "
+                    "to resume from; leave --resume out to start afresh")
+    elif resume and not Path(resume).is_dir():
+        return f"{given('resume')}: no such checkpoint directory; expected 'latest' or a checkpoint's path"
+    elif resume and not (Path(resume) / ".metadata").is_file():  # DCP writes it last: the sign of a complete one
+        return (f"{given('resume')}: not a complete checkpoint (it has no .metadata file); "
+                "complete ones are named step-N")
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes both files; other nodes need not have the directory
+        for field in ("export", "out"):
+            path = args[field] and Path(args[field])
+            if path and path.is_dir():
+                return f"{given(field)}: a directory; expected the path of a file to write"
+            if path and not path.parent.is_dir():
+                return f"{given(field)}: its directory {shlex.quote(str(path.parent))} does not exist; create it first"
+    return None
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -289,6 +402,7 @@ _HELP = {
     "data": "python-docs: the Python documentation as bytes; repeating: random tokens with a fixed period",
     "batch_size": "rows of the global batch per micro-batch, split over the ranks",
     "steps": "the length of the run, which the learning-rate schedule spans",
+    "clip": "the largest norm of the whole gradient, above which it is scaled down (inf: no clipping)",
     "stop_at": "stop after this step (a job's time limit) and resume later; 0: run all steps",
     "precision": "auto: bf16 on GPUs that have it, fp16 with a gradient scaler on older GPUs, fp32 on CPU",
     "checkpoint_every": "save every N steps into --checkpoint-dir (0: never)",
@@ -316,13 +430,11 @@ def _parse(argv) -> tuple[TrainConfig, int, str | None, float | None]:
     parser.add_argument("--timeout", type=float, default=None,
                         help="stop the ranks after this many seconds (default: no limit)")
     args = vars(parser.parse_args(argv))
+    # Every check before any rank starts: a usage error (exit status 2, one line naming the flag).
+    if problem := _problem(args, cli=True) or _command_problem(args):
+        parser.error(problem)
     nproc, out, timeout = args.pop("nproc"), args.pop("out"), args.pop("timeout")
-    if timeout is not None and not 0 < timeout < math.inf:
-        parser.error(f"--timeout {timeout}: expected a finite number of seconds > 0, or no --timeout for no limit")
-    try:
-        return TrainConfig(**args), nproc, out, timeout
-    except ValueError as error:
-        parser.error(str(error))
+    return TrainConfig(**args), nproc, out, timeout
 
 
 def main(argv=None) -> dict:
