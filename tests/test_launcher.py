@@ -421,6 +421,52 @@ def test_keyboard_interrupt_stops_every_rank():
     # the autouse fixture checks that no rank survived
 
 
+def test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing(tmp_path):
+    """An impatient reader: Ctrl-C, then Ctrl-C again and again while launch stops the ranks."""
+    token = f"fsdp-guide-test-{uuid.uuid4().hex}"
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import signal, subprocess, sys, time
+        from fsdp_guide import launch
+        def stubborn():
+            import signal, subprocess, sys, time
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping it takes the whole grace period, then SIGKILL
+            subprocess.Popen({_sleeper(token)!r})
+            print("run directory", sys.argv[1], flush=True)
+            time.sleep(300)
+        try:
+            launch(stubborn, world_size=2, output="rank0")
+        except KeyboardInterrupt as error:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            held = error  # as Jupyter keeps the last exception
+            print("caught:", error, flush=True)
+            time.sleep(300)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        run_dir = Path(parent.stdout.readline().split()[-1])
+        deadline = time.monotonic() + 60
+        while len(_processes_with(token)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_processes_with(token)) == 2, "the ranks did not start their children"
+        caught = []
+        reader = threading.Thread(target=lambda: caught.append(parent.stdout.readline()), daemon=True)
+        reader.start()
+        sent, deadline = 0, time.monotonic() + 30
+        while not caught and time.monotonic() < deadline:  # through the whole cleanup: grace period, kill, rmtree
+            parent.send_signal(signal.SIGINT)
+            sent += 1
+            time.sleep(0.05)
+        assert sent > 20  # the cleanup was interrupted many times
+        assert caught == ["caught: launch interrupted: its 2 rank(s) were stopped\n"]
+        assert parent.poll() is None  # the launching process lives on, holding the exception
+        assert _processes_with(token) == [] and not run_dir.exists()
+        assert [p for p in psutil.Process(parent.pid).children(recursive=True) if not _is_warm_server(p)] == []
+    finally:
+        parent.kill()
+        parent.wait()
+
+
 def _sleeper(token: str) -> list[str]:
     """A child process that sleeps, findable by the token on its command line."""
     return [sys.executable, "-c", "import time; time.sleep(300)", token]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import json
 import math
 import os
@@ -170,28 +171,48 @@ def launch(
     if _under_torchrun():
         return [_run_in_this_process(fn, args, kwargs, backend, collective_timeout)]
     payload = _serialise(fn, args, kwargs)
-    with tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
+    # Interrupts are noted, not raised where they land, until the ranks are stopped and the
+    # run directory is gone: a second Ctrl-C (or stop button) cannot cut the cleanup short.
+    with _interrupts_noted() as interrupted, tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
         run_dir = Path(run_dir)
         (run_dir / "payload.pkl").write_bytes(payload)
         config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
                   "sys_path": list(sys.path), "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
-        ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start())
-        interrupted = False
+        ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start(), interrupted=interrupted)
         try:
             ranks.start()
             results, where, caught = ranks.wait(timeout)
-        except KeyboardInterrupt:
-            interrupted = True
+        except KeyboardInterrupt:  # from the waiting loop, or from a SIGINT handler of the caller's own
+            interrupted.set()
         finally:
             ranks.stop()
             _warm.start_server()  # for the next launch (a no-op once it runs)
-    if interrupted:  # raised here, outside the waiting loop: the reader's traceback ends at launch()
+    if interrupted.is_set():  # raised here, outside the waiting loop: the reader's traceback ends at launch()
         started = len(ranks.procs)  # fewer than world_size if the interrupt came while they were starting
         raise KeyboardInterrupt(f"launch interrupted: its {started} rank(s) were stopped") from None
     _record(fn, world_size, where)
     _show_warnings(caught)
     return results
+
+
+@contextlib.contextmanager
+def _interrupts_noted():
+    """While a launch runs, SIGINT (Ctrl-C, Jupyter's stop button) sets the event it yields
+    instead of raising ``KeyboardInterrupt`` wherever the main thread is: the waiting loop
+    sees it within 0.1 s, and any number of them while the ranks are stopped change
+    nothing. Only Python's own handler is replaced (in the main thread, where signals
+    arrive); a handler of the caller's own stays, and what it raises is caught as before."""
+    noted = threading.Event()
+    takes_over = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if takes_over:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.set())
+    try:
+        yield noted
+    finally:
+        if takes_over:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def launches() -> list[dict]:
@@ -351,8 +372,10 @@ def _says_nothing(line: str) -> bool:
 class _Ranks:
     """The rank processes of one launch: start them, stream their output, wait, stop."""
 
-    def __init__(self, run_dir: Path, world_size: int, output: str, warm: bool = False):
+    def __init__(self, run_dir: Path, world_size: int, output: str, warm: bool = False,
+                 interrupted: threading.Event | None = None):
         self.run_dir = run_dir
+        self.interrupted = interrupted or threading.Event()  # set by SIGINT: stop waiting
         self.warm = warm  # forked from the pre-imported server (fsdp_guide._warm), or a new interpreter
         self.world_size = world_size
         self.output = output
@@ -448,6 +471,8 @@ class _Ranks:
     def wait(self, timeout: float | None) -> list:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         while not self._wait_for_an_exit(deadline):
+            if self.interrupted.is_set():
+                raise KeyboardInterrupt
             if time.monotonic() >= deadline:
                 raise self._timeout(timeout)
         if self._failed():
