@@ -143,6 +143,127 @@ def test_saving_puts_back_the_references_in_every_cell_and_keeps_what_the_reader
     assert [c.source for c in saved[1:]] == [c.source for c in written[1:]]  # the others, as written
 
 
+# A small site of its own, for what the repository's pages do not have: file names with
+# spaces, parentheses and "%", a folder like them above the site, references to edit.
+HEADER = (ROOT / "tutorials" / "quickstart.py").read_text().split("# ---\n")[1]  # the pages' jupytext header
+ODD_RST = """\
+My tips
+=======
+
+.. _odd-tip:
+
+An odd tip
+----------
+
+.. autofunction:: pkg.launch
+
+.. glossary::
+
+   odd term
+      A term.
+"""
+
+
+def _site(root, pages: dict[str, str], rst: str = "tips.rst"):
+    """A site under ``root``: conf.py, docs/``rst`` (ODD_RST), and ``pages``."""
+    (root / "docs").mkdir(parents=True)
+    (root / "tutorials").mkdir()
+    (root / "conf.py").write_text("")
+    (root / "docs" / rst).write_text(ODD_RST)
+    for name, cells in pages.items():
+        (root / name).write_text(f"# ---\n{HEADER}# ---\n\n{cells}")
+    return root
+
+
+def _open_edit_save(manager, name: str, edit=lambda markdown: markdown) -> list[str]:
+    """Open a page as a notebook, edit its markdown cells as a reader would, save it; the markdown it opened with."""
+    model = asyncio.run(manager.get(name, content=True, type="notebook"))
+    opened = _markdown(model)
+    for cell in model["content"]["cells"]:
+        if cell["cell_type"] == "markdown":
+            cell["source"] = edit(cell["source"])
+    asyncio.run(manager.save({"type": "notebook", "content": model["content"]}, name))
+    return opened
+
+
+def test_links_to_files_with_spaces_parentheses_or_percent_in_their_names_turn_back_into_their_references(tmp_path):
+    from urllib.parse import unquote
+
+    page = ("# %% [markdown]\n# # A page\n#\n"
+            "# See {ref}`odd-tip`, {doc}`../docs/my tips (v2)`, {doc}`../docs/100% sure` and {ref}`other-section`.\n"
+            "# - {term}`odd term`, in a list\n")
+    other = "# %% [markdown]\n# # Another page\n\n# %% [markdown]\n# (other-section)=\n# ## A section\n"
+    root = _site(tmp_path / "my notes (v2)", {"tutorials/page.py": page, "tutorials/other page (1).py": other},
+                 rst="my tips (v2).rst")
+    (root / "docs" / "100% sure.rst").write_text("Sure\n====\n")
+    opened = _open_edit_save(_contents_manager(tmp_path), "my notes (v2)/tutorials/page.py")
+    links = re.findall(r'\]\((.+?) "\{', "".join(opened))
+    assert len(links) == 5, opened  # every reference, a link
+    assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{page}"  # saved as it was
+    for url in links:  # one JupyterLab follows: no space or parenthesis, and it decodes to the file
+        assert not re.search(r"[\s()]", url) and (root / "tutorials" / unquote(url.split("#")[0])).is_file(), url
+
+
+def test_references_whose_text_has_brackets_quotes_or_backslashes_become_links_and_turn_back(tmp_path):
+    page = ('# %% [markdown]\n# # A page\n#\n'
+            '# {ref}`Step [1] of "the" odd\\tip <odd-tip>` and {func}`pkg.launch`; {ref}`odd [tip] <odd-tip>`.\n')
+    root = _site(tmp_path, {"tutorials/page.py": page})
+    opened = _open_edit_save(_contents_manager(root), "tutorials/page.py")
+    assert opened[0].count('](../docs/tips.rst#line=') == 3, opened  # each one, a link
+    assert r"[Step \[1\] of" in opened[0]  # the brackets shown as written, not read as a link's
+    assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{page}"
+
+
+def test_a_link_whose_text_the_reader_edited_saves_as_the_reference_with_that_text(tmp_path):
+    page = ("# %% [markdown]\n# # A page\n#\n"
+            "# A {ref}`odd-tip`; {ref}`Old words <odd-tip>`; {func}`~pkg.launch`; {ref}`odd-tip` again.\n"
+            "# See {doc}`../docs/tips`.\n#\n# | a {term}`odd term` | b |\n# |---|---|\n"
+            "#\n# ## Heading with {ref}`odd-tip`\n#\n# > {ref}`odd-tip` and {ref}`odd-tip`\n")
+    root = _site(tmp_path, {"tutorials/page.py": page})
+
+    def edit(markdown: str) -> str:
+        texts = iter([r"[the odd \[1\] tip]", "[An odd\ntip]", "[a heading's]",  # brackets escaped; the second reflowed
+                      "[the `odd` tip]", "[a < b]"])  # texts no reference can have
+        markdown = re.sub(r"\[An odd tip\]", lambda _: next(texts), markdown)
+        for old, new in [("[Old words]", "[New words]"), ("[`launch()`]", "[`pkg.launch()`]"),
+                         ("[odd term]", "[an odd term]"), ("[My tips]", "[the tips\npage]")]:  # over two lines
+            markdown = markdown.replace(old, new)
+        return markdown
+
+    opened = _open_edit_save(_contents_manager(root), "tutorials/page.py", edit)
+    assert opened[0].count("[An odd tip]") == 5 and "[My tips]" in opened[0] and "[odd term]" in opened[0], opened
+    link = re.search(r'\]\((\S+) "\{ref\}`odd-tip`"\)', opened[0])[1]
+    expected = ("# %% [markdown]\n# # A page\n#\n"
+                "# A {ref}`the odd [1] tip <odd-tip>`; {ref}`New words <odd-tip>`; {func}`pkg.launch() <pkg.launch>`;"
+                " {ref}`odd-tip` again.\n"
+                "# See {doc}`the tips page <../docs/tips>`.\n#\n# | a {term}`an odd term <odd term>` | b |\n# |---|---|\n"
+                "#\n# ## Heading with {ref}`a heading's <odd-tip>`\n"
+                f'#\n# > [the `odd` tip]({link} "{{ref}}`odd-tip`") and [a < b]({link} "{{ref}}`odd-tip`")\n')
+    assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{expected}"
+
+
+def test_a_readers_own_link_whose_title_looks_like_a_reference_stays_as_written(tmp_path):
+    page = "# %% [markdown]\n# # A page\n#\n# A {ref}`odd-tip`.\n"
+    root = _site(tmp_path, {"tutorials/page.py": page})
+    own = ('\nMine: [see this](https://example.org "{ref}`odd-tip`"), '
+           '[near it](../docs/tips.rst#line=99 "{ref}`odd-tip`") and [x](y "{ref}`nowhere`").')
+    _open_edit_save(_contents_manager(root), "tutorials/page.py", lambda markdown: markdown + own)
+    assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{page}# {own.strip()}\n"
+
+
+def test_links_turn_back_after_a_restart_of_the_server_and_when_copied_into_another_page(tmp_path):
+    page = "# %% [markdown]\n# # A page\n#\n# A {ref}`odd-tip`.\n"
+    root = _site(tmp_path, {"tutorials/page.py": page, "tutorials/other.py": "# %% [markdown]\n# # Other\n"})
+    first, name = _contents_manager(root), "tutorials/page.py"
+    model = asyncio.run(first.get(name, content=True, type="notebook"))  # opened by one server...
+    link = re.search(r"\[An odd tip\]\(.*?\)", _markdown(model)[0])[0]
+    restarted = _contents_manager(root)
+    asyncio.run(restarted.save({"type": "notebook", "content": model["content"]}, name))  # ...saved by the next
+    assert (root / name).read_text() == f"# ---\n{HEADER}# ---\n\n{page}"
+    _open_edit_save(first, "tutorials/other.py", lambda markdown: f"{markdown}\n\nCopied: {link}")
+    assert (root / "tutorials" / "other.py").read_text().endswith("# # Other\n#\n# Copied: {ref}`odd-tip`\n")
+
+
 # --- JupyterLab itself, as `nox -s lab` starts it, driven in Chromium ---------------------
 
 

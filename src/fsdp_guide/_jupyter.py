@@ -13,7 +13,10 @@ Sphinx reads them:
   title keeps the reference as written. References within the page, and the
   ``(label)=`` targets, stay as they are: jupyterlab-myst links those itself.
 - when it is saved, :func:`from_jupyter` turns every such link back into the reference
-  its title holds, in edited cells too, so a save leaves the ``.py`` as it was.
+  its title holds, in edited cells too, so a save leaves the ``.py`` as it was. A link
+  whose text the reader changed becomes the reference with that text as its own; only
+  the links the server made are turned back (it remembers them): a reader's own link
+  stays as written, whatever its title looks like.
 
 Written by hand: neither jupytext nor jupyterlab-myst resolves references across files,
 and Sphinx's own resolution needs a build of the whole site.
@@ -27,6 +30,7 @@ import posixpath
 import re
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import quote
 
 __all__ = ["Target", "find_targets", "to_jupyter", "from_jupyter"]  # and ContentsManager, built on first use
 
@@ -35,6 +39,7 @@ PAGES = ("*.rst", "docs/*.rst", "docs/*.py", "tutorials/*.py")
 
 LABEL = r"(?P<label>[A-Za-z0-9_-]{1,64})"  # a label that is also a valid notebook cell id
 ROLE = re.compile(r"\{(?P<role>ref|doc|term|func|class|meth|exc|attr|mod)\}`(?P<body>[^`]+)`")
+PLAIN = ("ref", "doc", "term")  # roles Sphinx shows as text; the others show an API name, as code
 TITLED = re.compile(r"(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.S)
 TARGET_LINE = re.compile(rf"^\({LABEL}\)=$", re.M)  # a MyST target, in a markdown cell
 PY_TARGET = re.compile(rf"^# \({LABEL}\)=$")  # the same, in the py:percent file
@@ -43,10 +48,16 @@ RST_TARGET = re.compile(rf"^\.\. _{LABEL}:$")
 RST_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+])\1+$")
 RST_AUTODOC = re.compile(r"^\.\. auto(?:function|class|exception|method|data|attribute)::\s+(?P<name>\S+)")
 RST_MEMBERS = re.compile(r"^\s+:members:\s+(?P<names>.+)$")
-# What to_jupyter writes: a link whose title is the reference as the page has it.
-# Its text has no brackets (to_jupyter never writes any), so a "[" earlier in the cell
-# (an interval "[0, N)") cannot start a match.
-LINK_BACK = re.compile(r"\[[^\[\]]*\]\([^)\s]*\s+\"(?P<role>\{[a-z]+\}`[^`\"]+`)\"\)")
+# A link as to_jupyter writes it, and as from_jupyter finds it after a reader's edit: its
+# text may hold backslash escapes and [balanced] brackets but no lone one, so a "[" earlier
+# in the cell (an interval "[0, N)") cannot start a match; its url is percent-encoded (no
+# space or parenthesis to end it); its title is in double quotes, \" and \\ escaped.
+LINK = re.compile(r'\[(?P<text>(?:\\.|\[(?:\\.|[^][\\])*\]|[^][\\])*)\]'
+                  r'\((?P<url>[^\s()<>"\\]+) "(?P<title>(?:\\.|[^"\\])*)"\)', re.S)
+# The links a server made, on every page it served: (url, title as in the Markdown) ->
+# (the reference as written, the texts its links had, on one line). Remembered, not recomputed at save
+# time: a docs/*.rst changed meanwhile (its lines shifted) would make other urls.
+Made = dict[tuple[str, str], tuple[str, set[str]]]
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +144,10 @@ def find_targets(root: Path) -> dict[str, Target]:
     return targets
 
 
-def _link(text: str, page: str, target: Target, written: str) -> str:
-    """A Markdown link from ``page`` to ``target``; its title keeps the reference as written."""
-    url = posixpath.relpath(target.path, posixpath.dirname(page) or ".")
-    return f'[{text}]({url}{"#" + target.anchor if target.anchor else ""} "{written}")'
+def _link(page: str, target: Target, written: str) -> tuple[str, str]:
+    """The url and the title of a Markdown link from ``page`` to ``target``: the title, the reference as written."""
+    url = quote(posixpath.relpath(target.path, posixpath.dirname(page) or "."))  # JupyterLab decodes "%20" and the like
+    return url + ("#" + target.anchor if target.anchor else ""), re.sub(r'(["\\])', r"\\\1", written)
 
 
 def _api_name(role: str, name: str) -> str:
@@ -157,16 +168,16 @@ def _reference(role: str, title: str | None, name: str, page: str) -> tuple[str,
     return "py:" + name.lstrip(".!~").removesuffix("()"), f"`{title}`" if title else f"`{_api_name(role, name)}`"
 
 
-def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
-    """A markdown cell of ``page`` with its references to other pages made into links.
+def to_jupyter(markdown: str, page: str, targets: dict[str, Target], made: Made | None = None) -> str:
+    """A markdown cell of ``page`` with its references to other pages made into links, each noted in ``made``.
 
-    >>> targets = {"tip-x": Target("docs/fsdp_tips.rst", "A tip", "line=10"),
+    >>> targets = {"tip-x": Target("docs/fsdp_tips.rst", "A [1] tip", "line=10"),
     ...            "here": Target("tutorials/a.py", "Here", "cell-id=here"),
-    ...            "py:fsdp_guide.launch": Target("docs/fsdp.rst", "fsdp_guide.launch", "line=350")}
+    ...            "py:fsdp_guide.launch": Target("docs/my api.rst", "fsdp_guide.launch", "line=350")}
     >>> to_jupyter("See {ref}`tip-x` and {ref}`here`.", "tutorials/a.py", targets)
-    'See [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`") and {ref}`here`.'
+    'See [A \\\\[1\\\\] tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`") and {ref}`here`.'
     >>> to_jupyter("{func}`fsdp_guide.launch`", "tutorials/a.py", targets)
-    '[`fsdp_guide.launch()`](../docs/fsdp.rst#line=350 "{func}`fsdp_guide.launch`")'
+    '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch`")'
     """
     def rewrite(match: re.Match) -> str:
         titled = TITLED.match(match["body"])
@@ -175,20 +186,58 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
         target = targets.get(key)
         if target is None or target.path == page:
             return match[0]  # within the page (jupyterlab-myst links it), or not found: as written
-        if '"' in match[0] or re.search(r"[][]", text or target.title):
-            return match[0]  # would not survive as a Markdown link and its title: as written
-        return _link(text or target.title, page, target, match[0])
+        if match["role"] in PLAIN:  # text, where a bracket would end the link's: escaped
+            text = re.sub(r"([][\\])", r"\\\1", text or target.title)
+        url, title = _link(page, target, match[0])
+        link = f'[{text}]({url} "{title}")'
+        if not LINK.fullmatch(link):
+            return match[0]  # one from_jupyter would not find (a lone bracket in an API name's code): as written
+        if made is not None:
+            made.setdefault((url, title), (match[0], set()))[1].add(" ".join(text.split()))
+        return link
 
     return ROLE.sub(rewrite, markdown)
 
 
-def from_jupyter(markdown: str) -> str:
-    """A markdown cell with each link :func:`to_jupyter` made turned back into its reference.
+def _with_text(written: str, text: str) -> str | None:
+    """The reference ``written`` with a link text the reader typed as its own text; None if no reference can show it."""
+    role, body = ROLE.fullmatch(written).group("role", "body")
+    name = titled["target"] if (titled := TITLED.match(body)) else body
+    if role not in PLAIN:
+        name = name.lstrip("~")  # "~" shortens Sphinx's own text; before an explicit one, it would break the target
+    if role not in PLAIN and (code := re.fullmatch(r"`([^`]+)`", text)):
+        title = code[1]  # an API name, as code: Sphinx shows it as code too
+    else:
+        title = re.sub(r"\\([!-/:-@[-`{-~])", r"\1", text)  # without Markdown's escapes, as the reader sees it
+    title = " ".join(title.split())  # a role is on one line
+    if not title or re.search("[`<]", title):
+        return None  # a role cannot hold a backtick, and Sphinx would take a "<" for the start of the target
+    return f"{{{role}}}`{title} <{name}>`"
 
-    >>> from_jupyter('In [0, 2) see [A tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`"), [a site](https://a.b).')
-    'In [0, 2) see {ref}`tip-x`, [a site](https://a.b).'
+
+def from_jupyter(markdown: str, made: Made) -> str:
+    """A markdown cell with each link :func:`to_jupyter` made (noted in ``made``) turned back into its reference.
+
+    The reference is as written, or, where the reader changed the link's text and a
+    reference can show it, with that text as its own. Any other link stays as it is.
+
+    >>> made = {}
+    >>> cell = to_jupyter("See {ref}`tip-x` or {ref}`tip-x`.", "tutorials/a.py",
+    ...                   {"tip-x": Target("docs/fsdp_tips.rst", "A tip", "line=10")}, made)
+    >>> from_jupyter("In [0, 2) " + cell.replace("[A tip]", "[this tip]", 1), made)
+    'In [0, 2) See {ref}`this tip <tip-x>` or {ref}`tip-x`.'
+    >>> from_jupyter('[a site](https://a.b "{ref}`tip-x`")', made)
+    '[a site](https://a.b "{ref}`tip-x`")'
     """
-    return LINK_BACK.sub(lambda match: match["role"], markdown)
+    def rewrite(match: re.Match) -> str:
+        if (found := made.get((match["url"], match["title"]))) is None:
+            return match[0]  # a link of the reader's own, whatever its title looks like
+        written, texts = found
+        if " ".join(match["text"].split()) in texts:  # unchanged, or only spread over other lines
+            return written
+        return _with_text(written, match["text"]) or match[0]
+
+    return LINK.sub(rewrite, markdown)
 
 
 def _site_root(file: Path) -> Path | None:
@@ -216,6 +265,13 @@ def _contents_manager_class():
     class ContentsManager(build_async_jupytext_contents_manager_class(AsyncLargeFileManager)):
         """jupytext's contents manager; notebooks open through :func:`to_jupyter` and save through :func:`from_jupyter`."""
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # Every page's links in one: a cell copied to another page (or a page saved
+            # under another name) keeps links this server made, and they turn back too.
+            self._made: Made = {}
+            self._served: set[str] = set()  # the pages whose links are in it
+
         async def get(self, path, content=True, type=None, format=None, **kwargs):
             model = await super().get(path, content=content, type=type, format=format, **kwargs)
             if model["type"] == "notebook" and content:
@@ -234,15 +290,23 @@ def _contents_manager_class():
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "markdown":
                     source = _text(cell["source"])
-                    cell["source"] = to_jupyter(source, page, targets)
+                    cell["source"] = to_jupyter(source, page, targets, self._made)
                     if label := TARGET_LINE.search(source):
                         cell["id"] = label["label"]  # what links from other pages open (see _py_targets)
+            self._served.add(path.strip("/"))
 
         async def save(self, model, path=""):
-            if model["type"] == "notebook" and _site_root(Path(self.root_dir, path.strip("/")).resolve()):
+            file = Path(self.root_dir, path.strip("/")).resolve()
+            if model["type"] == "notebook" and _site_root(file):
+                if path.strip("/") not in self._served and file.is_file():
+                    # opened from another server (this one restarted since): the links it makes of the file now
+                    try:
+                        await self.get(path, content=True, type="notebook")
+                    except Exception:  # a save must not fail for the links
+                        log.exception("fsdp_guide: could not read %s for its links", path)
                 for cell in model["content"]["cells"]:
                     if cell["cell_type"] == "markdown":
-                        cell["source"] = from_jupyter(_text(cell["source"]))
+                        cell["source"] = from_jupyter(_text(cell["source"]), self._made)
             return await super().save(model, path)
 
     return ContentsManager
