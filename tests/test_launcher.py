@@ -764,6 +764,67 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
 
 
+@pytest.mark.parametrize("name", ["TORCHDYNAMO_FSDP_GUIDE_TEST", "TORCHINDUCTOR_FSDP_GUIDE_TEST", "FX_FSDP_GUIDE_TEST",
+                                  "SYMPY_FSDP_GUIDE_TEST", "HF_FSDP_GUIDE_TEST", "OPENBLAS_FSDP_GUIDE_TEST"])
+def test_a_launch_after_any_import_time_variable_changed_starts_cold(monkeypatch, name):
+    from fsdp_guide.launcher import launches
+
+    launch(len, [], world_size=2, output="none")
+    launch(len, [], world_size=2, output="none")  # warm: the server has imported, and exits at once when replaced
+    monkeypatch.setenv(name, uuid.uuid4().hex)
+    launch(len, [], world_size=2, output="none")
+    assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
+
+
+def _translation_validation():
+    from torch.fx.experimental import _config  # read TORCHDYNAMO_TRANSLATION_VALIDATION when torch was imported
+
+    return _config.translation_validation
+
+
+def test_a_warm_rank_sees_the_effect_of_a_variable_torch_read_at_import(monkeypatch):
+    from fsdp_guide.launcher import launches
+
+    monkeypatch.delenv("TORCHDYNAMO_TRANSLATION_VALIDATION", raising=False)
+    launch(len, [], world_size=2, output="none")  # a server whose torch imported without it
+    monkeypatch.setenv("TORCHDYNAMO_TRANSLATION_VALIDATION", "1")
+    assert launch(_translation_validation, world_size=2, output="none") == [True, True]
+    assert launch(_translation_validation, world_size=2, output="none") == [True, True]
+    assert all(rank["warm"] for rank in launches()[-1]["ranks"])  # from a server imported with it
+
+
+def _numpy_draw():
+    import numpy as np
+
+    return float(np.random.random())
+
+
+def test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do(monkeypatch):
+    import transformers.modeling_utils  # noqa: F401  (imports numpy.random; a server started now preloads it)
+
+    from fsdp_guide.launcher import launches
+
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # a new server, started after transformers was imported
+    launch(len, [], world_size=2, output="none")
+    draws = launch(_numpy_draw, world_size=2, output="none") + launch(_numpy_draw, world_size=2, output="none")
+    assert all(rank["warm"] for rank in launches()[-1]["ranks"])
+    assert len(set(draws)) == 4, draws  # every rank of every launch its own numbers
+
+
+def _string_set_order():
+    return list({f"blocks.{i}.weight" for i in range(16)})
+
+
+def test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not(monkeypatch):
+    """What a fork cannot change, as the launcher's documentation and the hangs page say."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    launch(len, [], world_size=2, output="none")
+    warm = launch(_string_set_order, world_size=2, output="none")
+    monkeypatch.setenv("FSDP_GUIDE_WARM", "0")
+    cold = launch(_string_set_order, world_size=2, output="none")
+    assert warm[0] == warm[1] and cold[0] != cold[1]  # 16 names: the same order by chance is vanishingly rare
+
+
 def _imported_before_the_work(names):
     import logging
 

@@ -90,6 +90,13 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert "get_model_state_dict" in spy0 and "DTensor.redistribute" in spy0 and "wait_tensor" in spy0
     assert "barrier (" in spy1 and "get_model_state_dict" not in spy1
     assert "file written: True" in text
+    # warm ranks share the server's hash seed, cold ones (as torchrun's) do not: see fsdp_guide._warm
+    assert re.search(r"set order, cold \(as torchrun\) +warm=False +same order on both ranks: False +"
+                     r"every sum right: False", text)
+    assert re.search(r"set order, warm \(forked\) +warm=True +same order on both ranks: True +every sum right: True",
+                     text)
+    assert re.search(r"sorted, cold \(as torchrun\) +warm=False +same order on both ranks: True +every sum right: True",
+                     text)
 
 
 def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradient_memory(executed):

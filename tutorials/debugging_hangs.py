@@ -24,6 +24,8 @@
 #   {func}`fsdp_guide.launch` shows when it gives up, `TORCH_DISTRIBUTED_DEBUG=DETAIL`'s
 #   collective-mismatch report, `dist.monitored_barrier` naming the rank that did not
 #   arrive, torch's flight recorder, and `py-spy dump`;
+# - a fourth that only torchrun shows: collectives issued in the order of a `set`, which
+#   the notebook's forked ranks agree on and torchrun's new interpreters do not;
 # - the fix for each, checked, and a symptom → tool → fix table.
 #
 # **What you need**: a CPU; 2 processes on gloo; `py-spy` for its section (the package's
@@ -386,6 +388,80 @@ print("tensors in the saved state dict:", launch(save_everywhere_write_on_rank_0
       "| file written:", (workdir / "model.pt").exists())
 
 # %% [markdown]
+# (debugging-hangs-set-order)=
+# ## A hang the notebook hides: collectives in the order of a set
+#
+# Python orders a `set` of strings (and a `dict` built from one) by their hashes, and
+# each interpreter hashes strings with its own random seed (unless `PYTHONHASHSEED` is
+# set). torchrun starts each rank as a new interpreter, so two ranks iterating the same
+# set of parameter names visit them in different orders, and collectives issued in that
+# order are paired by position, name against name: mixed-up sums when their sizes agree,
+# a hang or an error when they do not. After its first launch {func}`fsdp_guide.launch`
+# forks its ranks from one server (warm launches), and a fork keeps its parent's hash
+# seed: the same code runs right here and goes wrong under torchrun. Below, each rank
+# all-reduces one value per name, iterating a set, first with cold ranks (new
+# interpreters, as torchrun starts them), then warm:
+
+# %%
+import contextlib
+
+from fsdp_guide.launcher import launches
+
+
+def reduce_per_name(in_order):
+    """All-reduce one value per parameter name, in the order of a set of names, or sorted."""
+    import torch
+    import torch.distributed as dist
+
+    import fsdp_guide
+
+    names = {f"blocks.{i}.weight" for i in range(16)}
+    value = {name: float(i) for i, name in enumerate(sorted(names))}  # every rank adds the same per name
+    order = sorted(names) if in_order else list(names)
+    summed = {}
+    for name in order:
+        total = torch.tensor([value[name]], device=fsdp_guide.device())
+        dist.all_reduce(total)
+        summed[name] = total.item()
+    return order, all(summed[name] == dist.get_world_size() * value[name] for name in names)
+
+
+@contextlib.contextmanager
+def as_torchrun_starts_them():
+    """Cold ranks, each a new interpreter with a hash seed of its own (PYTHONHASHSEED=random, its default)."""
+    saved = {name: os.environ.get(name) for name in ("FSDP_GUIDE_WARM", "PYTHONHASHSEED")}
+    os.environ.update(FSDP_GUIDE_WARM="0", PYTHONHASHSEED="random")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def show(how, results):
+    (order0, right0), (order1, right1) = results
+    warm = all(rank["warm"] for rank in launches()[-1]["ranks"])
+    print(f"{how:34} warm={warm!s:5}  same order on both ranks: {order0 == order1!s:5}  "
+          f"every sum right: {right0 and right1}")
+
+
+with as_torchrun_starts_them():
+    show("set order, cold (as torchrun)", launch(reduce_per_name, False, world_size=2, output="none"))
+show("set order, warm (forked)", launch(reduce_per_name, False, world_size=2, output="none"))
+with as_torchrun_starts_them():
+    show("sorted, cold (as torchrun)", launch(reduce_per_name, True, world_size=2, output="none"))
+
+# %% [markdown]
+# Cold ranks visit the 16 names in different orders and sum the wrong values together,
+# with no error; the warm ranks of the notebook agree by accident of the fork. Iterating
+# `sorted(names)` (or a list, or a module's `named_parameters()`, which follow definition
+# order) gives every rank the same order however it was started. To see the torchrun
+# behaviour in a notebook, run with `FSDP_GUIDE_WARM=0`, which starts every launch cold.
+
+# %% [markdown]
 # ## Symptom → tool → fix
 #
 # | Symptom | First tool | What it shows | Fix |
@@ -396,6 +472,7 @@ print("tensors in the saved state dict:", launch(save_everywhere_write_on_rank_0
 # | hangs at saving | py-spy (or the launcher's stacks) | rank 0 in a state-dict gather, the others elsewhere | gather on every rank, write on rank 0 |
 # | a hang, turned into an error | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | both collectives, named, where they differ in operation, size or dtype | (debug runs only: it checks every collective) |
 # | "who is late?" | `dist.monitored_barrier` | the ranks that did not arrive | (on a gloo group) |
+# | hangs or wrong sums under torchrun, not in the notebook | `FSDP_GUIDE_WARM=0` (cold ranks, as torchrun's) | a loop over a `set` or `dict` of strings issuing collectives | iterate `sorted(...)` |
 #
 # (debugging-hangs-tips)=
 # ## The tips behind this

@@ -40,9 +40,11 @@ PRELOAD = ["fsdp_guide._server_quiet", "torch", "torch.distributed", "torch.dist
 # are likely to need them), so a Hugging Face rank starts warm too. Imported later, a rank
 # imports them itself, as a cold rank would.
 LIKELY = ("transformers", "peft")
-# Read when torch is imported (libraries loaded, threads, CUDA devices): if they change, the
-# server's torch is not the one a cold rank would import, and the launch starts cold.
-_IMPORT_TIME_ENV = ("LD_", "CUDA_", "TORCH_", "PYTORCH_", "MKL_", "KMP_", "GOMP_", "PYTHON", "NVIDIA_")
+# This package's own variables, which the ranks read as they run (never at import). Any
+# other variable may be read at import: torch alone reads TORCH_*, TORCHDYNAMO_*,
+# TORCHINDUCTOR_*, PYTORCH_*, FX_*, SYMPY_*, NPY_*, OPENBLAS_*, LOGLEVEL and more, and C
+# libraries read theirs with getenv; a list of prefixes would miss some.
+_RUN_TIME_ENV = "FSDP_GUIDE_"
 
 _lock = threading.Lock()
 _server: forkserver.ForkServer | None = None  # our own instance: the process's default forkserver stays the user's
@@ -55,9 +57,11 @@ def enabled() -> bool:
 
 
 def _what_torch_would_be() -> tuple:
-    """What a cold rank would import: this interpreter, the torch on sys.path now, the import-time environment."""
+    """What a cold rank would import: this interpreter, the torch on sys.path now, and the environment
+    it would import them in (all of it but this package's own variables): if any of it changed, the
+    server's imports are not the ones a cold rank would make, and the launch starts cold."""
     spec = importlib.util.find_spec("torch")  # finds, does not import
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV))
+    env = sorted((k, v) for k, v in os.environ.items() if not k.startswith(_RUN_TIME_ENV))
     return sys.executable, spec.origin if spec else None, tuple(env)
 
 
@@ -115,14 +119,24 @@ def _retire(server: forkserver.ForkServer) -> None:
         if os.waitpid(pid, os.WNOHANG)[0]:
             return
         time.sleep(0.01)
-    threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True).start()  # reap it later, without waiting here
+    _retiring.add(pid)  # still importing, or slow to shut down on a busy machine: reaped later, without waiting here
+
+    def reap() -> None:
+        os.waitpid(pid, 0)
+        _retiring.discard(pid)
+
+    threading.Thread(target=reap, daemon=True).start()
+
+
+_retiring: set[int] = set()  # replaced servers on their way out
 
 
 def server_pids() -> list[int]:
-    """The helper processes warm launches keep: the forkserver and multiprocessing's resource tracker."""
+    """The helper processes warm launches keep: the forkserver (and replaced ones still exiting) and
+    multiprocessing's resource tracker."""
     from multiprocessing import resource_tracker
 
-    pids = [_server._forkserver_pid if _server else None, resource_tracker._resource_tracker._pid]
+    pids = [_server._forkserver_pid if _server else None, resource_tracker._resource_tracker._pid, *_retiring]
     return [pid for pid in pids if pid is not None]
 
 
@@ -197,7 +211,11 @@ class _Rank:
 
 
 def _fresh_state() -> None:
-    """What a new interpreter would not share with its siblings: its random seeds; torch's thread count."""
+    """What a new interpreter would not share with its siblings: its random seeds; torch's thread count.
+
+    Not its string hash seed: a fork keeps its parent's (``PYTHONHASHSEED`` is read once, at
+    interpreter start, and every string's hash is cached), so warm ranks iterate a set of
+    strings in the same order where cold ranks, and torchrun's, may not."""
     import random
 
     import torch
@@ -208,6 +226,8 @@ def _fresh_state() -> None:
         logging.getLogger(name).setLevel(logging.NOTSET)
     random.seed()  # from os.urandom, as at a cold start
     torch.seed()  # a new process's torch starts from a non-deterministic seed too (not the server's)
+    if "numpy.random" in sys.modules:  # imported by the server (transformers imports it): its global state too
+        sys.modules["numpy.random"].seed()  # no argument: fresh entropy, as numpy seeds itself at import
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
         torch.set_num_threads(int(threads))  # the server imported torch before this launch chose the count

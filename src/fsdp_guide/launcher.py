@@ -109,10 +109,16 @@ def launch(
     torch (seconds). When it ends, a server that imports torch once (Python's
     ``multiprocessing`` forkserver) starts in the background, and later launches fork
     their ranks from it: they start in a fraction of a second, still as fresh processes
-    (nothing a previous launch did is in them; each has its own random seeds). The server
-    never initialises CUDA or a process group, and ends with this process. A launch whose
-    interpreter, ``torch`` on ``sys.path``, or environment variables torch reads at import
-    (``TORCH_*``, ``CUDA_*``, ``LD_*``, ...) differ from the server's starts cold. Set
+    (nothing a previous launch did is in them; each has its own random seeds: Python's,
+    torch's and numpy's). The server never initialises CUDA or a process group, and ends
+    with this process. A launch whose interpreter, ``torch`` on ``sys.path``, or
+    environment differs from the server's (any variable but ``FSDP_GUIDE_*``: torch and
+    the libraries it loads read many at import) starts cold, and the server is replaced
+    after it. One difference cannot be undone in a fork: warm ranks share the server's
+    string hash seed, so a ``set`` of strings iterates in the same order on every warm
+    rank, where cold ranks and torchrun's (each a new interpreter, ``PYTHONHASHSEED``
+    unset) differ; collectives issued while iterating a set then work here and hang under
+    torchrun. Iterate ``sorted(...)`` (:ref:`debugging-hangs-set-order`). Set
     ``FSDP_GUIDE_WARM=0`` to start every launch cold: to debug what happens at import, or
     after replacing the installed torch (the server keeps the torch it imported).
 
