@@ -497,3 +497,40 @@ def test_a_step_that_is_not_a_non_negative_int_is_refused_before_anything_is_wri
     with pytest.raises(ValueError, match=rf"^step={step!r}: expected an int >= 0"):
         getattr(checkpoint, how)(tmp_path, step, model, torch.optim.AdamW(model.parameters()))
     assert list(tmp_path.iterdir()) == []
+
+
+def _export_that_fails_on_rank_0(path):
+    import torch.distributed as dist
+
+    from fsdp_guide import checkpoint
+
+    model, _ = _model_and_optimizer()
+    if dist.get_rank() == 0:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        checkpoint.torch.save = full_disk  # this rank's only
+    try:
+        checkpoint.export_consolidated(model, path)
+        return "written"
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+
+
+def test_an_export_that_fails_on_rank_0_raises_on_every_rank_at_once_and_keeps_the_file(tmp_path):
+    (tmp_path / "model.pt").write_bytes(b"the previous export")
+    raised = launch(_export_that_fails_on_rank_0, str(tmp_path / "model.pt"), world_size=2, output="none", timeout=50,
+                    collective_timeout=60)
+    assert raised[0] == "OSError: [Errno 28] No space left on device"
+    assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with OSError" in raised[1]
+    assert (tmp_path / "model.pt").read_bytes() == b"the previous export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+
+
+@pytest.mark.parametrize("where", ["a-directory", "missing/model.pt"])
+def test_an_export_to_a_path_that_cannot_be_a_file_is_refused_before_the_gather(tmp_path, where):
+    from fsdp_guide import checkpoint
+
+    (tmp_path / "a-directory").mkdir()
+    with pytest.raises(ValueError, match="expected the path of a file to write, in a directory that exists"):
+        checkpoint.export_consolidated(nn.Linear(2, 2), tmp_path / where)

@@ -296,7 +296,7 @@ def _told_by_rank0(error: BaseException | None, group, final: Path) -> BaseExcep
             outcome = [None if error is None else f"{type(error).__name__}: {error}"]
             dist.broadcast_object_list(outcome, src=0, group=group)
             if error is None and outcome[0] is not None:
-                error = CheckpointError(f"{final} was not published: rank 0 failed with {outcome[0]}")
+                error = CheckpointError(f"{final} was not written: rank 0 failed with {outcome[0]}")
     except BaseException as failed:  # noqa: BLE001
         error = error or failed
     return error
@@ -669,15 +669,26 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write the full, unsharded model state dict to one ``torch.save`` file (rank 0 writes; all ranks call it).
 
-    The file loads into the plain model with ``torch.load(path, weights_only=True)``.
+    The file loads into the plain model with ``torch.load(path, weights_only=True)``. If
+    rank 0 cannot write it (a full disk), every rank raises: rank 0 its error, the others a
+    :class:`CheckpointError` naming it; the file is as it was.
     """
     path = Path(path)
+    if path.is_dir() or not path.parent.is_dir():  # every rank sees it: refused before the gather, everywhere
+        raise ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = None
     if _rank() == 0:
         partial = path.with_name(path.name + ".partial")
-        torch.save(full, partial)
-        _fsync(partial)  # the bytes on disk before the name points at them
-        os.replace(partial, path)
-        _fsync(path.parent)  # and the new name itself
-    _barrier()
+        try:
+            torch.save(full, partial)
+            _fsync(partial)  # the bytes on disk before the name points at them
+            os.replace(partial, path)
+            _fsync(path.parent)  # and the new name itself
+        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
+            partial.unlink(missing_ok=True)
+            error = failed
+    error = _told_by_rank0(error, _checkpoint_group(), path)
+    if error is not None:
+        raise error
     return path
