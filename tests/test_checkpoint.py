@@ -527,10 +527,19 @@ def test_an_export_that_fails_on_rank_0_raises_on_every_rank_at_once_and_keeps_t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
-@pytest.mark.parametrize("where", ["a-directory", "missing/model.pt"])
-def test_an_export_to_a_path_that_cannot_be_a_file_is_refused_before_the_gather(tmp_path, where):
+def _export(path):
     from fsdp_guide import checkpoint
 
+    model, _ = _model_and_optimizer()
+    try:
+        checkpoint.export_consolidated(model, path)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("where", ["a-directory", "missing/model.pt"])
+def test_an_export_to_a_path_that_cannot_be_a_file_is_refused_on_every_rank_before_the_gather(tmp_path, where):
     (tmp_path / "a-directory").mkdir()
-    with pytest.raises(ValueError, match="expected the path of a file to write, in a directory that exists"):
-        checkpoint.export_consolidated(nn.Linear(2, 2), tmp_path / where)
+    raised = launch(_export, str(tmp_path / where), world_size=2, output="none", timeout=50, collective_timeout=60)
+    assert raised[0] == f"ValueError: {tmp_path / where}: expected the path of a file to write, in a directory that exists"
+    assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with ValueError" in raised[1]

@@ -159,6 +159,13 @@ def test_the_consolidated_export_loads_into_the_plain_model_and_generates(tmp_pa
     assert loss.item() < summary["losses"][0]  # the trained weights, not a fresh init
 
 
+def test_an_export_path_that_cannot_be_written_fails_at_the_start_not_after_the_run(tmp_path):
+    config = dataclasses.replace(SMALL, steps=10_000, export=str(tmp_path / "missing" / "model.pt"))
+    with pytest.raises(LaunchError, match=r"missing/model\.pt: expected the path of a file to write") as raised:
+        launch(train, config, world_size=2, output="none", timeout=60)  # 10,000 steps would take far longer
+    assert "step " not in "\n".join(raised.value.output)  # no step ran
+
+
 def _first_batch():
     from fsdp_guide.tokens import TokenBatches, python_docs_corpus
 

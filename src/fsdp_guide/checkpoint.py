@@ -673,9 +673,7 @@ def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
     rank 0 cannot write it (a full disk), every rank raises: rank 0 its error, the others a
     :class:`CheckpointError` naming it; the file is as it was.
     """
-    path = Path(path)
-    if path.is_dir() or not path.parent.is_dir():  # every rank sees it: refused before the gather, everywhere
-        raise ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
+    path = _check_export_path(path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     error = None
     if _rank() == 0:
@@ -691,4 +689,18 @@ def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
     error = _told_by_rank0(error, _checkpoint_group(), path)
     if error is not None:
         raise error
+    return path
+
+
+def _check_export_path(path: str | os.PathLike) -> Path:
+    """Refuse, on every rank, a path :func:`export_consolidated` could not write, before the work that precedes it.
+
+    Rank 0 looks (only it writes: other nodes need not have the directory) and tells the
+    others; a training script calls it at its start, so that a typo does not cost the run."""
+    path, problem = Path(path), None
+    if _rank() == 0 and (path.is_dir() or not path.parent.is_dir()):
+        problem = ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
+    problem = _told_by_rank0(problem, _checkpoint_group(), path)
+    if problem is not None:
+        raise problem
     return path

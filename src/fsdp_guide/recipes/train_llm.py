@@ -342,6 +342,8 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     from fsdp_guide import checkpoint
 
     rank, device = dist.get_rank(), rank_device()
+    if config.export:  # a typo found now, not after the whole run
+        checkpoint._check_export_path(config.export)
     dtype = compute_dtype(config.precision, device)
     model = build_model(config, device, dtype)
     optimizer, scheduler = build_optimizer(model, config)
