@@ -113,7 +113,8 @@ def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(saved, tmp_path):
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # still tied
     for (name, a), (_, b) in zip(reloaded.state_dict().items(), single.state_dict().items(), strict=True):
         assert torch.allclose(a, b, atol=1e-5), name
-    assert [p.name for p in tmp_path.iterdir()] == ["tuned"]  # published whole, nothing partial left
+    assert [p.name for p in tmp_path.iterdir()] == ["tuned"]  # nothing written beside it
+    assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == _exported(tmp_path / "tuned")  # nor left in it
 
 
 def _tiny_round_trip(path, out, read):
@@ -148,14 +149,139 @@ def _load_and_save(path, out):
     save_pretrained(from_pretrained(path), out)
 
 
-def test_saving_again_replaces_the_directory_whole(saved, tmp_path):
+def _user_files(out) -> dict:
+    """What a user keeps beside an export, written into ``out`` first: a tokenizer, notes, a model card,
+    a folder of checkpoints. Returns each file's bytes by its path under ``out``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(out)
+    (out / "notes.txt").write_text("lr 1e-2, 3 steps\n")
+    (out / "README.md").write_text("# my model\n\nnotes by hand\n")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step-1").write_text("a training checkpoint")
+    return _files(out)
+
+
+def _files(out) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _export(path, outs, max_shard_size=None, full_disk_at=None):
+    """Load ``path`` sharded and export it to each of ``outs``; transformers splits the weights at
+    ``max_shard_size``, and its ``full_disk_at``-th file write (counted from 0) raises ENOSPC."""
+    import errno
+    import functools
+
+    import transformers.modeling_utils
+
+    model = from_pretrained(path)
+    if max_shard_size is not None:  # transformers' default (50GB) writes a model this small as one file
+        model.save_pretrained = functools.partial(model.save_pretrained, max_shard_size=max_shard_size)
+    if full_disk_at is not None:
+        write, written = transformers.modeling_utils.safe_save_file, []
+
+        def full_disk(*args, **kwargs):
+            if len(written) == full_disk_at:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            written.append(write(*args, **kwargs))
+
+        transformers.modeling_utils.safe_save_file = full_disk
+    for out in outs:
+        save_pretrained(model, out)
+
+
+def _exported(out) -> list[str]:
+    """The files of the model exported to ``out``: its configs, and its index and the files it names
+    or model.safetensors."""
+    import json
+
+    index = out / "model.safetensors.index.json"
+    weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name] if index.exists() \
+        else ["model.safetensors"]
+    return sorted(["config.json", "generation_config.json", *weights])
+
+
+def _assert_loads_as(out, model):
+    reloaded = AutoModelForCausalLM.from_pretrained(out)  # transformers itself, offline, in this process
+    for (name, a), (_, b) in zip(reloaded.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_an_export_keeps_the_files_beside_it_and_leaves_no_stale_shards_when_split_otherwise(saved, tmp_path):
     path, _ = saved
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "stale.txt").write_text("from an earlier save")
-    launch(_load_and_save, path, tmp_path / "out", world_size=2, output="none")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
-                                                                     "model.safetensors"]
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    out = tmp_path / "out"
+    mine = _user_files(out)
+    exports = []
+    for max_shard_size in ["20KB", None, "40KB"]:  # 6 files, then 1, then 3: each time the previous files are stale
+        launch(_export, path, [out], max_shard_size, world_size=2, output="none", timeout=120)
+        exports.append(_exported(out))
+        assert sorted(p.name for p in out.iterdir()) == sorted({*exports[-1], *(p.split("/")[0] for p in mine)})
+        assert {name: data for name, data in _files(out).items() if name in mine} == mine  # untouched
+        _assert_loads_as(out, _llama())
+    assert [len(files) for files in exports] == [9, 3, 6]  # configs + index + 6 shards, one file, index + 3 shards
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing written beside it
+
+
+def test_an_export_that_fails_midway_leaves_the_previous_export_and_the_users_files(saved, tmp_path):
+    path, _ = saved
+    out = tmp_path / "out"
+    mine = _user_files(out)
+    launch(_export, path, [out], "20KB", world_size=2, output="none", timeout=120)
+    before = _files(out)
+    assert before.items() >= mine.items()
+    # the next export, split otherwise, fails at its second file: rank 0's error is raised on every rank
+    with pytest.raises(LaunchError, match="OSError: \\[Errno 28\\] No space left on device"):
+        launch(_export, path, [out], "40KB", 1, world_size=2, output="none", timeout=120)
+    assert _files(out) == before  # the previous export whole, the user's files, nothing partial left
+    assert sorted(p.name for p in out.iterdir()) == sorted({p.split("/")[0] for p in before})
+    _assert_loads_as(out, _llama())
+
+
+def _export_adapters(path, out):
+    save_pretrained(from_pretrained(path, adapt=_add_lora), out)
+
+
+def test_adapters_and_a_full_export_keep_the_users_files_and_replace_only_each_others(saved, tmp_path):
+    from peft import PeftModel
+
+    path, _ = saved
+    out = tmp_path / "out"
+    mine = _user_files(out)
+    readme = mine.pop("README.md")
+    launch(_export_adapters, path, out, world_size=2, output="none", timeout=120)
+    files = _files(out)
+    assert files.items() >= mine.items()
+    assert sorted(set(files) - set(mine)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert readme.decode() in files["README.md"].decode()  # peft updates a model card, keeping what it held
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out)  # loads
+
+    launch(_export, path, [out], world_size=2, output="none", timeout=120)
+    files = _files(out)
+    assert files.items() >= mine.items()
+    # the adapter files are gone: transformers would add them to the model it loads from out
+    assert sorted(set(files) - set(mine)) == ["README.md", *_exported(out)]
+    _assert_loads_as(out, _llama())
+
+
+def test_an_export_through_a_symlink_or_into_missing_folders_writes_there_and_into_a_file_is_an_error(saved, tmp_path):
+    path, _ = saved
+    target = tmp_path / "big-disk" / "model"
+    mine = _user_files(target)
+    (tmp_path / "link").symlink_to(target, target_is_directory=True)
+    launch(_export, path, [tmp_path / "link", tmp_path / "new" / "dirs" / "out"], world_size=2, output="none",
+           timeout=120)
+    assert (tmp_path / "link").is_symlink()  # still the user's link: the export went where it points
+    assert _files(target).items() >= mine.items()
+    for out in target, tmp_path / "new" / "dirs" / "out":
+        assert sorted(_files(out).keys() - mine.keys()) == _exported(out)
+        _assert_loads_as(out, _llama())
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(LaunchError, match="NotADirectoryError: .*a-file is a file"):
+        launch(_export, path, [tmp_path / "a-file"], world_size=2, output="none", timeout=120)
+    assert (tmp_path / "a-file").read_text() == "not a directory"
 
 
 @pytest.mark.parametrize("read", ["rank0", "sharded"])
@@ -169,22 +295,98 @@ def test_a_checkpoint_in_several_files_is_read_from_its_index_and_other_files_ar
     assert all(torch.equal(r["logits"], expected) for r in ranks)
 
 
-def _drop_a_tensor(path, out):
+def _rewritten(path, out, change):
+    """A copy of the saved model at ``out`` whose weights ``change`` has edited in place."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(path, out)
     weights = load_file(out / "model.safetensors")
-    del weights["model.norm.weight"]
+    change(weights)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
-def test_weights_that_do_not_match_the_model_are_an_error_on_every_rank_not_a_hang(saved, tmp_path):
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w.pop("model.norm.weight"), "missing \\['model.norm.weight'\\], unexpected \\[\\]"),
+    (lambda w: w.update(extra=torch.ones(2)), "missing \\[\\], unexpected \\['extra'\\]")], ids=["missing", "extra"])
+def test_weights_that_do_not_match_the_model_are_an_error_on_every_rank_not_a_hang(saved, tmp_path, change, message):
     path, _ = saved
-    _drop_a_tensor(path, tmp_path / "broken")
-    with pytest.raises(LaunchError, match="do not match the model its config describes: missing "
-                                          "\\['model.norm.weight'\\]") as raised:
-        launch(_load_and_run, tmp_path / "broken", TOKENS, "rank0", None, world_size=2, output="none", timeout=120)
+    with pytest.raises(LaunchError, match="do not match the model its config describes: " + message) as raised:
+        launch(_load_and_run, _rewritten(path, tmp_path / "broken", change), TOKENS, "rank0", None, world_size=2,
+               output="none", timeout=120)
     assert "KeyError" in str(raised.value)
+
+
+def _errors(path, read):
+    """This rank's error from from_pretrained, returned rather than raised: the test sees every rank's."""
+    try:
+        from_pretrained(path, read=read)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+SHORT_NORM = "size mismatch between saved torch.Size([31]) and current: torch.Size([32]) for model.norm.weight"
+
+
+@pytest.mark.parametrize("read, name, value, mismatch", [
+    ("rank0", "model.norm.weight", torch.ones(31), SHORT_NORM),
+    ("sharded", "model.norm.weight", torch.ones(31), SHORT_NORM),
+    ("rank0", "model.embed_tokens.weight", torch.ones(40, 33),  # tied: saved once, for the output layer too
+     "size mismatch between saved torch.Size([40, 33]) and current: torch.Size([40, 32]) for "
+     "model.embed_tokens.weight"),
+    ("rank0", "model.layers.0.mlp.up_proj.weight", torch.ones(64, 32, dtype=torch.int64),
+     "dtype mismatch between saved I64 and current: torch.float32 for model.layers.0.mlp.up_proj.weight"),
+    ("sharded", "model.norm.weight", torch.ones(32, dtype=torch.bool),
+     "dtype mismatch between saved BOOL and current: torch.float32 for model.norm.weight")],
+    ids=["rank0-shape", "sharded-shape", "rank0-tied-shape", "rank0-int", "sharded-bool"])
+def test_a_weight_of_another_shape_or_dtype_is_the_same_named_error_on_every_rank_not_a_hang(saved, tmp_path, read,
+                                                                                             name, value, mismatch):
+    path, _ = saved
+    broken = _rewritten(path, tmp_path / "broken", lambda w: w.update({name: value}))
+    errors = launch(_errors, broken, read, world_size=2, output="none", timeout=60)  # a rank left waiting: LaunchError
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"ValueError: the weights in {broken} do not match the model its config describes: "
+                                f"{mismatch} in model.safetensors")
+
+
+@pytest.mark.parametrize("read", ["rank0", "sharded"])
+def test_a_truncated_file_or_an_index_naming_a_missing_shard_is_an_error_on_every_rank(tmp_path, saved, read):
+    path, _ = saved
+    truncated = tmp_path / "truncated"
+    shutil.copytree(path, truncated)
+    (truncated / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:-100])
+    errors = launch(_errors, truncated, read, world_size=2, output="none", timeout=60)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"SafetensorError: {truncated / 'model.safetensors'}: Error while deserializing header")
+
+    split = tmp_path / "split"
+    _llama().save_pretrained(split, max_shard_size="20KB")
+    shard = sorted(split.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    errors = launch(_errors, split, read, world_size=2, output="none", timeout=60)
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"FileNotFoundError: {split / 'model.safetensors.index.json'} names ['{shard.name}'], "
+                                f"not in {split}")
+
+
+def _unpicklable_error_on_rank_0():
+    from fsdp_guide.hf import _on_rank0_for_all
+
+    def fail():
+        error = OSError("the disk went away")
+        error.handle = lambda: None  # an attribute pickle cannot carry to the other ranks
+        raise error
+
+    try:
+        _on_rank0_for_all(fail)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+
+
+def test_an_error_on_rank_0_that_cannot_be_pickled_is_still_raised_on_every_rank():
+    errors = launch(_unpicklable_error_on_rank_0, world_size=2, output="none", timeout=60)
+    assert errors == ["RuntimeError: OSError: the disk went away"] * 2
 
 
 def test_a_save_that_fails_on_rank_0_fails_on_every_rank(saved, tmp_path):

@@ -265,8 +265,9 @@ print(f"relative difference at the first step: {relative[0]:.0e}; "
 # ## Weights out: a directory `from_pretrained` loads
 #
 # `save_pretrained` above gathered the full state dict to rank 0's CPU, one parameter at a
-# time, and wrote it with `transformers`' own `save_pretrained` into a directory beside the
-# target, renamed into place when complete. One process loads it as any Hugging Face model:
+# time, and wrote it with `transformers`' own `save_pretrained`, each file renamed into place
+# once all were on disk (other files in the directory stay). One process loads it as any
+# Hugging Face model:
 
 # %%
 from transformers import AutoModelForCausalLM

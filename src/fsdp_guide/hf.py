@@ -6,7 +6,8 @@ shards, and fills them from **one read** of the safetensors files: rank 0 reads 
 torch broadcasts each tensor (``set_model_state_dict`` with ``broadcast_from_rank0``), so
 no rank but rank 0 ever holds a full copy. ``save_pretrained`` gathers the full state dict
 to rank 0's CPU, writes it with transformers' own ``save_pretrained`` (config, safetensors,
-tied weights written once), and publishes the directory atomically.
+tied weights written once), and renames each file into place once it is on disk, leaving
+the other files in the directory as they were.
 
 A failure on rank 0 (no such directory, weights that do not match the config, a full disk)
 is raised on every rank, so no rank waits in a collective for the others.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -48,7 +50,9 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     ``model_cls`` defaults to ``AutoModelForCausalLM``; ``dtype`` to the one the config
     records (a bf16 checkpoint trains in bf16 unless ``dtype=torch.float32``). The names in
     the files must be the model's own: checkpoints whose names transformers converts while
-    loading (fused MoE experts, renamed prefixes) are refused with the mismatch named. The
+    loading (fused MoE experts, renamed prefixes) are refused with the mismatch named. So is
+    a tensor whose shape differs from the model's, or an integer or bool one for a float
+    parameter, naming its file: the headers are checked before any tensor is read. The
     units are the model's ``_no_split_modules`` (its decoder layers), then the root, which
     keeps tied embedding and output weights together. The shards live on
     :func:`fsdp_guide.device`.
@@ -103,6 +107,7 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     with torch.device("meta"):
         model = model_cls.from_config(config, dtype=dtype) if hasattr(model_cls, "from_config") \
             else model_cls._from_config(config, dtype=dtype)
+    saved = _on_rank0_for_all(lambda: _check_saved(path, model))  # the names in the files, once checked
     saved_as = {name: name for name in model.state_dict()}  # the model's name -> the name in the files
     added: dict[str, torch.Tensor] = {}  # what adapt added -> rank 0's initial value (empty on other ranks)
     added_names: list[str] = []
@@ -128,7 +133,7 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     model.to_empty(device=device)  # the shards only, uninitialised
     _init_non_persistent_buffers(model)
     if read == "sharded":
-        _read_own_slices(path, model, saved_as)
+        _read_own_slices(path, model, saved_as, saved)
         if added_names:  # rank 0's values of what adapt added, one broadcast each (every rank takes part)
             set_model_state_dict(model, added if dist.get_rank() == 0 else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
@@ -234,6 +239,11 @@ def _on_rank0_for_all(fn, result_to_all: bool = True):
             result = fn()
         except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
             error = exc
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - rank 0 would raise in the broadcast, leaving the others waiting in it
+            unpicklable, error = error, RuntimeError(f"{type(error).__name__}: {error}")
+            error.__cause__ = unpicklable
     shared = [result if result_to_all else None, error]
     dist.broadcast_object_list(shared, src=0)
     if shared[1] is not None:
@@ -250,7 +260,6 @@ def _config(path: Path, model_cls):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a saved model: it has no config.json. Pass the directory that "
                                 f"save_pretrained wrote (config.json and *.safetensors).")
-    _weight_files(path)
     config = AutoConfig.from_pretrained(path)
     expected = getattr(getattr(model_cls, "config_class", None), "model_type", None)
     if expected is not None and expected != config.model_type:
@@ -263,7 +272,11 @@ def _weight_files(path: Path) -> list[Path]:
     """The safetensors files of the model: those its index names, or model.safetensors, or the only one there is."""
     index = path / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint; other .safetensors beside it (consolidated.*) are not the model's
-        return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing}, not in {path}: the checkpoint is incomplete.")
+        return files
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
@@ -283,6 +296,44 @@ def _init_non_persistent_buffers(model: nn.Module) -> None:
             model._init_weights(module)
 
 
+def _check_saved(path: Path, model: nn.Module) -> set[str]:
+    """Rank 0: the names in the safetensors files, once their headers (names, shapes, dtypes) are checked against
+    the model on ``meta``.
+
+    Checked before any tensor is read or broadcast: a mismatch found later, on rank 0 alone,
+    would leave the other ranks waiting in their next collective (``read="rank0"``), and DCP's
+    own error (``read="sharded"``) names no file.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    headers = {}  # the saved name -> (its file, shape, dtype as safetensors names it)
+    for file in _weight_files(path):
+        try:
+            with safe_open(file, framework="pt") as f:  # the header only
+                for name in f.keys():
+                    header = f.get_slice(name)
+                    headers[name] = (file, torch.Size(header.get_shape()), header.get_dtype())
+        except SafetensorError as error:  # a truncated or corrupt file: safetensors' message names no file
+            raise SafetensorError(f"{file}: {error}") from error
+    tensors = _names_by_tensor(model).values()
+    unsaved_ties = {name for _, names in tensors if headers.keys() & set(names) for name in set(names) - headers.keys()}
+    _check_names(path, set(headers), {name for _, names in tensors for name in names} - unsaved_ties)
+    mismatches = []
+    for tensor, names in tensors:
+        for name in headers.keys() & set(names):
+            file, shape, dtype = headers[name]
+            if shape != tensor.shape:
+                mismatches.append(f"size mismatch between saved {shape} and current: {tensor.shape} for {name} "
+                                  f"in {file.name}")
+            elif dtype.startswith(("F", "BF")) != tensor.is_floating_point():  # F32, BF16, F8_E4M3; I64, BOOL
+                mismatches.append(f"dtype mismatch between saved {dtype} and current: {tensor.dtype} for {name} "
+                                  f"in {file.name} (loading would cast it)")
+    if mismatches:
+        raise ValueError(f"the weights in {path} do not match the model its config describes: "
+                         f"{'; '.join(mismatches[:5])}{' ...' if len(mismatches) > 5 else ''}")
+    return set(headers)
+
+
 def _read_weights(path: Path, model: nn.Module, saved_as: dict[str, str]) -> dict[str, torch.Tensor]:
     """Rank 0: every tensor in the safetensors files under the model's names, each tied name filled from the one saved."""
     from safetensors.torch import load_file
@@ -295,13 +346,10 @@ def _read_weights(path: Path, model: nn.Module, saved_as: dict[str, str]) -> dic
         for name in names:
             if saved is not None and name not in weights:
                 weights[name] = saved  # written once (transformers drops tied copies), loaded under each name
-    _check_names(path, set(weights), set(saved_as.values()))
     return {name: weights[saved] for name, saved in saved_as.items()}
 
 
 def _check_names(path: Path, saved: set[str], expected: set[str]) -> None:
-    # Checked before any tensor is broadcast: a mismatch found later, on rank 0 alone, would
-    # leave the other ranks waiting in their next collective.
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if missing or unexpected:
         raise KeyError(f"the weights in {path} do not match the model its config describes: missing "
@@ -310,21 +358,14 @@ def _check_names(path: Path, saved: set[str], expected: set[str]) -> None:
                        f"as saved; checkpoints whose names transformers converts on load are not supported.")
 
 
-def _read_own_slices(path: Path, model: nn.Module, saved_as: dict[str, str]) -> None:
-    """Each rank: read its shards' slices of the safetensors files straight into the model's DTensors."""
+def _read_own_slices(path: Path, model: nn.Module, saved_as: dict[str, str], saved: set[str]) -> None:
+    """Each rank: read its shards' slices of the safetensors files (holding the names ``saved``) straight into
+    the model's DTensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from safetensors import safe_open
-
-    saved = set()
-    for file in _on_rank0_for_all(lambda: _weight_files(path)):
-        with safe_open(file, framework="pt") as f:  # the header only
-            saved |= set(f.keys())
     # DTensors sharing storage with the parameters, under their saved names: DCP loads in place.
     state = {saved_as[name]: t for name, t in get_model_state_dict(model).items() if name in saved_as}
-    tied_unsaved = {alias for names in _tied_names(model, saved_as) if saved & set(names) for alias in set(names) - saved}
-    _check_names(path, saved, set(state) - tied_unsaved)  # before DCP: its error would name no file
     for names in _tied_names(model, saved_as):
         if saved & set(names):
             for alias in set(names) - saved:
@@ -346,18 +387,25 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
 
     The full state dict is gathered parameter by parameter to rank 0's CPU, then
     transformers' ``save_pretrained`` writes the config and safetensors (tied weights once).
-    The directory appears complete or not at all: it is written beside ``path`` and renamed,
-    replacing an earlier save only once the new one is on disk.
     ``AutoModelForCausalLM.from_pretrained(path)`` in one process then loads exactly these weights.
 
     A peft model (LoRA) writes its adapters only, in peft's format (``adapter_config.json``,
     ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, path)`` reloads them):
     only the tensors peft saves are gathered (``get_peft_model_state_dict``), not the frozen base.
-    """
-    from fsdp_guide.checkpoint import _publish
 
+    As with transformers' own ``save_pretrained``, the other files in ``path`` (a tokenizer,
+    notes, checkpoints) stay; a file of the same name is replaced. Each file is written into
+    ``path/.partial-export`` and, once all are on disk, renamed into place, the weights before
+    the index and configs that name them. Then the files an earlier export left and this one
+    did not write are deleted: weight files of another split (the index first), adapter files
+    beside a full model (transformers would add them to it on load), and not any other file.
+    A crash while writing leaves ``path`` as it was, with ``.partial-export``, which the next
+    export deletes; one during the renames can leave some files new and others old, each
+    whole, and an index never names a file that is not there.
+    """
     path = Path(path)
-    if hasattr(model, "peft_config"):  # gather only what peft's save_pretrained will pick out of the state dict
+    adapters = hasattr(model, "peft_config")
+    if adapters:  # gather only what peft's save_pretrained will pick out of the state dict
         from peft import get_peft_model_state_dict
 
         state = model.state_dict(keep_vars=True)
@@ -367,13 +415,62 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def write():
-        partial = path.with_name(f".partial-{path.name}")
-        shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(partial, state_dict=full)
-        _publish(partial, path)
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"{path} is a file: save_pretrained writes a directory there")
+        partial = path / ".partial-export"  # inside path: on its file system, wherever a symlink points
+        shutil.rmtree(partial, ignore_errors=True)  # left by an export that crashed
+        partial.mkdir(parents=True)
+        try:
+            if adapters and (path / "README.md").is_file():  # peft updates a model card, keeping what it holds
+                shutil.copy2(path / "README.md", partial)
+            model.save_pretrained(partial, state_dict=full)
+            _move_into(partial, path, adapters)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
 
     _on_rank0_for_all(write)  # a failure on rank 0 (a full disk) is raised on every rank, not waited for
     return path
+
+
+def _move_into(partial: Path, path: Path, adapters: bool) -> None:
+    """Rename each file under ``partial`` to the same name under ``path``, then delete the files of an
+    earlier export there that were not replaced."""
+    from fsdp_guide.checkpoint import _fsync
+
+    earlier = _exported_files(path, adapters)  # read before the new index replaces the old one
+    entries = list(partial.iterdir())
+    weights = [entry for entry in entries if entry.name.endswith(".safetensors")]
+    # The weights on disk under their names before the index and configs that name them, and all
+    # of it before any old file goes.
+    for group in (weights, [entry for entry in entries if entry not in weights]):
+        for entry in group:
+            if entry.is_dir():  # peft writes adapters not named "default" into folders of their own
+                (path / entry.name).mkdir(exist_ok=True)
+                _move_into(entry, path / entry.name, adapters)
+            else:
+                _fsync(entry)  # its bytes on disk before its name is in path
+                os.replace(entry, path / entry.name)
+        _fsync(path)
+    written = {entry.name for entry in entries}
+    for file in earlier:
+        if file.name not in written:
+            file.unlink(missing_ok=True)
+    _fsync(path)
+
+
+def _exported_files(path: Path, adapters: bool) -> list[Path]:
+    """The files in ``path`` that an export of a full model (or of adapters) replaces, the index before its shards."""
+    from transformers.utils import (ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
+                                    SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+
+    names = [ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME]
+    if not adapters:
+        index = path / SAFE_WEIGHTS_INDEX_NAME
+        named = json.loads(index.read_text())["weight_map"].values() if index.is_file() else ()
+        # only weight files in path itself: an index is no licence to delete anything else
+        shards = sorted({name for name in named if Path(name).name == name and name.endswith(".safetensors")})
+        names = [SAFE_WEIGHTS_INDEX_NAME, *shards, SAFE_WEIGHTS_NAME, *names]
+    return [path / name for name in names if (path / name).is_file()]
 
 
 def _full_on_cpu(param: torch.Tensor) -> torch.Tensor:
