@@ -61,7 +61,9 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_a_hang_in_a_collective_ends_at_the_timeout",
                  "test_a_timeout_names_the_ranks_still_running_and_stops_them",
                  "test_a_timeout_shows_the_line_each_rank_is_stuck_on",
-                 "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off"]
+                 "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off",
+                 "test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing",
+                 "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once"]
 
 
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version

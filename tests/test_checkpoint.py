@@ -393,15 +393,16 @@ def _try_load(path):
 
 
 def test_a_metadata_dcp_cannot_use_never_falls_back_to_the_unchecked_rank_local_files(tmp_path):
-    [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
+    saved = launch(_save_one, str(tmp_path), world_size=2, output="none")[0]
     metadata_file, marker = Path(saved) / ".metadata", tmp_path / "ran"
     metadata = pickle.loads(metadata_file.read_bytes())
     metadata.storage_meta = 5  # accepted by a restricted unpickler; DCP's own read of it then fails
     metadata_file.write_bytes(pickle.dumps(metadata))
-    (Path(saved) / "__0.metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))  # DCP's fallback
-    [message] = launch(_try_load, saved, world_size=1, output="none")
-    assert message.startswith(f"{metadata_file} was refused: its storage_meta is a int")
-    assert not marker.exists()
+    for rank in (0, 1):  # DCP's fallback: each rank its own
+        (Path(saved) / f"__{rank}.metadata").write_bytes(pickle.dumps(_RunsCode(f"{marker}{rank}")))
+    messages = launch(_try_load, saved, world_size=2, output="none", timeout=60)
+    assert all(m.startswith(f"{metadata_file} was refused: its storage_meta is a int") for m in messages)
+    assert not any(tmp_path.glob("ran*"))
 
 
 def _build_on(module: str, name: str) -> bytes:
@@ -456,6 +457,137 @@ def test_every_refused_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, 
     with pytest.raises(CheckpointError, match=rf"^{crafted}/\.metadata (was refused|cannot be read)") as raised:
         checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
     assert says in str(raised.value)
+
+
+class _SetsTheEnum:
+    """Pickles as DCP's memory-format enum member with state for BUILD: an object shared by the whole process."""
+
+    def __reduce__(self):
+        from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+        return _MEM_FORMAT_ENCODING, (0,), {"_value_": 77}
+
+
+class _FieldsOfItsOwn:
+    """Pickles as a StorageMeta filled with attributes that are not its fields."""
+
+    def __reduce__(self):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        return StorageMeta, (), {"evil": 1}
+
+
+@pytest.mark.parametrize("crafted, says", [(_SetsTheEnum, "it sets attributes on <_MEM_FORMAT_ENCODING"),
+                                           (_FieldsOfItsOwn, "it fills a StorageMeta with dict state that is not its")],
+                         ids=["enum-member", "not-its-fields"])
+def test_a_metadata_that_sets_what_dcp_never_sets_is_refused_and_changes_nothing(tmp_path, crafted, says):
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    from fsdp_guide import checkpoint
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata({}, planner_data=crafted(), storage_data={})))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/\.metadata was refused \({says}"):
+        checkpoint._read_metadata(tmp_path)
+    assert _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT.value == 0  # the next checkpoint still saves and loads
+
+
+def test_a_metadata_that_uses_copyreg_extension_codes_is_refused(tmp_path):
+    from fsdp_guide import checkpoint
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x82\x01.")  # EXT1 1: a class named by a registry, not by name
+    with pytest.raises(CheckpointError, match="it uses copyreg extension codes"):
+        checkpoint._read_metadata(tmp_path)
+
+
+def _break_an_entry(saved: Path, how: str) -> None:
+    import dataclasses
+
+    metadata_file = saved / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    if how == "tensor-size":
+        metadata.state_dict_metadata["model.weight"].size = 5
+    elif how == "per-rank-key":
+        metadata.state_dict_metadata["data@rankx"] = metadata.state_dict_metadata.pop("step")
+    elif how == "transform":
+        index = next(iter(metadata.storage_data))
+        metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index],
+                                                           transform_descriptors=["zstd"])
+    metadata_file.write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("how, says", [("tensor-size", "its entry 'model.weight' is not a tensor's storage metadata"),
+                                       ("per-rank-key", "its entry 'data@rankx' is not one this package writes"),
+                                       ("transform", "is to be transformed (['zstd']) when read")])
+def test_metadata_entries_this_package_never_writes_are_refused_naming_the_file(tmp_path, how, says):
+    [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
+    _break_an_entry(Path(saved), how)
+    [message] = launch(_try_load, saved, world_size=1, output="none")
+    assert message.startswith(f"{Path(saved) / '.metadata'} was refused: ") and says in message
+
+
+def test_files_of_a_checkpoint_that_are_links_elsewhere_are_refused(tmp_path):
+    import os
+
+    first, elsewhere = (launch(_save_one, str(tmp_path / d), world_size=2, output="none")[0] for d in ("a", "b"))
+    for data in Path(first).glob("*.distcp"):  # the data another checkpoint (any file) holds
+        data.unlink()
+        os.symlink(Path(elsewhere) / data.name, data)
+    messages = launch(_try_load, first, world_size=2, output="none", timeout=60)
+    assert all("is not a plain file of the checkpoint (a link, a pipe or a device)" in m for m in messages)
+    (Path(first) / ".metadata").unlink()
+    os.symlink(Path(elsewhere) / ".metadata", Path(first) / ".metadata")
+    [message] = launch(_try_load, first, world_size=1, output="none")
+    assert message == f"{Path(first) / '.metadata'} was refused: it is a link, and DCP writes a plain file; nothing was read"
+
+
+def test_a_metadata_pickled_by_python_3_13_names_pathlib_local_and_is_read(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    from fsdp_guide import checkpoint
+
+    # protocol 2: classes named as text (GLOBAL), so the module's name can be changed in place
+    data = pickle.dumps(Metadata({}, storage_data={}, storage_meta=StorageMeta(checkpoint_id=Path("/ckpt"))), protocol=2)
+    assert b"cpathlib\nPosixPath\n" in data
+    (tmp_path / ".metadata").write_bytes(data.replace(b"cpathlib\n", b"cpathlib._local\n"))
+    assert checkpoint._read_metadata(tmp_path).storage_meta.checkpoint_id == Path("/ckpt")
+
+
+def _save_where_rank_0_cannot_make_the_directory(directory):
+    import torch.distributed as dist
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    if dist.get_rank() == 0:
+        def read_only(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(self))
+
+        checkpoint.Path.mkdir = read_only  # this rank's only
+    try:
+        checkpoint.save(directory, 1, model, opt)
+        return "saved"
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+
+
+def test_a_save_whose_directory_rank_0_cannot_make_raises_on_every_rank_at_once(tmp_path):
+    raised = launch(_save_where_rank_0_cannot_make_the_directory, str(tmp_path / "ckpt"), world_size=2,
+                    output="none", timeout=50, collective_timeout=60)
+    assert raised[0].startswith("PermissionError: [Errno 13] Permission denied")
+    assert raised[1].startswith("CheckpointError: ") and "was not saved: rank 0 failed with PermissionError" in raised[1]
+
+
+def _save_at_a_numpy_step(directory):
+    import numpy as np
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _model_and_optimizer()
+    return checkpoint.save(directory, np.int64(3), model, opt).name
+
+
+def test_a_numpy_integer_step_is_an_integer(tmp_path):
+    assert launch(_save_at_a_numpy_step, str(tmp_path), world_size=1, output="none") == ["step-00000003"]
 
 
 def _save_beside_a_user_s_folders(directory, steps):

@@ -467,6 +467,27 @@ def test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing(
         parent.wait()
 
 
+def test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once(tmp_path, monkeypatch):
+    from fsdp_guide import _warm
+
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(8)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_warm, "PRELOAD", [*_warm.PRELOAD, "slow_to_import"])
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # a new server, importing for 8 s more
+    launch(len, [], world_size=2, output="none")  # cold; the server starts when it ends
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match=r"^launch interrupted"):
+            launch(len, [], world_size=2, output="none")  # warm: its ranks wait for the server's imports
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 4  # not the rest of the server's 8 s
+    assert launch(len, [], world_size=2, output="none") == [0, 0]  # the server, once imported, still serves
+    time.sleep(1)  # the interrupted launch's ranks, forked by now, found no parent and exited (the fixture checks)
+
+
 def _sleeper(token: str) -> list[str]:
     """A child process that sleeps, findable by the token on its command line."""
     return [sys.executable, "-c", "import time; time.sleep(300)", token]

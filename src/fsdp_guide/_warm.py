@@ -23,6 +23,7 @@ import importlib.util
 import io
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -45,6 +46,7 @@ LIKELY = ("transformers", "peft")
 # TORCHINDUCTOR_*, PYTORCH_*, FX_*, SYMPY_*, NPY_*, OPENBLAS_*, LOGLEVEL and more, and C
 # libraries read theirs with getenv; a list of prefixes would miss some.
 _RUN_TIME_ENV = "FSDP_GUIDE_"
+_CHANGES_BY_ITSELF = {"PYTEST_CURRENT_TEST"}  # pytest sets it for every test: no import reads it
 
 _lock = threading.Lock()
 _server: forkserver.ForkServer | None = None  # our own instance: the process's default forkserver stays the user's
@@ -61,7 +63,8 @@ def _what_torch_would_be() -> tuple:
     it would import them in (all of it but this package's own variables): if any of it changed, the
     server's imports are not the ones a cold rank would make, and the launch starts cold."""
     spec = importlib.util.find_spec("torch")  # finds, does not import
-    env = sorted((k, v) for k, v in os.environ.items() if not k.startswith(_RUN_TIME_ENV))
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if not k.startswith(_RUN_TIME_ENV) and k not in _CHANGES_BY_ITSELF)
     return sys.executable, spec.origin if spec else None, tuple(env)
 
 
@@ -143,7 +146,8 @@ def server_pids() -> list[int]:
 class WarmRank:
     """A rank forked by the server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
 
-    def __init__(self, argv: list[str], env: dict, pass_fd: int | None = None):
+    def __init__(self, argv: list[str], env: dict, pass_fd: int | None = None,
+                 interrupted: threading.Event | None = None):
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -154,6 +158,14 @@ class WarmRank:
             reduction.dump(_Rank(argv, env, os.getcwd()), data)
         for fd in (stdin_r, out_w, err_w):  # the rank has its copies
             os.close(fd)
+        # The server forks it once it has imported torch: seconds, if it was started just now. An
+        # interrupt (noted by the launcher, not raised) ends the wait; the rank, forked later, finds
+        # its stdin closed and its run directory gone, and exits.
+        while not select.select([status_r], [], [], 0.1)[0]:
+            if interrupted is not None and interrupted.is_set():
+                for fd in (stdin_w, out_r, err_r, status_r):
+                    os.close(fd)
+                raise KeyboardInterrupt
         self.pid = forkserver.read_signed(status_r)
         self.stdin, self.stdout, self.stderr = open(stdin_w, "wb"), open(out_r, "rb"), open(err_r, "rb")
         self.returncode: int | None = None

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import operator
 import os
 import pickle
 import re
 import shutil
+import stat
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -140,10 +142,11 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     published path.
 
     Raises:
-        ValueError: ``step`` is not an int >= 0, ``keep < 1``, or a ``stateful`` name that
+        ValueError: ``step`` is not an integer >= 0, ``keep < 1``, or a ``stateful`` name that
             ``load`` could not tell apart.
         CheckpointError: ``step-<step>`` exists and is not a checkpoint of this package
-            (nothing is written), or rank 0 could not publish it (raised on every rank).
+            (nothing is written), or rank 0 could not make or publish it: rank 0 raises its
+            own error, every other rank a :class:`CheckpointError` naming it.
     """
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
     dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))  # returns once all have written
@@ -153,7 +156,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
             _publish_and_clean(partial, final, step, keep)
         except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
             error = failed
-    error = _told_by_rank0(error, _checkpoint_group(), final)
+    error = _told_by_rank0(error, _checkpoint_group(), f"{final} was not published")
     if error is not None:
         raise error
     return final
@@ -276,7 +279,7 @@ def _then(future: Future, publish, group, final: Path) -> Future:
                 publish()
         except BaseException as failed:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
             error = failed
-        error = _told_by_rank0(error, group, final)
+        error = _told_by_rank0(error, group, f"{final} was not published")
         if error is None:
             published.set_result(None)
         else:
@@ -286,17 +289,21 @@ def _then(future: Future, publish, group, final: Path) -> Future:
     return published
 
 
-def _told_by_rank0(error: BaseException | None, group, final: Path) -> BaseException | None:
-    """Every rank's error after rank 0 has published ``final`` or failed to: rank 0 broadcasts how it went.
+def _told_by_rank0(error: BaseException | None, group, what: str) -> BaseException | None:
+    """Every rank's error once rank 0 has done its part (publishing, writing, looking) or failed: rank 0 broadcasts
+    how it went.
 
-    A rank with no error of its own gets a :class:`CheckpointError` naming rank 0's, so no
-    rank returns before the name exists and none waits in a barrier for one that raised."""
+    A rank with no error of its own gets rank 0's :class:`CheckpointError` as it is, or one
+    saying ``what`` failed with rank 0's error, so no rank returns before rank 0's work is
+    done and none waits in a collective for one that raised."""
     try:
         if group is not None:
-            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+            outcome = [None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")]
             dist.broadcast_object_list(outcome, src=0, group=group)
             if error is None and outcome[0] is not None:
-                error = CheckpointError(f"{final} was not written: rank 0 failed with {outcome[0]}")
+                ours, message = outcome[0]
+                error = CheckpointError(message.removeprefix("CheckpointError: ") if ours
+                                        else f"{what}: rank 0 failed with {message}")
     except BaseException as failed:  # noqa: BLE001
         error = error or failed
     return error
@@ -304,8 +311,13 @@ def _told_by_rank0(error: BaseException | None, group, final: Path) -> BaseExcep
 
 def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, stateful: dict):
     """Check the arguments, wait for a save in flight, make the partial directory; the state to write."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step={step!r}: expected an int >= 0 (the training step this checkpoint continues from)")
+    _given_step = step
+    try:  # an int, or an integer type of its own (numpy's int64): not a bool, a float or a string
+        step = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        step = None
+    if step is None or step < 0:
+        raise ValueError(f"step={_given_step!r}: expected an int >= 0 (the training step this checkpoint continues from)")
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep={keep!r}: expected an int >= 1 (this checkpoint and the ones before it to keep)")
     for name in stateful:
@@ -315,17 +327,15 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
-    for path in (final, partial, _aside(final)):  # every rank: each raises the same error, none waits for another
-        if path.exists() and not _is_ours(path, step):
-            raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
-                                  f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
-                                  "into another directory")
-    _barrier()  # every rank has looked before rank 0 makes the partial directory
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save (ours: checked above)
-        partial.mkdir(parents=True)
-        (partial / _MARKER).write_text(_marker_text(step))
-    _barrier()
+    problem = None
+    if rank == 0:  # rank 0 looks and makes the directory; every rank learns how it went
+        try:
+            _make_partial(final, partial, step)
+        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
+            problem = failed
+    problem = _told_by_rank0(problem, _checkpoint_group(), f"{final} was not saved")
+    if problem is not None:
+        raise problem
     state = _model_and_optimizer(model, optimizer)
     for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
         state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
@@ -335,6 +345,18 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
 
 
 _RESERVED = ("model", "optim", "step", "rng", "cuda_rng")
+
+
+def _make_partial(final: Path, partial: Path, step: int) -> None:
+    """Rank 0: refuse names that are not this package's, then make the partial directory with its marker."""
+    for path in (final, partial, _aside(final)):
+        if path.exists() and not _is_ours(path, step):
+            raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
+                                  f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
+                                  "into another directory")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save (ours: checked above)
+    partial.mkdir(parents=True)
+    (partial / _MARKER).write_text(_marker_text(step))
 
 
 def _fsync(path: Path) -> None:
@@ -419,8 +441,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     What is safe to load: the ``.metadata`` file is the only one unpickled, once, with an
     unpickler that accepts only DCP's metadata classes (and sets attributes on nothing
     else), and what it holds must have the shape DCP writes, its entries pointing at files
-    of the checkpoint's own directory; DCP is handed that copy, so it neither reads the file
-    again with plain ``pickle`` nor falls back to the rank-local ``__<rank>.metadata`` files.
+    of the checkpoint's own directory, plain files there (not links); DCP is handed that copy,
+    so it neither reads the file again with plain ``pickle`` nor falls back to the rank-local
+    ``__<rank>.metadata`` files.
     Non-tensor values are read with ``torch.load(weights_only=True)``, tensors by DCP with
     ``weights_only=True`` too. A crafted checkpoint is refused (a :class:`CheckpointError`
     naming the file) instead of running code. Still, prefer checkpoints you or your jobs
@@ -500,6 +523,8 @@ def _read_metadata(path: Path):
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     file = path / ".metadata"
+    if file.is_symlink():
+        raise CheckpointError(f"{file} was refused: it is a link, and DCP writes a plain file; nothing was read")
     if not file.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (it has no .metadata file); "
                               f"complete ones are named step-N")
@@ -511,7 +536,7 @@ def _read_metadata(path: Path):
                               "loaded; nothing in it was run") from error
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(f"{file} cannot be read ({_last_line(error)})") from error
-    if problem := _not_dcp_metadata(metadata):
+    if problem := _not_dcp_metadata(metadata) or _not_regular_files(path, metadata):
         raise CheckpointError(f"{file} was refused: {problem}; it is damaged, or was not written by DCP")
     return metadata
 
@@ -519,7 +544,8 @@ def _read_metadata(path: Path):
 def _not_dcp_metadata(metadata) -> str | None:
     """What in an unpickled ``.metadata`` is not the shape DCP writes, or None (what DCP's reader and planner use)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
                                                        TensorStorageMetadata)
 
     if not isinstance(metadata, Metadata):
@@ -531,6 +557,15 @@ def _not_dcp_metadata(metadata) -> str | None:
             isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
             for k, v in entries.items()):
         return "its state_dict_metadata is not a map from names to DCP's storage metadata"
+    for key, entry in entries.items():
+        if _PER_RANK in key and not re.fullmatch(rf"[^.@]+{_PER_RANK}\d+", key.split(".", 1)[0]):
+            return f"its entry {key!r} is not one this package writes"
+        if isinstance(entry, TensorStorageMetadata) and not (
+                isinstance(entry.properties, TensorProperties) and isinstance(entry.size, torch.Size)
+                and isinstance(entry.chunks, list) and all(
+                    isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) for c in entry.chunks)):
+            return f"its entry {key!r} is not a tensor's storage metadata"
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         return f"its storage_data is a {type(storage).__name__}"
@@ -542,6 +577,20 @@ def _not_dcp_metadata(metadata) -> str | None:
             return f"it points at {name!r}, which is not a file of the checkpoint's own directory"
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
             return f"an entry of {name!r} has offset {info.offset!r} and length {info.length!r}"
+        if getattr(info, "transform_descriptors", None):  # decompression and the like: this package writes none
+            return f"an entry of {name!r} is to be transformed ({info.transform_descriptors!r}) when read"
+    return None
+
+
+def _not_regular_files(path: Path, metadata) -> str | None:
+    """Which of the files ``.metadata`` names is there but not a plain file (a symlink elsewhere, a FIFO, a device)."""
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        try:
+            mode = os.lstat(path / name).st_mode
+        except FileNotFoundError:
+            continue  # missing: DCP's read says so, and load names the checkpoint
+        if not stat.S_ISREG(mode):
+            return f"{name} is not a plain file of the checkpoint (a link, a pipe or a device)"
     return None
 
 
@@ -625,8 +674,9 @@ class _MetadataUnpickler(pickle._Unpickler):
             value = getattr(torch, name)
         elif (module, name) == ("torch.serialization", "_get_layout"):  # turns "torch.strided" into the layout
             value = torch.serialization._get_layout
-        elif module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-            value = getattr(pathlib, name)
+        elif module in ("pathlib", "pathlib._local") and name in ("PosixPath", "WindowsPath", "PurePosixPath",
+                                                                  "PureWindowsPath"):
+            value = getattr(pathlib, name)  # pathlib._local: where Python 3.13 pickles them from
         elif (module, name) == ("collections", "OrderedDict"):
             import collections
 
@@ -636,17 +686,37 @@ class _MetadataUnpickler(pickle._Unpickler):
         return value
 
     def _build(self) -> None:
-        import torch.distributed.checkpoint.filesystem as dcp_filesystem
-        import torch.distributed.checkpoint.metadata as dcp_metadata
+        import dataclasses
 
-        target = self.stack[-2]  # BUILD's state is on top, the object it fills below
-        owner = type(target)
-        if isinstance(target, type) or owner.__module__ != dcp_metadata.__name__ \
-                and owner is not dcp_filesystem._StorageInfo:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        state, target = self.stack[-1], self.stack[-2]  # BUILD's state is on top, the object it fills below
+        fields = {f.name for f in dataclasses.fields(target)} if type(target) in _dcp_dataclasses() else None
+        if fields is None:  # a class, an enum member shared by the whole process, anything else
             raise pickle.UnpicklingError(f"it sets attributes on {target!r}, which DCP's metadata never does")
+        own = (isinstance(state, tuple) and len(state) == 5 if type(target) is TensorProperties  # its __setstate__
+               else isinstance(state, dict) and all(isinstance(k, str) for k in state) and state.keys() <= fields)
+        if not own:
+            raise pickle.UnpicklingError(f"it fills a {type(target).__name__} with {type(state).__name__} state that "
+                                         "is not its fields")
         pickle._Unpickler.load_build(self)
 
+    def _no_extension(self) -> None:  # copyreg's extension codes name classes without find_class seeing them
+        raise pickle.UnpicklingError("it uses copyreg extension codes, which DCP's metadata never does")
+
     dispatch[pickle.BUILD[0]] = _build
+    for _code in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
+        dispatch[_code[0]] = _no_extension
+    del _code
+
+
+def _dcp_dataclasses() -> tuple[type, ...]:
+    """The classes of DCP's metadata that pickle fills attribute by attribute."""
+    from torch.distributed.checkpoint import metadata as m
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return (m.ChunkStorageMetadata, m.TensorProperties, m.TensorStorageMetadata, m.BytesStorageMetadata,
+            m.StorageMeta, m.Metadata, m.MetadataIndex, _StorageInfo)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -686,7 +756,7 @@ def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
         except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
             partial.unlink(missing_ok=True)
             error = failed
-    error = _told_by_rank0(error, _checkpoint_group(), path)
+    error = _told_by_rank0(error, _checkpoint_group(), f"{path} was not written")
     if error is not None:
         raise error
     return path
@@ -697,10 +767,11 @@ def _check_export_path(path: str | os.PathLike) -> Path:
 
     Rank 0 looks (only it writes: other nodes need not have the directory) and tells the
     others; a training script calls it at its start, so that a typo does not cost the run."""
+    _wait_in_flight()  # its collectives share the checkpoint group with a save in flight
     path, problem = Path(path), None
     if _rank() == 0 and (path.is_dir() or not path.parent.is_dir()):
         problem = ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
-    problem = _told_by_rank0(problem, _checkpoint_group(), path)
+    problem = _told_by_rank0(problem, _checkpoint_group(), f"{path} was not written")
     if problem is not None:
         raise problem
     return path

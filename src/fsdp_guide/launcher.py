@@ -415,7 +415,8 @@ class _Ranks:
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
         if self.warm:
-            proc = _warm.WarmRank([str(self.run_dir), str(rank)], env, pass_fd=sock.fileno() if rank == 0 else None)
+            proc = _warm.WarmRank([str(self.run_dir), str(rank)], env, pass_fd=sock.fileno() if rank == 0 else None,
+                                  interrupted=self.interrupted)
         else:
             proc = self._start_cold(rank, env, sock)
         self._background(self._forward, rank, proc.stdout, "stdout")

@@ -193,6 +193,7 @@ def _command_problem(args: dict) -> str | None:
 
         if checkpoint.latest(directory) is None:  # asked to resume: never a silent fresh start
             return (f"{given('resume')}: no complete checkpoint (step-N) in {given('checkpoint_dir')} "
+                    "written by fsdp_guide.checkpoint (its marker file names its step) "
                     "to resume from; leave --resume out to start afresh")
     elif resume and not Path(resume).is_dir():
         return f"{given('resume')}: no such checkpoint directory; expected 'latest' or a checkpoint's path"
@@ -355,7 +356,8 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if config.resume:
         path = checkpoint.latest(config.checkpoint_dir) if config.resume == "latest" else Path(config.resume)
         if path is None:  # asked to resume: never a silent fresh start
-            raise checkpoint.CheckpointError(f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from")
+            raise checkpoint.CheckpointError(f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from, "
+                                             "of those fsdp_guide.checkpoint writes (its marker file names its step)")
         start = checkpoint.load(path, model, optimizer, **stateful)
         if rank == 0:
             print(f"resumed from {path} at step {start}")
