@@ -50,7 +50,8 @@ SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_devi
               "test_install.py", "test_gpu_run.py", "test_jupyter.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
-# fallback, warm launches off) and its waits (timeouts, Ctrl-C). They test the operating
+# fallback, warm launches off, what a fork shares: numpy's state, the hash seed) and its
+# waits (timeouts, Ctrl-C). They test the operating
 # system and the launcher, not torch, and take over a minute per session that CI's 30 do
 # not have; `nox -s tests` runs them.
 PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defined_in_a_scripts_main_is_shipped_by_value",
@@ -63,7 +64,9 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_a_timeout_shows_the_line_each_rank_is_stuck_on",
                  "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off",
                  "test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing",
-                 "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once"]
+                 "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once",
+                 "test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do",
+                 "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not"]
 
 
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version

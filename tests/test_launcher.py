@@ -787,14 +787,18 @@ def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
 
 @pytest.mark.parametrize("name", ["TORCHDYNAMO_FSDP_GUIDE_TEST", "TORCHINDUCTOR_FSDP_GUIDE_TEST", "FX_FSDP_GUIDE_TEST",
                                   "SYMPY_FSDP_GUIDE_TEST", "HF_FSDP_GUIDE_TEST", "OPENBLAS_FSDP_GUIDE_TEST"])
-def test_a_launch_after_any_import_time_variable_changed_starts_cold(monkeypatch, name):
-    from fsdp_guide.launcher import launches
+def test_any_variable_read_at_import_is_one_a_warm_server_must_share(monkeypatch, name):
+    """What a launch compares with the server's (a change makes it start cold, as the next test shows
+    end to end): every variable torch and the libraries it loads may read at import."""
+    from fsdp_guide import _warm
 
-    launch(len, [], world_size=2, output="none")
-    launch(len, [], world_size=2, output="none")  # warm: the server has imported, and exits at once when replaced
+    before = _warm._what_torch_would_be()
     monkeypatch.setenv(name, uuid.uuid4().hex)
-    launch(len, [], world_size=2, output="none")
-    assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
+    changed = _warm._what_torch_would_be()
+    assert changed != before
+    monkeypatch.setenv("FSDP_GUIDE_SOME_SETTING", "read by the ranks as they run, never at import")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "set by pytest for every test")
+    assert _warm._what_torch_would_be() == changed  # neither is a reason for a new server
 
 
 def _translation_validation():

@@ -694,7 +694,8 @@ class _MetadataUnpickler(pickle._Unpickler):
         fields = {f.name for f in dataclasses.fields(target)} if type(target) in _dcp_dataclasses() else None
         if fields is None:  # a class, an enum member shared by the whole process, anything else
             raise pickle.UnpicklingError(f"it sets attributes on {target!r}, which DCP's metadata never does")
-        own = (isinstance(state, tuple) and len(state) == 5 if type(target) is TensorProperties  # its __setstate__
+        # TensorProperties sets its fields from a tuple itself (5 of them before torch 2.15, 6 since)
+        own = (isinstance(state, tuple) if type(target) is TensorProperties
                else isinstance(state, dict) and all(isinstance(k, str) for k in state) and state.keys() <= fields)
         if not own:
             raise pickle.UnpicklingError(f"it fills a {type(target).__name__} with {type(state).__name__} state that "
