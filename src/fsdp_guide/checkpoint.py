@@ -11,8 +11,8 @@ A checkpoint is written to ``.partial-step-N``, its files fsynced, and renamed t
 ``step-N`` only once every rank has finished, so a directory named ``step-N`` is always
 complete; the oldest beyond ``keep`` are deleted only after that. Each checkpoint holds a
 marker file naming its step: only directories with it are counted by :func:`latest`,
-kept, replaced or deleted, so a user's own ``step-3/`` beside them is never touched. Saving again at a step
-that has a checkpoint renames the old one aside (``.old-step-N``, which :func:`latest`
+kept, replaced or deleted, so a user's own ``step-3/`` beside them is never touched.
+Saving again at a step that has a checkpoint renames the old one aside (``.old-step-N``, which :func:`latest`
 still finds) until the new one has its name: at every moment a complete checkpoint of
 the step exists. State that differs between ranks is saved per rank.
 
@@ -94,11 +94,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _model_and_optimizer(model: nn.Module, optimizer) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optim": optim_state}
@@ -150,15 +145,7 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
     """
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
     dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))  # returns once all have written
-    error = None
-    if _rank() == 0:
-        try:
-            _publish_and_clean(partial, final, step, keep)
-        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
-            error = failed
-    error = _told_by_rank0(error, _checkpoint_group(), f"{final} was not published")
-    if error is not None:
-        raise error
+    _on_rank0(lambda: _publish_and_clean(partial, final, step, keep), f"{final} was not published")
     return final
 
 
@@ -309,6 +296,19 @@ def _told_by_rank0(error: BaseException | None, group, what: str) -> BaseExcepti
     return error
 
 
+def _on_rank0(work, what: str) -> None:
+    """Run ``work()`` on rank 0 alone; what it raises is raised on every rank (see :func:`_told_by_rank0`)."""
+    error = None
+    if _rank() == 0:
+        try:
+            work()
+        except Exception as failed:  # noqa: BLE001  (told to every rank, then raised)
+            error = failed
+    error = _told_by_rank0(error, _checkpoint_group(), what)
+    if error is not None:
+        raise error
+
+
 def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, stateful: dict):
     """Check the arguments, wait for a save in flight, make the partial directory; the state to write."""
     _given_step = step
@@ -327,15 +327,7 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
-    problem = None
-    if rank == 0:  # rank 0 looks and makes the directory; every rank learns how it went
-        try:
-            _make_partial(final, partial, step)
-        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
-            problem = failed
-    problem = _told_by_rank0(problem, _checkpoint_group(), f"{final} was not saved")
-    if problem is not None:
-        raise problem
+    _on_rank0(lambda: _make_partial(final, partial, step), f"{final} was not saved")  # rank 0 looks and makes it
     state = _model_and_optimizer(model, optimizer)
     for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
         state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
@@ -746,20 +738,19 @@ def export_consolidated(model: nn.Module, path: str | os.PathLike) -> Path:
     """
     path = _check_export_path(path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    error = None
-    if _rank() == 0:
+
+    def write() -> None:
         partial = path.with_name(path.name + ".partial")
         try:
             torch.save(full, partial)
             _fsync(partial)  # the bytes on disk before the name points at them
             os.replace(partial, path)
             _fsync(path.parent)  # and the new name itself
-        except Exception as failed:  # noqa: BLE001  (told to every rank below, then raised)
+        except Exception:
             partial.unlink(missing_ok=True)
-            error = failed
-    error = _told_by_rank0(error, _checkpoint_group(), f"{path} was not written")
-    if error is not None:
-        raise error
+            raise
+
+    _on_rank0(write, f"{path} was not written")
     return path
 
 
@@ -769,10 +760,11 @@ def _check_export_path(path: str | os.PathLike) -> Path:
     Rank 0 looks (only it writes: other nodes need not have the directory) and tells the
     others; a training script calls it at its start, so that a typo does not cost the run."""
     _wait_in_flight()  # its collectives share the checkpoint group with a save in flight
-    path, problem = Path(path), None
-    if _rank() == 0 and (path.is_dir() or not path.parent.is_dir()):
-        problem = ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
-    problem = _told_by_rank0(problem, _checkpoint_group(), f"{path} was not written")
-    if problem is not None:
-        raise problem
+    path = Path(path)
+
+    def look() -> None:
+        if path.is_dir() or not path.parent.is_dir():
+            raise ValueError(f"{path}: expected the path of a file to write, in a directory that exists")
+
+    _on_rank0(look, f"{path} was not written")
     return path
