@@ -42,26 +42,33 @@ def _execute(tutorial: Path, tmp_dir: Path):
 
 
 class Executed(dict):
-    """Tutorial stem -> executed notebook; a tutorial that failed raises its error where it is used."""
+    """Tutorial stem -> executed notebook, executed the first time a test asks for it.
+
+    Lazy, so that ``pytest -k lora`` executes the LoRA page alone; the site build asks for
+    every page (``execution_cache``). A page that failed raises its error wherever it is used.
+    """
+
+    def __init__(self, tmp_dir: Path):
+        super().__init__()
+        self.tmp_dir, self.errors, self.seconds = tmp_dir, {}, {}
 
     def __missing__(self, stem):
+        if stem not in self.errors:
+            page = next(p for p in NOTEBOOKS if p.stem == stem)
+            try:
+                start = time.perf_counter()
+                self[stem] = _execute(page, self.tmp_dir)
+                self.seconds[stem] = time.perf_counter() - start
+                return self[stem]
+            except Exception as error:  # noqa: BLE001  (fails that page's tests, not every test)
+                self.errors[stem] = error
         raise self.errors[stem]
 
 
 @pytest.fixture(scope="session")
 def executed(tmp_path_factory) -> Executed:
-    """Every notebook page, executed once per test run by pytest-notebook."""
-    tmp_dir = tmp_path_factory.mktemp("notebooks")
-    notebooks = Executed()
-    notebooks.errors, notebooks.seconds = {}, {}
-    for tutorial in NOTEBOOKS:
-        try:
-            start = time.perf_counter()
-            notebooks[tutorial.stem] = _execute(tutorial, tmp_dir)
-            notebooks.seconds[tutorial.stem] = time.perf_counter() - start
-        except Exception as error:  # noqa: BLE001  (fails that tutorial's tests, not every test)
-            notebooks.errors[tutorial.stem] = error
-    return notebooks
+    """Every notebook page, executed at most once per test run by pytest-notebook."""
+    return Executed(tmp_path_factory.mktemp("notebooks"))
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +86,11 @@ def execution_cache(executed, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("jupyter_cache")
     cache = get_cache(str(path))
     for tutorial in NOTEBOOKS:
-        if tutorial.stem in executed:
+        try:
+            executed[tutorial.stem]
+        except Exception:  # noqa: BLE001  (its own tests report it; the build executes it again)
+            continue
+        else:
             seconds = {"execution_seconds": executed.seconds[tutorial.stem]}  # shown by the site's exec table
             cache.cache_notebook_bundle(CacheBundleIn(executed[tutorial.stem], uri=str(tutorial), data=seconds))
     return path
