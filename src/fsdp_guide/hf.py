@@ -6,7 +6,7 @@ shards, and fills them from **one read** of the safetensors files: rank 0 reads 
 torch broadcasts each tensor (``set_model_state_dict`` with ``broadcast_from_rank0``), so
 no rank but rank 0 ever holds a full copy. ``save_pretrained`` gathers the full state dict
 to rank 0's CPU, writes it with transformers' own ``save_pretrained`` (config, safetensors,
-tied weights written once), and renames each file into place once it is on disk, leaving
+tied weights written once: the names that share a parameter share the gathered tensor), and renames each file into place once it is on disk, leaving
 the other files in the directory as they were.
 
 A failure on rank 0 (no such directory, weights that do not match the config, a full disk)
@@ -412,7 +412,8 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
         wanted = {id(t) for t in get_peft_model_state_dict(model, state_dict=state).values()}
         full = {name: _full_on_cpu(t) for name, t in state.items() if id(t) in wanted}
     else:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = _tied_again(model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                                       cpu_offload=True)))
 
     def write():
         if path.exists() and not path.is_dir():
@@ -430,6 +431,16 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
 
     _on_rank0_for_all(write)  # a failure on rank 0 (a full disk) is raised on every rank, not waited for
     return path
+
+
+def _tied_again(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tied name pointed at one gathered tensor: gathering gave every name a copy of its own, and
+    transformers writes a tied weight once only when its names share storage
+    (``remove_tied_weights_from_state_dict`` in ``transformers/modeling_utils.py``)."""
+    for names in _tied_names(model, {name: name for name in full}):
+        for alias in names[1:]:
+            full[alias] = full[names[0]]
+    return full
 
 
 def _move_into(partial: Path, path: Path, adapters: bool) -> None:
