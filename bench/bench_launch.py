@@ -12,6 +12,7 @@ Prints, from one run (each timing the median of --repeat runs):
 Run it in the pinned environment: `nox -s bench` (or `python bench/bench_launch.py`
 with the package installed). Every variant runs in a network namespace of its own
 with only loopback, as torchrun's store would otherwise listen on every interface.
+The printout is kept in bench/results/launch.txt, with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 from isolation import loopback_only  # noqa: E402
+from results import recorded  # noqa: E402
 
 WORK = '''
 import torch, torch.distributed as dist
@@ -164,8 +167,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="runs of each launcher variant (median reported)")
     args = parser.parse_args()
-    bench_warm(args.repeat)
-    bench_launchers(args.repeat)
+    with recorded("launch", f"python bench/bench_launch.py --repeat {args.repeat}"):
+        bench_warm(args.repeat)
+        bench_launchers(args.repeat)
 
 
 if __name__ == "__main__":

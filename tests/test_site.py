@@ -158,3 +158,14 @@ def test_the_reference_shows_the_sharding_diagram(site):
     images = re.findall(r'<img alt="Two ranks and three units[^"]*" [^>]*src="([^"]+\.png)"', page)
     assert len(images) == 1
     assert (site / "docs" / images[0]).resolve().stat().st_size > 10_000  # drawn at build time
+
+
+def test_the_readmes_launch_times_are_the_recorded_ones():
+    """The README quotes bench/results/launch.txt; rerunning the benchmark without updating it fails here."""
+    from conftest import ROOT
+
+    recorded = (ROOT / "bench" / "results" / "launch.txt").read_text()
+    warm_first, warm_next = re.search(r"^warm \(the default\)\s+([\d.]+)\s+([\d.]+)$", recorded, re.M).groups()
+    _, cold_next = re.search(r"^cold \(FSDP_GUIDE_WARM=0\)\s+([\d.]+)\s+([\d.]+)$", recorded, re.M).groups()
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"returned in {warm_first} s the first time and {warm_next} s each time after it, against {cold_next} s" in readme

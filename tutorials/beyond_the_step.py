@@ -28,7 +28,7 @@
 #   no communication, equal to one process's, and how to export it;
 # - what a frozen teacher (or reference) model costs beside the trained one, sharded.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores. The
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
 # {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <beyond-the-step-tips>`.
@@ -52,6 +52,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 import fsdp_guide
 from fsdp_guide import launch
@@ -116,39 +117,53 @@ def evaluation_forwards(reshard_after_forward):
         for _ in range(3):
             _, count = gathers(lambda: model(tokens.to(device)))
             rows.append((count, held(model)))
+    plain = plain_parameters(model)
     reshard_all(model)  # free what evaluation left gathered
     model.train()  # back to training behaviour (dropout, norms) before the next step
-    return rows, held(model)
+    return rows, held(model), (plain, plain_parameters(model))
+
+
+def plain_parameters(model):
+    """How many of model.parameters() are gathered plain tensors, not DTensor shards."""
+    return sum(not isinstance(p, DTensor) for p in model.parameters())
 
 
 def both_settings():
     return {setting: evaluation_forwards(setting) for setting in (None, False)}
 
 
+n_params = len(list(build_model().parameters()))
 print(f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
-      f"{'after reshard()':>16}")
-for setting, (rows, after) in launch(both_settings, output="none")[0].items():
+      f"{'after reshard()':>16}   plain tensors among the {n_params} parameters(): after forward 3, after reshard()")
+for setting, (rows, after, (plain, plain_after)) in launch(both_settings, output="none")[0].items():
     name = "None (the default)" if setting is None else str(setting)
     print(f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
-          f"{after:16.2f}")
+          f"{after:16.2f}   {plain:3} {plain_after:3}")
 
 # %% [markdown]
 # - With the default, each forward gathers the 2 blocks again; the root is gathered once
 #   and **stays gathered** after the forward (0.50 *P* of shards plus the root's
 #   embeddings and final norm, whole: 0.77 *P*). In training, the backward reshards it; evaluation has no backward, so
 #   it stays until something reshards it: a backward, `reshard()`, or `state_dict()` and
-#   `load_state_dict()`, whose hooks reshard first.
+#   `load_state_dict()`, whose hooks reshard first (`FSDPParamGroup._register_state_dict_hooks`
+#   in `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
 # - With `reshard_after_forward=False`, the first forward gathers all 3 units and later
 #   forwards gather nothing, but the rank then holds the whole model beside its shards
 #   (1.5 *P*) until `reshard()`.
-# - `reshard()` on every FSDP module (it does not recurse) frees the gathered parameters.
+# - `reshard()` on every FSDP module (it does not recurse: `FSDPModule.reshard` in
+#   `torch/distributed/fsdp/_fully_shard/_fully_shard.py`) frees the gathered parameters.
 #   Call it after evaluating: the next training step would reuse the gathered root and
 #   reshard it in its backward, but whatever runs in between (a checkpoint, generation,
 #   an EMA update) would have the memory held, and would see plain gathered tensors where
-#   `parameters()` otherwise gives the shards. Then `model.train()` again.
+#   `parameters()` otherwise gives the shards (the last column: the root's parameters with
+#   the default, all of them with `False`, none after `reshard()`). Then `model.train()`
+#   again.
 #
-# `no_grad` itself changes nothing in FSDP's collectives for the forward; it spares the
-# activations autograd would keep for a backward.
+# `no_grad` does not change which units FSDP gathers or reshards in the forward: its hooks
+# read the grad mode only to skip registering the backward's hooks
+# (`FSDPState._register_pre_backward_hook` in `_fsdp_state.py` and
+# `FSDPParamGroup._register_post_backward_hook`, same folder). It spares the activations
+# autograd would keep for a backward.
 #
 # (beyond-uneven-eval)=
 # ## An eval set that does not split evenly
@@ -228,9 +243,11 @@ for name, (loss, examples, _) in results[0].items():
 # one process's; splitting without padding counts each of the 9 once and gives one
 # process's loss (to the float32 rounding of the sums), though rank 1 had one batch fewer.
 # The empty batch ran through PyTorch's own attention (`scaled_dot_product_attention`) here;
-# attention kernels that reject zero rows (the `flash-attn` package) need one real row
-# instead, with its loss and count multiplied by zero.
-# `DistributedSampler(drop_last=True)` would instead drop the ninth example. The metric is
+# with an attention kernel that rejects zero rows, run one real row instead, with its loss
+# and count multiplied by zero.
+# `DistributedSampler(drop_last=True)` would instead drop the ninth example (it trims the
+# indices to a multiple of the ranks: `DistributedSampler.__iter__` in
+# `torch/utils/data/distributed.py`). The metric is
 # the summed loss over the summed count, never the mean of the ranks' means (see
 # {ref}`tutorial-loss-and-accumulation`).
 #
@@ -280,19 +297,25 @@ for keep in (False, True):
 # %% [markdown]
 # Resharding after each forward, the first forward gathers all 3 units and each later one
 # the 2 blocks again (the root stays gathered, as in evaluation): 13 all-gathers for 6
-# tokens. Kept gathered, the 3 units are gathered once and the rank holds the whole model
-# beside its shard (1.5 *P*) while it generates. On GPUs each all-gather per token is a
-# round of latency on a decoding step that otherwise does little work (a KV cache makes the
-# step smaller still, not the gathers fewer), so for more than a few tokens keep the model
-# gathered when it fits; afterwards `reshard()`, and restore the training setting
+# tokens, 2 for every forward after the first, though each input is one token longer than
+# the last (FSDP gathers per unit run, whatever the input). Kept gathered, the 3 units are
+# gathered once and the rank holds the whole model beside its shard (1.5 *P*) while it generates. What the
+# gathers cost in time is not measured here (CPU ranks on one machine). On GPUs each
+# all-gather per token is expected to add a collective's latency to a decoding step that
+# otherwise does little work, and a KV cache would shrink the step's compute, not the count
+# of gathers; so for more than a few tokens the model is meant to be kept gathered when it
+# fits. Afterwards `reshard()`, and restore the training setting
 # (`set_reshard_after_forward` stays set until changed).
 #
 # Every rank must run the same number of forwards: a rank that stops at its end-of-sequence
 # token while another continues hangs in the next all-gather. Hugging Face's `generate`
 # has `synced_gpus=True` for this (finished ranks keep running forwards until all are done,
-# at one small all-reduce per token); transformers 5.24 turns it on by itself only for
-# FSDP1 or models its own FSDP integration sharded (`is_fsdp_managed_module`), so pass it
-# for a model you sharded with `fully_shard`. Here every rank generates exactly
+# at one small all-reduce per token: `GenerationMixin._has_unfinished_sequences` in
+# `transformers/generation/utils.py`); transformers 5.24 turns it on by itself only under
+# DeepSpeed ZeRO-3, for FSDP1, or for models its own FSDP integration sharded
+# (`GenerationMixin.generate`, and `is_fsdp_managed_module` in
+# `transformers/distributed/fsdp.py`), so pass it for a model you sharded with
+# `fully_shard`. Here every rank generates exactly
 # `NEW_TOKENS`.
 #
 # `generate` needed nothing from FSDP because it calls the model itself (`self(...)`), so
@@ -365,13 +388,13 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
     print("a rank raised", str(error).splitlines()[0].split(" raised ", 1)[1])
 
 # %% [markdown]
-# (`AveragedModel` built *before* `fully_shard`, with its `.module` sharded the same way,
-# is the other way round this.) Here the EMA is a second model, built and sharded as the
+# Here the EMA is a second model, built and sharded as the
 # trained one, frozen, and started from a copy of the model's shards (also right for a model
 # loaded from a checkpoint). Its parameters are `DTensor` shards laid out like the model's,
 # updated after every optimizer step with `AveragedModel`'s update (`get_ema_multi_avg_fn`,
-# a `torch._foreach_lerp_` over the two lists of shards). torch's `CommDebugMode` counts
-# the collectives the updates run, including any a `DTensor` operation would run inside.
+# a `torch._foreach_lerp_` over the two lists of shards: `torch/optim/swa_utils.py`).
+# torch's `CommDebugMode` counts the collectives the updates run, including any a `DTensor`
+# operation would run inside.
 # Being a model, the EMA is exported like one: `get_model_state_dict` gathers it whole for
 # one file (tied weights under both names); its shards go into a DCP checkpoint as the
 # model's do ({ref}`tutorial-llm`). One process runs the same function on the whole model,
@@ -448,6 +471,10 @@ torch.save(exported, path)  # rank 0's export, loaded into a plain model:
 plain = build_model()
 print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
 
+one, two = torch.tensor(1.0), torch.tensor(2.0)  # one EMA update at decay 0.999, from 1 towards 2, in each dtype
+print(f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.999).item():.4f} in fp32, "
+      f"{torch.lerp(one.bfloat16(), two.bfloat16(), 1 - 0.999).item():.4f} in bf16")
+
 # %% [markdown]
 # The EMA updates ran no collective. The EMA model
 # holds half of the model per rank, parameters only, and after 8 steps equals the EMA one
@@ -457,12 +484,16 @@ print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
 # head under both names, which a plain `GPT` loads with no missing or unexpected key.
 #
 # Two cautions. While a unit is gathered, `parameters()` gives its whole plain tensors, not
-# the shards: `reshard()` the EMA model after evaluating it (and the model before updating
-# the EMA), or the update mixes tensors and `DTensor`s, or updates a gathered copy that
-# resharding then drops. And the EMA's dtype is its parameters': under a
-# `MixedPrecisionPolicy` the sharded parameters stay fp32, so the EMA does; a model stored in
-# bf16 needs its EMA kept in fp32 (with a decay of 0.999, most updates are smaller than a
-# bf16 value's rounding step).
+# the shards (the evaluation table's last column): `reshard()` the EMA model after
+# evaluating it (and the model before updating the EMA), or the update mixes tensors and
+# `DTensor`s, or updates a gathered copy that resharding then drops. And the EMA's dtype is
+# its parameters': under a `MixedPrecisionPolicy` the sharded parameters keep their
+# original dtype, fp32 for a model stored in fp32 (`param_dtype` applies to the unsharded
+# ones: the `MixedPrecisionPolicy` docstring in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_api.py`), so the EMA does; a model stored in
+# bf16 needs its EMA kept in fp32. With a decay of 0.999 an update moves the EMA by a
+# thousandth of its distance to the parameter, which bf16's 8 significant bits round away
+# unless the distance is comparable to the value itself (the last line above).
 #
 # (beyond-teacher)=
 # ## A frozen teacher beside the student
@@ -525,13 +556,19 @@ for setting, parts in launch(both_teachers, output="none")[0].items():
 # - with `reshard_after_forward=True` passed to the teacher's root, the teacher holds its
 #   shards only (0.50 *P*), and pays one more all-gather, the root's, per step.
 #
-# Replicated instead of sharded, the teacher would hold 1 *P* on every rank and gather
-# nothing. `no_grad` keeps the teacher out of autograd: no activations saved for it, no
-# backward, so no backward all-gathers, gradients or reduce-scatters. `requires_grad_(False)`
-# keeps its parameters out of the optimizer and gradient-free; it is not a substitute for
-# `no_grad` when the teacher's inputs require gradients (the student's hidden states, soft
-# prompts): autograd then saves the teacher's activations, and FSDP gathers its units again
-# in backward.
+# Left unsharded (a plain module on every rank, not given to `fully_shard`), the teacher
+# would hold 1 *P* on every rank and run no collective; replicated *with* FSDP (a shard
+# group of one rank) it would hold that 1 *P* as its shards and more while it runs, FSDP
+# copying each unit into an unsharded buffer at every forward (measured, for a model kept
+# gathered from forward to backward, in the {ref}`LoRA tutorial <lora-traffic>`). `no_grad` keeps the
+# teacher out of autograd: no activations saved for it, no backward, so no backward
+# all-gathers, gradients or reduce-scatters (the student's step above ran its own 5
+# all-gathers and none of the teacher's). `requires_grad_(False)` keeps its parameters out of
+# the optimizer and gradient-free; it is not a substitute for `no_grad` when the teacher's
+# inputs require gradients (the student's hidden states, soft prompts): its outputs then
+# require gradients too, autograd saves the teacher's activations, and FSDP registers the
+# hooks that gather its units again in backward (`FSDPState._register_pre_backward_hook` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`).
 #
 # (beyond-the-step-tips)=
 # ## The tips behind this

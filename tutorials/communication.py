@@ -25,7 +25,7 @@
 #   backward prefetching and `reshard_after_forward` change it.
 #
 # **What you need**: Linux (the bytes are read from the loopback interface's counter);
-# 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores. The tips it demonstrates are listed
+# 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed
 # {ref}`at the end <communication-tips>`.
 #
 # The byte counts are CPU on purpose: they come from the loopback interface, which the

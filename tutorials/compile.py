@@ -25,10 +25,17 @@
 # - `module.compile()` against `torch.compile(module)`: the state-dict names;
 # - what recompiles: evaluation, `no_grad`, `reshard_after_forward`, a new sequence length;
 # - activation checkpointing with compile, in each order: graphs, activations saved for
-#   the backward, and the losses.
+#   the backward, and the losses;
+# - what `TORCH_LOGS=graph_breaks,recompiles` and `torch._dynamo.explain` report on a
+#   sharded model, and why a `TorchDispatchMode` is the wrong instrument for compiled code;
+# - compiled autograd with FSDP2 in torch 2.13: the hooks it leaves eager, the callback
+#   and the collective it loses, and the gradients that come out wrong;
+# - compiling the optimizer step on FSDP2's DTensor parameters: one graph, no collectives,
+#   parameters within rounding of eager's.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 60 seconds on 2 CPU cores the
-# first time (inductor compiles C++; later runs reuse its on-disk cache). The worker code
+# **What you need**: a CPU; 2 processes on gloo; about 55 seconds on 2 CPU cores ({ref}`measured <measured-times>`) with
+# inductor's cache empty, as it compiles C++ (later runs reuse its on-disk cache and take
+# less). The worker code
 # is written to run unchanged with one GPU per rank (NCCL); on GPUs inductor generates
 # Triton kernels instead, and what this page says about GPUs is what is expected there,
 # not something it ran. The tips it demonstrates are listed
@@ -46,12 +53,17 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # an FSDP unit and the root holding the embeddings, final norm and tied output head. Each
 # run trains 3 AdamW steps on the same batches, and returns its losses and the full
 # parameters. `CompileLog` is a `torch.compile` backend that records each graph dynamo
-# hands it (the number of `linear` calls in it says what it covers: a block has 6) and
-# passes it on to a real backend. It, `torch._dynamo.reset()` and dynamo's counters are
+# hands it (the number of `linear` calls in it says what it covers: a block has 6), passes
+# it on to a real backend, and counts the runs of the compiled code, so that a cell can
+# check that what it measured ran compiled. `what_ran` counts FSDP's collectives (the c10d
+# operators gloo and NCCL both run) and the root's end-of-backward callback, as the
+# profiler records them. `CompileLog`, `torch._dynamo.reset()` and dynamo's counters are
 # this page's instruments, private debugging helpers; a training script just calls
 # `block.compile()` (with `mode=` or `options=` as it needs).
 
 # %%
+from collections import Counter
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -64,9 +76,9 @@ CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 STEPS = 3
 
 
-def build_model():
+def build_model(config=CONFIG):
     torch.manual_seed(0)
-    model = GPT(CONFIG)
+    model = GPT(config)
     model.init_weights()
     return model
 
@@ -103,15 +115,37 @@ def train(model, steps=STEPS):
 
 
 class CompileLog:
-    """A torch.compile backend: note each graph (its linear calls), then compile it with `backend`."""
+    """A torch.compile backend: note each graph (its linear calls, its inputs' types), compile
+    it with `backend`, and count the calls of the compiled code in `runs`."""
 
     def __init__(self, backend):
         self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = []
+        self.graphs, self.inputs, self.runs = [], [], 0
 
     def __call__(self, graph_module, example_inputs):
         self.graphs.append(sum("linear" in str(node.target) for node in graph_module.graph.nodes))
-        return self.backend(graph_module, example_inputs)
+        self.inputs.append(Counter(type(x).__name__ for x in example_inputs))
+        compiled = self.backend(graph_module, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # keep the backend's calling convention
+        return run
+
+
+# FSDP's collectives as c10d runs them, and the callback FSDP2's root queues for the end of
+# the backward (its record_function name in torch's _fsdp_state.py).
+EVENTS = {"c10d::_allgather_base_": "all-gathers", "c10d::_reduce_scatter_base_": "reduce-scatters",
+          "FSDP::root_post_backward_callback": "root's final callback"}
+
+
+def what_ran(fn):
+    """Run `fn` under the profiler (which, unlike a dispatch mode, leaves compiled code running); count EVENTS."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return Counter(EVENTS[event.name] for event in profile.events() if event.name in EVENTS)
 
 # %% [markdown]
 # (compile-backend)=
@@ -139,19 +173,25 @@ BACKEND, why = launch(pick_backend, output="none")[0]
 print(f"backend for the cells below that say BACKEND: {BACKEND} ({why})")
 
 # %% [markdown]
+# Only the first comparison below uses `BACKEND`, because the numbers are where inductor
+# differs. Every other cell uses `aot_eager`: what they show (graphs, graph breaks,
+# guards, FSDP's hooks and collectives, the activations saved) is decided by dynamo and
+# AOTAutograd before a backend sees the graph, and inductor's C++ compile of each graph
+# would only add its time to this page.
+
+# %% [markdown]
 # (compile-where)=
 # ## Three places to compile
 #
 # The same 3 training steps: eager; each block compiled after `fully_shard`; each block
-# compiled before `fully_shard` (torchtitan's order: compile, then shard); the whole model
+# compiled before `fully_shard` (torchtitan's order: `parallelize_llama` in
+# `torchtitan/models/llama3/infra/parallelize.py` compiles each block, then shards); the whole model
 # compiled after sharding. `module.compile()` compiles in place (more on that
 # {ref}`below <compile-names>`). Dynamo's own counters (`torch._dynamo.utils.counters`,
-# private) say which frames it gave up on, and why.
+# private) say which frames it gave up on, and why. One more step after training is
+# profiled: FSDP's collectives in it, and how many times compiled code ran in it.
 
 # %%
-from fsdp_guide.precision import record_dtypes
-
-
 def skipped_frames():
     """Why dynamo ran a frame eagerly: the last line of each reason it counted."""
     reasons = torch._dynamo.utils.counters["unimplemented"]
@@ -175,10 +215,10 @@ def compiled_where(where, backend):
     if where == "whole model":
         model.compile(backend=log)
     losses, params = train(model)
-    with record_dtypes() as seen:  # one more step: FSDP's collectives
-        model(*batch(0))[1].backward()
-    collectives = sum(n for (_, kind), n in seen.count.items() if kind in ("all-gather", "reduce-scatter"))
-    return losses, params, log.graphs, skipped_frames(), collectives
+    runs = log.runs
+    ran = what_ran(lambda: model(*batch(0))[1].backward())  # one more step, profiled
+    collectives = f"{ran['all-gathers']}+{ran['reduce-scatters']}"
+    return losses, params, log.graphs, skipped_frames(), collectives, log.runs - runs
 
 
 WHERE = ("eager", "each block, after fully_shard", "each block, before fully_shard", "whole model")
@@ -191,23 +231,28 @@ def every_place(backend):
 results = launch(every_place, BACKEND, output="none")[0]
 eager_losses, eager_params, *_ = results["eager"]
 print(f"backend: {BACKEND}")
-print(f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} {'collectives':>12}")
-for where, (losses, params, graphs, skipped, collectives) in results.items():
+print(f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
+      f"{'AG+RS':>6} {'compiled runs':>14}")
+for where, (losses, params, graphs, skipped, collectives, runs) in results.items():
     difference = max((params[name] - p).abs().max().item() for name, p in eager_params.items())
     print(f"{where:32} {' '.join(f'{x:.6f}' for x in losses):>30} {difference:16.1e} "
-          f"{len(graphs):>6} {str(graphs):>10} {collectives:12}")
+          f"{len(graphs):>6} {str(graphs):>10} {collectives:>6} {runs:>14}")
     for reason in skipped:
         print(f"{'':34}dynamo: {reason}")
 
 # %% [markdown]
 # - **Each block, in either order**, compiles one graph: the block's forward (6 linears),
-#   which both blocks share (same code, and their parameters are inputs to the graph, not
-#   constants in it), with AOTAutograd deriving its backward. FSDP's hooks stay outside
-#   the graph: the first frame dynamo traces is `Block.forward`, while the hooks run in
-#   `Module._call_impl`, torch's own code, which it does not trace as a frame of its own.
-#   So there is no graph break at all, the hooks run eagerly around the graph, and the
-#   collectives are eager's. `fully_shard` after `compile()` adds its hooks to the same
-#   untraced path, which is why the two orders behave alike.
+#   which both blocks share (same code, and dynamo makes their parameters inputs of the
+#   graph, not constants in it: `inline_inbuilt_nn_modules`, always on in torch 2.13's
+#   `torch/_dynamo/config.py`), with AOTAutograd deriving its backward. FSDP's hooks stay
+#   outside the graph: `module.compile()` compiles the module's `_call_impl`
+#   (`Module.compile` in `torch/nn/modules/module.py`), torch's own code, which dynamo does
+#   not trace as a frame; the first frame it traces is `Block.forward` (the function the
+#   recompilation log {ref}`below <compile-logs>` names). So there is no graph break at
+#   all, and the hooks run eagerly around the graph: in the profiled step the compiled
+#   graph ran twice (once per block, "compiled runs") and FSDP issued the same all-gathers
+#   and reduce-scatters as eager ("AG+RS"). `fully_shard` after `compile()` adds its hooks
+#   to the same untraced path, which is why the two orders behave alike.
 # - **The whole model** compiles the same single graph, and nothing else: FSDP2 wraps its
 #   hooks in `torch._dynamo.disable` ("skipping FSDP hooks", `_dynamo_disable` in
 #   `_fsdp_common.py`), so when dynamo traces the root's `forward` into a sharded block's
@@ -220,7 +265,8 @@ for where, (losses, params, graphs, skipped, collectives) in results.items():
 #   the column "params vs eager").
 #
 # `fullgraph=True` turns a graph break into an error, which is how to check that a block
-# compiles whole (torchtitan compiles each block that way):
+# compiles whole (torchtitan's `apply_compile` passes its `compile.fullgraph` setting to
+# each block's `torch.compile`):
 
 # %%
 def fullgraph(where):
@@ -244,6 +290,54 @@ for where, outcome in launch(both_fullgraphs, output="none")[0].items():
     print(f"fullgraph=True, {where:12} -> {outcome}")
 
 # %% [markdown]
+# (compile-measure)=
+# ### Measure compiled code with the profiler, not a dispatch mode
+#
+# The table above counts collectives with `torch.profiler`, not with a `TorchDispatchMode`
+# (this package's {func}`fsdp_guide.precision.record_dtypes`, or torch's `CommDebugMode`,
+# which is one too: `torch/distributed/tensor/debug/_comm_mode.py`). The compiled blocks'
+# runs per step, with one step under such a mode:
+
+# %%
+from fsdp_guide.precision import record_dtypes
+
+
+def compiled_runs_per_step():
+    torch._dynamo.reset()
+    log = CompileLog("aot_eager")
+    model = shard(build_model())
+    for block in model.blocks:
+        block.compile(backend=log)
+
+    def runs_in_a_step():
+        before = log.runs
+        model(*batch(0))[1].backward()
+        return log.runs - before
+
+    runs = {"a step": runs_in_a_step()}
+    with record_dtypes():
+        runs["a step under a TorchDispatchMode"] = runs_in_a_step()
+    runs["a step after it"] = runs_in_a_step()
+    torch._dynamo.reset()
+    runs["a step after torch._dynamo.reset()"] = runs_in_a_step()
+    return runs
+
+
+for when, runs in launch(compiled_runs_per_step, output="none")[0].items():
+    print(f"{when:36} compiled block graph ran {runs}x")
+
+# %% [markdown]
+# Under the mode, the blocks ran eagerly, and they kept running eagerly after it, until
+# `torch._dynamo.reset()`. Dynamo declines a frame while a dispatch mode is on the stack,
+# unless the mode's `ignore_compile_internals()` says otherwise (`CatchErrorsWrapper.__call__`
+# in `torch/_dynamo/convert_frame.py`; the default, `False`, is documented in
+# `TorchDispatchMode.ignore_compile_internals`, `torch/utils/_python_dispatch.py`), and a
+# declined frame is skipped for that code from then on (`ConvertFrameReturn`'s default
+# `apply_to_code=True`, `torch/_dynamo/types.py`). So a dispatch mode measures eager code,
+# and one used once leaves the model eager: count a compiled model's collectives with the
+# profiler, as `what_ran` does.
+
+# %% [markdown]
 # (compile-names)=
 # ## `module.compile()` keeps the names; `torch.compile(module)` does not
 #
@@ -265,20 +359,23 @@ print("an eager checkpoint into the wrapped model:",
 # %% [markdown]
 # A checkpoint saved from the wrapped model has `_orig_mod.` in its keys, and does not
 # load into an eager model (or a differently compiled one) without renaming. DCP's
-# `get_model_state_dict` removes the prefix when the compiled wrapper sits directly in
-# the model (torchtitan registers `torch.compile(block)` back into the model and relies on
-# that), but not when it is inside another wrapper (`checkpoint_wrapper(torch.compile(block))`
-# keeps it); a plain `state_dict()` and `torch.save` never do. `module.compile()` leaves
-# the names and the module's type as they were: it is still an `FSDPModule` to
-# `isinstance`, where the wrapper is not (its attributes, `reshard()` included, are
-# forwarded to the module inside).
+# `get_model_state_dict` drops `_orig_mod` only where its walk down a name meets the
+# wrapper itself (`_get_fqns` in `torch/distributed/checkpoint/state_dict.py` checks for an
+# `OptimizedModule`), so it removes the prefix when the compiled wrapper sits directly in
+# the model (as torchtitan's `apply_compile` registers `torch.compile(block)` back, in
+# `torchtitan/models/llama3/infra/parallelize.py`), not when it is inside another wrapper
+# (`checkpoint_wrapper(torch.compile(block))`); a plain `state_dict()` and `torch.save`
+# never do. `module.compile()` leaves the names and the module's type as they were; the
+# wrapper is an `OptimizedModule`, not the sharded module's class, and forwards the
+# attributes it lacks to the module inside (`OptimizedModule.__getattr__` in
+# `torch/_dynamo/eval_frame.py`).
 #
 # (compile-recompiles)=
 # ## What recompiles
 #
 # Each block compiled after `fully_shard`, with `aot_eager`: which graphs dynamo makes
-# (and when a {term}`recompilation` makes a new one) is decided by dynamo's guards, and the backend rarely adds
-# any (inductor can add shape guards). The count is the graphs compiled so far. The
+# (and when a {term}`recompilation` makes a new one) is decided by the guards dynamo
+# records while it traces. The count is the graphs compiled so far. The
 # forward in `eval()` with gradients enabled is there only to tell the two guards apart:
 # evaluate under `no_grad`.
 
@@ -328,9 +425,11 @@ for event, graphs in launch(recompilations, output="none")[0]:
 #   `self.training` (no dropout). `no_grad` changes the grad mode, which every graph is
 #   guarded on: one more graph. Back in training the first graph is reused: dynamo keeps
 #   each graph it compiled and picks the one whose guards pass. It compiles up to
-#   `torch._dynamo.config.recompile_limit` (8) graphs per code object (and module
-#   instance); past that it warns and runs the frame eagerly from then on, silently slow
-#   unless `fail_on_recompile_limit_hit` is set. The blocks here share one budget.
+#   `recompile_limit` graphs per code object (8 in `torch/_dynamo/config.py`); past that
+#   it logs a warning and runs the frame eagerly (`_compile` in
+#   `torch/_dynamo/convert_frame.py`), unless `fail_on_recompile_limit_hit` (config.py)
+#   makes it an error. The blocks share one code object, and so one budget: their graphs
+#   are the same ones.
 # - `reshard_after_forward` changes nothing in the graph: FSDP's resharding happens in its
 #   hooks, outside it.
 # - A new sequence length recompiles once, with that dimension made dynamic (symbolic);
@@ -339,6 +438,85 @@ for event, graphs in launch(recompilations, output="none")[0]:
 #   `torch._dynamo.mark_dynamic` on the block's input where the model's forward makes it
 #   (marking the token batch does not reach a graph that starts inside the blocks); or
 #   pad batches to a few fixed lengths.
+#
+# (compile-logs)=
+# ## What dynamo reports: `TORCH_LOGS` and `explain`
+#
+# `TORCH_LOGS=graph_breaks,recompiles` in a script's environment logs each graph break
+# and each recompilation with its reason; `torch._logging.set_logs(graph_breaks=True,
+# recompiles=True)` turns on the same two logs from inside a rank (its docstring, in
+# `torch/_logging/_internal.py`, lists them, and notes that a set `TORCH_LOGS` takes
+# precedence: `set_logs` then does nothing). Here the
+# whole model is compiled, as above, and run on 32 then 16 tokens, with the log's records
+# kept (a handler on the `torch._dynamo` logger) and trimmed to the lines that say what
+# and where; then `torch._dynamo.explain` runs the same sharded model.
+
+# %%
+import logging
+import re
+
+
+def dynamo_log(run):
+    """The lines dynamo logs while `run()` runs, as TORCH_LOGS=graph_breaks,recompiles would."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.extend(self.format(record).splitlines())
+
+    keep = Keep()
+    torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    logging.getLogger("torch._dynamo").addHandler(keep)
+    try:
+        run()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(keep)
+        torch._logging.set_logs()
+    return lines
+
+
+def what_dynamo_reports():
+    torch._dynamo.reset()
+    model = shard(build_model())
+    model.compile(backend="aot_eager")
+    log = dynamo_log(lambda: [model(*batch(0, tokens))[1].backward() for tokens in (32, 16)])
+    explained = torch._dynamo.explain(shard(build_model()))(*batch(0))
+    return log, {"graphs": explained.graph_count, "graph breaks": explained.graph_break_count,
+                 "break reasons": len(explained.break_reasons),
+                 "ops per graph": [len(ops) for ops in explained.ops_per_graph],
+                 "linears per graph": [sum("linear" in str(op) for op in ops) for ops in explained.ops_per_graph]}
+
+
+KEEP = ("Graph break in user code", "Attempted to call function marked as skipped", "graph break in loop",
+        "frame skipped", "Skipping the function", "fsdp_guide/gpt.py\", line", "Recompiling function", "mismatch")
+
+
+def trimmed(lines):
+    """The lines that say what and where, with this machine's install paths cut."""
+    lines = [re.sub(r"[^\s(\"']*/(site-packages|src)/", "", line) for line in lines]
+    kept = [i for i, line in enumerate(lines) if any(key in line for key in KEEP)]
+    kept += [i + 1 for i in kept if lines[i].strip().startswith("File ")]  # and the line of code it names
+    return [lines[i] for i in sorted(set(kept))]
+
+
+log, explained = launch(what_dynamo_reports, output="none")[0]
+print("TORCH_LOGS=graph_breaks,recompiles, trimmed:")
+print("\n".join(trimmed(log)))
+print("\ntorch._dynamo.explain(model):", explained)
+
+# %% [markdown]
+# - **The graph break log** says what the counters said above, and where: the break is at
+#   FSDP2's `_dynamo_disable` wrapper (`_fsdp_common.py`), reached from the root's
+#   `x = block(x)`; dynamo could not resume inside the loop, so it skipped the root's
+#   whole `forward` and ran it eagerly.
+# - **The recompilation log** names the frame compiled, `Block.forward` (`gpt.py`), and the
+#   guard that failed: the input's sequence dimension, 32 when compiled, now 16.
+# - **`explain` counts one graph and no graph break**, for the same model. It counts the
+#   graphs its backend is handed and takes graph breaks as their number less one
+#   (`explain` in `torch/_dynamo/eval_frame.py`); a frame dynamo gave up on hands it
+#   nothing. Here the one graph is a block's (6 linears), and the root's skipped
+#   frame does not appear at all. To find what runs eagerly, read the graph break log (or
+#   compile with `fullgraph=True`), not `explain`'s count.
 #
 # (compile-ac)=
 # ## Activation checkpointing and compile, in each order
@@ -387,39 +565,225 @@ print(f"{'':26} {'graphs (linears)':>17} {'saved, KiB':>11} {'params vs no check
 for order, (losses, params, graphs, saved) in runs.items():
     difference = max((params[name] - p).abs().max().item() for name, p in reference.items())
     print(f"{order:26} {len(graphs):>6} {str(graphs):>10} {saved / 1024:11.0f} {difference:27.1e}")
+print(f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB")
 
 # %% [markdown]
-# - **Checkpoint, then compile** (torchtitan's order: checkpointing, compile, then FSDP):
+# - **Checkpoint, then compile** (torchtitan's order: "compile after AC wrapping and
+#   before FSDP", a comment in `parallelize_llama`, `torchtitan/models/llama3/infra/parallelize.py`):
 #   dynamo traces the wrapper's `torch.utils.checkpoint` call as one higher-order
 #   operator (the block's linears sit in a subgraph, so the top level counts none), and
 #   AOTAutograd's partitioner recomputes the checkpointed region in the compiled
 #   backward. The partitioner keeps only the block's input; the extra 9 KiB over eager
-#   checkpointing is a snapshot of the CPU generator's state per block (about 5 KiB each),
-#   saved so that the recomputed attention, an operator with a dropout argument, replays
-#   the same random stream. Eager checkpointing keeps its RNG state too, as a Python
-#   attribute that `saved_tensors_hooks` does not see. (A CUDA generator's state is a few
-#   bytes.)
+#   checkpointing is a snapshot of the CPU generator's state per block (its size is
+#   printed under the table), saved so that the recomputed attention, an operator with a
+#   dropout argument, replays the same random stream. Eager checkpointing keeps its RNG
+#   state too, but in a local variable of `_checkpoint_without_reentrant_generator`
+#   (`torch/utils/checkpoint.py`), not as a saved tensor, so `saved_tensors_hooks` do not
+#   see it.
 # - **Compile, then checkpoint**: the wrapper is eager and calls the compiled block twice,
 #   in the forward and again in the backward's recomputation; the block's graph is the
 #   same as without checkpointing. It saves what eager checkpointing saves.
 # - Both train exactly as eager does with `aot_eager`. On GPUs, the first order is
 #   expected to be the one that lets inductor fuse the recomputation into the backward's
-#   kernels, and torchtitan applies it; the second recomputes with the compiled forward.
+#   kernels, since the recomputation is inside the compiled backward; the second
+#   recomputes with the compiled forward, outside it.
+#
+# (compile-autograd)=
+# ## Compiled autograd: FSDP2's hooks stay eager, and the root's callback is lost
+#
+# Compiled autograd traces the backward as the autograd engine would run it (hooks,
+# gradient accumulation, and the backward AOTAutograd derived for each compiled region)
+# into one graph, and compiles that (the comment on `compiled_autograd` in
+# `torch/_dynamo/config.py`). `torch._dynamo.config.compiled_autograd = True` turns it on around
+# every call of a compiled function, so for a `loss.backward()` called inside one, through
+# the context manager `torch._dynamo.compiled_autograd._enable(compiler)`
+# (`call_compiled_autograd` in `OptimizeContext.__init__`, `torch/_dynamo/eval_frame.py`);
+# torch 2.13 has no public `enable`, so this cell calls `_enable` around an ordinary
+# `loss.backward()`. One step of the sharded model, with one block (compiled autograd's
+# graph grows with the blocks, and so does its compile time; one block shows a block's
+# hooks and the root's alike), the block compiled, with an eager backward and with
+# compiled autograd (its graphs compiled with `aot_eager` through `CompileLog`), each
+# profiled by `what_ran`:
+
+# %%
+from torch._dynamo import compiled_autograd
+from torch.distributed.tensor import DTensor
+
+ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")  # the root's own (the head is tied)
+ONE_BLOCK = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)  # compiled autograd compiles slowly on a CPU
+
+
+def full(grad):
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).cpu()
+
+
+def one_step(autograd_backend):
+    """Step 0's forward and backward (through compiled autograd when given a backend), profiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = shard(build_model(ONE_BLOCK))
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    sharded = dict(model.named_parameters())  # the DTensors an optimizer holds
+
+    def step():
+        _, loss = model(*batch(0))
+        if autograd_backend is None:
+            loss.backward()
+        else:
+            with compiled_autograd._enable(torch.compile(backend=autograd_backend)):
+                loss.backward()
+
+    ran = what_ran(step)
+    return {"ran": dict(ran),
+            "graph breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+            "break reasons": sorted({r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]}),
+            "with a gradient": sum(p.grad is not None for p in sharded.values()),
+            "unsharded": [name for name, p in model.named_parameters() if not isinstance(p, DTensor)],
+            "grads": {name: full(p.grad) for name, p in model.named_parameters()}}
+
+
+def eager_and_compiled_autograd():
+    eager = one_step(None)
+    log = CompileLog("aot_eager")
+    compiled = one_step(log)
+    compiled["backward graphs"] = len(log.graphs)
+    return eager, compiled
+
+
+ranks = launch(eager_and_compiled_autograd, output="none")
+eager, compiled = ranks[0]
+print(f"{'':34} {'eager backward':>15} {'compiled autograd':>18}")
+for event in EVENTS.values():
+    print(f"{event:34} {eager['ran'].get(event, 0):>15} {compiled['ran'].get(event, 0):>18}")
+print(f"{'compiled autograd graphs':34} {'-':>15} {compiled['backward graphs']:>18}")
+print(f"{'graph breaks':34} {eager['graph breaks']:>15} {compiled['graph breaks']:>18}")
+print(f"{'sharded parameters with a grad':34} {eager['with a gradient']:>15} {compiled['with a gradient']:>18}"
+      f"   (of {len(eager['grads'])})")
+print(f"{'left unsharded after backward':34} {len(eager['unsharded']):>15} {len(compiled['unsharded']):>18}"
+      f"   {', '.join(compiled['unsharded'])}")
+for reason in compiled["break reasons"]:
+    print(f"compiled autograd's graph breaks: {reason}")
+blocks = max((compiled["grads"][name] - g).abs().max().item() for name, g in eager["grads"].items()
+             if name not in ROOT_PARAMS)
+print(f"block parameters' gradients vs eager: {blocks:.1e}")
+for name in ROOT_PARAMS:
+    mean = sum(rank[1]["grads"][name] for rank in ranks) / len(ranks)  # what a reduce-scatter would average
+    print(f"{name:15} gradient vs eager: rank 0's {(compiled['grads'][name] - eager['grads'][name]).abs().max().item():.1e}, "
+          f"mean over ranks {(mean - eager['grads'][name]).abs().max().item():.1e}")
+
+# %% [markdown]
+# - **A block's hooks run, eagerly.** Compiled autograd records FSDP's tensor hooks and
+#   the backward of its `RegisterPostBackwardFunction` as calls in its graph
+#   (`AutogradCompilerInstance.tensor_pre_hook` and `proxy_call_backward`,
+#   `torch/_dynamo/compiled_autograd.py`), but when dynamo compiles that graph, it finds
+#   them marked `torch._dynamo.disable` (the same `_dynamo_disable` as in the forward):
+#   each is a graph break (the reason printed), and the graph is compiled in the pieces
+#   between them ("compiled autograd graphs"). The hooks run between the pieces, so the
+#   block's all-gather and reduce-scatter are issued as in eager, and its gradients equal
+#   eager's.
+# - **The root's post-backward never runs.** The root's parameters (embeddings, final
+#   norm) get their post-backward (reduce-scatter, reshard) from the callback the root
+#   queues for the end of the backward: `_root_post_backward_final_callback` in
+#   `_fsdp_state.py` runs `post_backward` for each group whose own hook did not run (the
+#   root's input, token ids, needs no gradient, so its hook never fires). It is queued
+#   with `Variable._execution_engine.queue_callback`. Dynamo can move such a call into the
+#   compiled graph only when it traces it with `fullgraph=True`
+#   (`AutogradEngineVariable.call_method`, `torch/_dynamo/variables/misc.py`); FSDP2 makes
+#   the call inside its disabled `_pre_backward` hook, and the callback does not run (the
+#   profiler counts it once in eager, never under compiled autograd). So one reduce-scatter
+#   is missing, the root's parameters stay unsharded, their gradients are this rank's own
+#   (the mean over ranks is eager's gradient: the reduction is what is missing), and the
+#   sharded parameters an optimizer holds got no gradient: an optimizer step would skip
+#   them, silently (AdamW's `_init_group`, `torch/optim/adam.py`, takes only parameters
+#   whose `grad` is not `None`).
+# - **Why**: torch removed FSDP2's support for compiled autograd along with dynamo tracing of
+#   its hooks ([pytorch#174863](https://github.com/pytorch/pytorch/pull/174863), "FSDP2 hooks
+#   are now unconditionally wrapped with `torch._dynamo.disable`";
+#   [pytorch#174906](https://github.com/pytorch/pytorch/pull/174906), "remove compiled
+#   autograd since we are not tracing into hooks"). Nothing in this is specific to the CPU
+#   or to gloo: it is the hooks' Python. With FSDP2 in torch 2.13, compile the blocks and
+#   leave the backward to the autograd engine.
+#
+# (compile-optimizer)=
+# ## Compiling the optimizer step
+#
+# The optimizer step can be compiled on its own: `torch.compile(optimizer.step)`. With
+# FSDP2 its parameters, gradients and AdamW's moments are DTensors. `foreach=True` is
+# AdamW's default for DTensors on GPUs (`_default_to_fused_or_foreach` in
+# `torch/optim/optimizer.py`; on the CPU the default is a loop over parameters), so the CPU
+# compiles the update a GPU run would. Three steps, eager and compiled, each step profiled:
+
+# %%
+def optimizer_steps(compiled):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    log = CompileLog("aot_eager")
+    model = shard(build_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    step = torch.compile(optimizer.step, backend=log) if compiled else optimizer.step
+    ran = Counter()
+    for i in range(STEPS):
+        model(*batch(i))[1].backward()
+        ran += what_ran(step)
+        optimizer.zero_grad()
+    params = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
+    return (params, [inputs["DTensor"] for inputs in log.inputs], log.runs, sum(ran.values()),
+            sum(torch._dynamo.utils.counters["graph_break"].values()))
+
+
+def both_optimizer_steps():
+    return optimizer_steps(compiled=False), optimizer_steps(compiled=True)
+
+
+(eager_params, *_), (params, inputs, runs, collectives, breaks) = launch(both_optimizer_steps, output="none")[0]
+print(f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters")
+print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; collectives in the steps: {collectives}")
+difference = max((params[name] - p).abs().max().item() for name, p in eager_params.items())
+print(f"  parameters after {STEPS} steps vs eager AdamW: max |difference| {difference:.1e}")
+
+# %% [markdown]
+# - **It compiles**, into one graph that takes DTensors as inputs, one per parameter:
+#   AOTAutograd traces through tensor subclasses to the tensors inside
+#   (`torch/_functorch/_aot_autograd/subclass_utils.py`), here each rank's shard, and an
+#   elementwise update on `Shard(0)` needs no communication (no collective ran in the
+#   compiled steps). Each rank updates its own shard, as in eager.
+# - **The graph breaks are torch's own**: `_use_grad_for_differentiable` in
+#   `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` around the update so that
+#   AOTAutograd sees it under `no_grad` (the comment there explains the allocation it
+#   saves). Only the update becomes a graph.
+# - **The numbers are not eager's bit for bit**: the compiled update takes AdamW's paths for
+#   compiling (`torch.compiler.is_compiling()` branches: `_get_value` in `optimizer.py` keeps
+#   the step count a tensor, and dynamo decomposes some ops,
+#   `enable_dynamo_decompositions` in `torch/_dynamo/config.py`), which round differently;
+#   the difference above is what that amounts to after 3 steps. Check a compiled step
+#   against an eager one to a tolerance, not bit for bit.
 #
 # (compile-gpu)=
 # ## What to expect on GPUs (not run here)
 #
-# - Inductor generates Triton kernels and fuses the pointwise work around the matmuls
-#   (norms, GELU, residual adds, the transposing copies around the attention), where eager launches one
-#   kernel each: that is where compile is expected to save time, more for small hidden
-#   sizes, where those kernels weigh more.
-# - FSDP's all-gathers and reduce-scatters stay in its eager hooks, on their own CUDA
-#   streams, so their overlap with compute is expected to be eager FSDP's: compiling the
-#   blocks does not change the communication (this page measures the same collectives).
-# - The first step pays the compile (seconds to minutes, per distinct graph and rank);
-#   inductor caches compiled kernels on disk (`TORCHINDUCTOR_CACHE_DIR`), and later runs
-#   of the same graphs reuse them. Keep shapes few and fixed (or dynamic from the start)
-#   so that no step recompiles in the middle of training.
+# Nothing on this page ran on a GPU; this is what torch's source says should happen there.
+#
+# - Inductor generates Triton kernels for GPUs (`torch/_inductor/codegen/triton.py`), and
+#   its scheduler fuses operations that can share a kernel (`Scheduler.fuse_nodes`,
+#   `torch/_inductor/scheduler.py`): the pointwise work around the matmuls (norms, GELU,
+#   residual adds), which eager launches one kernel each, is where compile is expected to
+#   save time, and more so for small hidden sizes, where those launches weigh more against
+#   the matmuls.
+# - FSDP's all-gathers and reduce-scatters are issued by its hooks, which stay eager (the
+#   profiled step above issues the same collectives compiled and eager), on the streams
+#   FSDP creates for them (`FSDPCommContext.lazy_init` in `_fsdp_param_group.py`:
+#   `all_gather_stream`, `reduce_scatter_stream`). So their overlap with compute is
+#   expected to be eager FSDP's: compiling the blocks changes the kernels between the
+#   hooks, not the communication.
+# - Compiled autograd's loss of the root's final callback is in FSDP2's Python hooks, not
+#   in a device's code, so it is expected on GPUs as here.
+# - The first call of each graph compiles it, in every rank's process. Inductor keeps
+#   compiled graphs in an on-disk cache (`fx_graph_cache`, on by default in
+#   `torch/_inductor/config.py`) under `TORCHINDUCTOR_CACHE_DIR` (`cache_dir` in
+#   `torch/_inductor/runtime/cache_dir_utils.py`), which later runs of the same graphs
+#   reuse. Keep shapes few and fixed (or dynamic from the start) so that no step
+#   recompiles in the middle of training ({ref}`compile-recompiles`).
 #
 # (compile-tips)=
 # ## The tips behind this
@@ -428,6 +792,9 @@ for order, (losses, params, graphs, saved) in runs.items():
 # - {ref}`tip-compile-in-place`
 # - {ref}`tip-compile-recompiles`
 # - {ref}`tip-compile-with-checkpointing`
+# - {ref}`tip-compile-measure-with-profiler`
+# - {ref}`tip-compile-no-compiled-autograd`
+# - {ref}`tip-compile-optimizer-step`
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

@@ -26,8 +26,7 @@
 #   ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one process.
 #
 # **What you need**: a CPU; 2 processes on gloo; Linux (the memory readings come from
-# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 30 seconds on
-# 2 CPU cores. Nothing is downloaded: the "pretrained" model is a small Llama built from a
+# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
 # config with a fixed seed. The same worker code is written to run unchanged with one GPU
 # per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are listed
 # {ref}`at the end <finetune-hf-tips>`.
@@ -39,6 +38,14 @@ import tempfile
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing is downloaded
+
+import warnings
+
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+
+from fsdp_guide.fp8 import quiet_torchao
+
+quiet_torchao()  # saving imports torchao, whose import logs about CUDA kernels a CPU cannot load
 
 import torch
 import transformers
@@ -163,16 +170,17 @@ for how, ranks in measured.items():
 
 # %% [markdown]
 # Read the private part first: it is memory the rank allocated, which nothing else can use
-# and which the out-of-memory killer counts (sampled every millisecond, so a lower bound on
-# the peak). When every rank reads, each builds the whole fp32 model (1.1 model sizes, on
-# *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
+# and which the kernel cannot drop under pressure, as it can clean file pages (sampled every
+# millisecond, so a lower bound on the peak). When every rank reads, each builds the whole
+# fp32 model (1.1 model sizes, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
 # forces that copy) before sharding frees all but its half. With
 # {func}`fsdp_guide.hf.from_pretrained`, rank 0's full copy is the file itself: safetensors
 # maps it rather than copying it, so it shows in the resident total only (0.5 model sizes:
 # the bf16 file), as file pages the kernel shares and can drop. Rank 1 receives the
-# broadcast one tensor at a time, each allocated whole before it keeps its slice (its
-# extra 0.1). Reading its own slices, each rank's private memory is its shard; the resident
-# 0.9 shows that the pages mapped around those slices come to most of the file.
+# broadcast one tensor at a time, each allocated whole before it copies out its slice
+# (its extra 0.1; `_broadcast_state_dict` and `_broadcast_tensors` in
+# `torch/distributed/_state_dict_utils.py`). Reading its own slices, each rank's private
+# memory is its shard; the resident 0.9 shows that the pages mapped around those slices come to most of the file.
 
 # %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
 import matplotlib.pyplot as plt
@@ -234,11 +242,13 @@ def fine_tune(path, tokens, out):
     save_pretrained(model, out)  # every rank calls it; rank 0 writes
     with torch.no_grad():
         logits = model(tokens.to(device)).logits
-    return losses, logits.cpu()
+    output_layer = model.lm_head.weight.full_tensor().cpu()  # a collective: every rank calls it
+    return losses, logits.cpu(), output_layer if rank == 0 else None
 
 
 tuned = workdir / "llama-tuned"
-(sharded_losses, sharded_logits), _ = launch(fine_tune, path, tokens, tuned, world_size=2, output="none")
+(sharded_losses, sharded_logits, trained_output_layer), _ = launch(fine_tune, path, tokens, tuned, world_size=2,
+                                                                   output="none")
 
 single = pretrained  # the same weights, in fp32, in this process
 optimizer = torch.optim.AdamW(single.parameters(), lr=1e-3)
@@ -262,25 +272,52 @@ print(f"relative difference at the first step: {relative[0]:.0e}; "
 # of two means against one mean), grown by Adam's steps, which divide each gradient by its
 # own running size. Sharding split the work, not the arithmetic.
 #
+# (finetune-hf-export)=
 # ## Weights out: a directory `from_pretrained` loads
 #
 # `save_pretrained` above gathered the full state dict to rank 0's CPU, one parameter at a
-# time, and wrote it with `transformers`' own `save_pretrained`, each file renamed into place
-# once all were on disk (other files in the directory stay). One process loads it as any
-# Hugging Face model:
+# time (`get_model_state_dict` with `full_state_dict=True, cpu_offload=True`), and wrote it
+# with `transformers`' own `save_pretrained`, each file renamed into place once all were on
+# disk (other files in the directory stay). What it wrote for the tied pair is read back
+# from the safetensors file's header with `safetensors.safe_open`; then one process loads
+# the directory as any Hugging Face model:
 
 # %%
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+
+print(sorted(f.name for f in tuned.iterdir()))
+tied_pair = ["model.embed_tokens.weight", "lm_head.weight"]
+with safe_open(tuned / "model.safetensors", framework="pt") as f:
+    written = set(f.keys())
+    pair = {name: f.get_tensor(name) for name in tied_pair if name in written}
+names = set(pretrained.state_dict())  # the model's own names: the tied pair under both
+print(f"{len(written)} tensors written for the {len(names)} names of the state dict; the tied pair: "
+      + ", ".join(f"{name} {'written' if name in written else 'not written'}" for name in tied_pair))
+print("each written equals the output layer the ranks trained:",
+      all(torch.equal(t, trained_output_layer) for t in pair.values()),
+      f"({sum(t.nbytes for t in pair.values()) / 2**20:.0f} MiB of the file's "
+      f"{(tuned / 'model.safetensors').stat().st_size / 2**20:.0f} MiB)")
 
 reloaded = AutoModelForCausalLM.from_pretrained(tuned)
 with torch.no_grad():
     logits = reloaded(tokens).logits
-print(sorted(f.name for f in tuned.iterdir()))
-print("output layer still tied to the embedding:", reloaded.lm_head.weight is reloaded.model.embed_tokens.weight)
 print("logits equal the sharded model's:", torch.equal(logits, sharded_logits),
       f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})")
 
 # %% [markdown]
+# The file holds the tied pair once, under the embedding's name. Gathering gives each name
+# of the state dict a full tensor of its own; {func}`fsdp_guide.hf.save_pretrained` points
+# the names that share one parameter in the sharded model at one of them, and `transformers`
+# writes a tensor shared by two names once, under the name the model declares as the one to
+# keep (`remove_tied_weights_from_state_dict` in `transformers/modeling_utils.py` groups the
+# state dict by storage). The tensor written equals the output layer the two ranks trained:
+# had sharding untied the pair, the embedding and the output layer would have trained apart
+# and this would print `False`. On loading, `from_pretrained` fills `lm_head.weight` by
+# tying it to the embedding, because the config says `tie_word_embeddings=True`
+# (`PreTrainedModel.tie_weights`, same file); the reloaded model's logits equal the sharded
+# model's exactly.
+#
 # (finetune-hf-tips)=
 # ## The tips behind this
 #

@@ -26,7 +26,7 @@
 # - resuming on a different number of ranks, and exporting one file for inference;
 # - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`.
 #
-# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about 55 seconds on 2 CPU cores. The
+# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about 40 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
 # `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16),

@@ -25,13 +25,14 @@
 #   fixes, each executed, with what it costs;
 # - how many bytes the frozen base is all-gathered per micro-batch under gradient
 #   accumulation with `reshard_after_forward=True`, `False`, kept gathered across
-#   micro-batches, and replicated instead of sharded, and how to choose;
+#   micro-batches, and replicated instead of sharded, what each holds in forward and
+#   between micro-batches, and how to choose;
 # - that LoRA training on 2 ranks computes what one process computes;
 # - how to export the adapters in `peft`'s format, and a merged model, and reload both in
 #   one process.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `safetensors` and `peft`
-# (the package's `test` or `docs` extras); about 30 seconds on 2 CPU cores. Nothing is
+# (the package's `test` or `docs` extras); about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
 # downloaded: the "pretrained" model is a small Llama built from a config with a fixed
 # seed, as in {ref}`tutorial-finetune-hf`. The worker code is written to run unchanged with
 # one GPU per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are
@@ -69,7 +70,8 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft
 # A Llama with 4 decoder layers, saved in bf16 as checkpoints on the Hub are. `add_lora` is
 # what every rank will apply: rank-8 LoRA on the attention's query and value projections,
 # `peft`'s defaults otherwise (`A` random, `B` zero, so training starts from the
-# pretrained model's outputs).
+# pretrained model's outputs: `LoraLayer.reset_lora_parameters` in
+# `peft/tuners/lora/layer.py`).
 
 # %%
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -95,12 +97,18 @@ print(sorted(f.name for f in path.iterdir()))
 # ## LoRA, then shard: what each rank holds
 #
 # {func}`fsdp_guide.hf.from_pretrained` takes the function as `adapt`: it builds the model
-# on the `meta` device, applies `add_lora` *before* sharding (FSDP2 shards the parameters a
-# unit holds when `fully_shard` is called: adapters added afterwards would not be sharded or
-# reduced), gives `peft`'s adapters the values `peft` initialises them with on rank 0, shards
-# every decoder layer and the root, and loads the pretrained weights into the base. One
-# optimizer step later, {func}`fsdp_guide.memory.measure` counts the model states each rank
-# holds; full fine-tuning of the same model is measured the same way.
+# on the `meta` device, applies `add_lora` *before* sharding (to a CPU copy of that
+# structure, allocated but never written, because `peft`'s initialisers need real tensors:
+# `_adapted` in `src/fsdp_guide/hf.py`; `fully_shard` manages the
+# parameters the module holds when it is called, `_get_managed_states` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_init.py`: adapters added afterwards would be
+# neither sharded nor reduced), shards every decoder layer and the root, and loads the
+# pretrained weights into the base. The adapters start from rank 0's values, which rank 0
+# makes as one process would: it loads the whole pretrained model with `transformers`, in
+# the dtype asked for, on its CPU, and runs `adapt` on it (`_added_values` in
+# `src/fsdp_guide/hf.py`). The worker records every call of `adapt`. One optimizer step
+# later, {func}`fsdp_guide.memory.measure` counts the model states each rank holds; full
+# fine-tuning of the same model is measured the same way.
 
 # %%
 from fsdp_guide import launch
@@ -116,9 +124,12 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
     from fsdp_guide.memory import measure
     from fsdp_guide.precision import record_dtypes
 
+    given = []  # what adapt is called on, each time
+
     def adapt(model):  # LoRA as add_lora adds it; the variants of the dtype section below
         from peft import LoraConfig, get_peft_model
 
+        given.append(parameters_of(model, path))  # for the page: what each call is given
         config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
         model = get_peft_model(model, config, autocast_adapter_dtype=not cast_adapters)
         for name, p in model.named_parameters():  # optionally the RMSNorm weights too, in the base's dtype
@@ -145,7 +156,20 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
             "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
             "trainable dtype": dtypes(trainable),
             "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-            "gathers": seen.count[("forward", "all-gather")]}
+            "gathers": seen.count[("forward", "all-gather")],
+            "adapt given": given}
+
+
+def parameters_of(model, path):
+    """The bytes, dtype and device of model's parameters, and whether it holds the pretrained embedding."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        saved = f.get_tensor("model.embed_tokens.weight")
+    embedding = model.get_input_embeddings().weight
+    return (sum(p.numel() * p.element_size() for p in model.parameters()), str(embedding.dtype).removeprefix("torch."),
+            embedding.device.type, torch.equal(embedding, saved.to(embedding.dtype)))
 
 
 fp32 = {"full fine-tuning": launch(one_step_states, path, False, torch.float32, world_size=2, output="none"),
@@ -159,8 +183,23 @@ for how, ranks in fp32.items():
     s = ranks[0]["states"]
     print(f"{how:50} {s.params / 2**20:7.2f} {s.grads / 2**20:7.2f} {s.optimizer / 2**20:9.2f} "
           f"{s.total / 2**20:7.2f}")
+print("\nwhat adapt was called on, each time, per rank (the model without its adapters):")
+for rank, r in enumerate(fp32["LoRA"]):
+    for nbytes, dtype, where, pretrained in r["adapt given"]:
+        print(f"rank {rank}: {nbytes / 2**20:5.2f} MiB of {dtype} parameters on the {where}; "
+              f"the pretrained weights: {pretrained}")
 
 # %% [markdown]
+# `adapt` ran once on each rank on the model's structure (its parameters allocated, never
+# loaded), and once more on rank 0, on the whole pretrained model in fp32 on the CPU: 15.07
+# MiB, about twice the 7.59 MiB of parameters a rank keeps. That is the full copy
+# {ref}`tutorial-finetune-hf` measures when every rank loads the model, here on rank 0 alone,
+# briefly (only the adapters' values are kept from it): a base that does not fit in rank 0's
+# CPU memory in the loading dtype cannot be loaded this way. LoRA's own initial values do
+# not depend on the weights (`A` from the random generator, `B` zeros:
+# `LoraLayer.reset_lora_parameters` in `peft/tuners/lora/layer.py`); methods that compute
+# them from the weights (DoRA, PiSSA) need the loaded model.
+#
 # With LoRA every parameter is still sharded, frozen or not: each rank keeps half the
 # model. What changes is the rest. The frozen base has no gradients and no optimizer state;
 # only the adapters, under 1% of the parameters, have both. Full fine-tuning with AdamW holds four
@@ -187,9 +226,11 @@ for how, ranks in fp32.items():
 # (lora-dtypes)=
 # ## The dtype rule: one dtype among a unit's trainable parameters
 #
-# Models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
+# Many models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
 # (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small
-# updates. FSDP2 all-gathers parameters of any dtypes together (as bytes), but it
+# updates. FSDP2 all-gathers parameters of any dtypes together (as bytes, when they differ:
+# `_get_all_gather_input_metadatas` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), but it
 # reduce-scatters a unit's gradients in one dtype: at the root's first forward (FSDP2's lazy
 # initialisation) it checks, for every unit, that the unit's *trainable* parameters share
 # one dtype, and raises `FSDP expects uniform original parameter dtype` if not
@@ -248,7 +289,8 @@ for train_norms in (False, True):
 # 3. **Cast the adapters to bf16** (`get_peft_model(..., autocast_adapter_dtype=False)`):
 #    one dtype, no extra units, the smallest memory. The cost: the adapters, their
 #    gradients and AdamW's moments in bf16, whose 8 significant bits (7 stored) round away
-#    any update smaller than about 1/256 of the weight.
+#    any update smaller than 1/512 to 1/256 of the weight, depending on its value (the
+#    last line below: an update of 1/300 is lost).
 #
 # Upcasting only the norms to fp32 is not a fourth way with this model: Llama's RMSNorm
 # returns `weight * hidden_states.to(input_dtype)` (`LlamaRMSNorm.forward` in
@@ -273,16 +315,20 @@ print(f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per for
 for fix, r in fixed.items():
     print(f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
           f"{r['states'].total / 2**20:25.2f}")
+weight, update = torch.tensor(1.0), torch.tensor(1 / 300)  # an update of 1/300 of a weight
+print(f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16")
 
 # %% [markdown]
-# All four train. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
+# All four run the training step. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
 # base. With the norms trained, the first fix adds 16 units (one per adapter module: 2
 # projections × `A`, `B` × 4 layers), each one more all-gather per forward, and keeps the
 # memory of bf16; the second stores the base in fp32, about twice the model states; the
 # third is smallest and least precise. Choose the first by default; the second when
 # memory allows and the extra collectives matter (many small adapters, a slow network);
 # the third only with a reason. (Norms trained beside the adapters are not in `peft`'s
-# adapter file unless declared in `modules_to_save`.)
+# adapter file unless declared in `modules_to_save`: `get_peft_model_state_dict` in
+# `peft/utils/save_and_load.py` keeps the tuner's own tensors and the `modules_to_save`
+# wrappers'.)
 #
 # (lora-traffic)=
 # ## The frozen base still travels
@@ -290,21 +336,28 @@ for fix, r in fixed.items():
 # Freezing a weight removes its gradient, not its all-gather: FSDP2 gathers every unit's
 # parameters for forward, and, with `reshard_after_forward=True`, again for backward (the
 # input gradient needs the weight, frozen or not). Under gradient accumulation that
-# traffic is paid every micro-batch. Below, 4 micro-batches per optimizer step, counting
-# the bytes each rank receives in all-gathers (with {func}`fsdp_guide.precision.record_dtypes`,
-# which sees every collective: a rank receives the gathered bytes less its own shard),
-# and the parameters each rank holds between micro-batches:
+# traffic is paid every micro-batch. Below, 4 micro-batches per optimizer step. Each rank
+# counts, with {func}`fsdp_guide.precision.record_dtypes` (which sees every collective FSDP
+# runs), its all-gathers and the bytes of the buffers they fill (a rank holds 1/N of each
+# already and receives the rest), and its gradient reductions; and, with
+# {func}`fsdp_guide.memory.measure`, the parameter memory it holds (its shards, and the
+# gathered copies): the most during forward (read as each unit starts, after FSDP has
+# gathered it, and at the end of forward, when backward begins), and between micro-batches.
 #
 # - `reshard_after_forward=True` for every unit ({func}`fsdp_guide.hf.from_pretrained`'s
 #   default): gathered in forward, again in backward (FSDP2's own default, `None`, does this
-#   for every unit but the root, whose embedding and output layer stay gathered until backward);
+#   for every unit but the root, whose embedding and output layer stay gathered until
+#   backward: the `fully_shard` docstring in `torch/distributed/fsdp/_fully_shard/_fully_shard.py`);
 # - `reshard_after_forward=False`: gathered once per micro-batch, kept from forward to
 #   backward;
 # - `False`, and kept gathered across the micro-batches too (`set_reshard_after_backward(False)`
 #   until the last one): gathered once per optimizer step;
-# - replicated: every rank holds the whole base (here a 2-D mesh whose shard dimension has
-#   size 1, i.e. HSDP with nothing to shard); FSDP2 calls no all-gather for a shard group
-#   of one rank, as the count of all-gathers shows.
+# - replicated: every rank holds the whole base as its "shard" (a 2-D mesh whose shard
+#   dimension has size 1, i.e. HSDP with nothing to shard), kept from forward to backward.
+#   For a shard group of one rank FSDP2 runs no all-gather; it copies each unit's
+#   parameters into a new unsharded buffer instead (`FSDPParamGroup.unshard` and
+#   `wait_for_unshard`, their `world_size == 1` branches, in
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
 
 # %%
 MICRO = 4
@@ -314,9 +367,11 @@ def accumulation_traffic(path, mode):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     import fsdp_guide
     from fsdp_guide.hf import from_pretrained
+    from fsdp_guide.memory import measure
     from fsdp_guide.precision import record_dtypes
 
     device, world = fsdp_guide.device(), dist.get_world_size()
@@ -324,61 +379,80 @@ def accumulation_traffic(path, mode):
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    shard_size = mesh.size(-1)  # how many ranks share one parameter's shards
     model = from_pretrained(path, dtype=torch.float32, mesh=mesh, adapt=add_lora,
                             reshard_after_forward=mode == "reshard after forward")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    most = [0]
+
+    def held_now(*_):  # parameter bytes held: shards and gathered copies
+        most[0] = max(most[0], measure(model).params)
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.register_forward_pre_hook(held_now)  # runs after FSDP's own, which gathers the unit
     tokens = torch.randint(0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-    received, held, gathers = [], [], []
     for step in range(2):  # the second step is the one measured: the first sets FSDP up
-        received.clear(), held.clear(), gathers.clear()
+        gathered, gathers, reductions, in_forward, between = [], 0, 0, 0, []
         for micro in range(MICRO):
             last = micro == MICRO - 1
             model.set_requires_gradient_sync(last)  # adapters: reduce their gradients once, at the end
             if mode == "kept gathered across micro-batches":
                 model.set_reshard_after_backward(last)
             batch = tokens[micro].to(device)
+            most[0] = 0
             with record_dtypes() as seen:
-                model(input_ids=batch, labels=batch).loss.backward()
-            gathered = seen.nbytes[("forward", "all-gather")] + seen.nbytes[("backward", "all-gather")]
-            received.append(gathered * (shard_size - 1) / shard_size)
-            gathers.append(seen.count[("forward", "all-gather")] + seen.count[("backward", "all-gather")])
-            held.append(sum(p.numel() * p.element_size() for p in model.parameters()
-                            if not hasattr(p, "to_local")))  # gathered, not sharded, after this micro-batch
+                loss = model(input_ids=batch, labels=batch).loss
+                held_now()  # the end of forward: what backward starts with
+                loss.backward()
+            gathered.append(sum(seen.nbytes[(phase, "all-gather")] for phase in ("forward", "backward")))
+            gathers += sum(seen.count[(phase, "all-gather")] for phase in ("forward", "backward"))
+            reductions += seen.count[("backward", "reduce-scatter")] + seen.count[("backward", "all-reduce")]
+            in_forward = max(in_forward, most[0])
+            between.append(measure(model).params)
         optimizer.step()
         optimizer.zero_grad()
     base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters()
-                if hasattr(p, "to_local") and not p.requires_grad)
-    return {"received": received, "gathers": gathers, "base": base, "held between": held[:-1], "shard": local}
+    return {"gathered": gathered, "gathers": gathers, "reductions": reductions, "base": base,
+            "in forward": in_forward, "between": max(between[:-1])}
 
 
 modes = ["reshard after forward", "kept from forward to backward", "kept gathered across micro-batches", "replicated"]
 traffic = {mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes}
-base_mib = traffic["replicated"]["base"] / 2**20
-print(f"frozen base: {base_mib:.2f} MiB in fp32; all-gathered into rank 0, in base sizes, per micro-batch")
-print(f"{'':36} {'micro-batch 1  2  3  4':>26} {'per step':>9} {'all-gathers per step':>21} "
-      f"{'base held between micro-batches':>32}")
+print(f"frozen base: {traffic['replicated']['base'] / 2**20:.2f} MiB in fp32. On rank 0, in base sizes: the bytes "
+      f"its all-gathers filled; the parameters it held")
+print(f"{'micro-batch:':36} {'':5}" + "".join(f"{i:5}" for i in range(1, MICRO + 1))
+      + f" {'per step':>9} {'all-gathers':>11} {'reductions':>10} {'held: in forward':>16} {'between':>7}")
 for mode, r in traffic.items():
-    per_micro = [b / r["base"] for b in r["received"]]
-    held = max(r["held between"] + [r["shard"]]) / r["base"]
-    print(f"{mode:36} {'':>10}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
-          f"{sum(r['gathers']):21} {held:32.2f}")
+    per_micro = [b / r["base"] for b in r["gathered"]]
+    print(f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
+          f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}")
 
 # %% [markdown]
-# Read it per micro-batch. Resharding after forward pays the base twice per micro-batch
-# (half of it each time, the other half being the rank's own shard): 1.0 base sizes, 4 per
-# optimizer step, in 10 all-gathers per micro-batch (5 units, forward and backward).
-# Keeping it from forward to backward halves that. Keeping it across the micro-batches
-# pays it once per step, and holds the whole base between micro-batches, as replication
-# does all the time; replication moves nothing.
+# Read it per micro-batch. Resharding after forward gathers the whole base twice per
+# micro-batch (2.01 base sizes, forward and backward; of each gathered buffer the rank
+# already held half), in 10 all-gathers (5 units, forward and backward), and holds the
+# least in forward (0.95): its shards, the root (embedding and output layer) and one layer
+# gathered at a time. Keeping the base from forward to backward halves the traffic (1.01),
+# and holds the whole base gathered beside the shards when forward ends (1.51). Keeping it
+# across the micro-batches pays it once per step, and holds those 1.51 between micro-batches
+# too. Replicated, nothing is all-gathered, but a rank holds the base twice when forward ends
+# (2.01: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
+# gathered; between micro-batches, once. The reductions column is the same in every mode by
+# the worker's construction (`set_requires_gradient_sync(last)` in each): it shows only that
+# FSDP honours the flag, 4 per optimizer step, one per unit that holds adapters (the 4
+# layers, not the root); the replicated mode's are all-reduces over the replicate
+# dimension, the others' reduce-scatters (`foreach_reduce` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` copies instead of
+# reduce-scattering over a shard group of one rank).
 #
 # **The rule**: a frozen base costs memory *or* traffic, never neither. If the whole base
-# fits on each rank next to the activations, keep it gathered for the accumulation
-# window (or replicate it, when it always fits); if it does not, `reshard_after_forward=False`
+# fits on each rank next to the activations and its own shard, keep it gathered for the
+# accumulation window; replicating it with FSDP (a shard group of one rank) saves the one
+# gather per step but holds the base twice from forward to backward. If it does not fit, `reshard_after_forward=False`
 # for the layers you can afford, and accept one gather per micro-batch; resharding every
-# unit after forward is for the model that fits only sharded. The adapters' gradients are reduced once
-# per step in every case (`set_requires_gradient_sync(False)` until the last micro-batch).
+# unit after forward is for the model that fits only sharded. In every mode, reduce the
+# adapters' gradients once per step (`set_requires_gradient_sync(False)` until the last
+# micro-batch).
 #
 # ## LoRA on 2 ranks computes what one process computes
 #
@@ -446,9 +520,10 @@ print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded
 # (lora-export)=
 # ## Export: the adapters, and a merged model
 #
-# {func}`fsdp_guide.hf.save_pretrained` on a `peft` model gathers only the trainable
-# parameters (the adapters, not the frozen base) to rank 0 and writes them with `peft`'s own
-# `save_pretrained`: a directory `PeftModel.from_pretrained` loads onto the base. Merging
+# {func}`fsdp_guide.hf.save_pretrained` on a `peft` model gathers only the tensors `peft`
+# saves (`get_peft_model_state_dict`: here the adapters, not the frozen base) to rank 0 and
+# writes them with `peft`'s own `save_pretrained` (114 KiB below: the 28,672 fp32 adapter
+# values are 112 KiB): a directory `PeftModel.from_pretrained` loads onto the base. Merging
 # the adapters into the base weights is `peft`'s `merge_and_unload`, done once, in one
 # process, on the reloaded model; the result is an ordinary `transformers` model.
 
@@ -472,10 +547,11 @@ print("merged model, loaded by transformers alone:", type(merged).__name__,
       f"largest difference from the sharded model's logits {(merged_logits - sharded_logits).abs().max().item():.1e}")
 
 # %% [markdown]
-# The adapters reload to the same numbers (here, on the CPU like the ranks; ranks on GPUs
-# compute in another order, and would differ by rounding). The merged model computes
-# `x (W + sBA)`, with `s = lora_alpha / r = 2`, where the adapted one computes
-# `xW + s(xA)B`: the same function, rounded in another order, hence differences at fp32's
+# The adapters reload to the same numbers (here, on the CPU like the ranks; with the ranks
+# on GPUs and the reload on the CPU, the kernels differ, and the logits are expected to
+# differ by rounding). With each weight stored as `torch.nn.Linear` stores it (out × in),
+# the merged model computes `x (W + sBA)ᵀ`, with `s = lora_alpha / r = 2`, where the adapted
+# one computes `xWᵀ + s(xAᵀ)Bᵀ`: the same function, rounded in another order, hence differences at fp32's
 # last digits rather than none.
 #
 # (lora-tips)=

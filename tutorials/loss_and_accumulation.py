@@ -27,7 +27,7 @@
 #   rank; on HSDP (a 2 x 2 mesh), what `set_requires_all_reduce(False)` saves instead;
 #   and a rule for choosing, with the numbers.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 20 seconds on 2 CPU cores.
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <loss-and-accumulation-tips>`.
@@ -233,8 +233,8 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # ranks' means, and a mean of means weighs each of rank 0's 75 tokens by 1/150 and each of
 # rank 1's 120 by 1/240, where one process weighs every token by 1/195. Its logged loss,
 # the mean of the ranks' means, is slightly off too (5.542033 against 5.543871). Divided by the global count, both ways of undoing FSDP's average
-# agree with one process to float32 rounding (4e-8): the same numbers, added in another
-# order.
+# agree with one process to float32 rounding (the errors of order 1e-8 in the table): the
+# same numbers, added in another order.
 #
 # The error comes from the spread of token counts between ranks: larger batches shrink the
 # spread relative to the count but do not remove it. Packing sequences removes it only when
@@ -253,8 +253,8 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # Hugging Face's `Trainer` did this until its October 2024 fix
 # (<https://huggingface.co/blog/gradient_accumulation>), which passes the loss
 # `num_items_in_batch`, the count over the rank's micro-batches; its
-# `average_tokens_across_devices` option (on by default in transformers 5.24) sums that
-# count over the ranks too. The fix is the same count, taken over the whole step: fetch the
+# `average_tokens_across_devices` option (on by default in transformers 5.24:
+# `TrainingArguments` in `transformers/training_args.py`) sums that count over the ranks too. The fix is the same count, taken over the whole step: fetch the
 # step's micro-batches, count their real tokens (one `all_reduce` per step), then divide
 # every micro-batch's summed loss by it, and undo FSDP's average as above.
 
@@ -374,7 +374,9 @@ print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], 
 #
 # - **All-gathers do not change**: 3 units gathered in every forward and the 2 blocks
 #   again in every backward (the root, with the embeddings, stays gathered from its forward
-#   to its backward), 5 all-gathers and 1.73 P per micro-batch. Turning off the sync does
+#   to its backward: FSDP2 does not reshard the root after forward, `FSDPState._lazy_init`
+#   in `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`), 5 all-gathers and 1.73 P per
+#   micro-batch. Turning off the sync does
 #   not turn off resharding: for that,
 #   `set_reshard_after_backward(False)` (and `reshard_after_forward=False`), at the cost of
 #   holding the parameters unsharded too ({ref}`lora-traffic` measures it).

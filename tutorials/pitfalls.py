@@ -25,7 +25,7 @@
 # 5. expecting DDP's results from an optimizer that is not pointwise;
 # 6. putting activation checkpointing around an FSDP unit instead of inside it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores. The code
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its own GPU (`cuda:LOCAL_RANK`) where each rank has one, else
 # the CPU (as on the machine that executed this page). Batches are built on the CPU from

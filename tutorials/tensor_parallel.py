@@ -28,10 +28,16 @@
 #   when the ranks of a TP group get different batches;
 # - the trap: a 2D mesh handed to `fully_shard` alone is {term}`HSDP`, not FSDP x TP, and
 #   how to tell the two apart;
-# - gradient clipping when the parameters live on two meshes, and a 2D checkpoint loaded
-#   by a 1D FSDP run and exported to one file.
+# - why the norms' gradients are partial sums under TP alone, and what that costs AdamW;
+# - the embedding and the output layer split by vocabulary, and loss parallel: the
+#   cross-entropy computed on split logits, never gathered;
+# - why the heads and the key/value heads of grouped-query attention must each divide by
+#   the TP degree, and what a wrong degree raises;
+# - gradient clipping when the parameters live on two meshes, `implicit_replication` when
+#   plain tensors sit next to DTensors, and a 2D checkpoint loaded by a 1D FSDP run and
+#   exported to one file.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 30 seconds on 2 CPU cores. The
+# **What you need**: a CPU; 4 processes on gloo; about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type. Tensor parallelism is expected to pay off on GPUs
 # joined by a fast link (NVLink) inside a node; this page shows what runs and what is
@@ -104,8 +110,11 @@ for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output=
 # set of process groups: a rank's `tp` group is its row (ranks 0 and 1 work on the same
 # sequences and split every layer between them), its `dp` group its column (ranks 0 and 2
 # hold the same TP shard of each layer and split the batch). The last dimension gets
-# adjacent ranks: with torchrun's numbering, adjacent ranks share a node, so a TP group
-# no larger than a node's GPUs keeps its per-layer collectives on the node's fast link.
+# adjacent ranks: torchrun numbers a node's processes consecutively (a node's workers get
+# global ranks `[base_global_rank, base_global_rank + local_world_size)`,
+# `SimpleElasticAgent._assign_worker_ranks` in
+# `torch/distributed/elastic/agent/server/api.py`), so a TP group no larger than a node's
+# GPUs is meant to keep its per-layer collectives on the node's fast link.
 #
 # (tp-plan)=
 # ## Tensor parallelism, then FSDP
@@ -231,7 +240,8 @@ for rank, table in enumerate(tables):
 # *P*, the whole model's parameter bytes. The last column is what the forward leaves saved
 # for the backward on a rank ({func}`fsdp_guide.memory.saved_for_backward`), in KiB; a rank
 # runs 2 sequences with FSDP alone, 8 with TP alone and 4 with both, so compare the last
-# two rows with each other.
+# two rows with each other. The column before it counts the collectives run inside
+# `optimizer.step()` alone (they are also in the step's totals).
 
 # %%
 from fsdp_guide.collectives import count_collectives
@@ -246,16 +256,19 @@ def one_step_counted(shape, sequence_parallel):
     model = build_model()
     whole = whole_bytes(model)  # P, before sharding
     model = parallelize(model, mesh, sequence_parallel)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # foreach=False: the same AdamW on every device (on CUDA AdamW defaults to foreach, which
+    # fails on TP alone's mix of plain and DTensor parameters: see "implicit replication" below)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for step in range(2):
         with count_collectives(mesh) as seen:
             with saved_for_backward() as saved:
                 _, loss = model(*my_rows(mesh, step))
             loss.backward()
-            optimizer.step()
+            with count_collectives(mesh) as in_step:
+                optimizer.step()
             optimizer.zero_grad()
     rows = [(dim, kind, n, nbytes / whole) for dim, kind, n, nbytes in seen.rows()]
-    return rows, measure(model).params / whole, saved.held_at_exit / 1024
+    return rows, sum(in_step.count.values()), measure(model).params / whole, saved.held_at_exit / 1024
 
 
 def every_setup():
@@ -264,48 +277,113 @@ def every_setup():
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 print(f"{'':28} {'dim':4}" + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS)
-      + f"{'params held / P':>17}{'saved, KiB':>12}")
-for name, (rows, held, saved) in launch(every_setup, world_size=4, output="none")[0].items():
+      + f"{'in the step':>13}{'params held / P':>17}{'saved, KiB':>12}")
+for name, (rows, in_step, held, saved) in launch(every_setup, world_size=4, output="none")[0].items():
     for i, dim in enumerate(sorted({dim for dim, *_ in rows})):
         cells = {kind: f"{n:3} {size:6.2f}" for d, kind, n, size in rows if d == dim}
         print(f"{name if i == 0 else '':28} {dim:4}" + "".join(f"{cells.get(kind, '-'):>24}" for kind in KINDS)
-              + (f"{held:17.2f}{saved:12.0f}" if i == 0 else ""))
+              + (f"{in_step:13}{held:17.2f}{saved:12.0f}" if i == 0 else ""))
 
 # %% [markdown]
 # - **FSDP alone** all-gathers each of the 3 units in the forward and the 2 blocks again
-#   in the backward (the root stays gathered), and reduce-scatters the 3 units'
+#   in the backward (the root stays gathered: `FSDPState._lazy_init` in
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` turns off the root's reshard
+#   after forward), and reduce-scatters the 3 units'
 #   gradients: 2.7 *P* of parameters and gradients over the `dp` groups. Each rank holds
 #   a quarter.
-# - **TP alone** never moves a parameter: it moves activations, 5 all-gathers and 4
-#   reduce-scatters each way (forward and backward), at the size of one layer's input.
-#   A rank holds 0.45 *P*: the embeddings and norms are whole on every rank. The 24 small
-#   all-reduces are the norms' gradients: sequence parallelism leaves them `Partial(sum)`
-#   (each rank summed over its part of the sequence), and AdamW's step, reading each of
-#   the 8 three times, all-reduces it each time. Reducing them once before the step
-#   (`p.grad = p.grad.redistribute(placements=[Replicate()])` for each partial gradient)
-#   leaves 8. Until then, `p.grad.to_local()` is a partial sum: hand-written logging or
-#   clipping that reads it is wrong.
+# - **TP alone** never moves a parameter: it moves activations, 10 all-gathers and 8
+#   reduce-scatters over the forward and backward, at the size of one layer's input. A
+#   rank holds 0.45 *P*: the embeddings and norms are whole on every rank. Its 24 small
+#   all-reduces all run inside AdamW's step (the "in the step" column): the norms'
+#   gradients, {ref}`partial sums <tp-partial-grads>` that the optimizer reduces each time
+#   it reads one.
 # - **FSDP x TP** does both on separate groups: FSDP's collectives run over `dp` on
 #   TP-split units (1.01 *P* of all-gathers instead of 1.74: the blocks are half-size, the
 #   root is not split by TP); TP's run over `tp` on half the batch. Each rank holds
-#   0.32 *P*, about a third: the TP-split weights a quarter, the embeddings half. Here the
-#   norms' gradients are all-reduced once, in FSDP's backward (8 all-reduces, 0.01 *P*).
+#   0.32 *P*, about a third: the TP-split weights a quarter, the embeddings half. Here
+#   nothing runs in the step: the norms' gradients are all-reduced once before it (8
+#   all-reduces, 0.01 *P*), by FSDP, which redistributes each gradient to its parameter's
+#   placements before reduce-scattering it (`FSDPParam._get_grad_inner_tensor` in
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py`).
 # - **Without sequence parallelism** each sub-layer's partial sums are all-reduced (4
-#   all-reduces each way). The table counts full-size buffers, not bytes on the wire:
-#   with a ring algorithm a rank sends (n-1)/n of the buffer for an all-gather or a
-#   reduce-scatter and twice that for an all-reduce, so the 8 all-reduces of 0.49 *P*
-#   carry what 8 reduce-scatters and 8 all-gathers of 0.49 *P* carry. Sequence
+#   sub-layers, forward and backward: 8 all-reduces). The table counts full-size buffers,
+#   not bytes on the wire: with a ring algorithm a rank sends (n-1)/n of the buffer for an
+#   all-gather or a reduce-scatter and twice that for an all-reduce (the factors NCCL's
+#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so the 8 all-reduces of
+#   0.49 *P* carry what 8 reduce-scatters and 8 all-gathers of 0.49 *P* carry. Sequence
 #   parallelism adds two all-gathers here: out of the last block in the forward, and of
 #   the gradient at the first block's input in the backward (the embeddings and final
 #   norm are outside the plan). What it saves is activation memory, the norms' inputs and
 #   the residual stream split along the sequence: 260 KiB saved for backward against 277
-#   KiB. Little here, because each projection keeps its all-gathered input whole for its
-#   backward, and that dominates this small model.
+#   KiB. Little here: `q`, `k`, `v` and `fc` take the all-gathered, whole sequence as
+#   input in both layouts, and a `Linear` saves its input for its weight's gradient.
 #
 # What the split buys is not on this table: with TP, each rank's matmuls are a fraction of
 # the layer, so more GPUs work on one batch without the global batch growing, and FSDP's
 # all-gathers shrink with the TP degree. On GPUs, TP is expected to belong inside a node
 # (its collectives are on the critical path of every layer) and FSDP across nodes.
+#
+# (tp-partial-grads)=
+# ### TP alone: the norms' gradients are partial sums
+#
+# With sequence parallelism each rank of a TP group runs a norm on its own part of the
+# sequence, so its gradient for the norm's weight sums over that part only: autograd
+# leaves it a `DTensor` with `Partial(sum)` placement, and `p.grad.to_local()` is one
+# rank's term of the sum. Compared with one process's gradient on the same batch, with
+# AdamW's step counted alone, and counted again after reducing each partial gradient once:
+
+# %%
+from torch.distributed.tensor import DTensor
+
+
+def partial_gradients(model):
+    return [p for p in model.parameters() if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()]
+
+
+def norm_gradients_under_tp_alone():
+    mesh = make_mesh(1, 4)
+    model = parallelize(build_model(), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    model(*my_rows(mesh))[1].backward()
+    grad = model.blocks[0].ln_1.weight.grad
+    found = {"placements": grad.placements, "partial": len(partial_gradients(model)), "local": grad.to_local().cpu()}
+    with count_collectives(mesh) as left_partial:
+        optimizer.step()
+    optimizer.zero_grad()
+    model(*my_rows(mesh, 1))[1].backward()
+    with count_collectives(mesh) as reducing:
+        for p in partial_gradients(model):  # once, before the optimizer reads them
+            p.grad = p.grad.redistribute(placements=[Replicate()])
+    with count_collectives(mesh) as after:
+        optimizer.step()
+    return found | {"step, left partial": left_partial.rows(), "reducing once": reducing.rows(),
+                    "step, reduced": after.rows()}
+
+
+one = build_model()
+one(*global_batch())[1].backward()
+one_grad = one.blocks[0].ln_1.weight.grad
+found = launch(norm_gradients_under_tp_alone, world_size=4, output="none")
+print(f"blocks.0.ln_1.weight.grad: {found[0]['placements']}; parameters with a partial gradient: {found[0]['partial']}")
+for rank, on_rank in enumerate(found):
+    difference = (on_rank["local"] - one_grad).abs().max()
+    print(f"rank {rank}: to_local() vs one process's gradient, largest difference {difference:.1e}")
+summed = sum(on_rank["local"] for on_rank in found)
+print(f"the 4 ranks' to_local() summed: largest difference {(summed - one_grad).abs().max():.1e}"
+      f" (the gradient's largest entry: {one_grad.abs().max():.1e})")
+for what in ("step, left partial", "reducing once", "step, reduced"):
+    print(f"{what:20} (dim, kind, n, bytes): {found[0][what] or 'no collective'}")
+
+# %% [markdown]
+# No rank's `to_local()` is the gradient (each misses it by 1e-4 or more, against a
+# largest entry of 3e-4); the 4 summed are, up to rounding. AdamW's step (the single-tensor
+# implementation, `_single_tensor_adam` in `torch/optim/adam.py`) reads each gradient three
+# times, in `exp_avg.lerp_(grad, ...)` and `addcmul_(grad, grad, ...)`, and DTensor
+# all-reduces a `Partial` operand each time: 24 all-reduces for the 8 partial gradients.
+# Redistributing each to `Replicate()` once before the step costs 8, and the step then
+# runs none. Until then, hand-written code that reads `p.grad.to_local()` (logging a
+# gradient norm, a custom clipping) reads one rank's term. Under FSDP x TP, FSDP does
+# that reduction itself (the table's 0 in the step).
 #
 # (tp-exact)=
 # ## 2D training equals one process on the global batch, up to rounding
@@ -398,7 +476,9 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 
 # %% [markdown]
 # Nothing fails: DTensor trusts the layouts the plan declares (the blocks' input is
-# declared `Replicate()` over `tp`, and is not checked), so each TP rank keeps its half of
+# declared `Replicate()` over `tp`, and `PrepareModuleInput._prepare_input_arg` in
+# `torch/distributed/tensor/parallel/style.py` wraps it with `DTensor.from_local(...,
+# run_check=False)`: no check), so each TP rank keeps its half of
 # the sequence of *its own* batch, and the attention gathers a sequence stitched from two
 # different samples. The losses look like a model training; the parameters drift from
 # what the data says. The fix is in the data loader: index it by the `dp` coordinate
@@ -412,9 +492,12 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 # A user who wants FSDP x TP builds the 2 x 2 mesh and passes it to `fully_shard`,
 # expecting it to use both dimensions. It does, as {term}`HSDP`: the first dimension
 # replicates, the second shards. `fully_shard` requires a 2D mesh to have dimension
-# names, but does not interpret them: `dp` here replicates and `tp` shards. (torch 2.13
-# adds a `dp_mesh_dims` argument that names a mesh's data-parallel dimensions; this page
-# keeps to passing `mesh["dp"]`, which every torch version it supports accepts.)
+# names (`_validate_mesh`), but does not interpret them: `_get_mesh_info` (both in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_init.py`) takes dimension 0 to replicate and
+# dimension 1 to shard, so `dp` here replicates and `tp` shards. (torch 2.13's
+# `fully_shard` also takes a `dp_mesh_dims` argument that names a mesh's data-parallel
+# dimensions; this page keeps to passing `mesh["dp"]`, which every torch version it
+# supports accepts.)
 
 # %%
 from torch.distributed.fsdp import FSDPModule
@@ -456,8 +539,9 @@ for name, (placement, width, held, collectives, loss) in launch(both_ways, world
           f"  collectives (dim, kind, n) {collectives}\n  loss {loss:.6f}")
 
 # %% [markdown]
-# Both train, and to the same loss: HSDP is data parallelism, correct on any batches,
-# and here each TP-style pair feeds it the same batch twice. (Each counts 4 all-gathers
+# Both compute the same loss (one forward and backward, no optimizer step): HSDP is data
+# parallelism, correct on any batches, and here each TP-style pair feeds it the same
+# batch twice. (Each counts 4 all-gathers
 # over `dp` or `tp`, not the table's 5: the forward that measured `q`'s output left the
 # root gathered.) What differs:
 #
@@ -473,6 +557,250 @@ for name, (placement, width, held, collectives, loss) in launch(both_ways, world
 # For HSDP, the batch should differ across *all* ranks (it is data parallel over 4),
 # otherwise half the compute repeats; for FSDP x TP, pass `mesh["dp"]` to `fully_shard`
 # after `parallelize_module` over `mesh["tp"]`.
+#
+# (tp-edge-layers)=
+# ## The embedding and the output layer
+#
+# The plan above leaves the token embedding (256 x 32) and the output layer tied to it
+# whole on every rank of a TP group. Both can be split by TP too, as torchtitan's plans do
+# (`apply_tp` in `torchtitan/models/llama3/infra/parallelize.py`). An `nn.Embedding`
+# takes `RowwiseParallel(input_layouts=Replicate())`: its rows are the vocabulary, each
+# rank looks up the tokens in its half and contributes zeros for the others, summed
+# across the group (`_MaskPartial` in `torch/distributed/tensor/placement_types.py`). Or
+# it takes `ColwiseParallel()`: each rank holds half of every token's vector. The output
+# layer takes `ColwiseParallel`: its rows are the vocabulary too, so each rank computes the
+# logits of its half. Each plan on a fresh module, on a rank's 4 x 16 tokens (or
+# 4 x 16 x 32 hidden states for the output layer), against the unsharded module's output
+# split as the plan says it should be:
+
+# %%
+import torch.nn as nn
+from torch.distributed.tensor import distribute_tensor
+
+def embedding():
+    return nn.Embedding(CONFIG.vocab_size, CONFIG.n_embd)
+
+
+def output_layer():
+    return nn.Linear(CONFIG.n_embd, CONFIG.vocab_size, bias=False)
+
+
+EDGE_PLANS = {  # name: (module, plan, the layout its output should have over tp)
+    "embedding, vocabulary-split": (embedding, RowwiseParallel(input_layouts=Replicate()), Replicate()),
+    "  same, output along the sequence": (embedding, RowwiseParallel(input_layouts=Replicate(),
+                                                                     output_layouts=Shard(1)), Shard(1)),
+    "embedding, dimension-split": (embedding, ColwiseParallel(), Shard(-1)),
+    "output layer, logits gathered": (output_layer, ColwiseParallel(output_layouts=Replicate()), Replicate()),
+    "output layer, logits left split": (output_layer, ColwiseParallel(use_local_output=False), Shard(-1)),
+}
+
+
+def on_a_rank(t):
+    """A tensor's shape on this rank, and its placement over tp if it is a DTensor."""
+    if isinstance(t, DTensor):
+        return f"{tuple(t.to_local().shape)} {t.placements[0]!r}"
+    return f"{tuple(t.shape)} Tensor"
+
+
+def edge_layer_layouts():
+    mesh = make_mesh()
+    tokens, _ = my_rows(mesh)
+    hidden = torch.randn(*tokens.shape, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)).to(tokens.device)
+    result = {}
+    for name, (make, plan, layout) in EDGE_PLANS.items():
+        torch.manual_seed(0)
+        module = make().to(fsdp_guide.device())
+        x = tokens if isinstance(module, nn.Embedding) else hidden
+        whole = module(x).detach()
+        parallelize_module(module, mesh["tp"], plan)
+        with count_collectives(mesh) as seen:
+            out = module(x)
+        local = out.to_local() if isinstance(out, DTensor) else out
+        expected = distribute_tensor(whole, mesh["tp"], [layout], src_data_rank=None).to_local()  # this rank's piece
+        result[name] = (on_a_rank(module.weight), on_a_rank(out), seen.rows(), (local - expected).abs().max().item())
+    return result
+
+
+print(f"{'':34} {'weight on a rank':23} {'output on a rank':26} {'tp collectives (kind, n, bytes)':33} vs unsharded")
+for name, (weight, out, rows, difference) in launch(edge_layer_layouts, world_size=4, output="none")[0].items():
+    collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in rows) or "none"
+    print(f"{name:34} {weight:23} {out:26} {collectives:33} {difference:.0e}")
+
+# %% [markdown]
+# - The vocabulary-split embedding holds half the rows and all-reduces its output (a
+#   rank's 4 x 16 x 32 floats, 8192 bytes); with `output_layouts=Shard(1)` it
+#   reduce-scatters it instead and hands on half the sequence, which is what a
+#   sequence-parallel stack wants next. This GPT adds the position embedding, whole
+#   sequence, to the token embedding's output, so the page keeps `Replicate()` there
+#   and lets `blocks.0`'s `PrepareModuleInput` take the rank's half.
+# - The dimension-split embedding runs no collective: each rank returns half of every
+#   vector (`Shard(-1)`, returned as a plain tensor by default), which the next layer must
+#   expect.
+# - The output layer's `ColwiseParallel` holds half the vocabulary's rows. Gathered
+#   (`output_layouts=Replicate()`), every rank gets all 256 logits of every token, one
+#   all-gather of 65536 bytes for these 64 tokens; left split as a `DTensor`
+#   (`use_local_output=False`), each rank holds the logits of its half of the vocabulary,
+#   and nothing moves. Every row matches the unsharded module.
+#
+# (tp-loss-parallel)=
+# ## Loss parallel: the cross-entropy on vocabulary-split logits
+#
+# The logits hold a value per vocabulary entry for every token (here 256, against 32
+# hidden features), and gathering them to compute the loss undoes the output layer's
+# split. Inside `torch.distributed.tensor.parallel.loss_parallel()`, `F.cross_entropy` accepts logits
+# split along the vocabulary (`Shard(-1)`) and computes the loss from per-token maxima,
+# sums of exponentials and target logits reduced across the TP group (`loss_parallel` in
+# `torch/distributed/tensor/parallel/loss.py`); the `backward()` must run inside it too.
+# The GPT keeps its tied weight: both plans split it by rows, each makes its own
+# `DTensor` of it, and the two are tied again. One forward and backward on TP alone over
+# all 4 ranks (each rank a quarter of the vocabulary), three ways, and the loss parallel
+# one again under FSDP x TP; the global batch of 8 as before:
+
+# %%
+import contextlib
+
+from torch.distributed.tensor.parallel import loss_parallel
+
+
+def apply_vocab_parallel(model, tp_mesh, shard_logits=True):
+    """The token embedding and the output layer split by vocabulary; logits left split (loss_parallel) or gathered."""
+    output_plan = ColwiseParallel(output_layouts=Shard(-1) if shard_logits else Replicate(),
+                                  use_local_output=not shard_logits)  # as torchtitan's apply_tp
+    parallelize_module(model, tp_mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate()), "lm_head": output_plan})
+    untied = model.lm_head.weight is not model.tok_emb.weight
+    model.lm_head.weight = model.tok_emb.weight  # each plan made its own DTensor of the tied weight: tie them again
+    return untied
+
+
+def full_gradients(model):
+    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in model.named_parameters()}
+
+
+def loss_with_output_plan(shape, shard_logits):
+    """One forward and backward. shard_logits None: this page's plan; False: logits gathered; True: loss parallel."""
+    mesh = make_mesh(*shape)
+    model = build_model()
+    apply_tp(model, mesh["tp"])
+    untied = shard_logits is not None and apply_vocab_parallel(model, mesh["tp"], shard_logits)
+    if mesh["dp"].size() > 1:
+        apply_fsdp(model, mesh["dp"])
+    with count_collectives(mesh) as seen, loss_parallel() if shard_logits else contextlib.nullcontext():
+        logits, loss = model(*my_rows(mesh))
+        loss.backward()  # inside loss_parallel too
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    loss = mean_over_dp(loss.full_tensor() if isinstance(loss, DTensor) else loss, mesh)
+    grads = {name: g.cpu() for name, g in full_gradients(model).items()}
+    return (untied, model.lm_head.weight is model.tok_emb.weight, local.nbytes, logits.numel() * logits.element_size(),
+            [row for row in seen.rows() if row[0] == "tp"], loss, grads if dist.get_rank() == 0 else None)
+
+
+OUTPUT_PLANS = {"TP alone, this page's plan": ((1, 4), None), "TP alone, logits gathered": ((1, 4), False),
+                "TP alone, loss parallel": ((1, 4), True), "FSDP x TP, loss parallel": ((2, 2), True)}
+
+
+def every_output_plan():
+    return {name: loss_with_output_plan(*setup) for name, setup in OUTPUT_PLANS.items()}
+
+
+with torch.no_grad():
+    one_loss = one(*global_batch())[1].item()  # `one`: the model whose gradients the partial sums were checked against
+print(f"one process on the global batch: loss {one_loss:.7f}")
+print(f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, bytes)':>26}"
+      f" {'tp all-reduces (n, bytes)':>26} {'loss':>10} {'grads vs one process':>21}")
+results = launch(every_output_plan, world_size=4, output="none")[0]
+for name, (untied, tied, held, full, rows, loss, grads) in results.items():
+    cells = {kind: f"{n} {nbytes}" for _, kind, n, nbytes in rows}
+    difference = max((grads[n] - p.grad).abs().max().item() for n, p in one.named_parameters())
+    print(f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
+          f" {loss:10.7f} {difference:21.1e}" + (f"  (untied by the plans, tied again: {tied})" if untied else ""))
+
+# %% [markdown]
+# - With this page's plan every rank computes all the logits of all 8 sequences
+#   (131072 bytes) from the whole output layer. Split and gathered, a rank computes a
+#   quarter and all-gathers the rest: one more all-gather, of the full 131072 bytes.
+#   The split adds two all-reduces of the hidden states (2 x 16384 bytes): the
+#   embedding's output in the forward, and the output layer's input gradient in the
+#   backward (`ColwiseParallel._prepare_input_fn` in `style.py` wraps the input with
+#   `DTensor.from_local` as `Replicate()`, and `_FromTorchTensor.backward` in
+#   `torch/distributed/tensor/_api.py` redistributes its partial gradient to that).
+# - With loss parallel a rank holds a quarter of the logits and they are never
+#   gathered: its all-gathers are exactly this page's plan's, and beside those two
+#   all-reduces it runs three more of 512 bytes, one float per token: the
+#   maximum and the sum of exponentials of the log-softmax (`_log_softmax` in
+#   `torch/distributed/tensor/parallel/loss.py`) and the target's log-probability
+#   (`_nll_loss_forward`, same file).
+# - The loss and every gradient equal one process's up to float32 rounding, the tied
+#   weight's included (the plans untie it; the printed `True` is the weight tied again),
+#   with FSDP over `dp` on top as well. Under loss parallel the loss is a `DTensor`,
+#   `Replicate()` over `tp` (`_nll_loss_forward_handler`, same file): `full_tensor()`
+#   reads it.
+#
+# (tp-gqa)=
+# ## Heads and KV heads under grouped-query attention
+#
+# Column-wise `q`, `k` and `v` give each rank a contiguous block of output features, and
+# the attention reshapes that block into heads: the split must fall between heads. The
+# GPT has as many key/value heads as query heads; with grouped-query attention (GQA) a
+# model has fewer KV heads, each shared by a group of query heads, and both counts must
+# divide by the TP degree. The smallest GQA attention, in the GPT's style, under the same
+# plan on the `tp` dimension (2 ranks):
+
+# %%
+import torch.nn.functional as F
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, n_embd, n_head, n_kv_head, head_dim=8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q = nn.Linear(n_embd, n_head * head_dim, bias=False)
+        self.k = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
+        self.v = nn.Linear(n_embd, n_kv_head * head_dim, bias=False)
+        self.proj = nn.Linear(n_head * head_dim, n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        # -1: all the heads, or this rank's share under tensor parallelism
+        q, k, v = (t(x).view(B, T, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # a KV head per group of q heads
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+HEADS = ((4, 2), (6, 2), (4, 1), (6, 3))  # (query heads, KV heads)
+
+
+def gqa_under_tp():
+    tp_mesh = make_mesh()["tp"]
+    x = torch.randn(2, 8, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)).to(fsdp_guide.device())
+    result = {}
+    for n_head, n_kv_head in HEADS:
+        torch.manual_seed(0)
+        attention = GroupedQueryAttention(CONFIG.n_embd, n_head, n_kv_head).to(fsdp_guide.device())
+        whole = attention(x)
+        parallelize_module(attention, tp_mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                                "v": ColwiseParallel(), "proj": RowwiseParallel()})
+        try:
+            outcome = f"runs; output vs unsharded {(attention(x) - whole).abs().max().item():.0e}"
+        except RuntimeError as e:
+            outcome = f"RuntimeError: {str(e).splitlines()[0]}"
+        result[(n_head, n_kv_head)] = (tuple(attention.k.weight.to_local().shape), outcome)
+    return result
+
+
+print(f"{'heads':>5} {'KV heads':>8}  {'k.weight on a rank':>18}  forward with a TP degree of 2")
+for (n_head, n_kv_head), (k_shape, outcome) in launch(gqa_under_tp, world_size=4, output="none")[0].items():
+    print(f"{n_head:5} {n_kv_head:8}  {str(k_shape):>18}  {outcome}")
+
+# %% [markdown]
+# `parallelize_module` splits the weights without looking at heads (a head is 8 rows
+# here): with 1 KV head, each rank gets `k`'s rows 0:4 or 4:8, half a head, and `k`'s
+# `view` into heads fails (`q`'s, 2 whole heads, passes); with 3 KV heads each rank gets
+# a head and a half. 6 query heads
+# over 2 KV heads works: each rank gets 3 query heads and the 1 KV head they share. The
+# rule: the number of query heads and the number of KV heads must each divide by the TP
+# degree (then each rank's query heads are whole groups, and their KV heads are on the
+# same rank). Nothing checks it before the forward: check it where the TP degree is chosen.
 #
 # (tp-clipping)=
 # ## Gradient clipping across both mesh dimensions
@@ -503,39 +831,109 @@ def clip_grad_norm_across_meshes(parameters, max_norm):
     return total
 
 
+def first_error(call):
+    """'runs', or the first line of the RuntimeError that call() raises."""
+    try:
+        call()
+        return "runs"
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+
+
 def clip_both_ways():
     mesh = make_mesh()
     model = parallelize(build_model(), mesh)
     _, loss = model(*my_rows(mesh))
     loss.backward()
-    try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        error = "no error"
-    except RuntimeError as e:
-        error = str(e).splitlines()[0]
+    no_norm = torch.tensor(0.0, device=fsdp_guide.device())  # a total norm of 0 scales by 1: harmless if it ran
+    errors = {"clip_grad_norm_": first_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)),
+              "clip_grads_with_norm_": first_error(
+                  lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_NORM, no_norm))}
     total = clip_grad_norm_across_meshes(model.parameters(), MAX_NORM).item()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    return error, total, {name: g.cpu() for name, g in grads.items()} if dist.get_rank() == 0 else None
+    return errors, total, {name: g.cpu() for name, g in grads.items()} if dist.get_rank() == 0 else None
 
 
 reference = build_model()
 reference(*global_batch())[1].backward()
 one_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()
-error, total, clipped = launch(clip_both_ways, world_size=4, output="none")[0]
-print("clip_grad_norm_ on every parameter:", error)
+errors, total, clipped = launch(clip_both_ways, world_size=4, output="none")[0]
+for call, error in errors.items():
+    print(f"{call} on every parameter: {error}")
 print(f"one process total norm {one_norm:.7f}; across meshes {total:.7f}")
 print(f"clipped gradients vs one process's: largest difference "
       f"{max((clipped[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()):.1e}")
 
 # %% [markdown]
 # torch's `clip_grad_norm_` stacks the per-parameter norms into one tensor, and DTensor
-# refuses an operation whose operands live on different meshes; its scaling step
-# (`_foreach_mul_` in `clip_grads_with_norm_`) fails the same way over both meshes.
-# Grouping the parameters by mesh, for both steps, works: each group's norm is a DTensor whose `full_tensor()` reduces over every
-# dimension its gradients are split on (`dp`, or `dp` and `tp`), the groups' norms combine
-# as the norm of norms, and each group is scaled by the same factor. The result is one
-# process's norm, and one process's clipped gradients. (torchtitan sidesteps the two
-# meshes by planning every parameter, embeddings and output included, over `tp`.)
+# refuses an operation whose operands live on different meshes; its scaling step,
+# `clip_grads_with_norm_`, fails the same way over both meshes.
+# Grouping the parameters by mesh, for both steps, works: each group's norm is a DTensor
+# whose `full_tensor()` reduces over every dimension its gradients are split on (`dp`, or
+# `dp` and `tp`), the groups' norms combine as the norm of norms, and each group is scaled
+# by the same factor. The result is one process's norm, and one process's clipped
+# gradients. (torchtitan sidesteps the two meshes by planning every parameter over `tp`,
+# the norms, embeddings and output included: `apply_tp` in
+# `torchtitan/models/llama3/infra/parallelize.py`.)
+#
+# (tp-implicit-replication)=
+# ### TP without FSDP: plain tensors next to DTensors, and `implicit_replication`
+#
+# With TP alone the parameters the plan leaves alone (embeddings, the final norm) stay
+# plain tensors, next to the planned DTensors. Any operation that takes both in one call
+# then fails, and torch's clipping and AdamW's `foreach` implementation take all the
+# parameters in one call. `foreach=True` asks for the latter here; on CUDA it is AdamW's
+# default: `_default_to_fused_or_foreach` in `torch/optim/optimizer.py` picks it when every
+# parameter's type is in `_foreach_supported_types`, to which
+# `torch/distributed/tensor/__init__.py` appends `DTensor`.
+# `torch.distributed.tensor.experimental.implicit_replication()` lets DTensor treat a
+# plain tensor as `Replicate()` on the other operand's mesh, which is true here (every
+# rank of the TP group holds the same embeddings and computes the same gradients for
+# them):
+
+# %%
+from torch.distributed.tensor.experimental import implicit_replication
+
+
+def clip_and_step_under_tp_alone():
+    mesh = make_mesh(1, 4)
+    model = parallelize(build_model(), mesh)
+    model(*my_rows(mesh))[1].backward()
+    kinds = sorted({type(p).__name__ for p in model.parameters()})
+    errors = {"clip_grad_norm_": first_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)),
+              "AdamW(foreach=True).step": first_error(
+                  torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step)}
+    with implicit_replication():  # the plain tensors count as Replicate() over tp
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step()
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    params = {name: p.cpu() for name, p in full_parameters(model).items()}
+    return kinds, errors, total.item(), params if dist.get_rank() == 0 else None
+
+
+kinds, errors, total, params = launch(clip_and_step_under_tp_alone, world_size=4, output="none")[0]
+torch.optim.AdamW(reference.parameters(), lr=1e-2).step()  # one process: clipped above, now one step
+print("TP alone, parameter types:", kinds)
+for call, error in errors.items():
+    print(f"{call:25} {error}")
+difference = largest_difference(params, full_parameters(reference))
+print(f"under implicit_replication(): total norm {total:.7f} (one process {one_norm:.7f}); after clipping and the "
+      f"step, parameters vs one process's: largest difference {difference:.1e}")
+
+# %% [markdown]
+# Both calls fail on the mix (clipping on every device: `_get_total_norm` in
+# `torch/nn/utils/clip_grad.py` takes its `foreach` path wherever `_has_foreach_support` in
+# `torch/utils/_foreach_utils.py` allows it, CPU included); under `implicit_replication()` both run and give one process's norm,
+# and its parameters up to float32 rounding (Adam's first update, `exp_avg / sqrt(exp_avg_sq)`,
+# is about `lr` = 1e-2 per entry whatever the gradient's size, so the rounding of the
+# smallest gradients shows). That is also why the collectives table above passes
+# `foreach=False`.
+# `implicit_replication` checks nothing: a plain tensor that differs across the ranks
+# (a per-rank batch, a rank's partial sum) is taken as replicated all the same
+# (`OpDispatcher._try_replicate_spec_for_scalar_tensor` in
+# `torch/distributed/tensor/_dispatch.py` builds the `Replicate()` spec without a
+# collective). Under FSDP x TP every parameter is a DTensor, and the question does not
+# arise.
 #
 # (tp-checkpoint)=
 # ## A 2D checkpoint, loaded by a 1D FSDP run and exported to one file
@@ -564,6 +962,7 @@ def train_2d_and_save(directory):
         optimizer.step()
         optimizer.zero_grad()
     checkpoint.save(directory, 2, model, optimizer)
+    checkpoint.export_consolidated(model, Path(directory) / "model-2d.pt")  # gathered over dp and tp
     optimizer_state = {name: optimizer.state[p]["exp_avg"].full_tensor().cpu() for name, p in model.named_parameters()}
     return {name: p.cpu() for name, p in full_parameters(model).items()}, optimizer_state
 
@@ -588,6 +987,9 @@ print(f"step {step}; 1D parameters equal the 2D ones exactly:",
 print("AdamW's first moments equal exactly:", all(torch.equal(loaded_moments[n], m) for n, m in saved_moments.items()))
 print("exported file equals the 2D parameters exactly:",
       all(torch.equal(plain.state_dict()[n], p) for n, p in saved_params.items()))
+exported_2d = torch.load(run_dir / "model-2d.pt", weights_only=True)
+print("the 2D run's own export equals them exactly:",
+      all(torch.equal(exported_2d[n], p) for n, p in saved_params.items()))
 
 # %% [markdown]
 # Nothing in the checkpoint ties it to the mesh that wrote it: DCP stores each tensor's
@@ -595,8 +997,9 @@ print("exported file equals the 2D parameters exactly:",
 # its own placements need (here a `_StridedShard` over `dp` and a `Shard` over `tp`
 # becomes a plain `Shard` over 2 ranks); a 1D checkpoint is expected to load on a 2D run
 # the same way (not run here). The export's `get_model_state_dict(...,
-# full_state_dict=True)` gathers over every mesh dimension. Bit for bit, because no
-# arithmetic is involved, only copies. What does not carry over to a different number
+# full_state_dict=True)` gathers over every mesh dimension: the 2D run's own export, from
+# `_StridedShard` and `Shard` over two dimensions, equals the 1D run's. Bit for bit,
+# because no arithmetic is involved, only copies. What does not carry over to a different number
 # of ranks is each rank's RNG state: {func}`fsdp_guide.checkpoint.load` restores it only
 # on the same world size, so a resumed run that draws random numbers (dropout, data
 # order) continues from new streams.
@@ -609,6 +1012,8 @@ print("exported file equals the 2D parameters exactly:",
 # - {ref}`tip-2d-mesh-is-hsdp`
 # - {ref}`tip-clip-across-meshes`
 # - {ref}`tip-tp-checkpoint`
+# - {ref}`tip-loss-parallel`
+# - {ref}`tip-tp-gqa-heads`
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

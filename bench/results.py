@@ -1,0 +1,107 @@
+"""The benchmarks' recorded outputs (``bench/results/``), and the run times the pages state from them.
+
+A benchmark's printout is kept in ``bench/results/<name>.txt`` under a header naming the
+machine it ran on, so that a number the README or a page quotes can be traced to a run.
+``bench_site.py`` also keeps each notebook's execution time in ``page_times.json`` and
+writes it into the opening of each tutorial ("about N seconds on C CPU cores"), so the
+stated time is derived from a measurement, never typed; ``tests/test_tutorials.py``
+checks that every tutorial states the recorded time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PAGE_TIMES = RESULTS / "page_times.json"
+TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
+
+# "about 55 seconds on 2 CPU cores", possibly wrapped over comment lines of a py:percent
+# page, with the link to the recorded measurement this module adds after it.
+_GAP = r"\s+(?:#\s*)?"
+STATED = re.compile(rf"about{_GAP}(?:\d+{_GAP}seconds|a{_GAP}minute){_GAP}on{_GAP}\d+{_GAP}CPU{_GAP}cores"
+                    r"(?: \(\{ref\}`measured <measured-times>`\))?")
+
+
+def machine() -> dict[str, object]:
+    """What the numbers were measured on: CPU, cores, memory, Python, torch, and the date."""
+    import torch
+
+    def first(path: str, key: str) -> str:
+        with contextlib.suppress(OSError):
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        return "unknown"
+
+    memory = first("/proc/meminfo", "MemTotal")
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": first("/proc/cpuinfo", "model name"),
+        "cores": os.cpu_count(),
+        "memory_gib": round(int(memory.split()[0]) / 2**20) if memory != "unknown" else None,
+        "system": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def describe(m: dict[str, object]) -> str:
+    return (f"{m['date']}: {m['cores']} CPU cores ({m['cpu']}), {m['memory_gib']} GiB, {m['system']}, "
+            f"Python {m['python']}, torch {m['torch']}")
+
+
+@contextlib.contextmanager
+def recorded(name: str, command: str) -> Iterator[None]:
+    """Print as usual, and keep what was printed in ``bench/results/<name>.txt`` with the machine."""
+    buffer = io.StringIO()
+
+    class Tee(io.TextIOBase):
+        def write(self, text: str) -> int:
+            sys.__stdout__.write(text)
+            return buffer.write(text)
+
+    with contextlib.redirect_stdout(Tee()):
+        yield
+    RESULTS.mkdir(exist_ok=True)
+    header = f"$ {command}\n# measured {describe(machine())}\n"
+    (RESULTS / f"{name}.txt").write_text(header + buffer.getvalue())
+
+
+def stated(seconds: float, cores: int) -> str:
+    """The opening's phrase for a page that executed in ``seconds`` on ``cores`` cores, rounded to 5 s.
+
+    >>> stated(53.2, 2)
+    'about 55 seconds on 2 CPU cores ({ref}`measured <measured-times>`)'
+    """
+    return f"about {max(5, 5 * round(seconds / 5))} seconds on {cores} CPU cores ({{ref}}`measured <measured-times>`)"
+
+
+def record_page_times(seconds: dict[str, float], conditions: str) -> list[str]:
+    """Keep each page's time in ``page_times.json`` and write it into each tutorial's opening.
+
+    Returns the tutorials whose stated time changed.
+    """
+    m = machine()
+    RESULTS.mkdir(exist_ok=True)
+    PAGE_TIMES.write_text(json.dumps({"machine": m, "conditions": conditions,
+                                      "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}}, indent=1) + "\n")
+    changed = []
+    for page in sorted(TUTORIALS.glob("*.py")):
+        if page.stem not in seconds:
+            continue
+        text = page.read_text()
+        new = STATED.sub(lambda _: stated(seconds[page.stem], m["cores"]), text, count=1)
+        if new != text:
+            page.write_text(new)
+            changed.append(page.stem)
+    return changed
