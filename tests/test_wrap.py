@@ -109,3 +109,48 @@ def test_fully_shard_kwargs_reach_every_unit():
 def test_a_policy_that_is_not_a_policy_is_refused():
     with pytest.raises(TypeError, match="policy must be a torch wrap policy"):
         auto_wrap(Tiny(), {nn.Linear})
+
+
+def _tied_gpt_training(how, steps=3):
+    """A GPT whose embedding and output layer share one weight, with 65 rows (2 ranks hold 33 and 32)."""
+    import torch.distributed as dist
+
+    from fsdp_guide import shard
+    from fsdp_guide.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    model.init_weights()
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=500)  # chooses the embedding and head
+    if how == "auto_wrap":
+        auto_wrap(model, policy)
+    elif how == "shard":
+        shard(model, {"min_params": 500, "mixed_precision": "FULL"})  # fp32, as one process trains
+    units = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if how != "one process" else (1, 0)
+    losses = []
+    for step in range(steps):
+        tokens = torch.randint(65, (2 * 2, 9), generator=torch.Generator().manual_seed(step))
+        mine = tokens.chunk(world)[rank]
+        _, loss = model(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if world > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return units, losses
+
+
+@pytest.mark.parametrize("how", ["auto_wrap", "shard"])
+def test_a_tied_embedding_and_head_stay_in_one_unit_and_train_like_one_process(how):
+    # The policy chooses the embedding and the head, each alone; they share a weight, so
+    # neither becomes a unit (torch 2.13 would refuse at the first forward), and the root holds both.
+    units, sharded = launch(_tied_gpt_training, how, world_size=2, output="none")[0]
+    assert 65 * 16 >= 500  # the size the policy asks for: alone, the embedding and the head would be units
+    assert "" in units and len(units) > 1 and not {"tok_emb", "lm_head"} & set(units), units
+    _, single = _tied_gpt_training("one process")
+    assert max(abs(a - b) for a, b in zip(sharded, single, strict=True)) < 1e-5

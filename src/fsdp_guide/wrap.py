@@ -34,6 +34,11 @@ def auto_wrap(module: nn.Module, policy: _Policy | Callable[..., bool], **fully_
         fully_shard_kwargs: passed to every ``fully_shard`` call (``mesh``,
             ``reshard_after_forward``, ``mp_policy``, ``offload_policy``, ...).
 
+    A submodule the policy chooses that shares a parameter with a module outside it (an
+    embedding tied to the output layer) is not made a unit: FSDP2 shards a tied weight in
+    one unit, holding all its users, so its parameters stay with the smallest unit around
+    them (often the root).
+
     Returns:
         ``module``, sharded in place (its class is now an ``FSDPModule``).
 
@@ -73,4 +78,27 @@ def _chosen_modules(root: nn.Module, policy) -> list[tuple[nn.Module, dict]]:
             f"(e.g. functools.partial(size_based_auto_wrap_policy, min_num_params=10_000)), got {type(policy).__name__}"
         )
     bottom_up = reversed(list(root.modules()))  # pre-order reversed: every child before its parent
-    return [(m, chosen[m]) for m in bottom_up if m in chosen and m is not root]
+    shared = _sharing_outside(root)
+    return [(m, chosen[m]) for m in bottom_up if m in chosen and m is not root and m not in shared]
+
+
+def _sharing_outside(root: nn.Module) -> set[nn.Module]:
+    """The submodules holding a parameter that a module outside them holds too (a tied embedding and head).
+
+    Such a module cannot be a unit of its own: FSDP2 needs every user of a parameter in the
+    unit that shards it (torch 2.13 refuses a second owner at the first forward, "already
+    managed by another FSDP group": ``FSDPState._validate_no_duplicate_params``), so its
+    parameters stay with the smallest unit around all of them. Written by hand: torch's wrap
+    policies look at one module at a time.
+    """
+    owners: dict[int, list[str]] = {}  # a parameter -> the names of the modules holding it
+    for name, param in root.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name.rpartition(".")[0])
+    tied = [names for names in owners.values() if len(set(names)) > 1]
+    sharing = set()
+    for prefix, module in root.named_modules():
+        for names in tied:
+            inside = [name for name in names if name == prefix or name.startswith(prefix + ".")]
+            if prefix and inside and len(inside) < len(names):
+                sharing.add(module)
+    return sharing
