@@ -781,17 +781,17 @@ print("torch.distributed.constants.default_pg_nccl_timeout on this build:", defa
 #   gloo's is: read in the source, not observed.
 # - **`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`** (with `TORCH_NCCL_ENABLE_MONITORING`): a
 #   `HeartbeatMonitor` thread "aborts the process when the ProcessGroupNCCL Watchdog thread
-#   gets stuck and no heartbeat is detected after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", for a
+#   gets stuck and no heartbeat is detected after `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`", for a
 #   watchdog itself stuck in a CUDA or NCCL call.
 # - **`TORCH_NCCL_DESYNC_DEBUG`** ("must be set together with
-#   TORCH_NCCL_ASYNC_ERROR_HANDLING"): a `DesyncDebugger` logs each collective's start and
+#   `TORCH_NCCL_ASYNC_ERROR_HANDLING`"): a `DesyncDebugger` logs each collective's start and
 #   end to the store, and the watchdog runs it "at time of timeout" for a "desync root cause
 #   analysis", meant to tell from those records which ranks had not started or finished the
 #   collective that timed out (its report is written in `ProcessGroupNCCL.cpp`, not shipped
 #   in the wheel, read in torch's repository).
 # - **`TORCH_NCCL_DUMP_ON_TIMEOUT`**: the flight recorder dumped "on watchdog timeout"
-#   ("must be set together with TORCH_NCCL_ENABLE_MONITORING=1 and
-#   TORCH_NCCL_TRACE_BUFFER_SIZE > 0", the header's comment; `TORCH_NCCL_TRACE_BUFFER_SIZE`
+#   ("must be set together with `TORCH_NCCL_ENABLE_MONITORING=1` and
+#   `TORCH_NCCL_TRACE_BUFFER_SIZE > 0`", the header's comment; `TORCH_NCCL_TRACE_BUFFER_SIZE`
 #   is the old name of `TORCH_FR_BUFFER_SIZE`: the `FlightRecorder` constructor reads
 #   `{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}`, default 2000, so it is on).
 #   It is on by default, as torch's source reads: the header's `HeartbeatMonitor` holds

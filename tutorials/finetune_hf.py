@@ -172,15 +172,15 @@ for how, ranks in measured.items():
 # Read the private part first: it is memory the rank allocated, which nothing else can use
 # and which the kernel cannot drop under pressure, as it can clean file pages (sampled every
 # millisecond, so a lower bound on the peak). When every rank reads, each builds the whole
-# fp32 model (1.1 model sizes, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
+# fp32 model (about 1.1 model sizes, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
 # forces that copy) before sharding frees all but its half. With
 # {func}`fsdp_guide.hf.from_pretrained`, rank 0's full copy is the file itself: safetensors
 # maps it rather than copying it, so it shows in the resident total only (0.5 model sizes:
 # the bf16 file), as file pages the kernel shares and can drop. Rank 1 receives the
 # broadcast one tensor at a time, each allocated whole before it copies out its slice
-# (its extra 0.1; `_broadcast_state_dict` and `_broadcast_tensors` in
+# (its extra, about 0.1; `_broadcast_state_dict` and `_broadcast_tensors` in
 # `torch/distributed/_state_dict_utils.py`). Reading its own slices, each rank's private
-# memory is its shard; the resident 0.9 shows that the pages mapped around those slices come to most of the file.
+# memory is its shard; the resident, about 0.9, shows that the pages mapped around those slices come to most of the file.
 
 # %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
 import matplotlib.pyplot as plt
