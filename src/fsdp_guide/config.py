@@ -197,9 +197,9 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
     or whose parameters not yet in a unit number at least ``min_params``; then the
     root. A submodule sharing a parameter with a module outside it (an embedding tied to
     the output layer) is never a unit of its own: the tied weight stays in the smallest
-    unit holding all its users, as FSDP2 requires. Activation checkpointing goes *inside* each unit (the model's
-    ``activation_checkpointing_fn(module)`` chooses, else every unit is
-    checkpointed). Both hooks are looked up on the model, then on ``model.model``.
+    unit holding all its users, as FSDP2 requires. Activation checkpointing goes *inside*
+    each unit (the model's ``activation_checkpointing_fn(module)`` chooses, else every
+    unit is checkpointed). Both hooks are looked up on the model, then on ``model.model``.
     Call it on every rank, after the process group is up (inside
     :func:`fsdp_guide.launch` or torchrun). Build the optimizer afterwards.
 

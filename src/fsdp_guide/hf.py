@@ -6,8 +6,9 @@ shards, and fills them from **one read** of the safetensors files: rank 0 reads 
 torch broadcasts each tensor (``set_model_state_dict`` with ``broadcast_from_rank0``), so
 no rank but rank 0 ever holds a full copy. ``save_pretrained`` gathers the full state dict
 to rank 0's CPU, writes it with transformers' own ``save_pretrained`` (config, safetensors,
-tied weights written once: the names that share a parameter share the gathered tensor), and renames each file into place once it is on disk, leaving
-the other files in the directory as they were.
+tied weights written once: the names that share a parameter share the gathered tensor),
+and renames each file into place once it is on disk, leaving the other files in the
+directory as they were.
 
 A failure on rank 0 (no such directory, weights that do not match the config, a full disk)
 is raised on every rank, so no rank waits in a collective for the others.
