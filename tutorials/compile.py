@@ -302,12 +302,18 @@ for where, outcome in launch(both_fullgraphs, output="none")[0].items():
 from fsdp_guide.precision import record_dtypes
 
 
-def compiled_runs_per_step():
+def blocks_compiled_after_sharding():
+    """A fresh sharded model with each block compiled (`aot_eager`), and the log of its graphs."""
     torch._dynamo.reset()
     log = CompileLog("aot_eager")
     model = shard(build_model())
     for block in model.blocks:
         block.compile(backend=log)
+    return model, log
+
+
+def compiled_runs_per_step():
+    model, log = blocks_compiled_after_sharding()
 
     def runs_in_a_step():
         before = log.runs
@@ -381,11 +387,7 @@ print("an eager checkpoint into the wrapped model:",
 
 # %%
 def recompilations():
-    torch._dynamo.reset()
-    log = CompileLog("aot_eager")
-    model = shard(build_model())
-    for block in model.blocks:
-        block.compile(backend=log)
+    model, log = blocks_compiled_after_sharding()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def step(tokens=CONFIG.block_size):
