@@ -35,7 +35,7 @@ def tests(session: nox.Session) -> None:
     """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build, and the site in a browser."""
     install(session, "jupyter")  # tests/test_jupyter.py: the pages as JupyterLab saves them
     install_chromium(session)
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "--durations=15", *session.posargs)  # CI's log names what to make faster
 
 
 # The supported torch range, tested at both ends: the oldest release pyproject allows, and
@@ -50,7 +50,7 @@ SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_devi
               "test_install.py", "test_gpu_run.py", "test_jupyter.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
-# fallback, warm launches off, what a fork shares: numpy's state, the hash seed) and its
+# fallback, warm launches off, what a fork shares: numpy's state, the hash seed, the Hugging Face modules) and its
 # waits (timeouts, Ctrl-C). They test the operating
 # system and the launcher, not torch, and take over a minute per session that CI's 30 do
 # not have; `nox -s tests` runs them.
@@ -66,7 +66,8 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing",
                  "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once",
                  "test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do",
-                 "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not"]
+                 "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not",
+                 "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported"]
 
 
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version
@@ -86,7 +87,7 @@ def torch(session: nox.Session, release: str) -> None:
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
     # after 5 minutes instead of running into CI's limit.
-    session.run("pytest", "--timeout=300", *ignored, *session.posargs)
+    session.run("pytest", "--timeout=300", "--durations=15", *ignored, *session.posargs)
 
 
 @nox.session
