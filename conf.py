@@ -4,6 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.abspath("src"))  # autodoc reads the package from the checkout
+sys.path.insert(0, os.path.abspath("docs/_ext"))  # the site's own extensions
 
 project = "The FSDP Guide"
 author = "The FSDP Guide authors"
@@ -16,6 +17,7 @@ extensions = [
     "sphinx.ext.doctest",
     "sphinx_copybutton",
     "matplotlib.sphinxext.plot_directive",  # figures drawn at build time (the sharding diagram)
+    "fsdp2_map",  # docs/_ext: the FSDP2 map's tables, generated from the installed torch
 ]
 plot_include_source = False
 plot_html_show_source_link = False
@@ -27,7 +29,7 @@ root_doc = "index"
 # noxfile.py, src/ and tests/ as notebooks.
 include_patterns = ["index.rst", "docs/**", "tutorials/*.py"]
 # The .ipynb files Jupyter pairs with the pages (jupytext.toml) are the reader's, not sources.
-exclude_patterns = ["_build", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
+exclude_patterns = ["_build", "docs/_ext", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
 
 # Tutorials are jupytext py:percent notebooks, executed at build time.
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import html as htmllib
 import re
+import sys
 
 import nbformat
 import pytest
-from conftest import NOTEBOOKS, TUTORIALS, sphinx
+from conftest import NOTEBOOKS, ROOT, TUTORIALS, sphinx
 
 
 def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_again(site, execution_cache):
@@ -169,3 +170,24 @@ def test_the_readmes_launch_times_are_the_recorded_ones():
     _, cold_next = re.search(r"^cold \(FSDP_GUIDE_WARM=0\)\s+([\d.]+)\s+([\d.]+)$", recorded, re.M).groups()
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"returned in {warm_first} s the first time and {warm_next} s each time after it, against {cold_next} s" in readme
+
+
+def test_every_link_of_the_fsdp2_map_lands_on_an_executed_cell_whose_code_uses_the_name(site):
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from fsdp2_map import MAP, label, pattern
+
+    the_map = (site / "docs" / "fsdp2_map.html").read_text()
+    linked = {name: entry.page for name, entry in MAP.items() if entry.page}
+    assert linked  # the map links to pages
+    for name, page in linked.items():
+        folder = "docs" if page == "cluster" else "tutorials"
+        assert f'href="../{folder}/{page}.html#{label(name)}"' in the_map, name
+        html = (site / folder / f"{page}.html").read_text()
+        # The label is the cell's id, or an empty span at the cell's start when it has several.
+        at = html.index(f'id="{label(name)}"')
+        cell = html.rfind('<div class="cell docutils container"', 0, at)
+        assert re.fullmatch(r'<div class="cell docutils container" |<div [^>]*>\s*(<span id="[^"]+"></span>\s*)*<span ',
+                            html[cell:at]), (name, "the label is not on a cell")
+        end = html.find('<div class="cell docutils container"', cell + 1)
+        code = htmllib.unescape(re.sub(r"<[^>]+>", "", html[cell:end if end > 0 else None]))
+        assert pattern(name) in code, (name, page)

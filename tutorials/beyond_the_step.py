@@ -47,6 +47,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # {func}`fsdp_guide.precision.record_dtypes`; `held` is the parameter bytes a rank holds,
 # from {func}`fsdp_guide.memory.measure`, in units of *P*, the whole model's parameter
 # bytes.
+#
+# (fsdp2-fsdpmodule-reshard)=
 
 # %%
 import torch.distributed as dist
@@ -257,6 +259,8 @@ for name, (loss, examples, _) in results[0].items():
 # {meth}`fsdp_guide.gpt.GPT.generate` appends one token per forward. Each rank generates
 # from its own prompt (data-parallel generation), greedily; one process generates from both
 # prompts for comparison. Every forward gathers what the previous one resharded:
+#
+# (fsdp2-fsdpmodule-set-reshard-after-forward)=
 
 # %%
 PROMPT, NEW_TOKENS = 8, 6
@@ -322,6 +326,8 @@ for keep in (False, True):
 # FSDP's pre-forward and post-forward hooks run. A method that uses a unit's parameters
 # without going through that unit's `forward` (here the root's embeddings) does not gather
 # them; such methods are registered with `register_fsdp_forward_method`:
+#
+# (fsdp2-register-fsdp-forward-method)=
 
 # %%
 from torch.distributed.fsdp import register_fsdp_forward_method

@@ -134,6 +134,8 @@ for world in (2, 4):
 # Four 512 x 512 Linears, *P* = 4 MiB of float32 parameters, one step of SGD on 2 ranks.
 # DDP's all-reduces are counted with a communication hook (they run inside DDP's C++
 # reducer), FSDP's collectives with {func}`fsdp_guide.precision.record_dtypes`:
+#
+# (fsdp2-fully-shard-reshard-after-forward)=
 
 # %%
 import torch.nn as nn
@@ -239,6 +241,8 @@ print("the gradient buckets DDP all-reduced, in order:",
 # unchanged with one GPU per rank; here it ran on gloo. Three settings: the default,
 # backward prefetching two units ahead instead of one (`set_modules_to_backward_prefetch`),
 # and `reshard_after_forward=False`:
+#
+# (fsdp2-fsdpmodule-set-modules-to-backward-prefetch)=
 
 # %%
 def timeline(setting):

@@ -118,6 +118,8 @@ for name, kind, shape, held in launch(fsdp2_units, world_size=2, output="none")[
 # no policy; {func}`fsdp_guide.auto_wrap` asks torch's policy code which modules to
 # shard, so it chooses what FSDP1 chooses, then calls `fully_shard` on them bottom-up and
 # on the root.
+#
+# (fsdp2-fsdpmodule)=
 
 # %%
 import functools

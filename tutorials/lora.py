@@ -358,6 +358,8 @@ print(f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) 
 #   parameters into a new unsharded buffer instead (`FSDPParamGroup.unshard` and
 #   `wait_for_unshard`, their `world_size == 1` branches, in
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
+#
+# (fsdp2-fsdpmodule-set-reshard-after-backward)=
 
 # %%
 MICRO = 4

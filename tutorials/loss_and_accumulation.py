@@ -129,6 +129,9 @@ print(f"one process: loss {reference_loss:.6f}")
 # The logged loss is what a training loop prints: for the per-rank mean, the usual
 # average of the ranks' losses (`all_reduce` of the loss, divided by the number of ranks);
 # for the other two, the summed losses over the global count.
+#
+# (fsdp2-fsdpmodule-set-gradient-divide-factor)=
+# (fsdp2-fsdpmodule-set-force-sum-reduction-for-comms)=
 
 # %%
 import torch.distributed as dist
@@ -257,6 +260,8 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # `TrainingArguments` in `transformers/training_args.py`) sums that count over the ranks too. The fix is the same count, taken over the whole step: fetch the
 # step's micro-batches, count their real tokens (one `all_reduce` per step), then divide
 # every micro-batch's summed loss by it, and undo FSDP's average as above.
+#
+# (fsdp2-fsdpmodule-set-requires-gradient-sync)=
 
 # %%
 MICRO = 2  # micro-batches per rank per step
@@ -318,6 +323,8 @@ for how, (_, grads) in results[0].items():
 # These are what FSDP asks the backend to move, the same on gloo and NCCL; what crosses the
 # wire depends on the backend's algorithm (gloo's reduce-scatter moves as much as an
 # all-reduce: {ref}`tutorial-communication`).
+#
+# (fsdp2-fsdpmodule-set-requires-all-reduce)=
 
 # %%
 STEP_MICRO = 4  # micro-batches per rank per step

@@ -67,6 +67,11 @@ print("cast to float16:", ", ".join(f"{v:.3g} -> {torch.tensor(v).half().item():
 # The model below has a matmul, a softmax and a second matmul. Each case runs one
 # forward and backward on 2 ranks while {func}`fsdp_guide.precision.record_dtypes`
 # records what each operation ran in.
+#
+# (fsdp2-fully-shard-mp-policy)=
+# (fsdp2-mixedprecisionpolicy)=
+# (fsdp2-mixedprecisionpolicy-param-dtype)=
+# (fsdp2-mixedprecisionpolicy-reduce-dtype)=
 
 # %%
 import torch.distributed as dist

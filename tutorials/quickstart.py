@@ -117,6 +117,9 @@ print(f"single process: loss {baseline[0]:.4f} -> {baseline[-1]:.4f}")
 # moved there with `.to(device)`, inputs and targets alike; so is the tensor that carries the
 # loss through `all_reduce` (torch.distributed's backend table lists NCCL for GPU tensors
 # only). What a rank returns to the notebook is plain Python numbers.
+#
+# (fsdp2-fully-shard)=
+# (fsdp2-fully-shard-module)=
 
 # %%
 import torch.distributed as dist

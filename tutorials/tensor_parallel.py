@@ -125,6 +125,8 @@ for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output=
 # each rank's partial sums meet in one collective per sub-layer. With sequence
 # parallelism, the norms and the residual stream between sub-layers are split along the
 # sequence instead of repeated on both ranks of a TP group.
+#
+# (fsdp2-fully-shard-mesh)=
 
 # %%
 from torch.distributed.fsdp import fully_shard
