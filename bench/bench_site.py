@@ -14,7 +14,9 @@ A cold build compiles cold too: inductor's cache is a fresh directory for each b
 The printout is kept in bench/results/site.txt. `--record` runs the cold build alone, keeps
 it in bench/results/page_times.txt, keeps each notebook's time in page_times.json and
 writes it into each tutorial's opening (bench/results.py): run it on an otherwise idle
-machine after changing a page's cells, and commit what it wrote.
+machine after changing a page's cells, and commit what it wrote. `--record --page STEM`
+executes one new or changed page alone, as the cold build would, and adds its time to the
+record (marked as measured separately, with its own date and machine).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from results import record_page_times, recorded  # noqa: E402
+from results import RESULTS, describe, machine, record_page_time, record_page_times, recorded  # noqa: E402
 
 GOALS = {"cold": 8 * 60, "notebook": 90, "unchanged": 30}
 
@@ -99,6 +101,30 @@ def record(out: Path) -> None:
     print(f"\nstated times rewritten in: {', '.join(changed) or 'none (all as recorded)'}")
 
 
+def record_one(out: Path, page: str) -> None:
+    """One notebook executed as the cold build executes each (nbclient, a fresh kernel, the
+    notebook's folder as working directory, an empty inductor cache), its time kept beside
+    the others and written into its opening: for a new or changed page, without a whole build."""
+    import jupytext
+    from nbclient import NotebookClient
+
+    source = next(p for p in (ROOT / "tutorials" / f"{page}.py", ROOT / "docs" / f"{page}.py") if p.exists())
+    notebook = jupytext.read(source)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor")  # the kernel inherits it
+    start = time.perf_counter()
+    NotebookClient(notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(source.parent)}}
+                   ).execute()
+    took = time.perf_counter() - start
+    changed = record_page_time(page, took, "the notebook alone in a fresh kernel (nbclient, as myst-nb runs it), "
+                                           "empty inductor cache, warm launches, nothing else running")
+    line = (f"\nrecorded separately, {describe(machine())}:\n"
+            f"$ python bench/bench_site.py --record --page {page}\n"
+            f"  {source.relative_to(ROOT).as_posix():40} {took:7.1f} s   {verdict(took, GOALS['notebook'])}\n")
+    print(line + f"stated time {'rewritten' if changed else 'unchanged'} in {page}")
+    with open(RESULTS / "page_times.txt", "a") as printout:  # after the whole build's printout
+        printout.write(line)
+
+
 def measure_all(out: Path) -> None:
     # The same cold build with every launch starting cold (issue 14's "before").
     all_cold, all_cold_notebooks = cold_build(out, "all-cold", FSDP_GUIDE_WARM="0")
@@ -128,10 +154,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true",
                         help="the cold build alone: keep each notebook's time and state it in the tutorials")
+    parser.add_argument("--page", help="with --record: execute and record this page (its file's stem) alone")
     args = parser.parse_args()
+    if args.page and not args.record:
+        parser.error("--page records one page's time: use it with --record")
     out = Path(tempfile.mkdtemp(prefix="fsdp_guide-site-"))
     name = "page_times" if args.record else "site"
     try:
+        if args.page:
+            record_one(out, args.page)
+            return
         with recorded(name, f"python bench/bench_site.py{' --record' if args.record else ''}"):
             (record if args.record else measure_all)(out)
     finally:

@@ -95,12 +95,30 @@ def record_page_times(seconds: dict[str, float], conditions: str) -> list[str]:
     RESULTS.mkdir(exist_ok=True)
     PAGE_TIMES.write_text(json.dumps({"machine": m, "conditions": conditions,
                                       "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}}, indent=1) + "\n")
+    return _state(seconds, m["cores"])
+
+
+def record_page_time(page: str, seconds: float, conditions: str) -> bool:
+    """Add one page's time, measured on its own, to ``page_times.json`` and write it into its opening.
+
+    The page's entry under ``separately`` names when and how it was measured, since that
+    was not in the build the other times come from. Returns whether its stated time changed.
+    """
+    record, m = json.loads(PAGE_TIMES.read_text()), machine()
+    record["seconds"] = dict(sorted({**record["seconds"], page: round(seconds, 1)}.items()))
+    record.setdefault("separately", {})[page] = {"machine": m, "conditions": conditions}
+    PAGE_TIMES.write_text(json.dumps(record, indent=1) + "\n")
+    return bool(_state({page: seconds}, m["cores"]))
+
+
+def _state(seconds: dict[str, float], cores: int) -> list[str]:
+    """Write each page's time into its tutorial's opening; the tutorials whose stated time changed."""
     changed = []
     for page in sorted(TUTORIALS.glob("*.py")):
         if page.stem not in seconds:
             continue
         text = page.read_text()
-        new = STATED.sub(lambda _: stated(seconds[page.stem], m["cores"]), text, count=1)
+        new = STATED.sub(lambda _: stated(seconds[page.stem], cores), text, count=1)
         if new != text:
             page.write_text(new)
             changed.append(page.stem)

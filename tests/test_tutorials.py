@@ -17,7 +17,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -611,6 +611,39 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
     assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers
 
 
+def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and_a_recovered_step(executed):
+    text = _text_outputs(executed["fsdp2_controls"])
+    orders = {how: line[25:] for line in text.splitlines()
+              for how in ("default", "forward prefetch", "unshard(async_op=True)") if line.startswith(how + " ")}
+    assert orders["default"] == "F0 AG0 F1 AG1 F2 AG2 F3 AG3 F4 AG4"  # each unit gathers when its forward begins
+    assert orders["forward prefetch"] == "F0 AG0 AG1 F1 AG2 F2 AG3 F3 AG4 F4"  # the next one's, ahead of its forward
+    assert orders["unshard(async_op=True)"] == "AG0 F0 F1 AG1 F2 AG2 F3 AG3 F4 AG4"  # before the forward, once
+    gathers = {line.split("(")[1].split(")")[0].strip(): line for line in text.splitlines()
+               if line.startswith("set_unshard_in_backward(")}
+    assert "10 all-gathers" in gathers["True"] and "9 all-gathers" in gathers["False"]
+    for line in gathers.values():
+        assert float(line.rsplit("=", 1)[1]) < 1e-6  # the gradients of one process either way
+    assert "after reset_iter_state(): parameters sharded, gathered gradients left: (True, 2)" in text
+    runs = {line.split(" caught ")[0].strip(): line for line in text.splitlines() if " caught ['step 1" in line}
+    error = {how: float(line.rsplit("=", 1)[1]) for how, line in runs.items()}
+    assert "then sharded: False" in runs["nothing"] and error["nothing"] > 1e-4  # a unit left gathered
+    reset, fixed = "reset_iter_state()", "reset_iter_state() + drop_stale_gradients"
+    assert "then sharded: True" in runs[reset] and "'step 3: a non-finite gradient'" in runs[reset]  # the stale inf
+    assert error[reset] > 1e-4
+    assert "then sharded: True" in runs[fixed] and "step 3" not in runs[fixed] and error[fixed] < 1e-6
+    moe = {line.split("): ", 1)[0] + ")": line.split("): ", 1)[1] for line in text.splitlines()
+           if "set_reduce_scatter_unused_params(" in line}
+    uneven, swapped = "rank 1: every row to expert 0; ", "each rank: every row to another expert; "
+    assert "rows per expert, rank 0 [3, 5], rank 1 [8, 0]" in text and "rank 0 [0, 8], rank 1 [8, 0]" in text
+    assert "Received data size doesn't match expected size" in moe[uneven + "set_reduce_scatter_unused_params(False)"]
+    silent = moe[swapped + "set_reduce_scatter_unused_params(False)"]
+    assert "no gradient for ['0.experts.0.weight', '0.experts.0.bias']" in silent  # rank 1 used expert 0
+    assert all(float(e.split(";")[0]) > 1e-3 for e in silent.split("= ")[1:])  # wrong, and nothing failed
+    for case in (uneven, swapped):
+        fixed_moe = moe[case + "set_reduce_scatter_unused_params(True )"]
+        assert fixed_moe.count("no gradient for none") == 2
+        assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
+
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
 def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):
     import json
@@ -629,5 +662,6 @@ def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_
     # How long it runs: the time measured by `python bench/bench_site.py --record`, not a typed one.
     record = json.loads(PAGE_TIMES.read_text())
     assert tutorial.stem in record["seconds"], "no recorded time: run python bench/bench_site.py --record"
-    assert stated(record["seconds"][tutorial.stem], record["machine"]["cores"]) in text, \
+    measured_on = record.get("separately", {}).get(tutorial.stem, record)["machine"]  # a page recorded alone
+    assert stated(record["seconds"][tutorial.stem], measured_on["cores"]) in text, \
         "the stated time is not the recorded one: run python bench/bench_site.py --record"

@@ -525,6 +525,12 @@ for rank, (to_mean, to_own, own) in enumerate(launch(train_every_unit_everywhere
 # `torch.where` selects the body's output, the expert's own gradient is zero, and the
 # reduction still hands it half of rank 0's.
 #
+# When every rank calls the unit but leaves some of its parameters without a gradient
+# (experts inside one unit, some of which get no tokens on a rank), the all-gathers match
+# and the reduce-scatters do not: {ref}`the FSDP2 controls page
+# <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>` shows gloo aborting, the silent
+# case, and `set_reduce_scatter_unused_params(True)` fixing both.
+#
 # (debugging-hangs-state-dict)=
 # ## Hang 3: a state dict on rank 0 only
 #

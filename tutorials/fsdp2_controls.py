@@ -1,0 +1,438 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-fsdp2-controls)=
+# # FSDP2's controls: prefetching, skipped gathers, a failed step and unused experts
+#
+# **What you will learn**
+#
+# - in which order FSDP2 starts its all-gathers, and how `set_modules_to_forward_prefetch`
+#   and `unshard(async_op=True)` with its `UnshardHandle` start them earlier;
+# - how `set_unshard_in_backward(False)` saves the all-gather of a unit whose parameters
+#   backward does not need (an embedding), with the gradients unchanged;
+# - what an exception in the middle of backward leaves behind, what `reset_iter_state()`
+#   repairs and what it does not on torch 2.13, and how to make the next steps equal one
+#   process's;
+# - why experts that get no tokens on a rank break the gradient reduction, silently or not,
+#   and how `set_reduce_scatter_unused_params(True)` fixes it.
+#
+# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# is written to run unchanged with one GPU per rank (NCCL). Every public FSDP2 name, and
+# the page that executes it, is in {ref}`fsdp2-map`. The tips it demonstrates are listed
+# {ref}`at the end <fsdp2-controls-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## A small model, one unit per layer
+#
+# An embedding, three linear layers and an output layer, each its own FSDP unit, and the
+# whole model the root. The same seed builds the same model on every rank.
+
+# %%
+import torch.nn as nn
+
+import fsdp_guide
+from fsdp_guide import launch
+
+WIDTH, VOCAB, LAYERS, BATCH = 32, 64, 3, 8
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(VOCAB, WIDTH), *[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
+                         nn.Linear(WIDTH, VOCAB))
+
+
+def shard(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in model:
+        fully_shard(unit)
+    return fully_shard(model)
+
+
+def tokens(step):
+    """The step's batch, the same on every rank; each rank takes its half with `my_half`."""
+    return torch.randint(0, VOCAB, (BATCH, 6), generator=torch.Generator().manual_seed(step))
+
+
+def my_half(batch):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]
+
+
+def loss_of(model, batch):
+    logits = model(batch.reshape(-1)).view(*batch.shape, VOCAB)  # flat ids: every unit returns a new tensor
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+# %% [markdown]
+# ## When each all-gather starts
+#
+# FSDP2 marks what it does with the profiler's labels: `FSDP::pre_forward (i)` when unit
+# `i`'s forward begins, `FSDP::all_gather (i)` when its all-gather is issued. Sorted by start
+# time on the host they give the order of issue. Three ways to run the same forward:
+#
+# - by default, each unit gathers its parameters when its forward begins;
+# - `set_modules_to_forward_prefetch([next unit])` on each unit issues the next unit's
+#   all-gather right after its own, so that on a GPU it runs while this unit computes;
+# - `unshard(async_op=True)` issues a unit's all-gather by hand and returns an
+#   `UnshardHandle`; `handle.wait()` waits for it. Called before the forward (here, before
+#   the batch is moved to the device), the first unit's gather no longer waits for the step.
+#
+# (fsdp2-fsdpmodule-set-modules-to-forward-prefetch)=
+# (fsdp2-fsdpmodule-unshard)=
+# (fsdp2-unshardhandle)=
+# (fsdp2-unshardhandle-wait)=
+
+# %%
+def forward_issue_order(how):
+    from torch.profiler import ProfilerActivity, profile
+
+    device = fsdp_guide.device()
+    model = shard(make_model().to(device))
+    if how == "forward prefetch":
+        for i in range(len(model) - 1):
+            model[i].set_modules_to_forward_prefetch([model[i + 1]])
+    batch = my_half(tokens(0))
+    model(batch.reshape(-1).to(device))  # lazy initialisation out of the way
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        if how == "unshard(async_op=True)":
+            handle = model[0].unshard(async_op=True)  # an UnshardHandle
+            on_device = batch.reshape(-1).to(device)  # work done while the gather is in flight
+            handle.wait()
+        else:
+            on_device = batch.reshape(-1).to(device)
+        model(on_device)
+    events = sorted((e.time_range.start, e.name) for e in prof.events()
+                    if e.name.startswith(("FSDP::pre_forward (", "FSDP::all_gather (")) and not e.name.endswith("()"))
+    short = {"FSDP::pre_forward": "F", "FSDP::all_gather": "AG"}
+    return " ".join(short[name.split(" (")[0]] + name.split(" (")[1].rstrip(")") for _, name in events)
+
+
+ORDERS = {how: launch(forward_issue_order, how, world_size=2, output="none")[0]
+          for how in ("default", "forward prefetch", "unshard(async_op=True)")}
+for how, order in ORDERS.items():
+    print(f"{how:24} {order}")
+
+# %% [markdown]
+# `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued. By default every
+# `AG`*i* follows its own `F`*i*: a unit waits for its parameters when its turn comes.
+# With forward prefetching each unit issues the next one's gather before the next forward
+# begins (`AG1` before `F1`). On a GPU that is meant to let the gather run on its own
+# stream beside unit 0's compute; what it saves is not measured here, where gloo's
+# collectives run on the same CPU cores as the compute. With `unshard(async_op=True)`,
+# `AG0` is issued before the forward begins at all, and unit 0's forward does not gather
+# again.
+#
+# Backward prefetching (`set_modules_to_backward_prefetch`) is measured on the
+# {ref}`communication page <tutorial-communication>`, one and two units ahead.
+#
+# ## A gather backward does not need
+#
+# The gradient of an embedding's weight needs the token ids and the gradient of its output,
+# not the weight itself; yet FSDP gathers every unit again for its backward. Counted with
+# {func}`fsdp_guide.collectives.count_collectives` over one step, with and without
+# `set_unshard_in_backward(False)` on the embedding, and the gradients compared with one
+# process that trains on the whole batch:
+#
+# (fsdp2-fsdpmodule-set-unshard-in-backward)=
+
+# %%
+def gradients(unshard_embedding_in_backward):
+    from fsdp_guide.collectives import count_collectives
+
+    device = fsdp_guide.device()
+    model = shard(make_model().to(device))
+    model[0].set_unshard_in_backward(unshard_embedding_in_backward)
+    with count_collectives() as seen:
+        loss_of(model, my_half(tokens(0)).to(device)).backward()
+    gathers = sum(n for (_, kind), n in seen.count.items() if kind == "all-gather")
+    return gathers, [p.grad.full_tensor().cpu() for p in model.parameters()]
+
+
+def one_process_gradients():
+    model = make_model().to(fsdp_guide.device())
+    loss_of(model, tokens(0).to(fsdp_guide.device())).backward()
+    return [p.grad.cpu() for p in model.parameters()]
+
+
+reference = launch(one_process_gradients, world_size=1, output="none")[0]
+for setting in (True, False):
+    gathers, grads = launch(gradients, setting, world_size=2, output="none")[0]
+    error = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+    print(f"set_unshard_in_backward({setting!s:5}) on the embedding: {gathers} all-gathers in the step, "
+          f"max |gradient - one process| = {error:.1e}")
+
+# %% [markdown]
+# One all-gather fewer per step, and the same gradients: the embedding's gradient is
+# computed from the ids alone and reduce-scattered as before. It pays when the embedding
+# is large, as an LLM's with a large vocabulary is. It is wrong
+# for a unit whose backward needs its weights (a linear layer's input gradient is the
+# output gradient times the weight), and an embedding tied to the output layer shares its
+# weight with a unit that does need it.
+#
+# ## A step that raised in the middle of backward
+#
+# A training loop may catch an exception and go on with the next batch: a check that
+# refuses a non-finite gradient, as below, or, on a GPU, an out-of-memory error on one
+# oversized batch. When it is raised in the middle of backward, FSDP is left in the
+# middle of the step: units whose backward never ran are still gathered. Below, a tensor
+# hook on the input of the third linear layer raises when its gradient is not finite, and
+# the second batch carries an `inf`, on every rank. Three ways to go on after catching it:
+# nothing, the root's `reset_iter_state()`, and `reset_iter_state()` followed by dropping
+# the failed step's gradients (`drop_stale_gradients`). One process skips the same batch.
+#
+# (fsdp2-fsdpmodule-reset-iter-state)=
+
+# %%
+class Refuse(nn.Linear):
+    """A linear layer that raises in backward when the gradient reaching its input is not finite."""
+
+    def forward(self, x):
+        if x.requires_grad:
+            x.register_hook(self.check)
+        return super().forward(x)
+
+    @staticmethod
+    def check(grad):
+        if not torch.isfinite(grad).all():
+            raise FloatingPointError("a non-finite gradient")
+
+
+def model_with_a_check():
+    model = make_model()
+    torch.manual_seed(1)
+    model[3] = Refuse(WIDTH, WIDTH)
+    return model
+
+
+def batches():
+    inputs = [torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step)) for step in range(4)]
+    inputs[1][:, 0] = float("inf")  # every rank's half of the second batch
+    return inputs
+
+
+def drop_stale_gradients(model):
+    """Gather each unit, drop the gradients its gathered parameters still hold, and free it again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.zero_grad(set_to_none=True)
+            unit.reshard()
+
+
+def left_behind(model):
+    """Whether every parameter is a DTensor (sharded), and how many gradients the gathered parameters still hold."""
+    import torch.distributed.tensor as dt
+
+    sharded = all(isinstance(p, dt.DTensor) for p in model.parameters())
+    stale = 0
+    for unit in model:
+        unit.unshard()
+        stale += sum(p.grad is not None for p in unit.parameters())
+        unit.reshard()
+    return sharded, stale
+
+
+def train_through_a_failure(recovery, sharded=True):
+    import torch.distributed.tensor as dt
+
+    device = fsdp_guide.device()
+    model = model_with_a_check()[1:].to(device)  # the linear layers: inputs are activations
+    if sharded:
+        model = shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    caught, sharded_after = [], None
+    for step, batch in enumerate(batches()):
+        batch = (my_half(batch) if sharded else batch).to(device)
+        try:
+            model(batch).square().mean().backward()
+            optimizer.step()
+        except FloatingPointError as error:
+            caught.append(f"step {step}: {error}")
+            if recovery in ("reset_iter_state()", "reset_iter_state() + drop_stale_gradients"):
+                model.reset_iter_state()
+            if recovery.endswith("drop_stale_gradients"):
+                drop_stale_gradients(model)
+            if sharded and sharded_after is None:
+                sharded_after = all(isinstance(p, dt.DTensor) for p in model.parameters())
+        optimizer.zero_grad()
+    weights = [p.full_tensor() if isinstance(p, dt.DTensor) else p.detach() for p in model.parameters()]
+    return caught, sharded_after, [w.cpu() for w in weights]
+
+
+def stale_after_reset():
+    device = fsdp_guide.device()
+    model = shard(model_with_a_check()[1:].to(device))
+    try:
+        model(my_half(batches()[1]).to(device)).square().mean().backward()
+    except FloatingPointError:
+        model.reset_iter_state()
+    return left_behind(model)
+
+
+one_process = launch(train_through_a_failure, "skip", False, world_size=1, output="none")[0][2]
+print("after reset_iter_state(): parameters sharded, gathered gradients left:",
+      launch(stale_after_reset, world_size=2, output="none")[0])
+for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_stale_gradients"):
+    try:
+        caught, sharded, weights = launch(train_through_a_failure, recovery, world_size=2, output="none")[0]
+        error = max((w - r).abs().max().item() for w, r in zip(weights, one_process))
+        print(f"{recovery:42} caught {caught}; then sharded: {sharded}; "
+              f"max |weights - one process| after 4 steps = {error:.1e}")
+    except fsdp_guide.LaunchError as failure:
+        print(f"{recovery:42} {str(failure).splitlines()[0][:100]}")
+
+# %% [markdown]
+# Doing nothing leaves a unit gathered, and the steps after it do not train what one
+# process trains. `reset_iter_state()` puts every unit back in its sharded state, as its
+# docstring promises ("reshards every parameter group, and clears iteration trackers"),
+# but on torch 2.13 the gathered parameters keep the gradients the failed backward wrote
+# into them: the next backward adds its own to them, and the `inf` reaches the weights.
+# The docstring says "the failed iteration's gradients are lost"; torch 2.15's
+# `FSDPParamGroup._reset_iter_state` sets each gathered parameter's `grad` to `None`, and
+# 2.13's does not (read in both releases' `_fsdp_param_group.py`). Gathering each unit,
+# dropping its gradients and freeing it again (`drop_stale_gradients`, one all-gather per
+# unit) makes the following steps equal one process's on 2.13, and changes nothing
+# where torch already drops them.
+#
+# The exception must reach every rank: had only one rank refused its gradient, the
+# others would have gone on to the next reduce-scatter alone, and the ranks would hang or
+# abort on a collective mismatch ({ref}`tutorial-debugging-hangs`).
+#
+# ## Experts that get no tokens on a rank
+#
+# A mixture-of-experts layer sends each row to one expert, so on some rank an expert may
+# get no rows, and its parameters no gradient. The layer is one FSDP unit, called on every
+# rank, so the all-gathers match; the reduce-scatter after backward does not: each rank
+# reduces the gradients it has. Two experts, a router by the sign of each row's mean, and two
+# ways the data can fall: rank 1 routes every row to expert 0 while rank 0 uses both, or
+# each rank routes every row to a different expert. The reference is one process
+# averaging the two ranks' losses, as FSDP does; each rank compares its own shard of
+# each gradient with the reference's.
+#
+# (fsdp2-fsdpmodule-set-reduce-scatter-unused-params)=
+
+# %%
+import re
+
+
+class TwoExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, x):
+        route = (x.mean(-1) > 0).long()  # expert 1 for the rows whose mean is positive
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero().squeeze(-1)
+            if len(rows):  # an expert with no rows is not called
+                out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+def make_moe():
+    torch.manual_seed(0)
+    return nn.Sequential(TwoExperts(), nn.Linear(WIDTH, 4))
+
+
+SHIFTS = {"rank 1: every row to expert 0": (0, -1), "each rank: every row to another expert": (1, -1)}
+
+
+def rows_of(rank, shifts):
+    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)) + shifts[rank]
+
+
+def one_process_moe(shifts):
+    model = make_moe().to(fsdp_guide.device())
+    (sum(model(rows_of(r, shifts).to(fsdp_guide.device())).square().mean() for r in range(2)) / 2).backward()
+    return {name: p.grad.cpu() for name, p in model.named_parameters()}
+
+
+def moe_step(shifts, unused_params, reference):
+    import torch.distributed as dist
+
+    device, rank = fsdp_guide.device(), dist.get_rank()
+    model = shard(make_moe().to(device))
+    model.set_reduce_scatter_unused_params(unused_params)  # every unit below the root too
+    x = rows_of(rank, shifts).to(device)
+    model(x).square().mean().backward()
+    missing, error = [], 0.0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            missing.append(name)
+        else:  # this rank's shard of the gradient: its chunk of dim 0
+            mine = reference[name].to(device).chunk(dist.get_world_size())[rank]
+            error = max(error, (p.grad.to_local() - mine).abs().max().item())
+    return missing, error
+
+
+for case, shifts in SHIFTS.items():
+    rows = [[int(((rows_of(r, shifts).mean(-1) > 0).long() == i).sum()) for i in range(2)] for r in range(2)]
+    print(f"{case}: rows per expert, rank 0 {rows[0]}, rank 1 {rows[1]}")
+    reference = launch(one_process_moe, shifts, world_size=1, output="none")[0]
+    for unused_params in (False, True):
+        try:
+            ranks = launch(moe_step, shifts, unused_params, reference, world_size=2, output="none", timeout=30)
+            result = "; ".join(f"rank {r}: no gradient for {missing or 'none'}, max |shard - one process| "
+                               f"= {error:.1e}" for r, (missing, error) in enumerate(ranks))
+        except fsdp_guide.LaunchError as failure:  # the first line names the rank; gloo's says why
+            result = f"{str(failure).splitlines()[0][:40]}: {re.search(r'Received data size[^.]*[.]', str(failure))[0]}"
+        print(f"{case}; set_reduce_scatter_unused_params({unused_params!s:5}): {result}")
+
+# %% [markdown]
+# In the first case the ranks hand gloo reduce-scatters of different sizes (rank 0 has four
+# gradients, rank 1 two), and gloo aborts the process ("Received data size doesn't match
+# expected size", printed above); NCCL does not check sizes the same way, and a
+# collective whose sizes differ across ranks is the kind of mismatch the
+# {ref}`hangs page <tutorial-debugging-hangs>` shows hanging. In the second case the sizes happen to match, and
+# nothing fails: the two ranks reduce different experts' gradients into each other, the
+# optimizer would skip the parameters without a gradient, and every gradient it steps
+# with is wrong. `set_reduce_scatter_unused_params(True)` (torch 2.13 and later) makes each rank reduce zeros
+# for the parameters it did not use, as DDP's `find_unused_parameters` does, and both cases
+# then match one process. On older torch, call every expert on every rank (on zero rows if
+# none are routed to it), as the hangs page does with `torch.where`.
+#
+# (fsdp2-controls-tips)=
+# ## What this showed, and the tips behind it
+#
+# - FSDP2 issues a unit's all-gather when its forward begins; prefetch the next unit
+#   explicitly, or start the first gather before the step: {ref}`tip-fsdp2-forward-prefetch`.
+# - A unit whose backward needs no weights (an embedding that is not tied) can skip its
+#   backward gather: {ref}`tip-unshard-in-backward`.
+# - After catching an exception in the middle of a step, call `reset_iter_state()` on the
+#   root, and on torch 2.13 drop the failed step's gradients too:
+#   {ref}`tip-reset-iter-state`.
+# - Layers whose parameters some ranks leave unused (experts) need
+#   `set_reduce_scatter_unused_params(True)`, or every expert called on every rank:
+#   {ref}`tip-reduce-scatter-unused-params`.
+#
+# Every public FSDP2 name, and where it is executed: {ref}`fsdp2-map`.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("fsdp2_controls")
