@@ -643,6 +643,14 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
         fixed_moe = moe[case + "set_reduce_scatter_unused_params(True )"]
         assert fixed_moe.count("no gradient for none") == 2
         assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
+    ignored = {line.split("all-reduced: ")[1][:5].strip(): line for line in text.splitlines()
+               if line.startswith("scale's gradient all-reduced:")}
+    for line in ignored.values():
+        assert "types ['DTensor', 'Parameter']" in line  # the ignored scale is not sharded
+    apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in ignored.items()}
+    error = {k: float(v.rsplit("=", 1)[1]) for k, v in ignored.items()}
+    assert apart["False"] > 1e-4 and error["False"] > 1e-4  # FSDP did not reduce it
+    assert apart["True"] == 0 and error["True"] < 1e-6
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
 def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):

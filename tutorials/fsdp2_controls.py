@@ -13,7 +13,7 @@
 
 # %% [markdown]
 # (tutorial-fsdp2-controls)=
-# # FSDP2's controls: prefetching, skipped gathers, a failed step and unused experts
+# # FSDP2's controls: prefetching, skipped gathers, a failed step, unused experts, ignored parameters
 #
 # **What you will learn**
 #
@@ -25,9 +25,10 @@
 #   repairs and what it does not on torch 2.13, and how to make the next steps equal one
 #   process's;
 # - why experts that get no tokens on a rank break the gradient reduction, silently or not,
-#   and how `set_reduce_scatter_unused_params(True)` fixes it.
+#   and how `set_reduce_scatter_unused_params(True)` fixes it;
+# - what `ignored_params` leaves to you.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL). Every public FSDP2 name, and
 # the page that executes it, is in {ref}`fsdp2-map`. The tips it demonstrates are listed
 # {ref}`at the end <fsdp2-controls-tips>`.
@@ -416,6 +417,58 @@ for case, shifts in SHIFTS.items():
 # then match one process. On older torch, call every expert on every rank (on zero rows if
 # none are routed to it), as the hangs page does with `torch.where`.
 #
+# ## A parameter FSDP leaves alone
+#
+# `fully_shard(..., ignored_params={p})` leaves `p` out of FSDP: it is not sharded (a
+# plain tensor, whole on every rank), not gathered, and its gradient is not reduced. It is
+# for a parameter you replicate and handle yourself (one kept outside the unit's mixed
+# precision, or updated by its own rule). What it owes you then is the reduction: below, a
+# learned output scale trained for three steps, with and without an `all_reduce` of its
+# gradient, against one process that trains on both ranks' batches.
+#
+# (fsdp2-fully-shard-ignored-params)=
+
+# %%
+def train_with_an_ignored_scale(reduce_it, sharded=True):
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.fsdp import fully_shard
+
+    device = fsdp_guide.device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)).to(device)
+    model.register_parameter("scale", nn.Parameter(torch.ones(4, device=device)))
+    if sharded:
+        fully_shard(model, ignored_params={model.scale})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ranks = range(dist.get_rank(), dist.get_rank() + 1) if sharded else range(2)
+    for step in range(3):
+        losses = [(model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)).to(device))
+                   * model.scale).square().mean() for r in ranks]
+        (sum(losses) / len(losses)).backward()
+        if reduce_it:  # what FSDP does for the others: the mean over the ranks
+            dist.all_reduce(model.scale.grad, op=dist.ReduceOp.AVG)
+        optimizer.step()
+        optimizer.zero_grad()
+    kinds = {type(model.scale).__name__, type(model[0].weight).__name__}
+    return kinds, {name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
+                   for name, p in model.named_parameters()}
+
+
+_, alone = launch(train_with_an_ignored_scale, False, False, world_size=1, output="none")[0]
+for reduce_it in (False, True):
+    (kinds, rank0), (_, rank1) = launch(train_with_an_ignored_scale, reduce_it, world_size=2, output="none")
+    apart = (rank0["scale"] - rank1["scale"]).abs().max().item()
+    error = max((rank0[name] - alone[name]).abs().max().item() for name in alone)
+    print(f"scale's gradient all-reduced: {reduce_it!s:5} types {sorted(kinds)}; the two ranks' scales differ "
+          f"by {apart:.1e}; max |weights - one process| = {error:.1e}")
+
+# %% [markdown]
+# The sharded weights are DTensors and the ignored scale a plain `Parameter`. Without the
+# `all_reduce` each rank's scale follows its own batches and the ranks drift apart; the
+# sharded weights, which FSDP reduced, stayed in step. With it, both ranks hold the same
+# scale, and every weight equals one process's.
+#
 # (fsdp2-controls-tips)=
 # ## What this showed, and the tips behind it
 #
@@ -429,6 +482,7 @@ for case, shifts in SHIFTS.items():
 # - Layers whose parameters some ranks leave unused (experts) need
 #   `set_reduce_scatter_unused_params(True)`, or every expert called on every rank:
 #   {ref}`tip-reduce-scatter-unused-params`.
+# - A parameter in `ignored_params` is yours to reduce: {ref}`tip-ignored-params`.
 #
 # Every public FSDP2 name, and where it is executed: {ref}`fsdp2-map`.
 

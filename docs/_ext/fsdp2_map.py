@@ -38,7 +38,7 @@ MAP = {
     "fully_shard(shard_placement_fn=)": Entry("2.9", "Per parameter, the dim to shard on (Shard(dim)) instead of dim 0."),
     "fully_shard(mp_policy=)": Entry("2.9", "The unit's MixedPrecisionPolicy.", "mixed_precision"),
     "fully_shard(offload_policy=)": Entry("2.9", "OffloadPolicy() (none) or CPUOffloadPolicy(): sharded state kept on the CPU."),
-    "fully_shard(ignored_params=)": Entry("2.9", "Parameters FSDP leaves alone: not sharded, not moved, their gradients not reduced."),
+    "fully_shard(ignored_params=)": Entry("2.9", "Parameters FSDP leaves alone: not sharded, not moved, their gradients not reduced.", "fsdp2_controls"),
     "fully_shard(dp_mesh_dims=)": Entry("2.12", "Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors."),
     "FSDPModule": Entry("2.9", "The class fully_shard mixes into a sharded module; it carries the methods below.", "enable_wrap"),
     "FSDPModule.unshard": Entry("2.9", "All-gathers this unit's parameters now; async_op=True returns an UnshardHandle.", "fsdp2_controls"),
