@@ -95,7 +95,7 @@ def loss_of(model, batch):
 #
 # - by default, each unit gathers its parameters when its forward begins;
 # - `set_modules_to_forward_prefetch([next unit])` on each unit issues the next unit's
-#   all-gather right after its own, so that on a GPU it runs while this unit computes;
+#   all-gather right after its own, meant to let it run on a GPU while this unit computes;
 # - `unshard(async_op=True)` issues a unit's all-gather by hand and returns an
 #   `UnshardHandle`; `handle.wait()` waits for it. Called before the forward (here, before
 #   the batch is moved to the device), the first unit's gather no longer waits for the step.
@@ -316,8 +316,8 @@ for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_sta
 # `FSDPParamGroup._reset_iter_state` sets each gathered parameter's `grad` to `None`, and
 # 2.13's does not (read in both releases' `_fsdp_param_group.py`). Gathering each unit,
 # dropping its gradients and freeing it again (`drop_stale_gradients`, one all-gather per
-# unit) makes the following steps equal one process's on 2.13, and changes nothing
-# where torch already drops them.
+# unit) makes the following steps equal one process's on 2.13; where torch drops them
+# itself (2.15, per the source above) it finds none to drop.
 #
 # The exception must reach every rank: had only one rank refused its gradient, the
 # others would have gone on to the next reduce-scatter alone, and the ranks would hang or
@@ -407,13 +407,14 @@ for case, shifts in SHIFTS.items():
 # %% [markdown]
 # In the first case the ranks hand gloo reduce-scatters of different sizes (rank 0 has four
 # gradients, rank 1 two), and gloo aborts the process ("Received data size doesn't match
-# expected size", printed above); NCCL does not check sizes the same way, and a
-# collective whose sizes differ across ranks is the kind of mismatch the
-# {ref}`hangs page <tutorial-debugging-hangs>` shows hanging. In the second case the sizes happen to match, and
+# expected size", printed above). What NCCL does with it is not run here; a collective
+# whose sizes differ across ranks is the kind of mismatch the
+# {ref}`hangs page <tutorial-debugging-hangs>` shows hanging. In the second case the sizes
+# happen to match, and
 # nothing fails: the two ranks reduce different experts' gradients into each other, the
 # optimizer would skip the parameters without a gradient, and every gradient it steps
-# with is wrong. `set_reduce_scatter_unused_params(True)` (torch 2.13 and later) makes each rank reduce zeros
-# for the parameters it did not use, as DDP's `find_unused_parameters` does, and both cases
+# with is wrong. `set_reduce_scatter_unused_params(True)` (torch 2.13 and later) makes
+# each rank reduce zeros for the parameters it did not use, as DDP's `find_unused_parameters` does, and both cases
 # then match one process. On older torch, call every expert on every rank (on zero rows if
 # none are routed to it), as the hangs page does with `torch.where`.
 #
