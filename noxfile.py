@@ -80,16 +80,16 @@ def torch(session: nox.Session, release: str) -> None:
     constraints = Path(session.create_tmp()) / "constraints-but-torch.txt"
     constraints.write_text("\n".join(pins) + "\n")
     session.install(*TORCH[release])
-    session.install("-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "pytest-xdist", "psutil",
-                    "hypothesis", "scikit-learn")
+    session.install("-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
+                    "scikit-learn")
     session.run("python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)")
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
-    # after 5 minutes instead of running into CI's limit. Two tests at a time (-n 2): a test
-    # leaves the cores idle while its ranks start and wait for each other, and the second fills
-    # them (the pages cannot share so: their outputs and the site need one execution each).
-    session.run("pytest", "-n", "2", "--timeout=300", "--durations=15", *ignored, *session.posargs)
+    # after 5 minutes instead of running into CI's limit. One test at a time: with two
+    # (pytest-xdist), two launches from two processes at once failed on torch 2.15 in gloo's
+    # connectFullMesh ("Connection closed by peer"), not yet understood.
+    session.run("pytest", "--timeout=300", "--durations=15", *ignored, *session.posargs)
 
 
 @nox.session
