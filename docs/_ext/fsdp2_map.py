@@ -12,6 +12,7 @@ Sphinx is imported only by ``setup``: the torch sessions test this file without 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -139,6 +140,7 @@ def pattern(name: str) -> str:
     return name
 
 
+@functools.cache  # a page links several names: read its title once
 def _title(page: str) -> str:
     source = next(p for p in (ROOT / "tutorials" / f"{page}.py", ROOT / "docs" / f"{page}.py") if p.exists())
     title = re.search(r"^# # (.+)$", source.read_text(), re.M).group(1)
