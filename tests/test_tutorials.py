@@ -611,6 +611,38 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
     assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers
 
 
+def test_communication_tutorial_takes_over_fsdp2s_collectives(executed):
+    text = _text_outputs(executed["communication"])
+    comms = dict(re.findall(r"(torch's default|recorded[^:\n]*):\n(.*\n.*)$", text, re.M))
+    assert "calls seen: none" in comms["torch's default"]
+    for setting in ("recorded", "recorded, one buffer per size"):  # each unit gathered twice, reduced once
+        assert "8 all-gather on 'default_pg', 8 MiB; 4 reduce-scatter on 'default_pg', 4 MiB" in comms[setting]
+    separate = comms["recorded + separate reduce-scatter group"]
+    assert "8 all-gather on 'default_pg'" in separate and "4 reduce-scatter on 'fsdp_reduce_scatter'" in separate
+    for setting, units in comms.items():
+        equals = units.split("gradient of unit ")[1].split("]")[0] + "]"
+        pooled = setting.endswith("one buffer per size")
+        assert equals == ("[0, 0, 0, 0]" if pooled else "[0, 1, 2, 3]")  # a reused output: every unit's is unit 0's
+        assert float(units.rsplit("=", 1)[1]) < 1e-6
+    waits = {l[:48].strip(): l[48:].strip() for l in text.splitlines() if l.startswith(("default (max", "max_input", "set_is_last", "two roots"))}
+    assert waits["default (max_input_buffers=1)"] == "waits before units: [2, 1, 0]"
+    assert waits["max_input_buffers=2, set before the first step"] == "waits before units: [1, 0]"
+    assert waits["max_input_buffers=4, set after the first step"] == "waits before units: [2, 1, 0]"  # read once
+    assert waits["set_is_last_backward(False, False, True)"] == (
+        "waits before units, per backward: [[2, 1, 0], [3, 2, 1, 0], [3, 2, 1, 0]]; forwards FSDP keeps after each: [4, 8, 0]")
+    assert waits["two roots, each its own context"] == "waits before units: [2, 0]"
+    assert waits["two roots, share_comm_ctx"] == "waits before units: [2, 1]"  # unit 1 waits for the other root's
+    hooks = {l.split()[1]: l for l in text.splitlines() if l.startswith("hook: ")}
+    apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in hooks.items()}
+    error = {k: float(v.rsplit("=", 1)[1]) for k, v in hooks.items()}
+    assert apart["False"] > 1e-5 and error["False"] > 1e-5  # each group of 2 averaged only its own batches
+    assert "[131072, 131072, 131072, 131072]" in hooks["True"] and apart["True"] == 0 and error["True"] < 1e-6
+    assert "DeprecationWarning: Use `set_gradient_divide_factor` instead" in text
+    line = next(l for l in text.splitlines() if l.startswith("max |old name - new name|"))
+    same, doubled = (float(x.split(";")[0]) for x in line.split("= ")[1:])
+    assert same == 0 and doubled < 1e-6  # the same sums, twice the mean
+
+
 def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and_a_recovered_step(executed):
     text = _text_outputs(executed["fsdp2_controls"])
     orders = {how: line[25:] for line in text.splitlines()

@@ -22,11 +22,17 @@
 # - how many collectives and bytes one training step costs with DDP, `SHARD_GRAD_OP` and
 #   `FULL_SHARD`, and why the textbook says FSDP moves 1.5 times what DDP moves;
 # - the order of FSDP2's collectives in a step, as the profiler records it, and how
-#   backward prefetching and `reshard_after_forward` change it.
+#   backward prefetching and `reshard_after_forward` change it;
+# - how to take over FSDP2's collectives: your own all-gather and reduce-scatter (and the
+#   buffer they must never reuse), a process group of the reduce-scatter's own, how many
+#   reduce-scatters stay in flight (`set_reduce_scatter_max_input_buffers`,
+#   `set_is_last_backward`, `share_comm_ctx`), and a reduction of your own after FSDP's
+#   (`set_all_reduce_hook`).
 #
 # **What you need**: Linux (the bytes are read from the loopback interface's counter);
 # 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed
-# {ref}`at the end <communication-tips>`.
+# {ref}`at the end <communication-tips>`; every public FSDP2 name, and the page that
+# executes it, is in {ref}`fsdp2-map`.
 #
 # The byte counts are CPU on purpose: they come from the loopback interface, which the
 # ranks' gloo traffic crosses, and they measure gloo's own algorithms. Those launches pass
@@ -34,8 +40,8 @@
 # `cuda:LOCAL_RANK` where each rank has one, else the CPU) on the CPU even on a GPU
 # machine. With GPU ranks, NCCL moves the tensors over its own transports (NVLink, PCIe,
 # shared memory or the network) rather than this counter, with its own algorithms, so the
-# byte columns below would not apply. The collective order at the end is not tied to the
-# CPU: that part is written to run unchanged with one GPU per rank (NCCL).
+# byte columns below would not apply. The collective order and the sections after it are
+# not tied to the CPU: they are written to run unchanged with one GPU per rank (NCCL).
 
 # %%
 import sys
@@ -338,11 +344,325 @@ ax.set(xlabel="ms since the forward began", title="FSDP2 FULL_SHARD, one step on
 fig.tight_layout()
 
 # %% [markdown]
+# ## Taking over FSDP2's collectives
+#
+# FSDP2 lets you replace what it calls for its two collectives, and change how it runs
+# them. The calls are objects that follow the two protocols in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_api.py`: `allocate(size, *, dtype, device)`,
+# where FSDP gets each buffer, and `__call__`, the collective itself. torch's own
+# `set_symm_mem_for_comm` is one: it allocates from symmetric memory for NCCL. The two
+# below call torch's collectives and write each call down; the reduce-scatter can also make
+# the mistake a pool of buffers invites: handing out the same buffer for every call of a
+# size. Each
+# rank's gradient shards are checked against one process that trains on both ranks'
+# batches. Then `set_separate_reduce_scatter_group()` on top of the recording comms:
+#
+# (fsdp2-fsdpmodule-set-custom-all-gather)=
+# (fsdp2-fsdpmodule-set-custom-reduce-scatter)=
+# (fsdp2-fsdpmodule-set-separate-reduce-scatter-group)=
+
+# %%
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # the protocols
+
+
+class RecordedAllGather(AllGather):
+    """torch's all-gather into a fresh buffer, with each call written down."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls.append(("all-gather", group.group_desc, output_tensor.nbytes))
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class RecordedReduceScatter(ReduceScatter):
+    """torch's reduce-scatter, each call written down; `pooled` keeps one buffer per size and dtype."""
+
+    def __init__(self, calls, pooled=False):
+        self.calls, self.pooled, self.pool = calls, pooled, {}
+
+    def allocate(self, size, *, dtype, device):
+        if not self.pooled:
+            return torch.empty(*size, dtype=dtype, device=device)
+        if (tuple(size), dtype) not in self.pool:  # the mistake: a buffer handed out again and again
+            self.pool[tuple(size), dtype] = torch.empty(*size, dtype=dtype, device=device)
+        return self.pool[tuple(size), dtype]
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls.append(("reduce-scatter", group.group_desc, input_tensor.nbytes))
+        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+
+
+def batch_of(rank):
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank))
+
+
+def one_process_gradients(ranks=2):
+    model = make_model().to(fsdp_guide.device())
+    (sum(model(batch_of(r).to(fsdp_guide.device())).square().mean() for r in range(ranks)) / ranks).backward()
+    return [p.grad.cpu() for p in model.parameters()]
+
+
+COMMS = ("torch's default", "recorded", "recorded, one buffer per size", "recorded + separate reduce-scatter group")
+
+
+def with_comms(setting, reference):
+    device, rank = fsdp_guide.device(), dist.get_rank()
+    model = wrap(make_model(), "FULL_SHARD", device)
+    calls = []
+    if setting != "torch's default":
+        gather = RecordedAllGather(calls)
+        reduce = RecordedReduceScatter(calls, pooled=setting.endswith("one buffer per size"))
+        for unit in model:  # one object for every unit, as a pool of buffers would be
+            unit.set_custom_all_gather(gather)
+            unit.set_custom_reduce_scatter(reduce)
+    if setting.endswith("separate reduce-scatter group"):
+        model.set_separate_reduce_scatter_group()  # every unit below the root too
+    model(batch_of(rank).to(device)).square().mean().backward()
+    # which unit's gradient (from one process) each unit's shard equals
+    mine = [r.to(device).chunk(dist.get_world_size())[rank] for r in reference]
+    equals = [min(range(len(mine)), key=lambda j: (p.grad.to_local() - mine[j]).abs().max().item())
+              for p in model.parameters()]
+    error = max((p.grad.to_local() - mine[j]).abs().max().item() for p, j in zip(model.parameters(), equals))
+    totals = {}
+    for kind, group, nbytes in calls:
+        n, total = totals.get((kind, group), (0, 0))
+        totals[kind, group] = (n + 1, total + nbytes)
+    return totals, equals, error
+
+
+def every_comm(reference):
+    return {setting: with_comms(setting, reference) for setting in COMMS}
+
+
+reference = launch(one_process_gradients, world_size=1, output="none")[0]
+for setting, (totals, equals, error) in launch(every_comm, reference, world_size=2, output="none")[0].items():
+    calls = "; ".join(f"{n} {kind} on {group!r}, {total / 2**20:.0f} MiB" for (kind, group), (n, total) in totals.items())
+    print(f"{setting}:\n    calls seen: {calls or 'none (not recorded)'}\n"
+          f"    unit i's gradient equals one process's gradient of unit {equals}, max |difference| = {error:.1e}")
+
+
+# %% [markdown]
+# The recorded calls are the step's: each unit gathered twice (forward and backward) and
+# reduce-scattered once, 1 MiB each, as in the table above. With a buffer handed out
+# again, every unit's gradient is unit 0's, silently: FSDP makes each gradient shard a
+# view of the reduce-scatter's output (`torch.as_strided(reduce_output, ...)` in
+# `foreach_reduce`, `_fsdp_collectives.py`), so the output must be a fresh buffer each
+# time, while the all-gather's output is copied into the parameters. With
+# `set_separate_reduce_scatter_group()` the reduce-scatters run on a process group of their
+# own, created by FSDP (`group_desc="fsdp_reduce_scatter"`), over the same ranks. On GPUs,
+# one NCCL communicator runs one collective at a time; a second one is meant to let a
+# reduce-scatter progress while the next all-gather runs (the method's docstring; not
+# measured here, where gloo runs both on the same two CPU cores).
+#
+# ### Reduce-scatters in flight
+#
+# FSDP holds on to each reduce-scatter's input buffer until the collective is done. Before
+# the next unit's reduce-scatter, it waits for the oldest one once it holds
+# `max_input_buffers` of them (1 by default); the profiler marks each such wait
+# `FSDP::post_backward_rs_wait`. Three controls change that pipeline, counted here with
+# the markers over one backward (the first step, which initialises FSDP, is not counted):
+#
+# - `set_reduce_scatter_max_input_buffers(n)` holds up to *n* buffers in flight: fewer
+#   waits, more memory. It is read when FSDP initialises, at the first forward;
+# - `set_is_last_backward(False)` tells FSDP that another backward follows before the
+#   optimizer step (microbatches: torch's pipeline schedules set it, in
+#   `torch/distributed/pipelining/stage.py`). FSDP then leaves the last reduce-scatters in
+#   flight and keeps the order of the forwards it has seen (`post_forward_order`, which
+#   backward prefetching reads) across backwards;
+# - `share_comm_ctx([root_1, root_2])` makes two FSDP roots share one communication
+#   context: one pipeline of reduce-scatters and, on GPUs, one set of streams. It is meant
+#   for pipeline parallelism, where each stage's model chunk is its own root; its
+#   docstring names the memory it is meant to save on GPUs, fragmentation across streams
+#   (not measured here).
+#
+# (fsdp2-fsdpmodule-set-reduce-scatter-max-input-buffers)=
+# (fsdp2-fsdpmodule-set-is-last-backward)=
+# (fsdp2-share-comm-ctx)=
+
+# %%
+def reduce_scatter_waits(step):
+    """The units whose reduce-scatter waited for an earlier one (profiler markers), in one backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    waits = sorted((e.time_range.start, e.name) for e in prof.events()
+                   if e.name.startswith("FSDP::post_backward_rs_wait ("))
+    return [int(name.rsplit("(", 1)[1].rstrip(")")) for _, name in waits]
+
+
+def max_input_buffers(n, set_after_first_step=False):
+    device = fsdp_guide.device()
+    model, x = wrap(make_model(), "FULL_SHARD", device), batch_of(dist.get_rank()).to(device)
+    if not set_after_first_step:
+        model.set_reduce_scatter_max_input_buffers(n)
+    model(x).sum().backward()  # the first step initialises FSDP
+    if set_after_first_step:
+        model.set_reduce_scatter_max_input_buffers(n)
+    return reduce_scatter_waits(lambda: model(x).sum().backward())
+
+
+def microbatches():
+    """Three backwards before one optimizer step, only the last marked as last; FSDP's record of forwards after each."""
+    device = fsdp_guide.device()
+    model, x = wrap(make_model(), "FULL_SHARD", device), batch_of(dist.get_rank()).to(device)
+    model(x).sum().backward()
+    waits, kept = [], []
+    for microbatch in range(3):
+        model.set_is_last_backward(microbatch == 2)
+        waits.append(reduce_scatter_waits(lambda: model(x).sum().backward()))
+        kept.append(len(model._get_fsdp_state()._comm_ctx.post_forward_order))  # private: FSDP's own list
+    return waits, kept
+
+
+def two_roots(shared):
+    from torch.distributed.fsdp import share_comm_ctx
+
+    device = fsdp_guide.device()
+    model, x = make_model().to(device), batch_of(dist.get_rank()).to(device)
+    first, second = wrap(model[:2], "FULL_SHARD", device), wrap(model[2:], "FULL_SHARD", device)  # units 0-1, 2-3
+    if shared:
+        share_comm_ctx([first, second])
+    second(first(x)).sum().backward()
+    return reduce_scatter_waits(lambda: second(first(x)).sum().backward())
+
+
+def every_pipeline():
+    return {"default (max_input_buffers=1)": max_input_buffers(1),
+            "max_input_buffers=2, set before the first step": max_input_buffers(2),
+            "max_input_buffers=4, set after the first step": max_input_buffers(4, set_after_first_step=True),
+            "set_is_last_backward(False, False, True)": microbatches(),
+            "two roots, each its own context": two_roots(shared=False),
+            "two roots, share_comm_ctx": two_roots(shared=True)}
+
+
+for setting, result in launch(every_pipeline, world_size=2, output="none")[0].items():
+    if setting.startswith("set_is_last_backward"):
+        waits, kept = result
+        print(f"{setting:48} waits before units, per backward: {waits}; forwards FSDP keeps after each: {kept}")
+    else:
+        print(f"{setting:48} waits before units: {result}")
+
+
+# %% [markdown]
+# Each wait sits before the reduce-scatter of the unit listed; units reduce in backward
+# order, 3 to 0. By default every unit after the first waits for the one before it. Two
+# buffers in flight leave unit 2 unwaited. The cap set after the first step changed
+# nothing: FSDP reads it once, when it initialises (`FSDPState._init_shared_state` in
+# `_fsdp_state.py`); set it before the first forward. Under `set_is_last_backward(False)`
+# the next backward's first unit (3) also waits, for the buffer the previous backward left
+# in flight, and FSDP's record of forwards grows, 4 and 8, until the backward marked last
+# clears it. Only a backward marked last waits for the pending reductions when it ends
+# (`finalize_backward`, called from `_root_post_backward_final_callback` in
+# `_fsdp_state.py`): on GPUs, where the reductions run on their own stream, unmarked,
+# an optimizer step could read gradients still being reduced (per the source; not run
+# here), so mark the last backward before the step. With two roots sharing one context,
+# unit 1's reduce-scatter waits for unit 2's, which belongs to the other root: one
+# pipeline of buffers. Unit 0's reduce-scatter runs in FSDP's end-of-backward callback (its
+# input needs no gradient, so autograd never calls its hook), after the other root's
+# callback has released the shared buffers, so it finds none to wait for.
+#
+# ### A reduction FSDP does not do: the all-reduce hook
+#
+# `set_all_reduce_hook(hook)` calls `hook(output)` after each unit's reduce-scatter (after
+# the all-reduce under HSDP), with the output before FSDP divides it, in place, for the
+# parameters' gradients. It is for a reduction over a group FSDP does not manage. Below, 4
+# ranks as 2 groups of 2: FSDP shards over each group of 2 (`mesh["shard"]`), and the hook
+# averages the shards over the other dimension, the replicas, by hand, what HSDP does
+# itself (its `replicate` dimension). The reference is one process on all 4 ranks' batches:
+#
+# (fsdp2-fsdpmodule-set-all-reduce-hook)=
+
+# %%
+def replicas_by_hand(hook):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = fsdp_guide.device()
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model().to(device)
+    for layer in model:
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    replicas, reduced = mesh["replicate"].get_group(), []
+
+    def average_over_replicas(output):  # this rank's gradient shard, already averaged over "shard"
+        reduced.append(output.numel())
+        dist.all_reduce(output, op=dist.ReduceOp.AVG, group=replicas)
+
+    if hook:
+        for unit in model:
+            unit.set_all_reduce_hook(average_over_replicas)
+    model(batch_of(dist.get_rank()).to(device)).square().mean().backward()
+    return reduced, [p.grad.full_tensor().cpu() for p in model.parameters()]  # full over "shard"
+
+
+reference4 = launch(one_process_gradients, 4, world_size=1, output="none")[0]
+for hook in (False, True):
+    ranks = launch(replicas_by_hand, hook, world_size=4, output="none")
+    error = max((g - r).abs().max().item() for _, grads in ranks for g, r in zip(grads, reference4))
+    apart = max((a - b).abs().max().item() for a, b in zip(ranks[0][1], ranks[2][1]))
+    print(f"hook: {hook!s:5} elements it reduced per call (rank 0): {ranks[0][0] or 'none'}; "
+          f"replica groups' gradients differ by {apart:.1e}; max |gradient - one process| = {error:.1e}")
+
+# %% [markdown]
+# Without the hook each group of 2 averages only its own batches: the two groups' gradients
+# differ, and neither is the 4-rank mean. With it each call reduces one unit's shard
+# (512 x 512 / 2 elements), and every rank holds one process's gradients. The hook owns
+# its reduction: FSDP divides only by the group it reduced over (here by averaging), so
+# the hook averages too; a hook that summed over 2 replicas would leave gradients twice the
+# mean. It runs on FSDP's all-reduce stream, or the `stream=` passed on a GPU (per the
+# docstring). Native HSDP is on the {ref}`tensor parallelism page <tutorial-tensor-parallel>`.
+#
+# ### The divide factor's old name
+#
+# `set_reduce_scatter_divide_factor` is the old name of `set_gradient_divide_factor`
+# ({ref}`tutorial-loss-and-accumulation` uses the new one): it warns and calls it. Both,
+# with a factor of 1 (a sum, not a mean, over the 2 ranks; gloo needs
+# `set_force_sum_reduction_for_comms` for a factor that is not the group's size):
+#
+# (fsdp2-fsdpmodule-set-reduce-scatter-divide-factor)=
+
+# %%
+import warnings
+
+
+def summed_gradients(old_name):
+    device = fsdp_guide.device()
+    model = wrap(make_model(), "FULL_SHARD", device)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for unit in model:
+            if old_name:
+                unit.set_reduce_scatter_divide_factor(1.0)
+            else:
+                unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    model(batch_of(dist.get_rank()).to(device)).square().mean().backward()
+    return {f"{w.category.__name__}: {w.message}" for w in warned}, [p.grad.full_tensor().cpu() for p in model.parameters()]
+
+
+(warned, old), (_, new) = (launch(summed_gradients, old_name, world_size=2, output="none")[0] for old_name in (True, False))
+print("set_reduce_scatter_divide_factor(1.0) warned:", warned)
+print(f"max |old name - new name| = {max((a - b).abs().max().item() for a, b in zip(old, new)):.1e}; "
+      f"max |gradient - 2 x one process's mean| = {max((a - 2 * r).abs().max().item() for a, r in zip(new, reference)):.1e}")
+
+
+# %% [markdown]
 # (communication-tips)=
 # ## The tips behind this
 #
 # - {ref}`tip-communication-volume`: FSDP trades memory for communication; measure both.
 # - {ref}`tip-memory-estimate`: what the extra all-gathers buy.
+# - {ref}`tip-custom-comms`: a custom reduce-scatter must hand out a fresh output buffer.
+# - {ref}`tip-reduce-scatters-in-flight`: set the buffer cap before the first forward, and
+#   mark the last backward before an optimizer step.
+# - {ref}`tip-all-reduce-hook`: an all-reduce hook owns its reduction, averaging included.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

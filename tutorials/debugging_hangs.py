@@ -135,7 +135,7 @@ def evaluate(batches_on_rank_1, monitored=None, dumps=None):
 
 print("gloo's default collective timeout (torch.distributed.constants.default_pg_timeout):", default_pg_timeout)
 try:
-    launch(evaluate, 3, world_size=2, backend="gloo", timeout=10, output="none")  # the ranks hang within 5 s
+    launch(evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none")  # time enough to reach the hang
 except LaunchError as error:
     print(str(error).splitlines()[0][:110], "...")
     for rank, stack in sorted(error.stacks.items()):
@@ -222,7 +222,7 @@ def flight_recorder(dumps, rank):
 
 
 try:
-    launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=8, output="none")
+    launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=5, output="none")
 except LaunchError as error:
     print(str(error).splitlines()[0][:60], "...")
 for rank in (0, 1):
@@ -387,7 +387,7 @@ def train_with_a_branch(where, dumps=None):
 
 
 try:
-    launch(train_with_a_branch, str(workdir), str(workdir / "hang2"), world_size=2, backend="gloo", timeout=8,
+    launch(train_with_a_branch, str(workdir), str(workdir / "hang2"), world_size=2, backend="gloo", timeout=5,
            output="none")
 except LaunchError as error:
     for rank, stack in sorted(error.stacks.items()):
