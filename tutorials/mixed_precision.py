@@ -20,6 +20,8 @@
 #
 # - no mixed precision, autocast only, FSDP's mixed precision only, and both;
 # - bfloat16 against float16;
+# - a bfloat16 unit next to a float32 one, and what `output_dtype` and
+#   `cast_forward_inputs` do at their boundary;
 #
 # and when you need a gradient scaler (`torch.amp.GradScaler` with FSDP2,
 # `ShardedGradScaler` with FSDP1): a float16 run without one that stops learning, and
@@ -226,6 +228,70 @@ print("torch.autocast's only bfloat16 check on CUDA:",
 # GPUs, which then needs a gradient scaler (next section).
 
 # %% [markdown]
+# ### Units with different policies: `output_dtype` and `cast_forward_inputs`
+#
+# Each unit has its own policy, and a common split keeps a precision-sensitive unit (an
+# output head, a norm, a router) in float32 while the body computes in bfloat16. Two
+# fields of `MixedPrecisionPolicy` decide what crosses the boundary: `cast_forward_inputs`
+# (True by default) casts a unit's floating-point inputs to its `param_dtype` before its
+# forward, and `output_dtype` casts its floating-point outputs. Below, a bfloat16 body and
+# a float32 head (no policy), with a float32 input; each row records the dtype each unit's
+# forward received and returned, or the error:
+#
+# (fsdp2-mixedprecisionpolicy-output-dtype)=
+# (fsdp2-mixedprecisionpolicy-cast-forward-inputs)=
+
+# %%
+class Recorded(nn.Linear):
+    """A linear layer that writes down the dtype of its input and of its output."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.seen.append(f"{str(x.dtype)[6:]} -> {str(out.dtype)[6:]}")
+        return out
+
+
+POLICIES = {
+    "body bf16, head float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    "body bf16 with output_dtype=float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                output_dtype=torch.float32),
+    "body bf16 with cast_forward_inputs=False": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                     output_dtype=torch.float32,
+                                                                     cast_forward_inputs=False),
+}
+
+
+def across_the_boundary(body_policy):
+    device = fsdp_guide.device()
+    torch.manual_seed(0)
+    body, head = Recorded(32, 32), Recorded(32, 4)
+    body.seen, head.seen = [], []
+    model = nn.Sequential(body, head).to(device)
+    fully_shard(body, mp_policy=body_policy)
+    fully_shard(head)  # float32: no policy
+    fully_shard(model)
+    try:
+        model(torch.randn(8, 32, device=device)).sum().backward()
+        return f"body {body.seen[0]}, head {head.seen[0]}"
+    except RuntimeError as error:
+        return f"body {body.seen or ['-']}, head {head.seen or ['-']}: {type(error).__name__}: {error}"
+
+
+for name, policy in POLICIES.items():
+    print(f"{name:42} {launch(across_the_boundary, policy, output='none')[0]}")
+
+# %% [markdown]
+# The body casts its float32 input to bfloat16 and returns bfloat16, which the float32
+# head cannot multiply with its weights: the first row fails in the head. With
+# `output_dtype=torch.float32` the body still computes and returns bfloat16 (its row), and
+# FSDP casts that output to float32 after the body's forward, so the head receives float32
+# and the step runs.
+# `cast_forward_inputs=False` leaves the input as it came, float32, and now the body's own
+# bfloat16 weights refuse it. That setting is for a unit that casts its inputs itself, or
+# runs under autocast, which casts per operation (the table above).
+
+
+# %% [markdown]
 # ## float16 needs a gradient scaler; bfloat16 does not
 #
 # Small gradients are normal (late layers, long sequences, a loss averaged over many
@@ -332,6 +398,8 @@ for rank, (unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, out
 #
 # - {ref}`tip-mixed-precision-dtypes`
 # - {ref}`tip-mixed-precision-presets`: the `FULL`/`DEFAULT`/`PURE` configuration presets.
+# - {ref}`tip-mixed-policies-boundary`: a float32 unit after a bfloat16 one needs the
+#   bfloat16 unit's `output_dtype`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on
