@@ -688,6 +688,10 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     error = {k: float(v.rsplit("=", 1)[1]) for k, v in ignored.items()}
     assert apart["False"] > 1e-4 and error["False"] > 1e-4  # FSDP did not reduce it
     assert apart["True"] == 0 and error["True"] < 1e-6
+    placed = text.split("shard_placement_fn: ")[1:]
+    assert "Shard(dim=0) over mesh 2  [0:2, :, :]" in placed[0] and "[2:3, :, :]" in placed[0]  # 2 experts and 1
+    assert "Shard(dim=1) over mesh 2  [:, 0:16, :]" in placed[1] and "[:, 16:32, :]" in placed[1]  # rows of all 3
+    assert all(float(p.split("= ")[1].split()[0]) < 1e-6 for p in placed)  # one process's weights either way
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
 def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):

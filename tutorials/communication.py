@@ -347,13 +347,15 @@ fig.tight_layout()
 # ## Taking over FSDP2's collectives
 #
 # FSDP2 lets you replace what it calls for its two collectives, and change how it runs
-# them. The calls are objects that follow the two protocols in
+# them. The calls are objects of the two abstract classes in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_api.py`: `allocate(size, *, dtype, device)`,
-# where FSDP gets each buffer, and `__call__`, the collective itself. torch's own
-# `set_symm_mem_for_comm` is one: it allocates from symmetric memory for NCCL. The two
-# below call torch's collectives and write each call down; the reduce-scatter can also make
-# the mistake a pool of buffers invites: handing out the same buffer for every call of a
-# size. Each
+# where FSDP gets its buffers (for the all-gather, its output; for the reduce-scatter,
+# both its input and its output), and `__call__`, the collective itself. torch's own
+# `SymmMemAllGather` and `SymmMemReduceScatter`, which `set_symm_mem_for_comm` installs,
+# are such objects: they allocate from symmetric memory for NCCL. The two below call
+# torch's collectives and write each call down; the reduce-scatter can also make the
+# mistake a pool of buffers invites: handing a buffer out again while it is still in use,
+# here the same buffer for every call of a size. Each
 # rank's gradient shards are checked against one process that trains on both ranks'
 # batches. Then `set_separate_reduce_scatter_group()` on top of the recording comms:
 #
@@ -449,31 +451,39 @@ for setting, (totals, equals, error) in launch(every_comm, reference, world_size
 # %% [markdown]
 # The recorded calls are the step's: each unit gathered twice (forward and backward) and
 # reduce-scattered once, 1 MiB each, as in the table above. With a buffer handed out
-# again, every unit's gradient is unit 0's, silently: FSDP makes each gradient shard a
-# view of the reduce-scatter's output (`torch.as_strided(reduce_output, ...)` in
-# `foreach_reduce`, `_fsdp_collectives.py`), so the output must be a fresh buffer each
-# time, while the all-gather's output is copied into the parameters. With
+# again, every unit's gradient is unit 0's, the last one reduced (backward reduces unit 3
+# first), silently: a new gradient in the parameters' dtype is a view of the
+# reduce-scatter's output (`torch.as_strided(reduce_output, ...)` in `foreach_reduce`,
+# `_fsdp_collectives.py`), so the output must be a fresh buffer each time. The all-gather's
+# output is copied into the parameters; reusing it happened to survive here, where gloo's
+# collectives finish before they return, but on GPUs FSDP's note on overlapping the next
+# copy-in (`_fsdp_param_group.py`) expects each all-gather output in different memory. With
 # `set_separate_reduce_scatter_group()` the reduce-scatters run on a process group of their
-# own, created by FSDP (`group_desc="fsdp_reduce_scatter"`), over the same ranks. On GPUs,
-# one NCCL communicator runs one collective at a time; a second one is meant to let a
-# reduce-scatter progress while the next all-gather runs (the method's docstring; not
+# own, created by FSDP (`group_desc="fsdp_reduce_scatter"`), over the same ranks. Per the
+# method's docstring, one NCCL communicator runs one collective at a time, and a second one
+# is meant to let a reduce-scatter progress while the next all-gather runs on GPUs (not
 # measured here, where gloo runs both on the same two CPU cores).
 #
 # ### Reduce-scatters in flight
 #
-# FSDP holds on to each reduce-scatter's input buffer until the collective is done. Before
-# the next unit's reduce-scatter, it waits for the oldest one once it holds
-# `max_input_buffers` of them (1 by default); the profiler marks each such wait
-# `FSDP::post_backward_rs_wait`. Three controls change that pipeline, counted here with
-# the markers over one backward (the first step, which initialises FSDP, is not counted):
+# FSDP keeps each reduce-scatter's input buffer until a later unit reclaims it. Before a
+# unit's reduce-scatter, once it holds `max_input_buffers` of them (1 by default), it makes
+# the compute stream wait for the oldest; the profiler marks each such wait
+# `FSDP::post_backward_rs_wait`. On gloo the collective has finished by then, so these
+# waits cost nothing here: the counts show where FSDP would wait on a GPU. Three controls
+# change that pipeline, counted with the markers over one backward (the first step, which
+# initialises FSDP, is not counted):
 #
 # - `set_reduce_scatter_max_input_buffers(n)` holds up to *n* buffers in flight: fewer
-#   waits, more memory. It is read when FSDP initialises, at the first forward;
+#   waits, more memory. It is read when FSDP initialises, at the first forward, and the
+#   largest value set on any unit applies to the whole root;
 # - `set_is_last_backward(False)` tells FSDP that another backward follows before the
-#   optimizer step (microbatches: torch's pipeline schedules set it, in
-#   `torch/distributed/pipelining/stage.py`). FSDP then leaves the last reduce-scatters in
-#   flight and keeps the order of the forwards it has seen (`post_forward_order`, which
-#   backward prefetching reads) across backwards;
+#   optimizer step. torch's pipeline stages call it for every microbatch's backward,
+#   together with `set_requires_gradient_sync(False)`, and reduce once at the end
+#   (`torch/distributed/pipelining/stage.py`). Used alone, as here, each backward
+#   reduce-scatters, and FSDP leaves the last reduce-scatters in flight and keeps the order
+#   of the forwards it has seen (`post_forward_order`, which backward prefetching reads)
+#   across backwards. The setting stays until changed;
 # - `share_comm_ctx([root_1, root_2])` makes two FSDP roots share one communication
 #   context: one pipeline of reduce-scatters and, on GPUs, one set of streams. It is meant
 #   for pipeline parallelism, where each stage's model chunk is its own root; its
@@ -551,8 +561,8 @@ for setting, result in launch(every_pipeline, world_size=2, output="none")[0].it
 
 # %% [markdown]
 # Each wait sits before the reduce-scatter of the unit listed; units reduce in backward
-# order, 3 to 0. By default every unit after the first waits for the one before it. Two
-# buffers in flight leave unit 2 unwaited. The cap set after the first step changed
+# order, 3 to 0. By default every unit but the first to reduce (3) waits for the one
+# reduced just before it. Two buffers in flight leave unit 2 unwaited. The cap set after the first step changed
 # nothing: FSDP reads it once, when it initialises (`FSDPState._init_shared_state` in
 # `_fsdp_state.py`); set it before the first forward. Under `set_is_last_backward(False)`
 # the next backward's first unit (3) also waits, for the buffer the previous backward left
@@ -561,17 +571,22 @@ for setting, result in launch(every_pipeline, world_size=2, output="none")[0].it
 # (`finalize_backward`, called from `_root_post_backward_final_callback` in
 # `_fsdp_state.py`): on GPUs, where the reductions run on their own stream, unmarked,
 # an optimizer step could read gradients still being reduced (per the source; not run
-# here), so mark the last backward before the step. With two roots sharing one context,
-# unit 1's reduce-scatter waits for unit 2's, which belongs to the other root: one
-# pipeline of buffers. Unit 0's reduce-scatter runs in FSDP's end-of-backward callback (its
-# input needs no gradient, so autograd never calls its hook), after the other root's
-# callback has released the shared buffers, so it finds none to wait for.
+# here), so mark the last backward before the step. With two roots, each in its own
+# context, unit 1 is the first to reduce in its root's pipeline and waits for nothing,
+# and unit 0 waits for it. Sharing one context, unit 1's reduce-scatter waits for unit
+# 2's, which belongs to the other root: one pipeline of buffers. Unit 0's reduce-scatter
+# runs in FSDP's end-of-backward callback (its input needs no gradient, so FSDP registers
+# no post-backward hook for it), after the other root's callback has released the shared
+# buffers, so it finds none to wait for.
 #
 # ### A reduction FSDP does not do: the all-reduce hook
 #
-# `set_all_reduce_hook(hook)` calls `hook(output)` after each unit's reduce-scatter (after
-# the all-reduce under HSDP), with the output before FSDP divides it, in place, for the
-# parameters' gradients. It is for a reduction over a group FSDP does not manage. Below, 4
+# `set_all_reduce_hook(hook)` calls `hook(output)` with each unit's flat reduce-scatter
+# output (the all-reduce's under HSDP). For float32 and bfloat16 the collective has
+# already averaged it over FSDP's group; any division FSDP still does (float16, or forced
+# sum reduction) comes after the hook. The hook must change `output` in place: the
+# gradient shards are views of it. It is set on each unit (it does not recurse), and it is
+# for a reduction over a group FSDP does not manage. Below, 4
 # ranks as 2 groups of 2: FSDP shards over each group of 2 (`mesh["shard"]`), and the hook
 # averages the shards over the other dimension, the replicas, by hand, what HSDP does
 # itself (its `replicate` dimension). The reference is one process on all 4 ranks' batches:
@@ -614,17 +629,17 @@ for hook in (False, True):
 # Without the hook each group of 2 averages only its own batches: the two groups' gradients
 # differ, and neither is the 4-rank mean. With it each call reduces one unit's shard
 # (512 x 512 / 2 elements), and every rank holds one process's gradients. The hook owns
-# its reduction: FSDP divides only by the group it reduced over (here by averaging), so
-# the hook averages too; a hook that summed over 2 replicas would leave gradients twice the
-# mean. It runs on FSDP's all-reduce stream, or the `stream=` passed on a GPU (per the
+# its reduction: FSDP averages only over the group it reduced over, so the hook averages
+# too; a hook that summed over 2 replicas would leave gradients twice the mean. It runs on FSDP's all-reduce stream, or the `stream=` passed on a GPU (per the
 # docstring). Native HSDP is on the {ref}`tensor parallelism page <tutorial-tensor-parallel>`.
 #
 # ### The divide factor's old name
 #
 # `set_reduce_scatter_divide_factor` is the old name of `set_gradient_divide_factor`
 # ({ref}`tutorial-loss-and-accumulation` uses the new one): it warns and calls it. Both,
-# with a factor of 1 (a sum, not a mean, over the 2 ranks; gloo needs
-# `set_force_sum_reduction_for_comms` for a factor that is not the group's size):
+# with a factor of 1 (a sum, not a mean, over the 2 ranks; for float32 and bfloat16 a
+# factor that is not the group's size asks for `ReduceOp.PREMUL_SUM`, which gloo refuses,
+# so `set_force_sum_reduction_for_comms` sums and divides separately):
 #
 # (fsdp2-fsdpmodule-set-reduce-scatter-divide-factor)=
 

@@ -13,7 +13,7 @@
 
 # %% [markdown]
 # (tutorial-fsdp2-controls)=
-# # FSDP2's controls: prefetching, skipped gathers, a failed step, unused experts, ignored parameters
+# # FSDP2's controls: prefetching, skipped gathers, a failed step, unused experts, placements, ignored parameters
 #
 # **What you will learn**
 #
@@ -26,6 +26,7 @@
 #   process's;
 # - why experts that get no tokens on a rank break the gradient reduction, silently or not,
 #   and how `set_reduce_scatter_unused_params(True)` fixes it;
+# - how `shard_placement_fn` splits a parameter along another dimension (stacked experts);
 # - what `ignored_params` leaves to you.
 #
 # **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
@@ -417,7 +418,84 @@ for case, shifts in SHIFTS.items():
 # each rank reduce zeros for the parameters it did not use, as DDP's `find_unused_parameters` does, and both cases
 # then match one process. On older torch, call every expert on every rank (on zero rows if
 # none are routed to it), as the hangs page does with `torch.where`.
+
+# %% [markdown]
+# ## Where each parameter is split: `shard_placement_fn`
 #
+# FSDP2 splits every parameter along dim 0 unless `shard_placement_fn` says otherwise: it
+# is called with each parameter and returns a `Shard(dim)` placement, or `None` for the
+# default. Mixture-of-experts layers stack their experts' weights in one parameter,
+# `[experts, out, in]`; with 3 experts on 2 ranks, dim 0 splits them 2 and 1. Below, the
+# same layer with the default and with `Shard(1)` for the experts' weight (every rank then
+# holds half the rows of every expert), each trained for 3 steps against one process on
+# both ranks' batches; {func}`fsdp_guide.describe_sharding` shows what each rank holds:
+#
+# (fsdp2-fully-shard-shard-placement-fn)=
+
+# %%
+EXPERTS = 3
+
+
+class StackedExperts(nn.Module):
+    """Three experts' weights in one parameter, [experts, out, in], mixed by a router."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(EXPERTS, WIDTH, WIDTH) / WIDTH**0.5)
+        self.router = nn.Linear(WIDTH, EXPERTS)
+
+    def forward(self, x):
+        gates = self.router(x).softmax(-1)  # [rows, experts]
+        per_expert = torch.einsum("ri,eoi->reo", x, self.weight)  # every expert on every row
+        return (gates.unsqueeze(-1) * per_expert).sum(1)
+
+
+def train_experts(split_rows, sharded=True):
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    device = fsdp_guide.device()
+    model = StackedExperts().to(device)
+    if sharded:
+        fully_shard(model, shard_placement_fn=lambda p: Shard(1) if split_rows and p is model.weight else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ranks = [dist.get_rank()] if sharded else range(2)
+    for step in range(3):
+        losses = [model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)).to(device))
+                  .square().mean() for r in ranks]
+        (sum(losses) / len(losses)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
+               for name, p in model.named_parameters()}
+    if not sharded:
+        return [], weights
+    table = str(fsdp_guide.describe_sharding(model)).splitlines()  # the header, the experts' weight, the total
+    return [table[0], *(line for line in table if line.startswith(("weight ", "total")))], weights
+
+
+_, one = launch(train_experts, False, False, world_size=1, output="none")[0]
+for split_rows in (False, True):
+    ranks = launch(train_experts, split_rows, world_size=2, output="none")
+    error = max((ranks[0][1][name] - one[name]).abs().max().item() for name in one)
+    how = "Shard(1) for the experts' weight" if split_rows else "none (dim 0 for all)"
+    print(f"shard_placement_fn: {how}; max |weights - one process| after 3 steps = {error:.1e}")
+    for rank, (held, _) in enumerate(ranks):
+        print(f"  rank {rank}: " + "\n          ".join(held if rank == 0 else held[1:]))
+
+# %% [markdown]
+# By default rank 0 holds experts 0 and 1, rank 1 expert 2: twice the bytes on rank 0 (the
+# router's 3 rows split 2 and 1 the same way). With `Shard(1)` each rank holds rows 0-15
+# or 16-31 of all three experts, the same bytes on both, and the training is the same as one
+# process's either way. Sharding along dim 1 needs that dimension to divide evenly by the
+# number of ranks: FSDP pads only dim 0, and refuses otherwise ("Shard(1) requires even
+# sharding", `foreach_reduce` in `_fsdp_collectives.py`).
+
+
+# %% [markdown]
 # ## A parameter FSDP leaves alone
 #
 # `fully_shard(..., ignored_params={p})` leaves `p` out of FSDP: it is not sharded (a
@@ -483,6 +561,8 @@ for reduce_it in (False, True):
 # - Layers whose parameters some ranks leave unused (experts) need
 #   `set_reduce_scatter_unused_params(True)`, or every expert called on every rank:
 #   {ref}`tip-reduce-scatter-unused-params`.
+# - Stacked experts split unevenly along dim 0; `shard_placement_fn` can split them along
+#   another dimension that divides evenly: {ref}`tip-shard-placement-fn`.
 # - A parameter in `ignored_params` is yours to reduce: {ref}`tip-ignored-params`.
 #
 # Every public FSDP2 name, and where it is executed: {ref}`fsdp2-map`.
