@@ -237,6 +237,19 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     assert s1 == s2 == q1 == q2 == "5" and s_held == q_held == "1.50"
 
 
+def test_tensor_parallel_names_the_data_parallel_dimensions_with_dp_mesh_dims(executed):
+    text = _text_outputs(executed["tensor_parallel"])
+    layouts = dict(re.findall(r"^(.*): DataParallelMeshDims.*\n((?:  .*\n){3})", text, re.M))
+    hsdp, both, tp = (layouts[k] for k in ("HSDP: replicate over x, shard over y", "FSDP over both: shard over (x, y)",
+                                             "FSDP over x, TP over y"))
+    assert "0.weight  Replicate() over x=2, Shard(dim=0) over y=2" in hsdp
+    assert "0.weight  Shard(dim=0) over x_y=4" in both  # the two dimensions flattened into one
+    assert "0.weight  _StridedShard(dim=0, sf=2) over x=2, Shard(dim=0) over y=2" in tp
+    assert "2.weight  Shard(dim=0) over x=2, Shard(dim=1) over y=2" in tp  # TP's columns, FSDP's rows
+    for layout in (hsdp, both, tp):
+        assert float(layout.rsplit("=", 1)[1]) < 1e-6  # one process's weights
+
+
 def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_trap_clipping_and_resharding(executed):
     text = _text_outputs(executed["tensor_parallel"])
     lines = text.splitlines()

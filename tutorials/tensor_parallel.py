@@ -496,10 +496,9 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 # replicates, the second shards. `fully_shard` requires a 2D mesh to have dimension
 # names (`_validate_mesh`), but does not interpret them: `_get_mesh_info` (both in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_init.py`) takes dimension 0 to replicate and
-# dimension 1 to shard, so `dp` here replicates and `tp` shards. (torch 2.13's
+# dimension 1 to shard, so `dp` here replicates and `tp` shards. (Since torch 2.12,
 # `fully_shard` also takes a `dp_mesh_dims` argument that names a mesh's data-parallel
-# dimensions; this page keeps to passing `mesh["dp"]`, which every torch version it
-# supports accepts.)
+# dimensions: {ref}`below <tp-dp-mesh-dims>`.)
 
 # %%
 from torch.distributed.fsdp import FSDPModule
@@ -559,7 +558,106 @@ for name, (placement, width, held, collectives, loss) in launch(both_ways, world
 # For HSDP, the batch should differ across *all* ranks (it is data parallel over 4),
 # otherwise half the compute repeats; for FSDP x TP, pass `mesh["dp"]` to `fully_shard`
 # after `parallelize_module` over `mesh["tp"]`.
+
+# %% [markdown]
+# (tp-dp-mesh-dims)=
+# ### Naming the data-parallel dimensions: `dp_mesh_dims`
 #
+# Since torch 2.12, `fully_shard` can take the whole mesh and be told which dimensions are
+# data parallel: `dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)`, each a
+# dimension's name or a tuple of names (flattened into one). The parameters must then be
+# DTensors on that whole mesh, with `Replicate()` on the data-parallel dimensions (its
+# docstring); `distribute_module` makes them so. Three roles for the two dimensions of one
+# 2 x 2 mesh, named `x` and `y` so that nothing but `dp_mesh_dims` gives them a meaning; in
+# the third, `y` is tensor parallel by placement alone (the first layer's rows and the
+# second's columns split over `y`; DTensor works out the collectives). Each trains for 2
+# steps against one process on the data-parallel ranks' batches:
+#
+# (fsdp2-fully-shard-dp-mesh-dims)=
+# (fsdp2-dataparallelmeshdims)=
+# (fsdp2-dataparallelmeshdims-shard)=
+# (fsdp2-dataparallelmeshdims-replicate)=
+
+# %%
+import torch.nn as nn
+from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.tensor import distribute_module, distribute_tensor
+
+ROLES = {
+    "HSDP: replicate over x, shard over y": DataParallelMeshDims(replicate="x", shard="y"),
+    "FSDP over both: shard over (x, y)": DataParallelMeshDims(shard=("x", "y")),
+    "FSDP over x, TP over y": DataParallelMeshDims(shard="x"),
+}
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def small_batch(i):
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+
+
+def split_over_y(name, module, mesh):
+    """Tensor parallelism by placements alone: layer 0's rows and layer 2's columns over y."""
+    for what, p in list(module.named_parameters(recurse=False)):
+        over_y = Shard(0) if name == "0" else Shard(1) if what == "weight" else Replicate()
+        module.register_parameter(what, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), over_y])))
+
+
+def as_replicated(module, inputs, mesh):
+    """Each rank's own batch, entered as Replicate() on every dimension: FSDP reduces the gradients over x, y."""
+    return tuple(DTensor.from_local(x, mesh, [Replicate(), Replicate()]) for x in inputs)
+
+
+def train_on_named_dims(roles):
+    device = fsdp_guide.device()
+    mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("x", "y"))
+    tp = roles.replicate is None and roles.shard == "x"
+    model = small_mlp().to(device)
+    distribute_module(model, mesh, partition_fn=split_over_y if tp else None, input_fn=as_replicated)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, dp_mesh_dims=roles)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=roles)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = mesh["x"].get_local_rank() if tp else dist.get_rank()  # a TP pair shares its batch
+    for step in range(2):
+        model(small_batch(10 * step + batch).to(device)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    placements = {row.name: row.placement for row in describe_sharding(model)}
+    return placements, {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
+
+
+def one_process_small(batches):
+    model = small_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        (sum(model(small_batch(10 * step + b)).square().mean() for b in range(batches)) / batches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+for name, roles in ROLES.items():
+    reference = one_process_small(2 if name.endswith("TP over y") else 4)  # here, in the notebook: one process
+    placements, weights = launch(train_on_named_dims, roles, world_size=4, output="none")[0]
+    error = max((weights[p] - reference[p]).abs().max().item() for p in reference)
+    print(f"{name}: {roles}\n  0.weight  {placements['0.weight']}\n  2.weight  {placements['2.weight']}\n"
+          f"  max |weights - one process| after 2 steps = {error:.1e}")
+
+# %% [markdown]
+# The same mesh, three layouts: HSDP's `Replicate()` over `x` and `Shard(dim=0)` over `y`
+# (what a 2D mesh passed alone gives, by position); FSDP over all 4 ranks, the two
+# dimensions flattened into one named `x_y`; and FSDP over `x` on top of `y`'s tensor
+# parallelism, with the `_StridedShard` of FSDP x TP shown above. Every layout trains as
+# one process does. Passing `mesh["dp"]` after `parallelize_module` over `mesh["tp"]`, as
+# this page does elsewhere, works on every supported torch; `dp_mesh_dims` is for
+# parameters that are already DTensors on the whole mesh.
+
+
+# %% [markdown]
 # (tp-edge-layers)=
 # ## The embedding and the output layer
 #
