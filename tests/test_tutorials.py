@@ -503,6 +503,18 @@ def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(ex
     assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text
 
 
+def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
+    text = _text_outputs(executed["memory"])
+    policies = dict(re.findall(r"((?:CPU)?OffloadPolicy\([^)]*\)):\n+((?:    .*\n)+)", text))
+    for policy in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)"):
+        rows = dict((line[4:26].strip(), line[26:].strip()) for line in policies[policy].splitlines())
+        assert {rows[k] for k in ("batch", "gathered for forward", "parameter shards", "gradients",
+                                  "optimizer state")} == {"cpu"}  # CPU ranks: nothing to offload from
+    measured = [re.search(r"measure\s+(.*)", policies[p])[1] for p in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)")]
+    assert measured[0] == measured[1]
+    assert "fully_shard            RuntimeError: Cannot access accelerator device" in policies["CPUOffloadPolicy(pin_memory=True)"]
+
+
 def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     text = _text_outputs(executed["memory"])
     totals = {line.split()[0]: line.split()[-1] for line in text.splitlines()

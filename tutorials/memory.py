@@ -21,7 +21,8 @@
 #   state), reproduced by {func}`fsdp_guide.memory.estimate` for its Figure 1;
 # - how to count what a rank really holds with {func}`fsdp_guide.memory.measure`, and
 #   that the two agree on real ranks, up to FSDP's padding;
-# - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2.
+# - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2;
+# - where `CPUOffloadPolicy` puts each rank's states, and what it needs.
 #
 # **What you need**: a CPU; 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
@@ -168,11 +169,75 @@ axes[0].legend()
 fig.tight_layout()
 
 # %% [markdown]
+# ## Offloading to the CPU: `CPUOffloadPolicy`
+#
+# `fully_shard(..., offload_policy=CPUOffloadPolicy())` keeps each rank's shards of the
+# parameters, their gradients and the optimizer state in CPU memory: per its docstring,
+# FSDP copies the shards to the device before each all-gather, copies the reduced
+# gradients back, and the optimizer steps on the CPU. `OffloadPolicy()`, the default,
+# offloads nothing. Below, after one step, the device of each, under the default, under
+# `CPUOffloadPolicy(pin_memory=False)`, and under `CPUOffloadPolicy()` with its default
+# `pin_memory=True`:
+#
+# (fsdp2-fully-shard-offload-policy)=
+# (fsdp2-cpuoffloadpolicy)=
+# (fsdp2-offloadpolicy)=
+
+# %%
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+
+def devices(tensors):
+    return ", ".join(sorted({str(t.device) for t in tensors}))
+
+
+def where_states_live(policy):
+    device = fsdp_guide.device()
+    model = transformer().to(device)
+    try:
+        for layer in model.layers:
+            fully_shard(layer, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+    except RuntimeError as error:
+        return {"fully_shard": f"{type(error).__name__}: {error}"}
+    gathered = []  # after FSDP's own pre-forward hook: the gathered weight the layer computes with
+    model.layers[0].register_forward_pre_hook(lambda layer, args: gathered.append(layer.linear1.weight))
+    optimizer = torch.optim.Adam(model.parameters())
+    one_step(model, optimizer, device)
+    moments = [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
+    return {"batch": str(device), "gathered for forward": devices(gathered[:1]),
+            "parameter shards": devices(p.to_local() for p in model.parameters()),
+            "gradients": devices(p.grad.to_local() for p in model.parameters()),
+            "optimizer state": devices(m.to_local() for m in moments), "measure": str(measure(model, optimizer))}
+
+
+for policy in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=False), CPUOffloadPolicy()):
+    print(f"{policy}:")
+    for what, where in launch(where_states_live, policy, world_size=2, output="none")[0].items():
+        print(f"    {what:22} {where}")
+
+# %% [markdown]
+# On these CPU ranks every row reads `cpu` under every policy: there is no other memory to
+# offload from, so offloading moves nothing here and this cell shows no saving (the
+# measured totals are equal). What the cell shows is where to look; with GPU ranks, the
+# same code is meant to print `cuda:N` for every row without offloading, and, with
+# `CPUOffloadPolicy`, `cpu` for the shards, the gradients and the optimizer state, with
+# only the gathered parameters on the GPU (per the docstring; no GPU run of this page is
+# recorded, see the box below). The default `pin_memory=True` pins those CPU tensors
+# (page-locked memory, for faster copies that can overlap compute); pinning needs an
+# accelerator, and on this CPU-only torch `fully_shard` refuses when it makes the shards:
+# the third case. Offloading costs a host-to-device copy of every shard before each
+# all-gather and a device-to-host copy of every gradient, and an optimizer step on the
+# CPU: it is for a model whose sharded states do not fit in device memory.
+
+
+# %% [markdown]
 # (memory-tips)=
 # ## The tips behind this
 #
 # - {ref}`tip-memory-estimate`
 # - {ref}`tip-fsdp-config`: the strategies come from one dictionary.
+# - {ref}`tip-cpu-offload`: what offloading costs, and `pin_memory` on a CPU-only torch.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

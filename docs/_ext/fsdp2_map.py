@@ -38,7 +38,7 @@ MAP = {
     "fully_shard(reshard_after_forward=)": Entry("2.9", "Free the gathered parameters after forward (True), keep them for backward (False), or reshard to an int-sized group.", "communication"),
     "fully_shard(shard_placement_fn=)": Entry("2.9", "Per parameter, the dim to shard on (Shard(dim)) instead of dim 0.", page="fsdp2_controls"),
     "fully_shard(mp_policy=)": Entry("2.9", "The unit's MixedPrecisionPolicy.", "mixed_precision"),
-    "fully_shard(offload_policy=)": Entry("2.9", "OffloadPolicy() (none) or CPUOffloadPolicy(): sharded state kept on the CPU."),
+    "fully_shard(offload_policy=)": Entry("2.9", "OffloadPolicy() (none) or CPUOffloadPolicy(): sharded state kept on the CPU.", page="memory"),
     "fully_shard(ignored_params=)": Entry("2.9", "Parameters FSDP leaves alone: not sharded, not moved, their gradients not reduced.", "fsdp2_controls"),
     "fully_shard(dp_mesh_dims=)": Entry("2.12", "Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors.", page="tensor_parallel"),
     "FSDPModule": Entry("2.9", "The class fully_shard mixes into a sharded module; it carries the methods below.", "enable_wrap"),
@@ -80,8 +80,8 @@ MAP = {
     "MixedPrecisionPolicy.output_dtype": Entry("2.9", "The dtype the unit's forward outputs are cast to.", page="mixed_precision"),
     "MixedPrecisionPolicy.cast_forward_inputs": Entry("2.9", "Whether the unit casts its floating-point forward inputs to param_dtype.", page="mixed_precision"),
     "MixedPrecisionPolicy.param_dtype_override_fn": Entry("2.15", "Per parameter, a dtype that overrides param_dtype (e.g. keep norms in fp32)."),
-    "OffloadPolicy": Entry("2.9", "No offloading: the default offload_policy."),
-    "CPUOffloadPolicy": Entry("2.9", "Keeps sharded parameters, gradients and optimizer states on the CPU; copies to the device for compute."),
+    "OffloadPolicy": Entry("2.9", "No offloading: the default offload_policy.", page="memory"),
+    "CPUOffloadPolicy": Entry("2.9", "Keeps sharded parameters, gradients and optimizer states on the CPU; copies to the device for compute.", page="memory"),
     "CPUOffloadPolicy.pin_memory": Entry(
         "2.9", "Pins the CPU copies so host-to-device copies can be asynchronous (default True).",
         gpu="pinning needs an accelerator (`Tensor.pin_memory()` in `_fsdp_param.py`); on a CPU-only build it "
