@@ -95,8 +95,17 @@ def _steps(model, optimizer, tokens, steps) -> list[float]:
     return losses
 
 
-def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(saved, tmp_path):
-    path, _ = saved
+@pytest.fixture(scope="module")
+def saved_41_rows(tmp_path_factory):
+    """The tiny Llama with 41 vocabulary rows: 2 ranks hold 21 and 20 rows of the tied embedding and head."""
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama-41"
+    _llama(vocab_size=41).save_pretrained(path)
+    return path, None
+
+
+@pytest.mark.parametrize("weights", ["saved", "saved_41_rows"], ids=["even-shards", "uneven-tied-shards"])
+def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, tmp_path, request):
+    path, _ = request.getfixturevalue(weights)
     tokens = torch.arange(32).reshape(4, 8) % 40  # 2 rows per rank, each the same length: mean of means = mean
     sharded = launch(_train, path, tmp_path / "tuned", 3, tokens, world_size=2, output="none")[0]
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
-from fsdp_guide.recipes.train_llm import TrainConfig, train
+from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
 from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
 
 K = 4  # steps between checkpoints
@@ -110,6 +110,24 @@ def test_resume_on_a_different_number_of_ranks_reshards(saved_at_k, straight, wo
     resumed = run(world_size, checkpoint_dir=str(saved_at_k), resume="latest")
     # the same global batches, reduced in another order: equal up to float rounding
     assert resumed["losses"] == pytest.approx(straight[K:], rel=1e-5)
+
+
+def _tied_after_sharding_and_losses(config):
+    model = build_model(config, torch.device("cpu"), torch.float32)
+    return model.lm_head.weight is model.tok_emb.weight, train(config)["losses"]
+
+
+def test_the_tied_embedding_and_head_train_as_one_process_on_uneven_shards():
+    # 3 ranks split the 256 rows of the tied embedding and head 86/85/85, and every 32-wide matrix
+    # 11/11/10: the shared weight is in the root unit, and each rank's slice of it is updated
+    from fsdp_guide.gpt import GPT
+
+    config = dataclasses.replace(SMALL, batch_size=6, steps=3, log_every=1)
+    assert GPT(config.model_config()).tok_emb.weight.shape[0] % 3 and config.n_embd % 3  # uneven on 3 ranks
+    (tied, three), *_ = launch(_tied_after_sharding_and_losses, config, world_size=3, output="none")
+    one = launch(train, config, world_size=1, output="none")[0]["losses"]
+    assert tied  # one tensor after fully_shard, as in the plain model
+    assert three == pytest.approx(one, rel=1e-5)  # the same global batches, reduced in another order
 
 
 def _resume_error(config) -> str:

@@ -154,3 +154,54 @@ def test_a_tied_embedding_and_head_stay_in_one_unit_and_train_like_one_process(h
     assert "" in units and len(units) > 1 and not {"tok_emb", "lm_head"} & set(units), units
     _, single = _tied_gpt_training("one process")
     assert max(abs(a - b) for a, b in zip(sharded, single, strict=True)) < 1e-5
+
+
+class _TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight of 41 rows: 2 ranks hold 21 and 20."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.body, self.head = nn.Embedding(41, 16), nn.Linear(16, 16), nn.Linear(16, 41, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+def _tied_lm_training(units, steps=3):
+    """Three SGD steps; whether the weight is still shared, and the embedding's weight after them."""
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.fsdp import fully_shard
+
+    model = _TiedLM()
+    if units == "separate":
+        fully_shard(model.emb), fully_shard(model.head)
+    elif units == "one":
+        fully_shard([model.emb, model.head])  # the fix: one unit for both users of the weight
+    if units != "one process":
+        fully_shard(model)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if units != "one process" else (1, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        ids = torch.randint(0, 41, (4, 8), generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
+        nn.functional.cross_entropy(model(ids[:, :-1]).reshape(-1, 41), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weight = model.emb.weight
+    return model.head.weight is weight, (weight.full_tensor() if isinstance(weight, dt.DTensor) else weight.detach())
+
+
+def test_tied_weights_in_separate_units_are_refused_on_2_13_and_later_and_silently_untied_before():
+    from fsdp_guide import LaunchError
+
+    _, alone = _tied_lm_training("one process")
+    if torch.__version__ >= (2, 13):
+        with pytest.raises(LaunchError, match="already managed by another FSDP group"):
+            launch(_tied_lm_training, "separate", world_size=2, output="none")
+    else:  # torch 2.9.1, the oldest supported: no error, two weights trained apart
+        tied, weight = launch(_tied_lm_training, "separate", world_size=2, output="none")[0]
+        assert not tied and (weight - alone).abs().max() > 1e-2
+    tied, weight = launch(_tied_lm_training, "one", world_size=2, output="none")[0]
+    assert tied and (weight - alone).abs().max() < 1e-5  # every row of the uneven shards updated as one process
