@@ -717,6 +717,11 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert "Shard(dim=0) over mesh 2  [0:2, :, :]" in placed[0] and "[2:3, :, :]" in placed[0]  # 2 experts and 1
     assert "Shard(dim=1) over mesh 2  [:, 0:16, :]" in placed[1] and "[:, 16:32, :]" in placed[1]  # rows of all 3
     assert all(float(p.split("= ")[1].split()[0]) < 1e-6 for p in placed)  # one process's weights either way
+    tied = {line[:20].strip(): line[20:] for line in text.splitlines()
+            if line.startswith(("a unit each", "one unit for both", "the root holds both"))}
+    assert "raised ValueError: Parameter 'head.weight' is shared with a parameter already managed" in tied["a unit each"]
+    for units in ("one unit for both", "the root holds both"):
+        assert "still tied: True" in tied[units] and float(tied[units].rsplit("=", 1)[1]) < 1e-5
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
 def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):

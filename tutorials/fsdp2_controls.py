@@ -13,7 +13,7 @@
 
 # %% [markdown]
 # (tutorial-fsdp2-controls)=
-# # FSDP2's controls: prefetching, skipped gathers, a failed step, unused experts, placements, ignored parameters
+# # FSDP2's controls: prefetching, skipped gathers, a failed step, unused experts, placements, tied weights, ignored parameters
 #
 # **What you will learn**
 #
@@ -27,6 +27,8 @@
 # - why experts that get no tokens on a rank break the gradient reduction, silently or not,
 #   and how `set_reduce_scatter_unused_params(True)` fixes it;
 # - how `shard_placement_fn` splits a parameter along another dimension (stacked experts);
+# - why a tied embedding and output layer belong in one unit, what torch 2.13 and 2.9.1 do
+#   otherwise, and the fix;
 # - what `ignored_params` leaves to you.
 #
 # **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
@@ -496,6 +498,86 @@ for split_rows in (False, True):
 
 
 # %% [markdown]
+# ## Tied weights: one unit for both users
+#
+# A language model often ties its output layer to its embedding: one weight, used twice.
+# FSDP2 shards a weight in the unit that owns it, so an embedding and an output layer each
+# given its own `fully_shard` would give the shared weight two owners. Below, a model whose
+# embedding and output layer share one weight of 41 rows (21 and 20 on the 2 ranks: uneven,
+# where a reported bug lived, pytorch/pytorch#176076), sharded with a unit for each, with
+# one unit for both (`fully_shard([model.emb, model.head])`), and with the root holding
+# both, each trained 3 steps against one process:
+
+# %%
+TIED_VOCAB = 41
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.body = nn.Embedding(TIED_VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, TIED_VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two users
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+def train_tied(units):
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.fsdp import fully_shard
+
+    device = fsdp_guide.device()
+    model = TiedLM().to(device)
+    if units == "a unit each":
+        fully_shard(model.emb)
+        fully_shard(model.head)
+    elif units == "one unit for both":
+        fully_shard([model.emb, model.head])
+    if units != "one process":
+        fully_shard(model)
+    world, rank = (1, 0) if units == "one process" else (dist.get_world_size(), dist.get_rank())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        ids = torch.randint(0, TIED_VOCAB, (BATCH, 6), generator=torch.Generator().manual_seed(step))
+        ids = ids.chunk(world)[rank].to(device)
+        logits = model(ids[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, TIED_VOCAB), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weight = model.emb.weight
+    return model.head.weight is weight, (weight.full_tensor() if isinstance(weight, dt.DTensor) else weight).detach().cpu()
+
+
+_, alone = launch(train_tied, "one process", world_size=1, output="none")[0]
+for units in ("a unit each", "one unit for both", "the root holds both"):
+    try:
+        tied, weight = launch(train_tied, units, world_size=2, output="none")[0]
+        print(f"{units:20} still tied: {tied}; max |weight - one process| after 3 steps = "
+              f"{(weight - alone).abs().max():.1e}")
+    except fsdp_guide.LaunchError as failure:
+        print(f"{units:20} {str(failure).splitlines()[0]}")
+
+# %% [markdown]
+# On torch 2.13 a unit each is refused, with the fix in the message; one unit for both, or
+# leaving both to the root, trains every row of both ranks' uneven shards as one process
+# does. Older torch does not refuse: on torch 2.9.1, the oldest this guide supports, the
+# same two calls run without an error and untie the weight. The second `fully_shard`
+# shards the output layer's reference to the original weight into a second parameter, and
+# the embedding and the output layer then train apart, every row off from one process
+# (`test_tied_weights_in_separate_units_are_refused_on_2_13_and_later_and_silently_untied_before`
+# in `tests/test_wrap.py` checks both behaviours, run by `nox -s "torch(oldest)"` and
+# `nox -s tests`). The report in pytorch/pytorch#176076, where only the last rank's rows
+# stopped updating, is not what 2.9.1 does with these calls; the versions between 2.9.1 and
+# 2.13 were not run here (huggingface/accelerate#4171 dates the refusal to torch 2.13).
+# Everything in `fsdp_guide` that shards a model keeps a tied weight in one unit: `shard`
+# and `auto_wrap` never make a unit of a module that shares a parameter with one outside it,
+# and the LLM recipe and `hf.from_pretrained` leave the embedding and the output layer to the root.
+
+
+# %% [markdown]
 # ## A parameter FSDP leaves alone
 #
 # `fully_shard(..., ignored_params={p})` leaves `p` out of FSDP: it is not sharded (a
@@ -563,6 +645,8 @@ for reduce_it in (False, True):
 #   {ref}`tip-reduce-scatter-unused-params`.
 # - Stacked experts split unevenly along dim 0; `shard_placement_fn` can split them along
 #   another dimension that divides evenly: {ref}`tip-shard-placement-fn`.
+# - A weight shared by two modules (a tied embedding and output layer) goes in one unit,
+#   `fully_shard([embedding, output])` or the root: {ref}`tip-tied-weights-one-unit`.
 # - A parameter in `ignored_params` is yours to reduce: {ref}`tip-ignored-params`.
 #
 # Every public FSDP2 name, and where it is executed: {ref}`fsdp2-map`.
