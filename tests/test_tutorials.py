@@ -454,6 +454,11 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
 def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     text = _text_outputs(executed["pitfalls"])
     assert "optimizer built before sharding: losses [1.15356, 1.15356, 1.15356]" in text
+    orders = {line[:30].strip(): line[30:] for line in text.splitlines()
+              if line.startswith(("optimizer, then forward", "forward, then optimizer", "forward, reshard()"))}
+    assert orders["forward, then optimizer"] == " the optimizer holds ['Parameter']; losses [1.15356, 1.15356, 1.15356]"
+    assert orders["optimizer, then forward"] == orders["forward, reshard(), optimizer"]  # the shards, and it trains
+    assert "['DTensor']" in orders["optimizer, then forward"] and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
     assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text

@@ -19,7 +19,7 @@
 # then fixed, on FSDP2 and, where it differs, FSDP1:
 #
 # 1. clipping gradients by a shard's norm instead of the global norm;
-# 2. building the optimizer before sharding;
+# 2. building the optimizer before sharding, or after a forward;
 # 3. calling a method other than `forward` on an FSDP2 module;
 # 4. editing weights outside forward and backward;
 # 5. expecting DDP's results from an optimizer that is not pointwise;
@@ -137,7 +137,7 @@ for rank, (_, (local, total)) in enumerate(results):
 # `DTensor`; `.full_tensor()` makes it a number). With FSDP1, call the module's own
 # `clip_grad_norm_`: the generic function only sees this rank's flat shard.
 #
-# ## 2. Build the optimizer after sharding
+# ## 2. Build the optimizer after sharding, before any forward
 #
 # Sharding replaces each parameter with a new one (a `DTensor` shard). An optimizer built
 # before holds the old tensors, which no longer receive gradients: it steps nothing, and
@@ -168,6 +168,52 @@ before, after = launch(lambda: [train_three_steps(first) for first in (True, Fal
                        output="none")[0]
 print(f"optimizer built before sharding: losses {before}")
 print(f"optimizer built after sharding:  losses {after}")
+
+# %% [markdown]
+# A forward between sharding and building the optimizer does the same to the root's
+# parameters (pytorch/pytorch#149205). FSDP2 does not reshard the root after its forward,
+# since backward comes next and would gather it again (`fully_shard` sets
+# `reshard_after_forward=False` for the root when it initialises, in `_lazy_init`), so
+# until the next backward the root's parameters are the gathered plain tensors, and
+# `model.parameters()` hands those to the optimizer. Below, the whole model one unit (the
+# root), and a forward before the optimizer, as a check of the untrained model's loss
+# would do:
+
+# %%
+def forward_before_the_optimizer(order):
+    device = fsdp_guide.device()
+    model = fully_shard(make_model())  # one unit: the root holds every parameter
+    x, y = batch()
+    x, y = x.to(device), y.to(device)
+    if order != "optimizer, then forward":
+        with torch.no_grad():
+            model(x)  # the untrained model's output
+        if order == "forward, reshard(), optimizer":
+            model.reshard()  # back to the shards
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    kinds = sorted({type(p).__name__ for p in optimizer.param_groups[0]["params"]})
+    losses = []
+    for _ in range(3):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 5))
+    return kinds, losses
+
+
+ORDERS = ("optimizer, then forward", "forward, then optimizer", "forward, reshard(), optimizer")
+for order, (kinds, losses) in zip(ORDERS, launch(lambda: [forward_before_the_optimizer(o) for o in ORDERS],
+                                                 output="none")[0]):
+    print(f"{order:30} the optimizer holds {kinds}; losses {losses}")
+
+# %% [markdown]
+# After a forward the optimizer holds plain `Parameter`s, the gathered copies that the
+# next reshard frees, and the loss never moves; `model.reshard()` before building it, or
+# building it before any forward, gives it the `DTensor` shards. The same happens on
+# torch 2.9.1 (`tests/test_sharp_edges.py` checks it on the oldest and newest supported
+# torch).
+
 
 # %% [markdown]
 # ## 3. Methods other than `forward` on FSDP2 modules
