@@ -459,6 +459,11 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert orders["forward, then optimizer"] == " the optimizer holds ['Parameter']; losses [1.15356, 1.15356, 1.15356]"
     assert orders["optimizer, then forward"] == orders["forward, reshard(), optimizer"]  # the shards, and it trains
     assert "['DTensor']" in orders["optimizer, then forward"] and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
+    strategy = {line[:18].strip(): line[18:] for line in text.splitlines()
+                if line.startswith(("on the DTensor", "to_local()", "register_sharding "))}
+    assert "NotImplementedError: Operator aten.renorm.default does not have a sharding strategy" in strategy["on the DTensor"]
+    for way in ("to_local()", "register_sharding"):
+        assert "largest row norm 0.500" in strategy[way] and float(strategy[way].rsplit("=", 1)[1]) < 1e-6
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
     assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text

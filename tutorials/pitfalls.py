@@ -15,7 +15,7 @@
 # (tutorial-pitfalls)=
 # # Pitfalls: the wrong way failing, the right way working
 #
-# **What you will learn**: six mistakes FSDP users keep making, each shown failing and
+# **What you will learn**: seven mistakes FSDP users keep making, each shown failing and
 # then fixed, on FSDP2 and, where it differs, FSDP1:
 #
 # 1. clipping gradients by a shard's norm instead of the global norm;
@@ -23,7 +23,8 @@
 # 3. calling a method other than `forward` on an FSDP2 module;
 # 4. editing weights outside forward and backward;
 # 5. expecting DDP's results from an optimizer that is not pointwise;
-# 6. putting activation checkpointing around an FSDP unit instead of inside it.
+# 6. putting activation checkpointing around an FSDP unit instead of inside it;
+# 7. running code on DTensors that DTensor has no sharding strategy for.
 #
 # **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): each rank computes on
@@ -509,6 +510,80 @@ for api, impl, where, gathers, scatters, error in rows:
 # and warns, and the hook warns that it fires where no input of the module requires grad.
 
 # %% [markdown]
+# ## 7. Code on DTensors with no sharding strategy
+#
+# Under FSDP2 every parameter, gradient and optimizer state is a `DTensor`, and each
+# operation on one needs a sharding strategy: a rule for which input placements it
+# accepts and what it returns. Most operations have one; code an optimizer or a training
+# loop adds can meet one without. Below, a max-norm constraint that rescales each row of
+# each weight to a norm of at most 0.5 after every step, `weight.renorm(2, 0, 0.5)`. The two
+# ways out: apply it to the rank's own shard (`to_local()`), which is right for
+# elementwise code and for code that works on whole rows, since FSDP shards dimension 0;
+# or tell DTensor which placements the operation accepts with `register_sharding`. Each
+# trains 3 steps against one process:
+
+# %%
+MAX_ROW_NORM = 0.5
+
+
+def renorm_sharded_rows(x, p, dim, maxnorm):
+    """renorm's placements: each slice along `dim` is rescaled alone, so split along `dim` it stays on one rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [([Shard(dim)], [Shard(dim), None, None, None]), ([Replicate()], [Replicate(), None, None, None])]
+
+
+def train_with_row_max_norm(how):
+    device = fsdp_guide.device()
+    model = make_model()
+    if how != "one process":
+        shard_each_linear(model)
+    if how == "register_sharding":
+        from torch.distributed.tensor.experimental import register_sharding
+        from torch.ops import aten
+
+        register_sharding(aten.renorm.default)(renorm_sharded_rows)  # in this process only
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch()
+    x, y = x.to(device), y.to(device)
+    if how != "one process":
+        x, y = my_slice(x), my_slice(y)
+    for _ in range(3):
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for weight in (model[0].weight, model[2].weight):
+                if how == "to_local()":  # the rank's rows: FSDP shards dimension 0
+                    weight.to_local().copy_(weight.to_local().renorm(2, 0, MAX_ROW_NORM))
+                else:  # one process, the DTensor as it is, or with the strategy registered
+                    weight.copy_(weight.renorm(2, 0, MAX_ROW_NORM))
+    return [(w.full_tensor() if how != "one process" else w).detach().cpu() for w in (model[0].weight, model[2].weight)]
+
+
+alone = launch(train_with_row_max_norm, "one process", world_size=1, output="none")[0]
+for how in ("on the DTensor", "to_local()", "register_sharding"):
+    try:
+        weights = launch(train_with_row_max_norm, how, world_size=2, output="none")[0]
+        error = max((w - a).abs().max().item() for w, a in zip(weights, alone))
+        largest = max(w.norm(dim=1).max().item() for w in weights)
+        print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
+    except fsdp_guide.LaunchError as failure:
+        print(f"{how:18} {str(failure).splitlines()[0]}")
+
+# %% [markdown]
+# On the DTensor the step fails with DTensor's message. On the rank's own rows it is
+# right, but only because renorm works row by row and every row is whole on one rank: an
+# operation that mixes rows (a norm over the whole matrix, as the first pitfall shows for
+# clipping) would compute on the shard alone. `register_sharding` says so once for
+# DTensor, which then runs the operation on each rank's shard when the placements match
+# and redistributes when they do not. The function it registers must be true for the
+# operation: a strategy that accepts a placement the operation cannot work on gives wrong
+# numbers without an error. `register_sharding` is experimental in torch 2.13 (its
+# docstring).
+
+
+# %% [markdown]
 # (pitfalls-tips)=
 # ## The tips behind these
 #
@@ -518,6 +593,7 @@ for api, impl, where, gathers, scatters, error in rows:
 # 4. {ref}`tip-edit-weights-summon`
 # 5. {ref}`tip-pointwise-optimizers`
 # 6. {ref}`tip-checkpoint-inside-unit`
+# 7. {ref}`tip-no-sharding-strategy`
 #
 # Why a rank holds only part of each tensor: {ref}`fsdp-how-it-works`.
 
