@@ -67,7 +67,8 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once",
                  "test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do",
                  "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not",
-                 "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported"]
+                 "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported",
+                 "test_a_notebook_kernel_that_launched_shuts_down_by_itself"]
 
 
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version

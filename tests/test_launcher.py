@@ -894,3 +894,20 @@ def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_
     while (_processes_with(token) or server.is_running()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _processes_with(token) == [] and not (server.is_running() and server.status() != psutil.STATUS_ZOMBIE)
+
+
+def test_a_notebook_kernel_that_launched_shuts_down_by_itself():
+    """ipykernel waits at shutdown for its process group's children to be gone, zombies included; the
+    server and the resource tracker must not make it wait until jupyter_client terminates it."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3")
+    try:
+        reply = client.execute_interactive("from fsdp_guide import launch\nlaunch(len, [], world_size=2)\n"
+                                           "launch(len, [], world_size=2)", timeout=60)  # cold, then warm
+        assert reply["content"]["status"] == "ok"
+        kernel = manager.provisioner.process
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)  # nbclient's and myst-nb's: a shutdown request, then waiting
+    assert kernel.returncode == 0  # it exited itself; -15 or -9: jupyter_client had to terminate it

@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from multiprocessing import forkserver, reduction
 
 __all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
@@ -89,6 +88,7 @@ def start_server() -> None:
             return
         if _server is not None:  # torch's environment changed: this launch ran cold; the next ones need a new server
             _retire(_server)
+        _start_resource_tracker_apart()
         server = forkserver.ForkServer()
         server.set_forkserver_preload(_preload())
         python_path = os.environ.get("PYTHONPATH")
@@ -107,6 +107,49 @@ def start_server() -> None:
             else:
                 os.environ["PYTHONPATH"] = python_path
         _server, _server_for = server, _what_torch_would_be()
+        threading.Thread(target=_reap_when_it_exits, args=(server,), daemon=True).start()
+
+
+def _start_resource_tracker_apart() -> None:
+    """Start multiprocessing's resource tracker, which the forkserver needs, in a process group of its own.
+
+    At shutdown a Jupyter kernel terminates the children in its process group with SIGTERM
+    and waits for them to go (``_progressively_terminate_all_children`` in ipykernel's
+    ``kernelbase.py``); the tracker ignores SIGTERM and exits only when the last writer of
+    its pipe closes, so the kernel waited until jupyter_client killed it: 2.5 s for every
+    notebook that launched. Apart, it is left out, and it exits once the kernel and the
+    server (which the kernel does terminate) have closed the pipe. Written by hand because
+    ``resource_tracker.ensure_running`` starts it in the caller's group; the same command
+    and the same attributes, so ``ensure_running`` finds it running. A tracker already
+    running (started by other code) is left as it is.
+    """
+    from multiprocessing import resource_tracker, spawn, util
+
+    tracker = resource_tracker._resource_tracker
+    with tracker._lock:
+        if tracker._fd is not None:
+            return
+        r, w = os.pipe()
+        try:
+            # SIGINT and SIGTERM blocked until it has set them to be ignored, as the stdlib does (bpo-33613)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                process = subprocess.Popen(
+                    [spawn.get_executable(), *util._args_from_interpreter_flags(), "-c",
+                     f"from multiprocessing.resource_tracker import main;main({r})"],
+                    pass_fds=[r], start_new_session=True)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        _trackers.append(process)  # waited for by its Popen: no zombie once it exits
+        tracker._fd, tracker._pid = w, process.pid
+
+
+_trackers: list[subprocess.Popen] = []
 
 
 def _preload() -> list[str]:
@@ -115,23 +158,34 @@ def _preload() -> list[str]:
 
 
 def _retire(server: forkserver.ForkServer) -> None:
-    """Let an outdated server go: it exits once the ranks forked from it have (they hold its "alive" pipe too)."""
+    """Let an outdated server go: it exits once the ranks forked from it have (they hold its "alive" pipe too),
+    and its reaper (``_reap_when_it_exits``) waits for it."""
+    _retiring.add(server._forkserver_pid)
     os.close(server._forkserver_alive_fd)
-    pid = server._forkserver_pid
-    for _ in range(100):  # with no rank of its own left, it exits at once
-        if os.waitpid(pid, os.WNOHANG)[0]:
-            return
-        time.sleep(0.01)
-    _retiring.add(pid)  # still importing, or slow to shut down on a busy machine: reaped later, without waiting here
-
-    def reap() -> None:
-        os.waitpid(pid, 0)
-        _retiring.discard(pid)
-
-    threading.Thread(target=reap, daemon=True).start()
+    server._forkserver_alive_fd = None
 
 
 _retiring: set[int] = set()  # replaced servers on their way out
+
+
+def _reap_when_it_exits(server: forkserver.ForkServer) -> None:
+    """Wait for the server's exit, so that it does not stay a zombie child of this process.
+
+    At shutdown a Jupyter kernel terminates the children in its process group and waits
+    until none is left, zombies included (``_progressively_terminate_all_children`` in
+    ipykernel's ``kernelbase.py``): unreaped, the server kept the kernel waiting until
+    jupyter_client killed it, 2.5 s for every notebook that launched. multiprocessing reaps
+    its forkserver only when asked to start it again; this thread reaps it instead, and
+    forgets it, so that the next launch starts a new one.
+    """
+    global _server, _server_for
+    pid = server._forkserver_pid
+    os.waitpid(pid, 0)
+    with _lock:
+        _retiring.discard(pid)
+        server._forkserver_pid = None  # reaped: multiprocessing's own check (waitpid) must not look for it
+        if _server is server:
+            _server, _server_for = None, None
 
 
 def server_pids() -> list[int]:
