@@ -116,8 +116,8 @@ def _start_resource_tracker_apart() -> None:
     At shutdown a Jupyter kernel terminates the children in its process group with SIGTERM
     and waits for them to go (``_progressively_terminate_all_children`` in ipykernel's
     ``kernelbase.py``); the tracker ignores SIGTERM and exits only when the last writer of
-    its pipe closes, so the kernel waited until jupyter_client killed it: 2.5 s for every
-    notebook that launched. Apart, it is left out, and it exits once the kernel and the
+    its pipe closes, so the kernel waited until jupyter_client terminated it (after half of
+    ``KernelManager.shutdown_wait_time``, 5 s by default) in every notebook that launched. Apart, it is left out, and it exits once the kernel and the
     server (which the kernel does terminate) have closed the pipe. Written by hand because
     ``resource_tracker.ensure_running`` starts it in the caller's group; the same command
     and the same attributes, so ``ensure_running`` finds it running. A tracker already
@@ -174,7 +174,7 @@ def _reap_when_it_exits(server: forkserver.ForkServer) -> None:
     At shutdown a Jupyter kernel terminates the children in its process group and waits
     until none is left, zombies included (``_progressively_terminate_all_children`` in
     ipykernel's ``kernelbase.py``): unreaped, the server kept the kernel waiting until
-    jupyter_client killed it, 2.5 s for every notebook that launched. multiprocessing reaps
+    jupyter_client terminated it, in every notebook that launched. multiprocessing reaps
     its forkserver only when asked to start it again; this thread reaps it instead, and
     forgets it, so that the next launch starts a new one.
     """
