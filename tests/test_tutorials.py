@@ -584,10 +584,10 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     assert float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
     assert runs["FSDP1 fp16, no scaler"][2] == "100%" and runs["FSDP1 fp16, ShardedGradScaler"][2] == "0%"
     assert text.count("step skipped: True, scale 65536 -> 32768") == 2
-    boundary = {line[:42].strip(): line[42:].strip() for line in text.splitlines() if line.startswith("body bf16")}
+    boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
     assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
     assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"
-    refused = boundary["body bf16 with cast_forward_inputs=False"]  # the float32 input reached the bf16 body
+    refused = boundary["body bf16, output_dtype=float32, cast_forward_inputs=False"]  # the float32 input reached the bf16 body
     assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
 
 

@@ -491,10 +491,11 @@ for split_rows in (False, True):
 # %% [markdown]
 # By default rank 0 holds experts 0 and 1, rank 1 expert 2: twice the bytes on rank 0 (the
 # router's 3 rows split 2 and 1 the same way). With `Shard(1)` each rank holds rows 0-15
-# or 16-31 of all three experts, the same bytes on both, and the training is the same as one
+# or 16-31 of all three experts, the same bytes of the experts' weight on both (6144), and the training is the same as one
 # process's either way. Sharding along dim 1 needs that dimension to divide evenly by the
-# number of ranks: FSDP pads only dim 0, and refuses otherwise ("Shard(1) requires even
-# sharding", `foreach_reduce` in `_fsdp_collectives.py`).
+# number of ranks it is sharded over: FSDP pads only dim 0, and `fully_shard` refuses an
+# uneven split of another ("FSDP does not support uneven sharding on dim 1",
+# `FSDPParam._init_sharded_param` in `_fsdp_param.py`).
 
 
 # %% [markdown]
@@ -561,13 +562,14 @@ for units in ("a unit each", "one unit for both", "the root holds both"):
         print(f"{units:20} {str(failure).splitlines()[0]}")
 
 # %% [markdown]
-# On torch 2.13 a unit each is refused, with the fix in the message; one unit for both, or
+# On torch 2.13 a unit each is refused at the first forward (`_validate_no_duplicate_params`
+# in `_fsdp_state.py`), with the fix in the message; one unit for both, or
 # leaving both to the root, trains every row of both ranks' uneven shards as one process
 # does. Older torch does not refuse: on torch 2.9.1, the oldest this guide supports, the
 # same two calls run without an error and untie the weight. The second `fully_shard`
 # shards the output layer's reference to the original weight into a second parameter, and
-# the embedding and the output layer then train apart, every row off from one process
-# (`test_tied_weights_in_separate_units_are_refused_on_2_13_and_later_and_silently_untied_before`
+# the embedding and the output layer then train apart, the shared weight off from one
+# process by more than 1e-2 (`test_tied_weights_in_separate_units_are_refused_on_2_13_and_later_and_silently_untied_before`
 # in `tests/test_wrap.py` checks both behaviours, run by `nox -s "torch(oldest)"` and
 # `nox -s tests`). The report in pytorch/pytorch#176076, where only the last rank's rows
 # stopped updating, is not what 2.9.1 does with these calls; the versions between 2.9.1 and

@@ -220,11 +220,12 @@ for policy in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=False), CPUOffloadPo
 # On these CPU ranks every row reads `cpu` under every policy: there is no other memory to
 # offload from, so offloading moves nothing here and this cell shows no saving (the
 # measured totals are equal). What the cell shows is where to look; with GPU ranks, the
-# same code is meant to print `cuda:N` for every row without offloading, and, with
+# same code is meant to print `cuda:N` for every device row without offloading, and, with
 # `CPUOffloadPolicy`, `cpu` for the shards, the gradients and the optimizer state, with
 # only the gathered parameters on the GPU (per the docstring; no GPU run of this page is
-# recorded, see the box below). The default `pin_memory=True` pins those CPU tensors
-# (page-locked memory, for faster copies that can overlap compute); pinning needs an
+# recorded, see the box below). The default `pin_memory=True` pins the parameter and
+# gradient shards (page-locked memory, for faster copies that can overlap compute; its
+# docstring); pinning needs an
 # accelerator, and on this CPU-only torch `fully_shard` refuses when it makes the shards:
 # the third case. Offloading costs a host-to-device copy of every shard before each
 # all-gather and a device-to-host copy of every gradient, and an optimizer step on the

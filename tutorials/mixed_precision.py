@@ -255,7 +255,7 @@ POLICIES = {
     "body bf16, head float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
     "body bf16 with output_dtype=float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                 output_dtype=torch.float32),
-    "body bf16 with cast_forward_inputs=False": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    "body bf16, output_dtype=float32, cast_forward_inputs=False": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                      output_dtype=torch.float32,
                                                                      cast_forward_inputs=False),
 }
@@ -278,7 +278,7 @@ def across_the_boundary(body_policy):
 
 
 for name, policy in POLICIES.items():
-    print(f"{name:42} {launch(across_the_boundary, policy, output='none')[0]}")
+    print(f"{name}:\n    {launch(across_the_boundary, policy, output='none')[0]}")
 
 # %% [markdown]
 # The body casts its float32 input to bfloat16 and returns bfloat16, which the float32
@@ -398,8 +398,8 @@ for rank, (unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, out
 #
 # - {ref}`tip-mixed-precision-dtypes`
 # - {ref}`tip-mixed-precision-presets`: the `FULL`/`DEFAULT`/`PURE` configuration presets.
-# - {ref}`tip-mixed-policies-boundary`: a float32 unit after a bfloat16 one needs the
-#   bfloat16 unit's `output_dtype`.
+# - {ref}`tip-mixed-policies-boundary`: a float32 linear unit after a bfloat16 one needs
+#   a cast at the boundary; the bfloat16 unit's `output_dtype` makes it.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

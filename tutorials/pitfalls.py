@@ -172,9 +172,9 @@ print(f"optimizer built after sharding:  losses {after}")
 
 # %% [markdown]
 # A forward between sharding and building the optimizer does the same to the root's
-# parameters (pytorch/pytorch#149205). FSDP2 does not reshard the root after its forward,
-# since backward comes next and would gather it again (`fully_shard` sets
-# `reshard_after_forward=False` for the root when it initialises, in `_lazy_init`), so
+# parameters (pytorch/pytorch#149205). With the default `reshard_after_forward`, FSDP2 does
+# not reshard the root after its forward, since backward comes next and would gather it
+# again (`FSDPState._lazy_init` in `_fsdp_state.py` clears the root's post-forward reshard), so
 # until the next backward the root's parameters are the gathered plain tensors, and
 # `model.parameters()` hands those to the optimizer. Below, the whole model one unit (the
 # root), and a forward before the optimizer, as a check of the untrained model's loss
@@ -512,13 +512,14 @@ for api, impl, where, gathers, scatters, error in rows:
 # %% [markdown]
 # ## 7. Code on DTensors with no sharding strategy
 #
-# Under FSDP2 every parameter, gradient and optimizer state is a `DTensor`, and each
+# Under FSDP2 every parameter, gradient and optimizer moment is a `DTensor`, and each
 # operation on one needs a sharding strategy: a rule for which input placements it
 # accepts and what it returns. Most operations have one; code an optimizer or a training
 # loop adds can meet one without. Below, a max-norm constraint that rescales each row of
 # each weight to a norm of at most 0.5 after every step, `weight.renorm(2, 0, 0.5)`. The two
 # ways out: apply it to the rank's own shard (`to_local()`), which is right for
-# elementwise code and for code that works on whole rows, since FSDP shards dimension 0;
+# elementwise code and for code that works on whole rows, since FSDP shards dimension 0
+# (by default: not with `shard_placement_fn`, nor under tensor parallelism);
 # or tell DTensor which placements the operation accepts with `register_sharding`. Each
 # trains 3 steps against one process:
 
@@ -535,7 +536,7 @@ def renorm_sharded_rows(x, p, dim, maxnorm):
 
 def train_with_row_max_norm(how):
     device = fsdp_guide.device()
-    model = make_model()
+    model = make_model().to(device)
     if how != "one process":
         shard_each_linear(model)
     if how == "register_sharding":
@@ -578,8 +579,9 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
 # clipping) would compute on the shard alone. `register_sharding` says so once for
 # DTensor, which then runs the operation on each rank's shard when the placements match
 # and redistributes when they do not. The function it registers must be true for the
-# operation: a strategy that accepts a placement the operation cannot work on gives wrong
-# numbers without an error. `register_sharding` is experimental in torch 2.13 (its
+# operation: DTensor uses the placements it returns as given (`_register_sharding.py`), so
+# a strategy that accepts a placement the operation cannot work on gives wrong numbers
+# without an error. `register_sharding` is experimental in torch 2.13 (its
 # docstring).
 
 

@@ -563,7 +563,7 @@ for name, (placement, width, held, collectives, loss) in launch(both_ways, world
 # (tp-dp-mesh-dims)=
 # ### Naming the data-parallel dimensions: `dp_mesh_dims`
 #
-# Since torch 2.12, `fully_shard` can take the whole mesh and be told which dimensions are
+# Since torch 2.12 ({ref}`fsdp2-map`), `fully_shard` can take the whole mesh and be told which dimensions are
 # data parallel: `dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)`, each a
 # dimension's name or a tuple of names (flattened into one). The parameters must then be
 # DTensors on that whole mesh, with `Replicate()` on the data-parallel dimensions (its
