@@ -461,8 +461,8 @@ for setting, (totals, equals, error) in launch(every_comm, reference, world_size
 # `set_separate_reduce_scatter_group()` the reduce-scatters run on a process group of their
 # own, created by FSDP (`group_desc="fsdp_reduce_scatter"`), over the same ranks. Per the
 # method's docstring, one NCCL communicator runs one collective at a time, and a second one
-# is meant to let a reduce-scatter progress while the next all-gather runs on GPUs (not
-# measured here, where gloo runs both on the same two CPU cores).
+# is meant to let a reduce-scatter progress on a GPU while the next all-gather is in flight
+# (not measured here, where gloo runs both on the same two CPU cores).
 #
 # ### Reduce-scatters in flight
 #

@@ -117,8 +117,9 @@ def _start_resource_tracker_apart() -> None:
     and waits for them to go (``_progressively_terminate_all_children`` in ipykernel's
     ``kernelbase.py``); the tracker ignores SIGTERM and exits only when the last writer of
     its pipe closes, so the kernel waited until jupyter_client terminated it (after half of
-    ``KernelManager.shutdown_wait_time``, 5 s by default) in every notebook that launched. Apart, it is left out, and it exits once the kernel and the
-    server (which the kernel does terminate) have closed the pipe. Written by hand because
+    ``KernelManager.shutdown_wait_time``, 5 s by default) in every notebook that launched.
+    Apart, it is left out, and it exits once the kernel and the server (which the kernel
+    does terminate) have closed the pipe. Written by hand because
     ``resource_tracker.ensure_running`` starts it in the caller's group; the same command
     and the same attributes, so ``ensure_running`` finds it running. A tracker already
     running (started by other code) is left as it is.
@@ -145,7 +146,7 @@ def _start_resource_tracker_apart() -> None:
             raise
         finally:
             os.close(r)
-        _trackers.append(process)  # waited for by its Popen: no zombie once it exits
+        _trackers.append(process)  # kept: a Popen collected while its process runs warns (ResourceWarning)
         tracker._fd, tracker._pid = w, process.pid
 
 
@@ -180,10 +181,14 @@ def _reap_when_it_exits(server: forkserver.ForkServer) -> None:
     """
     global _server, _server_for
     pid = server._forkserver_pid
-    os.waitpid(pid, 0)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped first by multiprocessing's own check, which found it gone
+        pass
     with _lock:
         _retiring.discard(pid)
-        server._forkserver_pid = None  # reaped: multiprocessing's own check (waitpid) must not look for it
+        if server._forkserver_pid == pid:
+            server._forkserver_pid = None  # reaped: multiprocessing's own check (waitpid) must not look for it
         if _server is server:
             _server, _server_for = None, None
 
