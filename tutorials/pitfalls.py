@@ -145,6 +145,18 @@ for rank, (_, (local, total)) in enumerate(results):
 # the loss never moves.
 
 # %%
+def three_steps(model, optimizer, x, y):
+    """Three optimizer steps on one batch; the loss before each."""
+    losses = []
+    for _ in range(3):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 5))
+    return losses
+
+
 def train_three_steps(optimizer_first):
     device = fsdp_guide.device()
     model = make_model()
@@ -154,15 +166,7 @@ def train_three_steps(optimizer_first):
     if not optimizer_first:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = batch()
-    x, y = x.to(device), y.to(device)
-    losses = []
-    for _ in range(3):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(round(loss.item(), 5))
-    return losses
+    return three_steps(model, optimizer, x.to(device), y.to(device))
 
 
 before, after = launch(lambda: [train_three_steps(first) for first in (True, False)],
@@ -193,14 +197,7 @@ def forward_before_the_optimizer(order):
             model.reshard()  # back to the shards
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     kinds = sorted({type(p).__name__ for p in optimizer.param_groups[0]["params"]})
-    losses = []
-    for _ in range(3):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(round(loss.item(), 5))
-    return kinds, losses
+    return kinds, three_steps(model, optimizer, x, y)
 
 
 ORDERS = ("optimizer, then forward", "forward, then optimizer", "forward, reshard(), optimizer")
