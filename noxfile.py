@@ -57,7 +57,7 @@ SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_devi
 PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defined_in_a_scripts_main_is_shipped_by_value",
                  "test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory",
                  "test_interrupting_the_notebook_kernel_stops_every_rank",
-                 "test_a_launch_whose_torch_environment_changed_starts_cold",
+                 "test_a_launch_whose_torch_environment_changed_gets_a_server_of_that_environment",
                  "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children",
                  "test_a_hang_in_a_collective_ends_at_the_timeout",
                  "test_a_timeout_names_the_ranks_still_running_and_stops_them",

@@ -474,13 +474,12 @@ def test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_a
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(_warm, "PRELOAD", [*_warm.PRELOAD, "slow_to_import"])
     monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # a new server, importing for 8 s more
-    launch(len, [], world_size=2, output="none")  # cold; the server starts when it ends
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     start = time.monotonic()
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt, match=r"^launch interrupted"):
-            launch(len, [], world_size=2, output="none")  # warm: its ranks wait for the server's imports
+            launch(len, [], world_size=2, output="none")  # it starts the server; its ranks wait for the imports
     finally:
         timer.cancel()
     assert time.monotonic() - start < 4  # not the rest of the server's 8 s
@@ -774,15 +773,17 @@ def test_warm_launches_can_be_turned_off(monkeypatch):
     assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
 
 
-def test_a_launch_whose_torch_environment_changed_starts_cold(monkeypatch):
+def test_a_launch_whose_torch_environment_changed_gets_a_server_of_that_environment(monkeypatch):
+    from fsdp_guide import _warm
     from fsdp_guide.launcher import launches
 
     launch(len, [], world_size=2, output="none")  # the server exists, started with this environment
+    first = _warm.server_pids()[0]
     monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # TORCH_*: what torch may read at import
     launch(len, [], world_size=2, output="none")
-    assert not any(rank["warm"] for rank in launches()[-1]["ranks"])
-    launch(len, [], world_size=2, output="none")  # a server for the new environment replaced the old one
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
+    assert _warm.server_pids()[0] != first  # forked from a server started in the new environment
+    assert _warm._server_for == _warm._what_torch_would_be()
 
 
 @pytest.mark.parametrize("name", ["TORCHDYNAMO_FSDP_GUIDE_TEST", "TORCHINDUCTOR_FSDP_GUIDE_TEST", "FX_FSDP_GUIDE_TEST",
@@ -904,7 +905,7 @@ def test_a_notebook_kernel_that_launched_shuts_down_by_itself():
     manager, client = start_new_kernel(kernel_name="python3")
     try:
         reply = client.execute_interactive("from fsdp_guide import launch\nlaunch(len, [], world_size=2)\n"
-                                           "launch(len, [], world_size=2)", timeout=60)  # cold, then warm
+                                           "launch(len, [], world_size=2)", timeout=60)  # the server starts; both warm
         assert reply["content"]["status"] == "ok"
         kernel = manager.provisioner.process
     finally:

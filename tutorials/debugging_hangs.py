@@ -662,10 +662,10 @@ print("tensors in the saved state dict:", launch(save_everywhere_write_on_rank_0
 # `start_processes`, which runs a script entry point through `subprocess.Popen`, in
 # `torch/distributed/elastic/`), so two ranks iterating the same set of parameter names
 # visit them in different orders, and collectives issued in that order are paired by
-# position, name against name: mixed-up sums when their sizes agree, as below. After its
-# first launch {func}`fsdp_guide.launch`
-# forks its ranks from one server (warm launches), and a fork keeps its parent's hash
-# seed: the same code runs right here and goes wrong under torchrun. Below, each rank
+# position, name against name: mixed-up sums when their sizes agree, as below.
+# {func}`fsdp_guide.launch` forks its ranks from one server (warm launches), and a fork
+# keeps its parent's hash seed: the same code runs right here and goes wrong under
+# torchrun. Below, each rank
 # all-reduces one value per name, iterating a set, first with cold ranks (new
 # interpreters, as torchrun starts them), then warm:
 

@@ -2,8 +2,8 @@
 
 A cold rank is ``python -c BOOTSTRAP``: a new interpreter that spends seconds importing
 torch before it does any work. The server here is Python's own ``multiprocessing``
-forkserver (an instance of its ``ForkServer``), started once per launching process, after
-its first launch, with torch preloaded (``set_forkserver_preload``): each later rank is a
+forkserver (an instance of its ``ForkServer``), started once per launching process, by
+its first launch, with torch preloaded (``set_forkserver_preload``): each rank is a
 fresh ``fork()`` of it, so it starts with torch imported and nothing else done. The server never initialises CUDA or a process
 group (it only imports), listens on a Unix socket only, and exits when the launching
 process does (multiprocessing's "alive" pipe); the ranks follow through their stdin pipe,
@@ -74,19 +74,19 @@ def can_start() -> bool:
 
 
 def start_server() -> None:
-    """Start the server, if it is not running, to import torch while the caller goes on.
+    """Start the server, if it is not running for this environment; it imports torch while the caller goes on.
 
-    Called when a launch has finished, not before: the first launch's ranks then import
-    torch without a third process competing for the cores. The next launch waits for the
-    server only if it is still importing. A server started for another environment (the
-    launch that just ran cold because of it) is replaced."""
+    Called as a launch starts, which forks its ranks once the imports are done: the one
+    process importing torch (and FSDP, DTensor, DCP) replaces the two cold ranks that
+    would, and no import is left running in the background to slow the work that follows.
+    A server started for another environment is replaced."""
     global _server, _server_for
     if not enabled():
         return
     with _lock:
         if _server is not None and _server_for == _what_torch_would_be():
             return
-        if _server is not None:  # torch's environment changed: this launch ran cold; the next ones need a new server
+        if _server is not None:  # torch's environment changed: this launch needs a new server
             _retire(_server)
         _start_resource_tracker_apart()
         server = forkserver.ForkServer()

@@ -105,19 +105,19 @@ def launch(
     what a rank prints is streamed to this process's output while it runs,
     each line prefixed with ``[rankN]``.
 
-    Warm launches: the first launch in a process starts new interpreters, which import
-    torch (seconds). When it ends, a server that imports torch once (Python's
-    ``multiprocessing`` forkserver) starts in the background, and later launches fork
-    their ranks from it: they start in a fraction of a second, still as fresh processes
+    Warm launches: ranks are forked from a server that has imported torch once (Python's
+    ``multiprocessing`` forkserver), which the first launch in a process starts and waits
+    for (seconds: the imports two cold ranks would make, done once); every later launch
+    forks its ranks from it in a fraction of a second. They are still fresh processes
     (nothing a previous launch did is in them; each has its own random seeds: Python's,
     torch's and numpy's). The server never initialises CUDA or a process group, and ends
     with this process. A launch whose interpreter, ``torch`` on ``sys.path``, or
     environment differs from the server's (any variable but ``FSDP_GUIDE_*``: torch and
-    the libraries it loads read many at import) starts cold, and the server is replaced
-    after it. One difference cannot be undone in a fork: warm ranks share the server's
-    string hash seed, so a ``set`` of strings iterates in the same order on every warm
-    rank, where cold ranks and torchrun's (each a new interpreter, ``PYTHONHASHSEED``
-    unset) differ; collectives issued while iterating a set then work here and hang under
+    the libraries it loads read many at import) replaces the server with one started in
+    its own environment, and its ranks come from the new one. One difference cannot be
+    undone in a fork: warm ranks share the server's string hash seed, so a ``set`` of
+    strings iterates in the same order on every warm rank, where cold ranks and
+    torchrun's (each a new interpreter, ``PYTHONHASHSEED`` unset) differ; collectives issued while iterating a set then work here and hang under
     torchrun. Iterate ``sorted(...)`` (:ref:`debugging-hangs-set-order`). Set
     ``FSDP_GUIDE_WARM=0`` to start every launch cold: to debug what happens at import, or
     after replacing the installed torch (the server keeps the torch it imported).
@@ -185,6 +185,7 @@ def launch(
         config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
                   "sys_path": list(sys.path), "output": output}
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
+        _warm.start_server()  # a no-op once it runs for this environment; the ranks wait for its imports
         ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start(), interrupted=interrupted)
         try:
             ranks.start()
@@ -193,7 +194,6 @@ def launch(
             interrupted.set()
         finally:
             ranks.stop()
-            _warm.start_server()  # for the next launch (a no-op once it runs)
     if interrupted.is_set():  # raised here, outside the waiting loop: the reader's traceback ends at launch()
         started = len(ranks.procs)  # fewer than world_size if the interrupt came while they were starting
         raise KeyboardInterrupt(f"launch interrupted: its {started} rank(s) were stopped") from None
