@@ -18,8 +18,12 @@ extensions = [
     "sphinx_copybutton",
     "matplotlib.sphinxext.plot_directive",  # figures drawn at build time (the sharding diagram)
     "fsdp2_map",  # docs/_ext: the FSDP2 map's tables, generated from the installed torch
+    "sphinx_design",  # the landing page's cards
+    "landing",  # docs/_ext: the landing page's map of the tutorials, and the tips by goal
+    "errors",  # docs/_ext: the errors index, collected from the executed outputs
 ]
 plot_include_source = False
+plot_basedir = os.path.abspath(".")  # `.. plot:: docs/figures/...` from any page
 plot_html_show_source_link = False
 plot_html_show_formats = False
 plot_formats = [("png", 100)]
@@ -29,7 +33,7 @@ root_doc = "index"
 # noxfile.py, src/ and tests/ as notebooks.
 include_patterns = ["index.rst", "docs/**", "tutorials/*.py"]
 # The .ipynb files Jupyter pairs with the pages (jupytext.toml) are the reader's, not sources.
-exclude_patterns = ["_build", "docs/_ext", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
+exclude_patterns = ["_build", "docs/_ext", "docs/figures", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
 
 # Tutorials are jupytext py:percent notebooks, executed at build time.
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
@@ -65,6 +69,7 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
     "navigation_with_keys": True,
+    "secondary_sidebar_items": {"index": []},  # the landing page's map takes the width
 }
 html_static_path = ["docs/_static"]
 html_css_files = ["custom.css"]  # phone widths: wrap inline code, scroll wide tables in their box

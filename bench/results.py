@@ -23,7 +23,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_TIMES = RESULTS / "page_times.json"
-TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
+PAGES = [*sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("*.py")),
+         Path(__file__).resolve().parent.parent / "docs" / "cluster.py"]  # every page that executes
 
 # "about 55 seconds on 2 CPU cores", possibly wrapped over comment lines of a py:percent
 # page, with the link to the recorded measurement this module adds after it.
@@ -112,9 +113,9 @@ def record_page_time(page: str, seconds: float, conditions: str) -> bool:
 
 
 def _state(seconds: dict[str, float], cores: int) -> list[str]:
-    """Write each page's time into its tutorial's opening; the tutorials whose stated time changed."""
+    """Write each page's time into its opening; the pages whose stated time changed."""
     changed = []
-    for page in sorted(TUTORIALS.glob("*.py")):
+    for page in PAGES:
         if page.stem not in seconds:
             continue
         text = page.read_text()

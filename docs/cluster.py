@@ -18,8 +18,17 @@
 # The tutorials start their ranks from a notebook with {func}`fsdp_guide.launch`. On a
 # cluster, `torchrun` starts them, and the same worker code is written to run unchanged:
 # `launch` sees that `torchrun` has set `RANK` and `WORLD_SIZE` and runs the function in
-# the process `torchrun` started. This page shows the commands, the environment variables
-# that matter, a SLURM script, and hybrid sharding (HSDP) on a 2 x 2 mesh, executed.
+# the process `torchrun` started.
+#
+# **What you will learn**
+#
+# - the `torchrun` commands for one machine and for several, and the environment
+#   variables that matter;
+# - a SLURM script;
+# - hybrid sharding (HSDP) on a 2 x 2 mesh: shard within a node, replicate across nodes,
+#   executed.
+#
+# **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
 #
 # ## One machine, then several

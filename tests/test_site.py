@@ -19,16 +19,98 @@ def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_a
     assert cache.list_project_records() == []  # myst-nb adds a notebook here only when it executes it
 
 
+def _landing():
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    import landing
+
+    return landing
+
+
 def test_landing_page_maps_the_site(site):
     index = (site / "index.html").read_text()
-    for target in ("tutorials/quickstart.html", "docs/fsdp_tips.html", "docs/fsdp.html"):
+    for target in ("tutorials/quickstart.html", "docs/fsdp_tips.html", "docs/fsdp.html", "docs/tips_by_goal.html",
+                   "docs/errors.html", "docs/fsdp2_map.html"):
         assert f'href="{target}' in index
+    assert '<img alt="Two ranks and three units' in index  # the sharding diagram, before the map
 
 
-def test_every_tutorial_is_in_the_navigation(site):
+def test_the_landing_page_has_every_page_that_executes_one_click_away_by_goal_with_its_time_and_needs(site):
+    landing = _landing()
+    index = (site / "index.html").read_text()
+    cards = re.findall(r'<div class="sd-card[^"]*goal-card.*?</ul>', index, re.S)
+    assert len(cards) == len(landing.GROUPS)
+    grouped = {}
+    for card, group in zip(cards, landing.GROUPS.values()):
+        assert re.search(rf">\s*{re.escape(group.title)}\s*<", card)
+        for item in re.findall(r"<li>(.*?)</li>", card, re.S):
+            link = re.search(r'href="(tutorials|docs)/(\w+)\.html#[\w-]+"', item)
+            if link and link.group(2) in {p.stem for p in NOTEBOOKS}:
+                grouped[link.group(2)] = htmllib.unescape(re.sub(r"<[^>]+>", "", item))
+    assert sorted(grouped) == sorted(p.stem for p in NOTEBOOKS)  # every executed page, once
+    for page in NOTEBOOKS:
+        stated = re.search(r"about (\d+) seconds on \d+ CPU cores", " ".join(page.read_text().split()))
+        line = grouped[page.stem]
+        assert f"about {stated.group(1)} s" in line, (page.stem, line)  # the time the page itself states
+        assert re.search(r"\d ranks", line)
+
+
+def test_the_tutorials_are_in_the_navigation_in_the_order_of_the_landing_pages_map(site):
+    landing = _landing()
     index = (site / "index.html").read_text()
     for tutorial in TUTORIALS:
         assert f'href="tutorials/{tutorial.stem}.html"' in index
+    order = re.findall(r"^\s+tutorials/(\w+)$", (ROOT / "index.rst").read_text(), flags=re.M)
+    assert order == [stem for group in landing.GROUPS.values() for stem in group.pages if stem != "cluster"]
+
+
+def test_every_tip_is_listed_once_by_goal_with_the_tutorial_that_proves_it(site):
+    landing = _landing()
+    tips = set(re.findall(r'id="(tip-[\w-]+)"', (site / "docs" / "fsdp_tips.html").read_text()))
+    by_goal = (site / "docs" / "tips_by_goal.html").read_text()
+    linked = re.findall(r'href="fsdp_tips\.html#(tip-[\w-]+)"', by_goal)
+    assert len(tips) >= 60 and sorted(linked) == sorted(tips)
+    text = htmllib.unescape(re.sub(r"<[^>]+>", "", by_goal)).replace("\u2019", "'")  # docutils' smart quotes
+    for name, _, stem in landing.tips():
+        assert f"({landing.GROUPS[landing.group_of(stem)].pages[stem][0]})" in text, name
+
+
+def test_errors_are_found_in_output_lines_as_class_and_message():
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    from errors import messages
+
+    assert messages("step 1\nRuntimeError: FSDP does not support deepcopy.\n") == [
+        ("RuntimeError", "FSDP does not support deepcopy.")]
+    assert messages("rank 1 raised torch.distributed.DistBackendError: Connection closed by peer") == [
+        ("torch.distributed.DistBackendError", "Connection closed by peer")]
+    assert messages("{'FutureWarning: NO_SHARD is deprecated. (on ranks 0, 1)'}") == [
+        ("FutureWarning", "NO_SHARD is deprecated.")]
+    assert messages("loss 0.25, gradient error vs one process: 1e-7") == []
+
+
+def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_message(site):
+    index = (site / "docs" / "errors.html").read_text()
+    listed = index[index.index('<ul class="errors-index'):]
+    items = re.findall(r"<li>(.*?)</li>", listed[:listed.index("</ul>")], re.S)
+    assert len(items) >= 20
+    messages = []
+    for item in items:
+        printed = htmllib.unescape(re.search(r'<span class="pre">(.*?)</code>', item, re.S).group(0))
+        printed = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", printed)).split())
+        hrefs = re.findall(r'href="([^"]+)"', item)
+        assert hrefs, printed
+        for href in hrefs:
+            path, _, anchor = href.partition("#")
+            page = (site / "docs" / path).resolve().read_text()
+            at = page.index(f'id="{anchor}"')
+            cell = page.rfind("<div", 0, at + 1)
+            assert 'class="cell docutils container' in page[cell:at + 200], (href, "not a cell")
+            end = page.find('<div class="cell docutils container"', at)
+            shown = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end if end > 0 else None])).split())
+            assert printed in shown, (href, printed)
+        messages.append(printed)
+    for reproduced in ("FSDP does not support deepcopy", "Cannot use ReduceOp.PREMUL_SUM with Gloo",
+                       "already managed by another FSDP group", "does not have a sharding strategy registered"):
+        assert any(reproduced in m for m in messages), reproduced
 
 
 def test_quickstart_page_shows_executed_rank_output_and_the_check(site):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ROOT, TUTORIALS
+from conftest import NOTEBOOKS, ROOT, TUTORIALS
 
 
 def _text_outputs(notebook) -> str:
@@ -733,8 +733,8 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     for units in ("one unit for both", "the root holds both"):
         assert "still tied: True" in tied[units] and float(tied[units].rsplit("=", 1)[1]) < 1e-5
 
-@pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
-def test_every_tutorial_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):
+@pytest.mark.parametrize("tutorial", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_page_that_executes_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):
     import json
     import sys
 

@@ -1,0 +1,177 @@
+"""The landing page's map of the tutorials, and the tips grouped the same way.
+
+The groups and each tutorial's one-line outcome are kept here (``GROUPS``); what a card
+says a page needs and how long it runs is read from the page's own opening ("What you
+need", with the time ``bench/bench_site.py --record`` writes there), so a card cannot
+disagree with its page. A tip belongs to the group of the first tutorial it links to.
+``tests/test_site.py`` checks that every tutorial has a card and every tip a group.
+
+Sphinx is imported only by ``setup``; the rest is plain text processing, testable alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Group(NamedTuple):
+    title: str
+    blurb: str
+    pages: dict[str, tuple[str, str]]  # page stem -> (card title, what the reader comes away with)
+    also: tuple[str, ...] = ()  # lines for pages that are not tutorials (reStructuredText)
+
+
+GROUPS = {
+    "start": Group("Start here", "Shard a model, train it, and see that nothing changed.", {
+        "quickstart": ("Quickstart", "Shard a model on two processes; the losses match one process."),
+        "digits": ("A first real model", "A dataset split across ranks, a training loop, evaluation."),
+        "migration": ("From FSDP1 to FSDP2", "Every FSDP1 argument's FSDP2 form, the same losses, the checkpoint."),
+    }),
+    "right": Group("Get it right", "The mistakes that train silently wrong, and the rules that avoid them.", {
+        "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
+        "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
+        "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
+        "enable_wrap": ("Choosing units", "What to wrap, by hand or by policy, and what it costs."),
+        "state_attributes": ("What FSDP keeps", "The state on each parameter, before and after each step."),
+        "summon_full_params": ("Custom init", "Initialise a sharded model's weights in place."),
+    }),
+    "fast": Group("Fit it in memory and make it fast", "Bytes per rank, bytes on the wire, and the knobs.", {
+        "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
+        "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
+        "fsdp2_controls": ("FSDP2's controls", "Prefetching, placements, tied weights, a failed step."),
+        "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
+        "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
+        "compile": ("torch.compile", "Compile a sharded model, and what breaks the graph."),
+    }),
+    "tune": Group("Fine-tune and checkpoint", "Weights in from the Hub, training, weights out.", {
+        "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
+        "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
+        "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
+        "fsdp_config": ("A config dictionary", "Accelerate-style fsdp_config keys, each executed."),
+    }),
+    "scale": Group("Scale out", "Beyond one machine and beyond data parallelism.", {
+        "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
+        "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
+        "cluster": ("On a cluster", "torchrun, SLURM, and several nodes."),
+    }),
+    "broken": Group("When it breaks", "Hangs, errors and wrong numbers, traced to their cause.", {
+        "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
+    }, also=(":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",)),
+}
+
+
+def page_source(stem: str) -> Path:
+    return next(p for p in (ROOT / "tutorials" / f"{stem}.py", ROOT / "docs" / f"{stem}.py") if p.exists())
+
+
+@functools.cache
+def needs(stem: str) -> dict[str, object]:
+    """What the page's "What you need" paragraph says: the ranks, the optional libraries, Linux, the time."""
+    lines = page_source(stem).read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("# **What you need**")), None)
+    if start is None:
+        raise ValueError(f"{stem}: the page has no '**What you need**' paragraph for its card")
+    end = next(i for i in range(start, len(lines) + 1) if i == len(lines) or not lines[i].startswith("# "))
+    words = " ".join(line[2:].strip() for line in lines[start:end])
+    ranks = {int(n) for m in re.finditer(r"(\d+)(?:,? and (\d+))? processes", words) for n in m.groups() if n}
+    ranks |= {int(n) for n in re.findall(r"(\d+) for one cell", words)}
+    seconds = re.search(r"about (\d+) seconds|about (a) minute", words)
+    if not ranks or seconds is None:
+        raise ValueError(f"{stem}: its '**What you need**' names no number of processes or no time: {words!r}")
+    return {
+        "ranks": sorted(ranks),
+        "libraries": [lib for lib in ("transformers", "peft", "torchao", "py-spy") if f"`{lib}`" in words or
+                      re.search(rf"\b{lib}\b", words)],
+        "linux": "Linux" in words,
+        "seconds": 60 if seconds.group(2) else int(seconds.group(1)),
+    }
+
+
+def footer(stem: str) -> str:
+    n = needs(stem)
+    parts = [f"about {n['seconds']} s", " or ".join(map(str, n["ranks"])) + " ranks", *n["libraries"]]
+    return " · ".join(parts + (["Linux"] if n["linux"] else []))
+
+
+def label(stem: str) -> str:
+    return re.search(r"^# \(([\w-]+)\)=", page_source(stem).read_text(), re.M).group(1)
+
+
+def map_lines() -> list[str]:
+    """The tutorials by goal: one sphinx-design card per group, a line per tutorial (reStructuredText)."""
+    lines = [".. role:: needs", "", ".. grid:: 1 1 2 3", "   :gutter: 3", "   :class-container: goal-map", ""]
+    for key, group in GROUPS.items():
+        lines += [f"   .. grid-item-card:: {group.title}", "      :class-card: goal-card", "",
+                  f"      {group.blurb}", ""]
+        for stem, (title, outcome) in group.pages.items():
+            lines += [f"      - :ref:`{title} <{label(stem)}>`: {outcome} :needs:`{footer(stem)}`", ""]
+        lines += [f"      - {line}" for line in group.also] + [""]
+    return lines
+
+
+def _labels() -> dict[str, str]:
+    """Every label of the tutorials and the cluster page -> its page stem."""
+    found = {}
+    for source in [*sorted((ROOT / "tutorials").glob("*.py")), ROOT / "docs" / "cluster.py"]:
+        found |= {name: source.stem for name in re.findall(r"^# \(([\w-]+)\)=", source.read_text(), re.M)}
+    return found
+
+
+def tips() -> list[tuple[str, str, str]]:
+    """Every tip of docs/fsdp_tips.rst as (label, title, page stem of the first tutorial it links to)."""
+    text = (ROOT / "docs" / "fsdp_tips.rst").read_text()
+    labels, found = _labels(), []
+    for name, title, body in re.findall(r"^\.\. _(tip-[\w-]+):\n\n([^\n]+)\n-+\n(.*?)(?=^\.\. _tip-|\Z)", text, re.M | re.S):
+        pages = [labels[ref] for ref in re.findall(r":ref:`(?:[^`<]*<)?([\w-]+)>?`", body) if ref in labels]
+        if not pages:
+            raise ValueError(f"{name} links to no tutorial: a tip links to the cell that proves it")
+        found.append((name, title, pages[0]))
+    return found
+
+
+def group_of(stem: str) -> str:
+    return next(key for key, group in GROUPS.items() if stem in group.pages)
+
+
+def tips_lines() -> list[str]:
+    """The tips as lists under the landing page's groups."""
+    by_group = {key: [] for key in GROUPS}
+    order = [stem for group in GROUPS.values() for stem in group.pages]
+    for name, title, stem in sorted(tips(), key=lambda tip: order.index(tip[2])):  # stable: the page's order within
+        by_group[group_of(stem)].append(f"- :ref:`{name}` ({GROUPS[group_of(stem)].pages[stem][0]})")
+    lines = []
+    for key, items in by_group.items():
+        if items:
+            title = f"{GROUPS[key].title} ({len(items)})"
+            lines += [title, "-" * len(title), "", *items, ""]
+    return lines
+
+
+def setup(app):
+    from docutils import nodes
+    from docutils.statemachine import StringList
+    from sphinx.util.docutils import SphinxDirective
+    from sphinx.util.nodes import nested_parse_with_titles
+
+    def generated(lines_of, sources):
+        class Generated(SphinxDirective):
+            def run(self):
+                self.env.note_dependency(__file__)
+                for source in sources():
+                    self.env.note_dependency(str(source))
+                node = nodes.container()
+                nested_parse_with_titles(self.state, StringList(lines_of(), source=self.name), node)
+                return node.children
+
+        return Generated
+
+    every_page = lambda: [page_source(stem) for group in GROUPS.values() for stem in group.pages]  # noqa: E731
+    app.add_directive("tutorial-map", generated(map_lines, every_page))
+    app.add_directive("tips-by-goal", generated(
+        tips_lines, lambda: [ROOT / "docs" / "fsdp_tips.rst", *every_page()]))
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
