@@ -131,6 +131,56 @@ def test_search_finds_summon_full_params_in_the_tips_and_the_tutorial(base_url, 
     assert any(link.startswith("tutorials/summon_full_params.html") for link in found), found
 
 
+@pytest.mark.parametrize(("viewport", "per_row"), [(DESKTOP, 3), (PHONE, 1)], ids=["laptop", "phone"])
+def test_the_landing_page_shows_every_goal_and_every_page_that_executes_one_click_away(base_url, browser,
+                                                                                        viewport, per_row):
+    from conftest import NOTEBOOKS
+
+    page = browser.new_page(viewport=viewport)
+    page.goto(base_url + "index.html", wait_until="networkidle")
+    cards = page.eval_on_selector_all(".goal-card", "cards => cards.map(c => c.getBoundingClientRect().top)")
+    links = page.eval_on_selector_all(".goal-card li > p > a:first-child", """links => links.map(a => {
+        const box = a.getBoundingClientRect();
+        return [new URL(a.href).pathname.split("/").pop(), box.width > 0 && box.right <= window.innerWidth];
+    })""")
+    page.close()
+    assert len(cards) == 6 and len(set(round(top) for top in cards)) == 6 // per_row  # a map, not a column
+    shown = {name.removesuffix(".html"): visible for name, visible in links}
+    assert all(shown.get(p.stem) for p in NOTEBOOKS), shown  # each a visible link on the first page
+
+
+def _indexed_errors(site) -> list[tuple[str, set[str]]]:
+    """Each message of the errors index (without its class) and the pages that reproduce it."""
+    import html
+
+    index = (site / "docs" / "errors.html").read_text()
+    listed = index[index.index('<ul class="errors-index'):]
+    found = []
+    for item in re.findall(r"<li>(.*?)</li>", listed[:listed.index("</ul>")], re.S):
+        printed = html.unescape(re.sub(r"<[^>]+>", "", re.search(r"<code.*?</code>", item, re.S).group(0)))
+        where = re.search(r'<p class="errors-where">(.*?)</p>', item, re.S).group(1)
+        pages = {urlparse(href).path.removeprefix("../") if href.startswith("../") else f"docs/{urlparse(href).path}"
+                 for href in re.findall(r'href="([^"]+)"', where)}
+        found.append((printed.split(": ", 1)[1], pages))
+    return found
+
+
+def test_searching_the_words_of_each_indexed_error_finds_the_page_that_reproduces_it(site, base_url, browser):
+    errors = _indexed_errors(site)
+    assert len(errors) >= 20
+    page, missed = browser.new_page(viewport=DESKTOP), []
+    for message, pages in errors:
+        words = " ".join(list(dict.fromkeys(re.findall(r"[A-Za-z]{4,}", message)))[:8])  # the words of what a reader pastes
+        page.goto(base_url + f"search.html?q={words}", wait_until="networkidle")
+        page.wait_for_selector("#search-results li", timeout=15_000)
+        found = page.eval_on_selector_all("#search-results li a", "links => links.map(a => a.getAttribute('href'))")
+        top = [urlparse(link).path for link in found][:5]
+        if not pages & set(top):
+            missed.append((words, sorted(pages), top))
+    page.close()
+    assert missed == [], "\n".join(map(str, missed))
+
+
 def test_links_between_the_reference_tips_and_tutorials_land_on_existing_anchors(base_url, browser):
     page = browser.new_page(viewport=DESKTOP)
     targets = set()

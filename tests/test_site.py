@@ -74,6 +74,22 @@ def test_every_tip_is_listed_once_by_goal_with_the_tutorial_that_proves_it(site)
         assert f"({landing.GROUPS[landing.group_of(stem)].pages[stem][0]})" in text, name
 
 
+def test_every_symptom_links_to_sections_of_executed_cells(site):
+    page = (site / "docs" / "symptoms.html").read_text()
+    symptoms = page.split('<section id="')[2:]  # the page's own section first
+    assert len(symptoms) >= 8
+    for symptom in symptoms:
+        name = symptom[:symptom.index('"')]
+        executed = 0
+        for href in re.findall(r'href="(\.\./tutorials/\w+\.html|cluster\.html)#([\w-]+)"', symptom):
+            target = (site / "docs" / href[0]).resolve().read_text()
+            at = target.index(f'id="{href[1]}"')
+            end = target.find("<section id=", at + 1)
+            assert 'class="cell_output' in target[at:end if end > 0 else None], (name, href)  # output, not prose
+            executed += 1
+        assert executed, f"{name}: no link to an executed cell"
+
+
 def test_errors_are_found_in_output_lines_as_class_and_message():
     sys.path.insert(0, str(ROOT / "docs" / "_ext"))
     from errors import messages
@@ -96,7 +112,13 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
     for item in items:
         printed = htmllib.unescape(re.search(r'<span class="pre">(.*?)</code>', item, re.S).group(0))
         printed = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", printed)).split())
-        hrefs = re.findall(r'href="([^"]+)"', item)
+        where = re.search(r'<p class="errors-where">(.*?)</p>', item, re.S).group(1)
+        fix = re.search(r'<p class="errors-fix">(.*?)</p>', item, re.S).group(1)
+        fix_links = re.findall(r'href="([^"#]*)#([\w-]+)"', fix)
+        assert fix_links, (printed, "no fix, or a fix that links nowhere: add it to FIXES in docs/_ext/errors.py")
+        for path, anchor in fix_links:
+            assert f'id="{anchor}"' in ((site / "docs" / path).resolve().read_text() if path else index), (printed, anchor)
+        hrefs = re.findall(r'href="([^"]+)"', where)
         assert hrefs, printed
         for href in hrefs:
             path, _, anchor = href.partition("#")

@@ -127,7 +127,7 @@ def evaluate(batches_on_rank_1, monitored=None, dumps=None):
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
         except RuntimeError as error:  # rank 0 names the late ranks; kept for the page to print
-            Path(monitored, f"monitored{dist.get_rank()}.txt").write_text(str(error))
+            Path(monitored, f"monitored{dist.get_rank()}.txt").write_text(f"{type(error).__name__}: {error}")
             raise
     dist.all_reduce(total)
     return total.item()
@@ -137,7 +137,7 @@ print("gloo's default collective timeout (torch.distributed.constants.default_pg
 try:
     launch(evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none")  # time enough to reach the hang
 except LaunchError as error:
-    print(str(error).splitlines()[0][:110], "...")
+    print(f"{type(error).__name__}: {str(error).splitlines()[0][:110]} ...")
     for rank, stack in sorted(error.stacks.items()):
         print(f"rank {rank}: innermost {stack.splitlines()[0].split(' in ')[-1]!r}, "
               f"called from {user_frames(stack, evaluate)}")
@@ -163,6 +163,7 @@ try:
     launch(evaluate, 3, world_size=2, backend="gloo", timeout=30, output="none")
 except LaunchError as error:
     report = str(error).splitlines()[0]
+    print(report.split(" raised ", 1)[1].split(". Rank")[0])  # the exception's class and its first sentence
     for rank, sequence, op in re.findall(r"Rank (\d) is running collective: CollectiveFingerPrint\("
                                          r"SequenceNumber=(\d+), OpType=(\w+)", report):
         print(f"rank {rank} is running collective number {sequence}: {op}")
@@ -224,7 +225,7 @@ def flight_recorder(dumps, rank):
 try:
     launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=5, output="none")
 except LaunchError as error:
-    print(str(error).splitlines()[0][:60], "...")
+    print(f"{type(error).__name__}: {str(error).splitlines()[0][:60]} ...")
 for rank in (0, 1):
     print(f"rank {rank}'s last collectives (sequence number, operation, input sizes):")
     for entry in flight_recorder(workdir / "hang1", rank)["entries"][-3:]:
@@ -607,7 +608,7 @@ PYTHON = {"wait_tensor", "DTensor.redistribute", "get_model_state_dict", "barrie
 try:
     launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=8, output="none")
 except LaunchError as error:
-    print(str(error).splitlines()[0][:60], "...")
+    print(f"{type(error).__name__}: {str(error).splitlines()[0][:60]} ...")
 for rank in (0, 1):
     dump = no_colours((workdir / f"py-spy{rank}.txt").read_text())
     if '"MainThread"' not in dump:  # py-spy's error: not installed, or not allowed to trace

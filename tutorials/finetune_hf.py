@@ -87,6 +87,7 @@ print(f"{sum(p.numel() for p in pretrained.parameters()) / 1e6:.1f}M parameters:
 print(sorted(f.name for f in path.iterdir()))
 
 # %% [markdown]
+# (finetune-hf-loading)=
 # ## Three ways in, measured
 #
 # Each rank records the rise of its resident memory while it loads (Linux's peak RSS,
@@ -207,6 +208,7 @@ fig.tight_layout()
 # build the full model: it is the N-copies-per-machine peak that kills large fine-tuning
 # jobs before their first step.
 #
+# (finetune-hf-check)=
 # ## Fine-tune, and check against one process
 #
 # Two ranks, each on its half of the batch, train the sharded model a few steps with AdamW

@@ -499,6 +499,7 @@ for split_rows in (False, True):
 
 
 # %% [markdown]
+# (fsdp2-controls-tied-weights)=
 # ## Tied weights: one unit for both users
 #
 # A language model often ties its output layer to its embedding: one weight, used twice.

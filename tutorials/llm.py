@@ -205,6 +205,7 @@ fig.tight_layout()
 # checkpoint that turns out bad leaves one to fall back to; `step-20` goes when `step-60`
 # is complete.
 #
+# (llm-resume)=
 # ## Stop, resume, and get the same numbers
 #
 # Train 20 steps and stop; then start again with `resume="latest"` and train to 40:
@@ -260,6 +261,7 @@ for name, stream in (("plain restart", plain_restart), ("position from the check
     print(f"{name:28}: steps 21-40 train on {repeats:2} of 20 batches already seen in steps 1-20")
 
 # %% [markdown]
+# (llm-crash)=
 # ## A crash in the middle of a save
 #
 # A checkpoint is written to `.partial-step-N` and renamed to `step-N` only when every
@@ -291,7 +293,7 @@ try:
            storage_writer=KilledWhileSaving,
            world_size=2, output="none")
 except LaunchError as error:
-    print(str(error).splitlines()[0])
+    print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
 print("left on disk:", sorted(p.name for p in crash.iterdir()))
 
 # %%
@@ -359,6 +361,7 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 # run's last, and the run waits for its write before it ends.
 #
 # %% [markdown]
+# (llm-reshard)=
 # ## Resume on another number of ranks
 #
 # DCP stores each tensor with its global shape and each rank's piece of it, so a checkpoint

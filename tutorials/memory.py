@@ -61,6 +61,7 @@ for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
 # counterpart.) The estimate is model states only: activations, temporary buffers and
 # the gathered parameters of the unit being computed come on top.
 #
+# (memory-measured)=
 # ## Estimated against measured, on real ranks
 #
 # A small transformer (4 encoder layers of width 126, on purpose not a multiple of 4),

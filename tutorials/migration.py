@@ -150,6 +150,7 @@ print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 # and AdamW is pointwise, so it does not matter that FSDP1 steps flat slices and FSDP2
 # blocks of rows ({ref}`tip-pointwise-optimizers` says when it does).
 #
+# (migration-checkpoint)=
 # ## Carrying an FSDP1 checkpoint over
 #
 # An FSDP1 job saved its state the FSDP1 way: a sharded model state dict under

@@ -292,6 +292,7 @@ for name, policy in POLICIES.items():
 
 
 # %% [markdown]
+# (mixed-precision-fp16-scaler)=
 # ## float16 needs a gradient scaler; bfloat16 does not
 #
 # Small gradients are normal (late layers, long sequences, a loss averaged over many

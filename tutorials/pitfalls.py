@@ -81,6 +81,7 @@ def backward_on_my_slice(model, device):
 
 
 # %% [markdown]
+# (pitfalls-clip)=
 # ## 1. Clip by the global gradient norm
 #
 # Gradient clipping scales all gradients by `max_norm / total_norm` (when that is below 1),
@@ -138,6 +139,7 @@ for rank, (_, (local, total)) in enumerate(results):
 # `DTensor`; `.full_tensor()` makes it a number). With FSDP1, call the module's own
 # `clip_grad_norm_`: the generic function only sees this rank's flat shard.
 #
+# (pitfalls-optimizer-after-sharding)=
 # ## 2. Build the optimizer after sharding, before any forward
 #
 # Sharding replaces each parameter with a new one (a `DTensor` shard). An optimizer built
@@ -305,6 +307,7 @@ print("new Parameter assigned: the next forward sees", [round(v, 4) for v in ass
 print("summon_full_params:     the next forward sees", summoned)
 
 # %% [markdown]
+# (pitfalls-pointwise-optimizers)=
 # ## 5. Only pointwise optimizers give DDP's results
 #
 # DDP keeps every parameter whole on every rank; FSDP gives each rank a shard. An
@@ -412,6 +415,7 @@ print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",
 # DTensors through DTensor operations (as Muon does here), or gather what it needs
 # itself.
 #
+# (pitfalls-checkpoint-inside-unit)=
 # ## 6. Activation checkpointing goes inside the FSDP unit
 #
 # Activation checkpointing drops a block's activations in forward and recomputes them in

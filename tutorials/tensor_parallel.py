@@ -932,12 +932,12 @@ def clip_grad_norm_across_meshes(parameters, max_norm):
 
 
 def first_error(call):
-    """'runs', or the first line of the RuntimeError that call() raises."""
+    """'runs', or the class and first line of the RuntimeError that call() raises."""
     try:
         call()
         return "runs"
     except RuntimeError as e:
-        return str(e).splitlines()[0]
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def clip_both_ways():

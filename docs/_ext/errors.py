@@ -1,12 +1,12 @@
 """The errors index: every error and warning message a page's executed output shows, found at build time.
 
 While Sphinx reads an executed page, each code cell whose output has a line like
-``RuntimeError: FSDP does not support deepcopy`` gets an id (``error-<cell>``) and each such
-message is kept (``found``); ``.. errors-index::`` becomes a table of them, linked to their
-cells, once every page is read. Nothing is typed but the fix: ``FIXES`` maps a distinctive
-part of each message to the one-line fix and the label of the cell that executes it, and
-``tests/test_site.py`` fails for a message without one, so a new page's errors appear in
-the index and ask for their fix.
+``RuntimeError: FSDP does not support deepcopy`` gets an id (``error-<cell index>``) and
+each such message is kept (``Found``); ``.. errors-index::`` becomes a list of them, each
+linked to the cells that show it, once every page is read. Nothing is typed but the fix:
+``FIXES`` maps a distinctive part of each message to the fix in one line, with a reference
+to where it is executed, and ``tests/test_site.py`` fails for a message without one, so a
+new page's errors appear in the index and ask for their fix.
 
 Sphinx is imported only by ``setup``; docutils, which it builds on, at the top (Sphinx
 pickles the page with the placeholder node, whose class must then be importable).
@@ -53,9 +53,68 @@ def messages(text: str) -> list[tuple[str, str]]:
 
 INDEX_PAGE = "docs/errors"
 
+# A distinctive part of each message -> the fix in one line, with a reference to where it
+# is executed (reStructuredText). The first key found in a message is its fix.
+FIXES = {
+    "got mixed torch.Tensor and DTensor": "A method other than ``forward`` meets sharded parameters: "
+        ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
+        "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
+    "in-place operations that require placement changes": "An optimizer that is not pointwise sees shards, not "
+        "matrices: keep pointwise optimizers under FSDP (:ref:`tip-pointwise-optimizers`).",
+    "Muon only supports 2D parameters": "Muon needs whole matrices; FSDP2 hands it shards: "
+        ":ref:`tip-pointwise-optimizers`.",
+    "returned a view tensor": "Harmless unless you modify the output in place; if you do, ``.clone()`` it first "
+        "(checkpointing goes inside the unit: :ref:`tip-checkpoint-inside-unit`).",
+    "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
+        "op: :ref:`tip-no-sharding-strategy`.",
+    "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "
+        ":ref:`beyond-ema`.",
+    "Cannot access accelerator device": "``CPUOffloadPolicy(pin_memory=False)`` where there is no accelerator: "
+        ":ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
+    "PREMUL_SUM with Gloo": "``set_force_sum_reduction_for_comms(True)`` on gloo: "
+        ":ref:`set_force_sum_reduction_for_comms <fsdp2-fsdpmodule-set-force-sum-reduction-for-comms>`.",
+    "uniform original parameter dtype": "One dtype among a unit's trainable parameters: "
+        ":ref:`tip-lora-dtypes` (three fixes executed in :ref:`lora-dtypes`).",
+    "mat1 and mat2 must have the same dtype": "Between units with different policies, set ``output_dtype`` or "
+        "``cast_forward_inputs``: :ref:`tip-mixed-policies-boundary`.",
+    "already managed by another FSDP group": "Tied weights go in one unit: ``fully_shard([embedding, output])``, "
+        ":ref:`tip-tied-weights-one-unit`.",
+    "is invalid for input of size": "Heads and KV heads must each divide by the TP degree: :ref:`tip-tp-gqa-heads`.",
+    "Use `set_gradient_divide_factor` instead": "Rename the call to ``set_gradient_divide_factor``: "
+        ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
+    "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 with ``reshard_after_forward=False``: "
+        ":ref:`tip-fsdp-config`.",
+    "Full backward hook is firing": "Harmless here (the input needs no gradient); it comes from a module's full "
+        "backward hook, e.g. the collective counter: :ref:`tip-communication-volume`.",
+    "_get_pg_default_device": "FSDP1's sharded state dicts: move to DCP's ``get_state_dict`` / ``set_state_dict`` "
+        "(:ref:`tip-migrate-fsdp1-fsdp2`).",
+    "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated": "Use DCP's ``get_state_dict`` / "
+        "``set_state_dict``: :ref:`tip-migrate-fsdp1-fsdp2`.",
+    "Multiple backends are registered with this ProcessGroup": "From FSDP1's sharded state dicts: move to DCP's "
+        "``get_state_dict`` (:ref:`tip-migrate-fsdp1-fsdp2`).",
+    "deprecating ShardedTensor": "FSDP2's parameters are DTensors already: :ref:`tip-migrate-fsdp1-fsdp2`.",
+    "must have the same mesh": "Clip across meshes in one call per mesh, then combine the norms: "
+        ":ref:`tip-clip-across-meshes`.",
+    "inputs with different meshes": "Clip across meshes in one call per mesh, then combine the norms: "
+        ":ref:`tip-clip-across-meshes`.",
+    "failed to pass monitoredBarrier": "A rank never reached the collective: find the branch that differs "
+        "between ranks, :ref:`tip-hangs-same-collectives`.",
+    "Detected mismatch between collectives": "The ranks called different collectives: make every rank run the "
+        "same ones in the same order, :ref:`tip-hangs-same-collectives`.",
+    "did not finish within timeout": "A hang: dump the ranks' stacks and compare their collectives, "
+        ":ref:`tip-hangs-tools`.",
+    "was killed by SIGKILL": "A rank died mid-save: the last complete checkpoint stays, resume from it "
+        "(:ref:`tip-exact-resume`).",
+}
+
 
 class errors_index(nodes.General, nodes.Element):
     """Where the table goes, once every page has been read."""
+
+
+def fix_key(message: str) -> str | None:
+    """The key of ``FIXES`` that a message contains, or None if it has no fix yet."""
+    return next((key for key in FIXES if key in message), None)
 
 
 def torch_version() -> str:
@@ -67,7 +126,16 @@ def setup(app):
 
     class ErrorsIndex(SphinxDirective):
         def run(self):
-            return [errors_index()]
+            # The fixes are parsed here, with the page, so that their references are resolved
+            # as the page's are; the list of messages, which needs every page, replaces the
+            # node (and takes its fixes) once the references are resolved.
+            self.env.note_dependency(__file__)
+            node = errors_index()
+            for key, line in FIXES.items():
+                paragraph = nodes.paragraph("", "fix: ", classes=["errors-fix"], fix_key=key)
+                paragraph += self.parse_inline(line)[0]
+                node += paragraph
+            return [node]
 
     def outputs_text(cell) -> str:
         return "\n".join(node.astext() for node in cell.findall(nodes.Element)
@@ -102,7 +170,7 @@ def setup(app):
         # The index shows every page's errors: read it again whenever another page is.
         return [INDEX_PAGE] if (added | changed | removed) - {INDEX_PAGE} and INDEX_PAGE in env.found_docs else []
 
-    def entries(app, fromdocname) -> nodes.bullet_list:
+    def entries(app, fromdocname, fixes) -> nodes.bullet_list:
         """A list item per message (the class and message as printed), with every cell that shows it."""
         shown = {}
         for page in sorted(app.env.fsdp_errors):
@@ -119,12 +187,15 @@ def setup(app):
             item = nodes.list_item()
             item += nodes.paragraph("", "", nodes.literal(text=f"{kind}: {message}"))
             item += links
+            key = fix_key(message)
+            item += fixes[key].deepcopy() if key else nodes.paragraph("", "fix: none written yet", classes=["errors-fix"])
             items += item
         return items
 
     def resolve(app, doctree, fromdocname):
         for node in list(doctree.findall(errors_index)):
-            node.replace_self(entries(app, fromdocname))
+            fixes = {paragraph["fix_key"]: paragraph for paragraph in node.children}
+            node.replace_self(entries(app, fromdocname, fixes))
 
     app.add_node(errors_index)
     app.add_directive("errors-index", ErrorsIndex)

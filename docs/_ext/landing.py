@@ -61,7 +61,8 @@ GROUPS = {
     }),
     "broken": Group("When it breaks", "Hangs, errors and wrong numbers, traced to their cause.", {
         "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
-    }, also=(":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",)),
+    }, also=(":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",
+             ":ref:`Symptoms <symptoms>`: out of memory, slow, hangs, wrong numbers; to the cells that show them.")),
 }
 
 
