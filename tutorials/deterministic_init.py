@@ -184,7 +184,7 @@ def meta_recipe():
             for layer in model:
                 if isinstance(layer, nn.Linear):
                     layer.reset_parameters()
-    messages = sorted({str(c.message) for c in caught})
+    messages = sorted({f"{c.category.__name__}: {c.message}" for c in caught})
     return gather(model), messages
 
 
@@ -248,7 +248,7 @@ def fsdp1_sync_module_states_on_cpu():
         FSDP(make_model(), sync_module_states=True,
              device_id=torch.device("cpu"))  # cpu-only: shows FSDP1's refusal on CPU
     except ValueError as err:
-        return str(err)
+        return f"{type(err).__name__}: {err}"
 
 
 print(launch(fsdp1_sync_module_states_on_cpu, world_size=2, backend="gloo", output="none")[0])

@@ -404,7 +404,8 @@ for case, shifts in SHIFTS.items():
             result = "; ".join(f"rank {r}: no gradient for {missing or 'none'}, max |shard - one process| "
                                f"= {error:.1e}" for r, (missing, error) in enumerate(ranks))
         except fsdp_guide.LaunchError as failure:  # the first line names the rank; gloo's says why
-            result = f"{str(failure).splitlines()[0][:40]}: {re.search(r'Received data size[^.]*[.]', str(failure))[0]}"
+            result = (f"{type(failure).__name__}: {str(failure).splitlines()[0][:40]}: "
+                      f"{re.search(r'Received data size[^.]*[.]', str(failure))[0]}")
         print(f"{case}; set_reduce_scatter_unused_params({unused_params!s:5}): {result}")
 
 # %% [markdown]

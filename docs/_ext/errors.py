@@ -59,12 +59,13 @@ FIXES = {
     "got mixed torch.Tensor and DTensor": "A method other than ``forward`` meets sharded parameters: "
         ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
         "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
-    "in-place operations that require placement changes": "An optimizer that is not pointwise sees shards, not "
-        "matrices: keep pointwise optimizers under FSDP (:ref:`tip-pointwise-optimizers`).",
-    "Muon only supports 2D parameters": "Muon needs whole matrices; FSDP2 hands it shards: "
-        ":ref:`tip-pointwise-optimizers`.",
-    "returned a view tensor": "Harmless unless you modify the output in place; if you do, ``.clone()`` it first "
-        "(checkpointing goes inside the unit: :ref:`tip-checkpoint-inside-unit`).",
+    "in-place operations that require placement changes": "Adafactor's in-place update of a partial DTensor norm "
+        "is refused: use a pointwise optimizer (:ref:`pitfalls-pointwise-optimizers`).",
+    "Muon only supports 2D parameters": "FSDP1 hands Muon flat 1-D shards; FSDP2 keeps each parameter 2-D: "
+        ":ref:`pitfalls-pointwise-optimizers`.",
+    "returned a view tensor": "Here from ``CommDebugMode``'s hooks, harmless "
+        "(:ref:`pitfalls-checkpoint-inside-unit` explains); in your own model, modify outputs out of place, or "
+        "``.clone()`` them first.",
     "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
         "op: :ref:`tip-no-sharding-strategy`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "
@@ -75,17 +76,19 @@ FIXES = {
         ":ref:`set_force_sum_reduction_for_comms <fsdp2-fsdpmodule-set-force-sum-reduction-for-comms>`.",
     "uniform original parameter dtype": "One dtype among a unit's trainable parameters: "
         ":ref:`tip-lora-dtypes` (three fixes executed in :ref:`lora-dtypes`).",
-    "mat1 and mat2 must have the same dtype": "Between units with different policies, set ``output_dtype`` or "
-        "``cast_forward_inputs``: :ref:`tip-mixed-policies-boundary`.",
+    "got BFloat16 and Float": "A bfloat16 output into a float32 unit: ``output_dtype=torch.float32`` on the first "
+        "unit's policy, :ref:`tip-mixed-policies-boundary`.",
+    "got Float and BFloat16": "A float32 input into a bfloat16 unit: keep ``cast_forward_inputs=True`` (the "
+        "default), :ref:`tip-mixed-policies-boundary`.",
     "already managed by another FSDP group": "Tied weights go in one unit: ``fully_shard([embedding, output])``, "
         ":ref:`tip-tied-weights-one-unit`.",
     "is invalid for input of size": "Heads and KV heads must each divide by the TP degree: :ref:`tip-tp-gqa-heads`.",
     "Use `set_gradient_divide_factor` instead": "Rename the call to ``set_gradient_divide_factor``: "
         ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
-    "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 with ``reshard_after_forward=False``: "
-        ":ref:`tip-fsdp-config`.",
-    "Full backward hook is firing": "Harmless here (the input needs no gradient); it comes from a module's full "
-        "backward hook, e.g. the collective counter: :ref:`tip-communication-volume`.",
+    "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 on a (world size, 1) mesh of replicate and "
+        "shard dims, which is what ``fsdp_guide.shard`` does for NO_SHARD: :ref:`tip-fsdp-config`.",
+    "Full backward hook is firing": "Here from ``CommDebugMode``'s backward hooks on a model whose input needs no "
+        "gradient, harmless (:ref:`pitfalls-checkpoint-inside-unit` explains).",
     "_get_pg_default_device": "FSDP1's sharded state dicts: move to DCP's ``get_state_dict`` / ``set_state_dict`` "
         "(:ref:`tip-migrate-fsdp1-fsdp2`).",
     "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated": "Use DCP's ``get_state_dict`` / "
@@ -103,6 +106,12 @@ FIXES = {
         "same ones in the same order, :ref:`tip-hangs-same-collectives`.",
     "did not finish within timeout": "A hang: dump the ranks' stacks and compare their collectives, "
         ":ref:`tip-hangs-tools`.",
+    "DTensor random operators may not have complete support on cpu": "On a CPU mesh, initialise the full "
+        "weights and shard them, not the shards in place: :ref:`tip-meta-init-cpu`.",
+    "CPU parameters or buffers when `sync_module_states=True`": "``sync_module_states`` needs GPUs; on CPU, "
+        "initialise every rank from one seed before sharding: :ref:`tutorial-deterministic-init`.",
+    "Received data size doesn't match": "Experts that get no tokens on a rank: "
+        ":ref:`set_reduce_scatter_unused_params(True) <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>`.",
     "was killed by SIGKILL": "A rank died mid-save: the last complete checkpoint stays, resume from it "
         "(:ref:`tip-exact-resume`).",
 }

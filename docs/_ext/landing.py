@@ -36,7 +36,7 @@ GROUPS = {
         "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
         "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
         "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
-        "enable_wrap": ("Choosing units", "What to wrap, by hand or by policy, and what it costs."),
+        "enable_wrap": ("Choosing units", "Mark units by hand or by policy; build a model that never exists whole."),
         "state_attributes": ("What FSDP keeps", "The state on each parameter, before and after each step."),
         "summon_full_params": ("Custom init", "Initialise a sharded model's weights in place."),
     }),
@@ -52,12 +52,12 @@ GROUPS = {
         "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
         "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
         "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
-        "fsdp_config": ("A config dictionary", "Accelerate-style fsdp_config keys, each executed."),
+        "fsdp_config": ("A config dictionary", "A Composer-style fsdp_config: each strategy and precision preset run."),
     }),
     "scale": Group("Scale out", "Beyond one machine and beyond data parallelism.", {
         "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
         "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
-        "cluster": ("On a cluster", "torchrun, SLURM, and several nodes."),
+        "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
     }),
     "broken": Group("When it breaks", "Hangs, errors and wrong numbers, traced to their cause.", {
         "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
