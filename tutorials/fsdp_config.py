@@ -258,7 +258,7 @@ for mistake in ({"sharding_stratgy": "FULL_SHARD"}, {"sharding_strategy": "FULL_
     try:
         validate(mistake)
     except ValueError as err:
-        print(f"{str(mistake)}\n  -> {err}")
+        print(f"{str(mistake)}\n  -> {type(err).__name__}: {err}")
 
 # %% [markdown]
 # Settings that pass the checks but cannot work together fail on the ranks, before any
@@ -275,7 +275,7 @@ def mistakes():
         try:
             shard(Model(), config, api=api)
         except ValueError as err:
-            messages.append(f"{api}: {err}")
+            messages.append(f"{api}: {type(err).__name__}: {err}")
     return messages
 
 

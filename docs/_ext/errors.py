@@ -112,6 +112,16 @@ FIXES = {
         "initialise every rank from one seed before sharding: :ref:`tutorial-deterministic-init`.",
     "Received data size doesn't match": "Experts that get no tokens on a rank: "
         ":ref:`set_reduce_scatter_unused_params(True) <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>`.",
+    # fsdp_guide's own checks of an fsdp_config, each message naming the value that would be right
+    "unknown fsdp_config key": "The key the message suggests; every key: :ref:`fsdp-config-reference`.",
+    "expected one of": "One of the values the message lists: :ref:`fsdp-config-reference`.",
+    "expected a number of parameters": "A number, not a string: :ref:`fsdp-config-reference`.",
+    "needs a world size divisible by it": "A ``data_parallel_shard_degree`` that divides the world size: "
+        ":ref:`fsdp-config-reference`.",
+    "cannot be honoured by FSDP2": "What the message suggests (FSDP2 always prefetches one unit ahead): "
+        ":ref:`fsdp-config-reference`.",
+    "needs the ranks on an accelerator": "``api='fsdp2'``, whose ``CPUOffloadPolicy(pin_memory=False)`` runs on "
+        "CPU ranks: :ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
     "was killed by SIGKILL": "A rank died mid-save: the last complete checkpoint stays, resume from it "
         "(:ref:`tip-exact-resume`).",
 }
