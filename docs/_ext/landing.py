@@ -11,7 +11,6 @@ Sphinx is imported only by ``setup``; the rest is plain text processing, testabl
 
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -70,7 +69,11 @@ def page_source(stem: str) -> Path:
     return next(p for p in (ROOT / "tutorials" / f"{stem}.py", ROOT / "docs" / f"{stem}.py") if p.exists())
 
 
-@functools.cache
+def pages() -> list[Path]:
+    """The source of every page with a card: every page that executes."""
+    return [page_source(stem) for group in GROUPS.values() for stem in group.pages]
+
+
 def needs(stem: str) -> dict[str, object]:
     """What the page's "What you need" paragraph says: the ranks, the optional libraries, Linux, the time."""
     lines = page_source(stem).read_text().splitlines()
@@ -86,8 +89,7 @@ def needs(stem: str) -> dict[str, object]:
         raise ValueError(f"{stem}: its '**What you need**' names no number of processes or no time: {words!r}")
     return {
         "ranks": sorted(ranks),
-        "libraries": [lib for lib in ("transformers", "peft", "torchao", "py-spy") if f"`{lib}`" in words or
-                      re.search(rf"\b{lib}\b", words)],
+        "libraries": [lib for lib in ("transformers", "peft", "torchao", "py-spy") if re.search(rf"\b{lib}\b", words)],
         "linux": "Linux" in words,
         "seconds": 60 if seconds.group(2) else int(seconds.group(1)),
     }
@@ -116,9 +118,9 @@ def map_lines() -> list[str]:
 
 
 def _labels() -> dict[str, str]:
-    """Every label of the tutorials and the cluster page -> its page stem."""
+    """Every label of the pages with a card -> its page stem."""
     found = {}
-    for source in [*sorted((ROOT / "tutorials").glob("*.py")), ROOT / "docs" / "cluster.py"]:
+    for source in pages():
         found |= {name: source.stem for name in re.findall(r"^# \(([\w-]+)\)=", source.read_text(), re.M)}
     return found
 
@@ -171,8 +173,6 @@ def setup(app):
 
         return Generated
 
-    every_page = lambda: [page_source(stem) for group in GROUPS.values() for stem in group.pages]  # noqa: E731
-    app.add_directive("tutorial-map", generated(map_lines, every_page))
-    app.add_directive("tips-by-goal", generated(
-        tips_lines, lambda: [ROOT / "docs" / "fsdp_tips.rst", *every_page()]))
+    app.add_directive("tutorial-map", generated(map_lines, pages))
+    app.add_directive("tips-by-goal", generated(tips_lines, lambda: [ROOT / "docs" / "fsdp_tips.rst", *pages()]))
     return {"parallel_read_safe": True, "parallel_write_safe": True}
