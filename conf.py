@@ -21,6 +21,7 @@ extensions = [
     "sphinx_design",  # the landing page's cards
     "landing",  # docs/_ext: the landing page's map of the tutorials, and the tips by goal
     "errors",  # docs/_ext: the errors index, collected from the executed outputs
+    "execution",  # docs/_ext: the pages executed two at a time into the cache myst-nb reads
 ]
 plot_include_source = False
 plot_basedir = os.path.abspath(".")  # `.. plot:: docs/figures/...` from any page
@@ -37,7 +38,7 @@ exclude_patterns = ["_build", "docs/_ext", "docs/figures", "**/.ipynb_checkpoint
 
 # Tutorials are jupytext py:percent notebooks, executed at build time.
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
-nb_execution_mode = "cache"  # nox -s docs passes force; `nox -s docs -- --cached` reuses this cache
+nb_execution_mode = "cache"  # docs/_ext/execution.py executes what the cache lacks; `nox -s docs` empties it first
 nb_execution_cache_path = "_build/.jupyter_cache"
 nb_execution_timeout = 180  # seconds per cell
 nb_execution_raise_on_error = True

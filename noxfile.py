@@ -46,7 +46,7 @@ TORCH = {"oldest": ["torch==2.9.1", "torchao==0.16.0"], "newest": ["--upgrade", 
 # The package's own tests. Left out: the site (executing the pages, the built site, the
 # browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the pinned torch), and the
 # GPU-run script (it executes the pages).
-SITE_TESTS = ["test_tutorials.py", "test_site.py", "test_browser.py", "test_device_generic.py",
+SITE_TESTS = ["test_tutorials.py", "test_execution.py", "test_site.py", "test_browser.py", "test_device_generic.py",
               "test_install.py", "test_gpu_run.py", "test_jupyter.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
@@ -98,11 +98,15 @@ def docs(session: nox.Session) -> None:
     """Build the site into _build/html, executing every tutorial.
 
     `nox -s docs -- --cached` reuses the execution cache for notebooks whose cells did not
-    change (the cache keys on the notebook alone: it does not see edits to src/).
+    change (the cache keys on the notebook alone: it does not see edits to src/). Other
+    arguments after `--` go to sphinx-build (`-D execution_workers=1`: one page at a time).
     """
     install(session)
-    mode = "cache" if "--cached" in session.posargs else "force"
-    session.run(*SPHINX, "-D", f"nb_execution_mode={mode}", ".", "_build/html")
+    if "--cached" not in session.posargs:
+        shutil.rmtree("_build/.jupyter_cache", ignore_errors=True)  # conf.py's nb_execution_cache_path
+    # Cache mode, even when every page executes: docs/_ext/execution.py executes two pages
+    # at a time into the cache before Sphinx reads them (myst-nb's "force" executes one by one).
+    session.run(*SPHINX, *(arg for arg in session.posargs if arg != "--cached"), ".", "_build/html")
     session.log("open _build/html/index.html, or: python -m http.server -b 127.0.0.1 -d _build/html 8000")
 
 

@@ -1,20 +1,22 @@
 """How fast the site builds, how long each notebook takes, and how heavy the landing page is.
 
 Prints, from one run:
-- the site build: cold (empty cache, every notebook executed), a rebuild with nothing
-  changed, and a fresh build (no doctrees) that takes the executed notebooks from the cache;
-  and the cold build again with every launch cold (``FSDP_GUIDE_WARM=0``), against warm launches;
-- each notebook's execution time in the cold build, slowest first (from the cache's records);
+- the site build: cold (empty cache, every notebook executed two at a time, as ``nox -s
+  docs`` builds it), a rebuild with nothing changed, and a fresh build (no doctrees) that
+  takes the executed notebooks from the cache; and the cold build again executing one
+  notebook at a time (``-D execution_workers=1``, docs/_ext/execution.py);
+- each notebook's execution time in the one-at-a-time build, slowest first (from the
+  cache's records): the time a reader's kernel takes with nothing else running;
 - the landing page's weight: its HTML plus the JavaScript and CSS files it links.
 
 Goals (issue 6): cold build under 8 minutes on the 2-core CI machine, no notebook over 90 s,
 an unchanged rebuild under 30 s. Run it in the pinned environment: `nox -s bench`.
 A cold build compiles cold too: inductor's cache is a fresh directory for each build.
 
-The printout is kept in bench/results/site.txt. `--record` runs the cold build alone, keeps
-it in bench/results/page_times.txt, keeps each notebook's time in page_times.json and
-writes it into each tutorial's opening (bench/results.py): run it on an otherwise idle
-machine after changing a page's cells, and commit what it wrote. `--record --page STEM`
+The printout is kept in bench/results/site.txt. `--record` runs the two cold builds alone,
+keeps them in bench/results/page_times.txt, keeps each notebook's time (one at a time) in
+page_times.json and writes it into each tutorial's opening (bench/results.py): run it on
+an otherwise idle machine after changing a page's cells, and commit what it wrote. `--record --page STEM`
 executes one new or changed page alone, as the cold build would, and adds its time to the
 record (marked as measured separately, with its own date and machine).
 """
@@ -64,10 +66,11 @@ def page_weight(html_dir: Path, page: str = "index.html") -> dict[str, int]:
     return weight
 
 
-def cold_build(out: Path, name: str, **env: str) -> tuple[float, dict[str, float]]:
-    """A build with an empty execution cache and an empty inductor cache: every notebook executed, compiled afresh."""
-    took = seconds(sphinx(out, f"cache-{name}", f"doctrees-{name}") + [str(out / f"html-{name}")],
-                   TORCHINDUCTOR_CACHE_DIR=str(out / f"inductor-{name}"), **env)
+def cold_build(out: Path, name: str, workers: int = 2) -> tuple[float, dict[str, float]]:
+    """A build with an empty execution cache and an empty inductor cache: every notebook
+    executed, ``workers`` at a time, compiled afresh."""
+    build = sphinx(out, f"cache-{name}", f"doctrees-{name}") + ["-D", f"execution_workers={workers}"]
+    took = seconds(build + [str(out / f"html-{name}")], TORCHINDUCTOR_CACHE_DIR=str(out / f"inductor-{name}"))
     return took, notebook_seconds(out / f"cache-{name}")
 
 
@@ -83,21 +86,30 @@ def verdict(value, goal):
 
 
 def print_notebooks(notebooks: dict[str, float]) -> None:
-    print("\nnotebook execution in the cold build, slowest first:")
+    print("\nnotebook execution in the one-at-a-time cold build, slowest first:")
     for name, secs in sorted(notebooks.items(), key=lambda item: -item[1]):
         print(f"  {name:40} {secs:7.1f} s   {verdict(secs, GOALS['notebook'])}")
     print(f"  {'all notebooks':40} {sum(notebooks.values()):7.1f} s")
 
 
-def record(out: Path) -> None:
-    """The cold build alone; each notebook's time kept and written into the tutorials' openings."""
-    cold, notebooks = cold_build(out, "cold")
-    print(f"site build, cold (every notebook executed): {cold:.1f} s   goal < {GOALS['cold']} s: "
+def cold_builds(out: Path) -> dict[str, float]:
+    """The cold build as `nox -s docs` runs it, and one notebook at a time; each notebook's time from the latter."""
+    cold, _ = cold_build(out, "cold")
+    serial, notebooks = cold_build(out, "serial", workers=1)
+    print(f"site build, cold (every notebook executed, two at a time): {cold:.1f} s   goal < {GOALS['cold']} s: "
           f"{verdict(cold, GOALS['cold'])}")
+    print(f"site build, cold, one notebook at a time: {serial:.1f} s   (two at a time: {cold / serial:.2f}x)")
     print_notebooks(notebooks)
+    return notebooks
+
+
+def record(out: Path) -> None:
+    """The cold builds alone; each notebook's time kept and written into the tutorials' openings."""
+    notebooks = cold_builds(out)
     changed = record_page_times({Path(uri).stem: secs for uri, secs in notebooks.items()},
-                                "each notebook in a fresh kernel, in a cold site build (sphinx-build, "
-                                "empty execution and inductor caches, warm launches), nothing else running")
+                                "each notebook in a fresh kernel, in a cold site build executing one notebook at a "
+                                "time (sphinx-build -D execution_workers=1, empty execution and inductor caches, "
+                                "warm launches), nothing else running")
     print(f"\nstated times rewritten in: {', '.join(changed) or 'none (all as recorded)'}")
 
 
@@ -127,24 +139,15 @@ def record_one(out: Path, page: str) -> None:
 
 
 def measure_all(out: Path) -> None:
-    # The same cold build with every launch starting cold (issue 14's "before").
-    all_cold, all_cold_notebooks = cold_build(out, "all-cold", FSDP_GUIDE_WARM="0")
-    cold, notebooks = cold_build(out, "cold")
+    cold_builds(out)
     build = sphinx(out, "cache-cold", "doctrees-cold") + [str(out / "html-cold")]
     unchanged = seconds(build)
     shutil.rmtree(out / "doctrees-cold")
     from_cache = seconds(build[:-1] + [str(out / "html2")])
     weight = page_weight(out / "html-cold")
-
-    print("site build:")
-    print(f"  {'cold (every notebook executed)':40} {cold:7.1f} s   goal < {GOALS['cold']} s: {verdict(cold, GOALS['cold'])}")
-    print(f"  {'rebuild, nothing changed':40} {unchanged:7.1f} s   goal < {GOALS['unchanged']} s: "
+    print(f"\n{'rebuild, nothing changed':40} {unchanged:7.1f} s   goal < {GOALS['unchanged']} s: "
           f"{verdict(unchanged, GOALS['unchanged'])}")
-    print(f"  {'fresh build, notebooks from the cache':40} {from_cache:7.1f} s")
-    print(f"  {'cold, every launch cold (FSDP_GUIDE_WARM=0)':40} {all_cold:7.1f} s   warm launches save "
-          f"{all_cold - cold:.1f} s ({cold / all_cold:.2f}x); notebooks {sum(all_cold_notebooks.values()):.1f} s -> "
-          f"{sum(notebooks.values()):.1f} s")
-    print_notebooks(notebooks)
+    print(f"{'fresh build, notebooks from the cache':40} {from_cache:7.1f} s")
     print("\nlanding page weight (first visit):")
     for kind, nbytes in weight.items():
         print(f"  {kind:6} {nbytes:10,} bytes")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,82 +17,73 @@ TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
 NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))  # pages that execute code: the tutorials and the cluster page
 
 
-def _execute(tutorial: Path, tmp_dir: Path):
-    """The tutorial converted to .ipynb by jupytext and executed by pytest-notebook."""
-    # Imported here: the package's tests (`nox -s torch`) run without the notebook tools.
-    import jupytext
-    from nbclient.exceptions import DeadKernelError
-    from pytest_notebook.nb_regression import NBRegressionFixture
+# The pages are executed as the site build executes them (docs/_ext/execution.py): two
+# at a time, each in its own kernel with its folder as working directory, into a jupyter-cache.
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+from execution import Execution, execution_order, recorded_seconds  # noqa: E402
 
-    # The tutorials are .py files without stored outputs: there is nothing to diff against,
-    # so the check is that every cell runs (a cell error fails the test) and the assertions
-    # the tutorials make in their own cells hold.
-    execute = NBRegressionFixture(
-        exec_timeout=180,
-        exec_cwd=str(ROOT / "tutorials"),
-        diff_ignore=("/cells/*/outputs", "/cells/*/execution_count", "/metadata"),
-    )
-    notebook = tmp_dir / f"{tutorial.stem}.ipynb"
-    jupytext.write(jupytext.read(tutorial), notebook)
-    try:
-        return execute.check(str(notebook)).nb_final
-    except DeadKernelError:  # the intermittent kernel crash described at KERNEL_CRASH below: once more
-        return execute.check(str(notebook)).nb_final
+WANTED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
+def pytest_collection_modifyitems(config, items):
+    """The pages this run's tests will ask for, so that they execute together from the first ask on."""
+    wanted = set()
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "site" in names or "execution_cache" in names:
+            wanted = set(NOTEBOOKS)
+            break
+        callspec = getattr(item, "callspec", None)
+        if "executed" in names and callspec is not None and "tutorial" in callspec.params:
+            wanted.add(callspec.params["tutorial"])
+    config.stash[WANTED] = execution_order(wanted, recorded_seconds(ROOT))
 
 
 class Executed(dict):
     """Tutorial stem -> executed notebook, executed the first time a test asks for it.
 
-    Lazy, so that ``pytest -k lora`` executes the LoRA page alone; the site build asks for
-    every page (``execution_cache``). A page that failed raises its error wherever it is used.
+    The first ask starts every page this run's tests ask for (``pytest -k lora`` executes
+    the LoRA page alone; the site build asks for every page), two at a time, in
+    ``execution_order``; each ask waits for its page. A page that failed raises its
+    error (``execution.PageFailed``) wherever it is used.
     """
 
-    def __init__(self, tmp_dir: Path):
+    def __init__(self, cache_path: Path, wanted: list[Path]):
         super().__init__()
-        self.tmp_dir, self.errors, self.seconds = tmp_dir, {}, {}
+        self.cache_path, self.wanted = cache_path, wanted
+        self.execution = Execution(cache_path, workers=2, timeout=180)
 
     def __missing__(self, stem):
-        if stem not in self.errors:
-            page = next(p for p in NOTEBOOKS if p.stem == stem)
-            try:
-                start = time.perf_counter()
-                self[stem] = _execute(page, self.tmp_dir)
-                self.seconds[stem] = time.perf_counter() - start
-                return self[stem]
-            except Exception as error:  # noqa: BLE001  (fails that page's tests, not every test)
-                self.errors[stem] = error
-        raise self.errors[stem]
+        page = next(p for p in NOTEBOOKS if p.stem == stem)
+        self.execution.submit_all(self.wanted)
+        self[stem] = self.execution.submit(page).result()
+        return self[stem]
 
 
 @pytest.fixture(scope="session")
-def executed(tmp_path_factory) -> Executed:
-    """Every notebook page, executed at most once per test run by pytest-notebook."""
-    return Executed(tmp_path_factory.mktemp("notebooks"))
+def executed(request, tmp_path_factory):
+    """Every notebook page, executed at most once per test run."""
+    pages = Executed(tmp_path_factory.mktemp("jupyter_cache"), request.config.stash.get(WANTED, []))
+    yield pages
+    pages.execution.close(cancel=True)  # pages no test asked for yet are not started
 
 
 @pytest.fixture(scope="session")
-def execution_cache(executed, tmp_path_factory) -> Path:
-    """A jupyter-cache holding the executed tutorials, for the site build to read.
+def execution_cache(executed) -> Path:
+    """The jupyter-cache holding the executed tutorials, for the site build to read.
 
     myst-nb's ``nb_execution_mode=cache`` takes a notebook's outputs from the cache when
     its code cells match, and the cells are the same whether jupytext or myst-nb reads the
     .py file: the site then shows the outputs the notebook tests checked, instead of
     executing every tutorial a second time. A tutorial missing here is executed by the build.
     """
-    from jupyter_cache import get_cache
-    from jupyter_cache.base import CacheBundleIn
-
-    path = tmp_path_factory.mktemp("jupyter_cache")
-    cache = get_cache(str(path))
     for tutorial in NOTEBOOKS:
         try:
             executed[tutorial.stem]
         except Exception:  # noqa: BLE001  (its own tests report it; the build executes it again)
             continue
-        else:
-            seconds = {"execution_seconds": executed.seconds[tutorial.stem]}  # shown by the site's exec table
-            cache.cache_notebook_bundle(CacheBundleIn(executed[tutorial.stem], uri=str(tutorial), data=seconds))
-    return path
+    return executed.cache_path
 
 
 def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
