@@ -24,9 +24,11 @@
 # - saving in the background while training goes on ({term}`asynchronous checkpoint`),
 #   and how long training waits for a save either way;
 # - resuming on a different number of ranks, and exporting one file for inference;
-# - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`.
+# - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`;
+# - how to compute {term}`MFU` right, checked against a published run, and three ways to get it wrong.
 #
-# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about 40 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; transformers, for one
+# cell that builds Llama 3.1 8B's shapes without their memory; about 40 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
 # `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16),
@@ -434,6 +436,58 @@ print("same losses as the notebook:", json.loads(summary_file.read_text())["loss
 # The tests run the second form with two `torchrun` processes on one machine as two nodes,
 # and check that they produce the losses of one node with 2 ranks.
 #
+# (llm-mfu)=
+# ## How much of a GPU a run uses: MFU, computed right
+#
+# The log's last line is the recipe's {term}`MFU`, model FLOPs utilisation: the share of
+# the accelerators' peak arithmetic that the model's own FLOPs use, tokens per second x
+# FLOPs per token / (GPUs x peak). On a GPU the recipe prints it (`model_flops_utilisation`
+# in the recipe, with {func}`fsdp_guide.mfu.mfu`); here, on a CPU, it says why it does not: a
+# CPU has no dense bf16 tensor-core peak to divide by, and the recipe trains in fp32 there.
+# Three mistakes are common, each giving a number that looks plausible. Here they are on
+# the one published run this page can check against: torchtitan's Llama 3.1 8B on 8 H100s
+# with FSDP, 5,762 tokens per second per GPU at a sequence length of 8192 (its
+# `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1, which reports "33% to 39% MFU"
+# for its four FSDP runs without float8). The model is built on the {term}`meta device`
+# from Llama 3.1 8B's configuration, to count its parameters without allocating them:
+
+# %%
+from fsdp_guide.fp8 import quiet_torchao
+from fsdp_guide.mfu import flops_per_token, matmul_parameters, mfu
+
+quiet_torchao()  # transformers imports torchao, whose import logs about CUDA kernels a CPU cannot load
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+llama_3_1_8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+with torch.device("meta"):
+    llama = LlamaForCausalLM(llama_3_1_8b)
+shape = dict(n_layers=32, n_heads=32, head_dim=128, seq_len=8192)
+per_token = flops_per_token(llama, **shape)
+print(f"parameters {sum(p.numel() for p in llama.parameters()):,}; in matmuls {matmul_parameters(llama):,} "
+      f"(the input embedding is a lookup); FLOPs per token {per_token / 1e9:.1f} G")
+
+tokens_per_s, h100 = 5_762, 989e12  # per GPU; the H100 SXM's dense bf16 peak, FLOP/s
+ways = {
+    "right: whole model, attention, dense peak": mfu(tokens_per_s, per_token, h100),
+    "the sparse peak the datasheet headlines": mfu(tokens_per_s, per_token, 2 * h100),
+    "a rank's shard of the parameters (1/8)": mfu(tokens_per_s, flops_per_token(matmul_parameters(llama) // 8, **shape),
+                                                 h100),
+    "6N alone, attention left out": mfu(tokens_per_s, 6 * matmul_parameters(llama), h100),
+}
+for way, value in ways.items():
+    print(f"{way:42} MFU {value:6.1%}")
+print(f"attention's share of the FLOPs per token: {1 - 6 * matmul_parameters(llama) / per_token:.0%}")
+
+# %% [markdown]
+# The right way gives the published figure's lower end (33.7%, printed above; torchtitan's other
+# three runs give the rest of its range, checked in `tests/test_mfu.py`). The sparse peak halves it; a rank's shard
+# (what a parameter's local tensor holds under FSDP: count a DTensor's `numel()`, the whole
+# parameter's, not its `to_local()`'s) divides the matmul term by the number of ranks; and
+# leaving attention out loses its share (printed last), which grows with the sequence length. The formula itself is checked against torch's own FLOP counter
+# (`torch.utils.flop_counter.FlopCounterMode`) on this page's GPT in the same test file.
+#
 # (llm-tips)=
 # ## The tips behind this
 #
@@ -443,6 +497,7 @@ print("same losses as the notebook:", json.loads(summary_file.read_text())["loss
 # - {ref}`tip-custom-init-summon`: the same seed on every rank inside the context.
 # - {ref}`tip-clip-grad-norm`: `clip_grad_norm_` on DTensor gradients clips by the global norm.
 # - {ref}`tip-async-checkpoint`: write checkpoints in the background, one at a time.
+# - {ref}`tip-mfu`: MFU from the whole model, with attention, over the dense peak.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

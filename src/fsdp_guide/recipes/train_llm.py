@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from fsdp_guide import launch
 from fsdp_guide.devices import device as rank_device
+from fsdp_guide.mfu import flops_per_token, mfu
 
 __all__ = ["TrainConfig", "train", "main", "build_model", "shard_model", "init_sharded"]
 
@@ -395,11 +396,28 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     peaks = [None] * dist.get_world_size()
     what, peak = _peak_memory(device)
     dist.all_gather_object(peaks, peak)
+    utilisation, why_not = model_flops_utilisation(model, config, tokens_per_s, device)
     if rank == 0:
         print(f"peak memory per rank, {what}: " + ", ".join(f"rank{r} {mib:,.0f} MiB" for r, mib in enumerate(peaks)))
+        print(f"MFU {utilisation:.1%} (fsdp_guide.mfu)" if why_not is None else f"MFU not computed: {why_not}")
     return dict(first_step=start + 1, losses=losses, dtype=str(dtype).removeprefix("torch."),
-                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s,
+                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s, mfu=utilisation,
                 checkpoint=str(saved) if saved else None, save_stall_s=stalls)
+
+
+def model_flops_utilisation(model: nn.Module, config: TrainConfig, tokens_per_s: float,
+                            device: torch.device) -> tuple[float | None, str | None]:
+    """The run's MFU on GPUs (:mod:`fsdp_guide.mfu`: the whole model's FLOPs per token, all
+    ranks' tokens over all ranks' dense peak), or None and why not."""
+    if device.type != "cuda":
+        # A CPU has no dense bf16 tensor-core peak to divide by, and the recipe runs fp32 there.
+        return None, f"on {device.type}, which has no dense bf16 peak in fsdp_guide.mfu.PEAK_BF16_DENSE"
+    per_token = flops_per_token(model, n_layers=config.n_layer, n_heads=config.n_head,
+                                head_dim=config.n_embd // config.n_head, seq_len=config.block_size)
+    try:
+        return mfu(tokens_per_s, per_token, torch.cuda.get_device_name(device), devices=dist.get_world_size()), None
+    except ValueError as error:  # a GPU the table does not know
+        return None, str(error)
 
 
 _HELP = {
