@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import time
 import uuid
 from pathlib import Path
@@ -508,6 +509,25 @@ def test_what_a_rank_started_is_stopped_with_it():
         launch(_start_a_child_then_fail, token, world_size=2, output="none")
     time.sleep(0.2)
     assert _processes_with(token) == []
+
+
+def test_stopping_a_rank_that_has_exited_signals_no_process_that_took_its_number():
+    from fsdp_guide.launcher import _signal_group
+
+    # An exited rank whose pid now belongs to another process, in no group of its own (as
+    # after pid reuse): stopping the rank must leave that process alone.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        exited_rank = types.SimpleNamespace(pid=other.pid, poll=lambda: 0)
+        _signal_group(exited_rank, signal.SIGKILL)
+        time.sleep(0.2)
+        assert other.poll() is None
+        running_rank = types.SimpleNamespace(pid=other.pid, poll=lambda: None)  # a warm rank before its setsid
+        _signal_group(running_rank, signal.SIGKILL)
+        assert other.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()
 
 
 def _rank_0_returns_a_lock():

@@ -586,7 +586,7 @@ class _Ranks:
             return
         for proc in self.procs:
             if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)
+                _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + _TERMINATE_GRACE_S
         for proc in self.procs:
             try:
@@ -594,7 +594,7 @@ class _Ranks:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.procs:
-            _signal_group(proc.pid, signal.SIGKILL)  # stragglers, and children a rank left behind
+            _signal_group(proc, signal.SIGKILL)  # stragglers, and children a rank left behind
             proc.wait()
             proc.stdin.close()
         for thread in self.threads:
@@ -621,12 +621,21 @@ def _where(stacks: dict[int, str]) -> str:
         f"[rank{r}]\n" + "\n".join(f"  {line}" for line in stack.splitlines()) for r, stack in sorted(stacks.items()))
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _signal_group(proc, sig: int) -> None:
+    """Signal a rank's process group: the rank and whatever it started.
+
+    A group's id is not given to another group while it has a member. A bare pid is:
+    once a rank has exited and been reaped, another process may get its number (pid_max
+    is 32768 on many Linux machines, and every thread takes one). So the rank alone is
+    signalled only while it is not known to have exited (a warm rank before its setsid).
+    """
     try:
-        os.killpg(pgid, sig)
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        try:  # a warm rank not yet in its own group (it calls setsid first thing)
-            os.kill(pgid, sig)
+        if proc.poll() is not None:
+            return
+        try:
+            os.kill(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
