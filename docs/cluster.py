@@ -90,18 +90,19 @@ r"""
 
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 ckpt=/shared/ckpt/$SLURM_JOB_NAME
-resume=$(ls -d "$ckpt"/step-* >/dev/null 2>&1 && echo "--resume latest")  # only if one exists
 export NCCL_SOCKET_IFNAME=ib0 OMP_NUM_THREADS=8
 
 srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
-    -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 $resume
+    -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 --resume auto
 ```
 """
 
 # %% [markdown]
-# `--resume latest` fails when there is no checkpoint (a resume that silently starts afresh
-# hides lost work), so the script asks for it only when one exists. The recipe publishes a
+# `--resume auto` resumes from the newest complete checkpoint in `--checkpoint-dir` when
+# there is one, and starts at step 1 when there is none, printing which it did: the first
+# attempt and every requeued one run the same command. (`--resume latest` fails when there
+# is no checkpoint, for a run that must not start afresh by mistake.) The recipe publishes a
 # checkpoint only when it is complete ({ref}`tip-exact-resume`), so a job killed during a
 # save resumes from the one before.
 #

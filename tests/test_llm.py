@@ -56,6 +56,17 @@ def test_resume_continues_bit_for_bit(saved_at_k, straight, tmp_path):
     assert resumed["losses"] == straight[K:]  # exactly equal, data stream included
 
 
+def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_from_the_newest_one(straight, tmp_path, capfd):
+    # The same command for every attempt of a restarted job: the first starts, the next ones resume.
+    config = dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), checkpoint_every=K, resume="auto")
+    first = launch(train, dataclasses.replace(config, stop_at=K), world_size=2)[0]
+    assert first["first_step"] == 1 and first["losses"] == straight[:K]
+    assert f"no complete checkpoint in {tmp_path}: starting at step 1 (--resume auto)" in capfd.readouterr().out
+    second = launch(train, config, world_size=2)[0]
+    assert second["first_step"] == K + 1 and second["losses"] == straight[K:]
+    assert f"resumed from {tmp_path / f'step-{K:08d}'} at step {K}" in capfd.readouterr().out
+
+
 class _KilledWhileSaving(FileSystemWriter):
     """Rank 1 is killed (SIGKILL) after writing its part of the step-2K checkpoint, before it is complete."""
 
@@ -335,6 +346,7 @@ BAD_COMMANDS = [
     ("--async-checkpoint", "--async-checkpoint needs --checkpoint-every"),
     ("--async-checkpoint --checkpoint-dir {tmp}", "--async-checkpoint needs --checkpoint-every"),
     ("--resume latest", "--resume latest needs --checkpoint-dir"),
+    ("--resume auto", "--resume auto needs --checkpoint-dir"),
     ("--resume latest --checkpoint-dir {tmp}", "--resume latest: no complete checkpoint"),  # empty
     ("--resume latest --checkpoint-dir {tmp}/nowhere", "--resume latest: no complete checkpoint"),  # missing
     ("--resume {tmp}/nowhere", "--resume {tmp}/nowhere: no such checkpoint directory"),

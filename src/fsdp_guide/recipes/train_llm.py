@@ -73,7 +73,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps; 0: never
     keep: int = 2  # checkpoints kept in checkpoint_dir, the newest
     async_checkpoint: bool = False  # write checkpoints in the background while training goes on
-    resume: str | None = None  # "latest" (in checkpoint_dir) or a checkpoint's path
+    resume: str | None = None  # "latest" or "auto" (in checkpoint_dir), or a checkpoint's path
     export: str | None = None  # write the consolidated model here at the end
     # output
     log_every: int = 10
@@ -149,7 +149,7 @@ def _problem(v: dict, cli: bool) -> str | None:
         return f"{given('clip')}: expected the largest gradient norm, a number > 0 (inf: no clipping)"
     if v["checkpoint_every"] and not v["checkpoint_dir"]:
         return f"{given('checkpoint_every')}: saves need {name('checkpoint_dir')}, the directory to write them into"
-    if v["resume"] == "latest" and not v["checkpoint_dir"]:
+    if v["resume"] in ("latest", "auto") and not v["checkpoint_dir"]:
         return f"{given('resume')} needs {name('checkpoint_dir')}, the directory to take the newest checkpoint from"
     if v["async_checkpoint"] and not v["checkpoint_every"]:  # else it would do nothing, silently
         return (f"{name('async_checkpoint')} needs {name('checkpoint_every')} and {name('checkpoint_dir')}: "
@@ -196,8 +196,10 @@ def _command_problem(args: dict) -> str | None:
             return (f"{given('resume')}: no complete checkpoint (step-N) in {given('checkpoint_dir')} "
                     "written by fsdp_guide.checkpoint (its marker file names its step) "
                     "to resume from; leave --resume out to start afresh")
+    elif resume == "auto":
+        pass  # the newest checkpoint if there is one, else a fresh start: both are right
     elif resume and not Path(resume).is_dir():
-        return f"{given('resume')}: no such checkpoint directory; expected 'latest' or a checkpoint's path"
+        return f"{given('resume')}: no such checkpoint directory; expected 'latest', 'auto' or a checkpoint's path"
     elif resume and not (Path(resume) / ".metadata").is_file():  # DCP writes it last: the sign of a complete one
         return (f"{given('resume')}: not a complete checkpoint (it has no .metadata file); "
                 "complete ones are named step-N")
@@ -330,6 +332,19 @@ def _peak_memory(device: torch.device) -> tuple[str, float]:
     return "peak RSS of the whole process (ru_maxrss)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib / 2**20
 
 
+def _checkpoint_to_resume(config: TrainConfig) -> Path | None:
+    """The checkpoint ``--resume`` names; None for a fresh start (no ``--resume``, or ``auto`` before the first save)."""
+    from fsdp_guide import checkpoint
+
+    if config.resume not in ("latest", "auto"):
+        return Path(config.resume) if config.resume else None
+    path = checkpoint.latest(config.checkpoint_dir)
+    if path is None and config.resume == "latest":  # asked to resume: never a silent fresh start
+        raise checkpoint.CheckpointError(f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from, "
+                                         "of those fsdp_guide.checkpoint writes (its marker file names its step)")
+    return path
+
+
 def train(config: TrainConfig, *, storage_writer=None) -> dict:
     """Train on the ranks of the default process group; returns a summary of the run.
 
@@ -353,15 +368,13 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     batches = make_batches(config)
     stateful = dict(scheduler=scheduler, data=batches, **({"scaler": scaler} if scaler else {}))
 
-    start = 0
-    if config.resume:
-        path = checkpoint.latest(config.checkpoint_dir) if config.resume == "latest" else Path(config.resume)
-        if path is None:  # asked to resume: never a silent fresh start
-            raise checkpoint.CheckpointError(f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from, "
-                                             "of those fsdp_guide.checkpoint writes (its marker file names its step)")
+    start, path = 0, _checkpoint_to_resume(config)
+    if path is not None:
         start = checkpoint.load(path, model, optimizer, **stateful)
         if rank == 0:
             print(f"resumed from {path} at step {start}")
+    elif config.resume == "auto" and rank == 0:  # a restarted job's first attempt: nothing saved yet
+        print(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 1 (--resume auto)")
 
     tokens_per_step = config.batch_size * config.block_size * config.grad_accum
     losses, last_log, last_time, saved, stalls = [], start, time.perf_counter(), None, []
@@ -430,7 +443,8 @@ _HELP = {
     "checkpoint_every": "save every N steps into --checkpoint-dir (0: never)",
     "keep": "how many checkpoints to keep in --checkpoint-dir, the newest (at least 1)",
     "async_checkpoint": "write each checkpoint in the background (DCP's async_save) while training goes on",
-    "resume": "'latest' (the newest complete checkpoint in --checkpoint-dir) or a checkpoint's path",
+    "resume": ("'latest' (the newest complete checkpoint in --checkpoint-dir), 'auto' (that, or a fresh start "
+               "when there is none yet: what a job restarted by torchrun --max-restarts needs), or a checkpoint's path"),
     "export": "write the consolidated model (one torch.save file) here at the end",
 }
 
