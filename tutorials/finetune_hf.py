@@ -114,8 +114,13 @@ def peak_memory_rise_mb(load):
         lines = Path("/proc/self/status").read_text().splitlines()
         return int(next(line.split()[1] for line in lines if line.startswith(field))) / 1024
 
+    libc = ctypes.CDLL("libc.so.6")
+    # M_MMAP_THRESHOLD, fixed: each allocation over 1 MiB is mapped, and unmapped when freed. Left
+    # to itself, glibc raises the threshold after such a free and keeps later tensors in its heap,
+    # so the peak would count freed memory, by an amount that varies with thread timing.
+    libc.mallopt(-3, 2**20)
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed memory back, so the rise counts every new byte
+    libc.malloc_trim(0)  # hand freed memory back, so the rise counts every new byte
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak, to the current RSS
     rss, anon = status("VmRSS:"), status("RssAnon:")
     peak_anon, done = [anon], threading.Event()
