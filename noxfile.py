@@ -17,7 +17,15 @@ SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-b", "html"]
 
 def install(session: nox.Session, *extras: str) -> None:
     # The pinned environment the site is executed with (torch==2.13.0 among it).
-    session.install("-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
+    session.install(*local_wheels(session), "-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
+
+
+def local_wheels(session: nox.Session) -> list[str]:
+    """uv reads none of pip's settings: pass on the folders of wheels pip is told to look in
+    (PIP_FIND_LINKS), where a machine may keep its torch build (the project's: the CPU one)."""
+    if session.venv_backend != "uv":
+        return []
+    return [f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split()]
 
 
 def install_chromium(session: nox.Session) -> None:
@@ -30,7 +38,7 @@ def install_chromium(session: nox.Session) -> None:
     session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", external=True)
 
 
-@nox.session
+@nox.session(venv_backend="uv")
 def tests(session: nox.Session) -> None:
     """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build, and the site in a browser."""
     install(session, "jupyter")  # tests/test_jupyter.py: the pages as JupyterLab saves them
@@ -93,7 +101,7 @@ def torch(session: nox.Session, release: str) -> None:
     session.run("pytest", "--timeout=300", "--durations=15", *ignored, *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="uv")
 def docs(session: nox.Session) -> None:
     """Build the site into _build/html, executing every tutorial.
 
@@ -120,7 +128,7 @@ LAB = ["--ServerApp.ip=127.0.0.1", "--ServerApp.root_dir=.", "--ServerApp.prefer
        "--LabApp.app_settings_dir=jupyter", "--ServerApp.contents_manager_class=fsdp_guide._jupyter.ContentsManager"]
 
 
-@nox.session
+@nox.session(venv_backend="uv")
 def lab(session: nox.Session) -> None:
     """JupyterLab on 127.0.0.1, its file browser on tutorials/: a double-click opens a .py tutorial as a notebook.
 
@@ -129,12 +137,12 @@ def lab(session: nox.Session) -> None:
     and fsdp_guide._jupyter's contents manager (references to other pages become links).
     Arguments after `--` go to `jupyter lab` (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
-    session.install("-c", "constraints.txt", "-e", ".[docs,jupyter]")
+    session.install(*local_wheels(session), "-c", "constraints.txt", "-e", ".[docs,jupyter]")
     as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers often run as root; Jupyter refuses it otherwise
     session.run("jupyter", "lab", *LAB, *as_root, *session.posargs)
 
 
-@nox.session
+@nox.session(venv_backend="uv")
 def bench(session: nox.Session) -> None:
     """Launcher latency against torchrun and the floor; site build times, notebook times, page weight (see bench/)."""
     install(session)

@@ -5,7 +5,9 @@ Prints, from one run (each timing the median of --repeat runs):
   server and waits for its imports) and the next ones (ranks forked from it), from call
   to return, against `FSDP_GUIDE_WARM=0` (every launch cold). The goal is on the first
   two launches together, what any notebook page makes: the first alone waits for the
-  server, which imports FSDP, DTensor and DCP besides what this test's cold ranks import;
+  server, which imports FSDP, DTensor, DCP and dynamo besides what this test's cold ranks import;
+- warm launches of a model built on the meta device, with torch._dynamo preloaded by the
+  server (the default) and not: torch imports dynamo at the first op on the meta device;
 - the latency of 2 ranks doing one all-reduce, as a whole process, for
   `fsdp_guide.launch`, `torchrun --nproc-per-node=2`, a bare
   `torch.multiprocessing.spawn` script, and the floor: two
@@ -125,7 +127,7 @@ def bench_launchers(repeat: int) -> None:
 WARM = textwrap.dedent(
     """
     import json, os, statistics, sys, time
-    from fsdp_guide import launch
+    from fsdp_guide import _warm, launch
 
     def all_reduce_once():
         import torch, torch.distributed as dist
@@ -133,29 +135,53 @@ WARM = textwrap.dedent(
         dist.all_reduce(t)
         return t.item()
 
+    def build_on_meta_and_step():  # what FSDP2 code does first: the meta op, or fully_shard, imports dynamo
+        import sys
+        import torch
+        from torch.distributed.fsdp import fully_shard
+        import fsdp_guide
+        imported_before = "torch._dynamo" in sys.modules
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        fully_shard(model[0]), fully_shard(model[2]), fully_shard(model)
+        model.to_empty(device=fsdp_guide.device())
+        model.apply(lambda m: m.reset_parameters() if isinstance(m, torch.nn.Linear) else None)
+        model(torch.ones(8, 64, device=fsdp_guide.device())).sum().backward()
+        return imported_before
+
     if __name__ == "__main__":
-        times = []
+        work, preload_dynamo = sys.argv[2], sys.argv[3] == "1"
+        if not preload_dynamo:
+            _warm.PRELOAD.remove("torch._dynamo")
+        times, preloaded = [], []
         for _ in range(int(sys.argv[1])):
             start = time.perf_counter()
-            assert launch(all_reduce_once, world_size=2, output="none") == [2.0, 2.0]
+            result = launch(globals()[work], world_size=2, output="none")
             times.append(time.perf_counter() - start)
+            preloaded.append(result[0])
+        assert work != "build_on_meta_and_step" or preloaded == [preload_dynamo] * len(times)
         print(json.dumps({"first": times[0], "next": statistics.median(times[1:])}))
     """
 )
 
 
-def bench_warm(repeat: int) -> None:
+def _warm_times(tmp: str, repeat: int, work: str, warm: str = "1", preload_dynamo: str = "1") -> dict:
     import json
     import os
 
+    script = Path(tmp) / "warm.py"
+    script.write_text(WARM)
+    out = subprocess.run(loopback_only([sys.executable, str(script), str(repeat + 1), work, preload_dynamo]),
+                         check=True, capture_output=True, text=True, cwd=tmp, env={**os.environ, "FSDP_GUIDE_WARM": warm})
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def bench_warm(repeat: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "warm.py"
-        script.write_text(WARM)
-        results = {}
-        for name, warm in (("warm (the default)", "1"), ("cold (FSDP_GUIDE_WARM=0)", "0")):
-            out = subprocess.run(loopback_only([sys.executable, str(script), str(repeat + 1)]), check=True,
-                                 capture_output=True, text=True, cwd=tmp, env={**os.environ, "FSDP_GUIDE_WARM": warm})
-            results[name] = json.loads(out.stdout.splitlines()[-1])
+        results = {name: _warm_times(tmp, repeat, "all_reduce_once", warm)
+                   for name, warm in (("warm (the default)", "1"), ("cold (FSDP_GUIDE_WARM=0)", "0"))}
+        meta = {name: _warm_times(tmp, repeat, "build_on_meta_and_step", preload_dynamo=dynamo)
+                for name, dynamo in (("dynamo preloaded (the default)", "1"), ("dynamo not preloaded", "0"))}
     print(f"\nlaunch inside one process, 2 ranks, one all-reduce, call to return (next: median of {repeat}):")
     print(f"{'':28} {'first':>8} {'next':>8}")
     for name, r in results.items():
@@ -164,6 +190,14 @@ def bench_warm(repeat: int) -> None:
     two = (warm["first"] + warm["next"]) / (cold["first"] + cold["next"])
     print(f"warm next launch: {warm['next']:.2f} s (goal <= 0.3); warm first / cold first = "
           f"{warm['first'] / cold['first']:.2f}; first two launches, warm / cold = {two:.2f} (goal: no slower)")
+    print(f"\nwarm launches of a 3-layer model built on the meta device, sharded, one step (next: median of {repeat}):")
+    print(f"{'':32} {'first':>8} {'next':>8}")
+    for name, r in meta.items():
+        print(f"{name:32} {r['first']:8.2f} {r['next']:8.2f}")
+    on, off = meta["dynamo preloaded (the default)"], meta["dynamo not preloaded"]
+    saved, cost = off["next"] - on["next"], on["first"] - off["first"]
+    print(f"preloading dynamo: each next launch {saved:.2f} s faster, the first {cost:.2f} s slower "
+          f"(repaid by the second launch: {cost < saved})")
 
 
 def main() -> None:

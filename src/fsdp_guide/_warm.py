@@ -33,8 +33,11 @@ from multiprocessing import forkserver, reduction
 __all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
 
 WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
+# torch._dynamo: fully_shard imports it, and so does the first op on the meta device
+# (torch/_compile.py), so nearly every FSDP2 rank would import it itself (with sympy, and
+# triton in CUDA builds) in each launch: bench/bench_launch.py measures what this saves.
 PRELOAD = ["fsdp_guide._server_quiet", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "cloudpickle"]
+           "torch.distributed.checkpoint", "torch._dynamo", "cloudpickle"]
 # Libraries that take seconds to import on top of torch. The server imports the modules of
 # theirs that the launching process has imported by the time it starts (the functions it ships
 # are likely to need them), so a Hugging Face rank starts warm too. Imported later, a rank
@@ -77,7 +80,7 @@ def start_server() -> None:
     """Start the server, if it is not running for this environment; it imports torch while the caller goes on.
 
     Called as a launch starts, which forks its ranks once the imports are done: the one
-    process importing torch (and FSDP, DTensor, DCP) replaces the two cold ranks that
+    process importing torch (and FSDP, DTensor, DCP, dynamo) replaces the two cold ranks that
     would, and no import is left running in the background to slow the work that follows.
     A server started for another environment is replaced."""
     global _server, _server_for
@@ -155,7 +158,8 @@ _trackers: list[subprocess.Popen] = []
 
 def _preload() -> list[str]:
     """What the server imports: torch's modules, and those of LIKELY that this process has."""
-    return PRELOAD + sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY)
+    return [*PRELOAD, *sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY),
+            "fsdp_guide._server_frozen"]
 
 
 def _retire(server: forkserver.ForkServer) -> None:
