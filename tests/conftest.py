@@ -11,6 +11,10 @@ import pytest
 
 # Nothing is downloaded: Hugging Face libraries read this when imported, and the ranks inherit it.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# scikit-learn sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK as it is imported (the digits
+# tests import it). Imported before any launch, it does not change halfway through the session
+# the environment the warm server started in, which would start another server.
+import sklearn  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
+from fsdp_guide.launcher import _threads_per_rank
 from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
 from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
 
@@ -226,12 +227,16 @@ SMALL_FLAGS = ["--steps", str(K), "--n-layer", "2", "--n-head", "2", "--n-embd",
 
 
 @linux_only
-def test_torchrun_on_one_machine_runs_the_same_training(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it: the same arithmetic on both sides
+def _torchrun_env() -> dict:
+    # The threads launch gives each of 2 ranks, for the same arithmetic on both sides (this
+    # process's environment stays as it is: changing it would start another warm server).
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(_threads_per_rank(2))}
+
+
+def test_torchrun_on_one_machine_runs_the_same_training(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
-    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=240, env=_torchrun_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step    4 | loss" in done.stdout and "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in done.stdout
     assert "MFU not computed: on cpu, which has no dense bf16 peak" in done.stdout  # on a GPU it prints the MFU
@@ -252,15 +257,14 @@ def test_bad_settings_are_refused_with_the_valid_choices():
 
 
 @linux_only
-def test_two_torchrun_nodes_train_together_and_match_one_node(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it: the same arithmetic on both sides
+def test_two_torchrun_nodes_train_together_and_match_one_node(tmp_path):
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
             "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--rdzv-id=two-nodes",
             "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
     script = (f"{shlex.join(node)} > {tmp_path}/node0.log 2>&1 & a=$!; "
               f"{shlex.join(node)} > {tmp_path}/node1.log 2>&1 & b=$!; "
               "wait $a; ra=$?; wait $b; rb=$?; exit $((ra || rb))")
-    nodes = subprocess.run(loopback_only(["sh", "-c", script]), timeout=240, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    nodes = subprocess.run(loopback_only(["sh", "-c", script]), timeout=240, env=_torchrun_env())
     logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
     assert nodes.returncode == 0, logs
     two_nodes = json.loads((tmp_path / "summary.json").read_text())
