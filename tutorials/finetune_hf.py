@@ -184,7 +184,7 @@ for how, ranks in measured.items():
 # maps it rather than copying it, so it shows in the resident total only (0.5 model sizes:
 # the bf16 file), as file pages the kernel shares and can drop. Rank 1 receives the
 # broadcast one tensor at a time, each allocated whole before it copies out its slice
-# (its extra, about 0.1; `_broadcast_state_dict` and `_broadcast_tensors` in
+# (its extra, 0.1 to 0.2 from run to run, more on a busy machine; `_broadcast_state_dict` and `_broadcast_tensors` in
 # `torch/distributed/_state_dict_utils.py`). Reading its own slices, each rank's private
 # memory is its shard; the resident, about 0.9, shows that the pages mapped around those slices come to most of the file.
 
