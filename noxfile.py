@@ -17,15 +17,20 @@ SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-b", "html"]
 
 def install(session: nox.Session, *extras: str) -> None:
     # The pinned environment the site is executed with (torch==2.13.0 among it).
-    session.install(*local_wheels(session), "-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
+    session.install(*uv_options(session), "-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
 
 
-def local_wheels(session: nox.Session) -> list[str]:
-    """uv reads none of pip's settings: pass on the folders of wheels pip is told to look in
-    (PIP_FIND_LINKS), where a machine may keep its torch build (the project's: the CPU one)."""
+def uv_options(session: nox.Session) -> list[str]:
+    """What pip does by itself and uv must be told.
+
+    uv reads none of pip's settings: the folders of wheels pip is told to look in
+    (PIP_FIND_LINKS), where a machine may keep its torch build (the project's: the CPU one),
+    are passed on. And uv writes no bytecode unless asked: where PYTHONDONTWRITEBYTECODE is
+    set (the project's machines set it), every process, each rank and kernel among them,
+    would compile torch's modules from source each time it imports them."""
     if session.venv_backend != "uv":
         return []
-    return [f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split()]
+    return ["--compile-bytecode", *(f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split())]
 
 
 def install_chromium(session: nox.Session) -> None:
@@ -88,8 +93,8 @@ def torch(session: nox.Session, release: str) -> None:
             if not line.startswith(("torch==", "torchao=="))]
     constraints = Path(session.create_tmp()) / "constraints-but-torch.txt"
     constraints.write_text("\n".join(pins) + "\n")
-    session.install(*TORCH[release])
-    session.install("-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
+    session.install("--compile-bytecode", *TORCH[release])
+    session.install("--compile-bytecode", "-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
                     "scikit-learn")
     session.run("python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)")
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
@@ -137,7 +142,7 @@ def lab(session: nox.Session) -> None:
     and fsdp_guide._jupyter's contents manager (references to other pages become links).
     Arguments after `--` go to `jupyter lab` (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
-    session.install(*local_wheels(session), "-c", "constraints.txt", "-e", ".[docs,jupyter]")
+    session.install(*uv_options(session), "-c", "constraints.txt", "-e", ".[docs,jupyter]")
     as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers often run as root; Jupyter refuses it otherwise
     session.run("jupyter", "lab", *LAB, *as_root, *session.posargs)
 
