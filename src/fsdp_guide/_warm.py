@@ -157,7 +157,8 @@ _trackers: list[subprocess.Popen] = []
 
 
 def _preload() -> list[str]:
-    """What the server imports: torch's modules, and those of LIKELY that this process has."""
+    """What the server imports: torch's modules, those of LIKELY that this process has, and last
+    the module that freezes them all for the garbage collector (``fsdp_guide._server_frozen``)."""
     return [*PRELOAD, *sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY),
             "fsdp_guide._server_frozen"]
 
