@@ -226,13 +226,13 @@ SMALL_FLAGS = ["--steps", str(K), "--n-layer", "2", "--n-head", "2", "--n-embd",
                "--batch-size", "4", "--warmup", "2", "--no-progress"]
 
 
-@linux_only
 def _torchrun_env() -> dict:
     # The threads launch gives each of 2 ranks, for the same arithmetic on both sides (this
     # process's environment stays as it is: changing it would start another warm server).
     return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": str(_threads_per_rank(2))}
 
 
+@linux_only
 def test_torchrun_on_one_machine_runs_the_same_training(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
