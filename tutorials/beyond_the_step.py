@@ -28,7 +28,7 @@
 #   no communication, equal to one process's, and how to export it;
 # - what a frozen teacher (or reference) model costs beside the trained one, sharded.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
 # {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <beyond-the-step-tips>`.

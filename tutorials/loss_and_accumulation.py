@@ -27,7 +27,7 @@
 #   rank; on HSDP (a 2 x 2 mesh), what `set_requires_all_reduce(False)` saves instead;
 #   and a rule for choosing, with the numbers.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <loss-and-accumulation-tips>`.
