@@ -644,12 +644,19 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
         assert wire[(world, "all-gather")] == pytest.approx(world - 1, rel=0.1)  # the ring optimum
         assert wire[(world, "all-reduce")] == pytest.approx(2 * (world - 1), rel=0.1)
         assert wire[(world, "reduce-scatter")] == pytest.approx(wire[(world, "all-reduce")], rel=0.1)  # gloo's
-    steps = {l.split()[0]: l for l in text.splitlines() if l.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD "))}
+    steps = {l.split()[0]: l for l in text.splitlines()
+             if l.startswith(("DDP ", "replicate ", "SHARD_GRAD_OP ", "FULL_SHARD "))}
     assert "2 all-reduce" in steps["DDP"]  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
+    assert "4 all-reduce" in steps["replicate"]  # one per unit
     assert "4 all-gather, 4 reduce-scatter" in steps["SHARD_GRAD_OP"]
     assert "8 all-gather, 4 reduce-scatter" in steps["FULL_SHARD"]
-    ratio = {name: float(line.split()[-2]) for name, line in steps.items()}
+    ratio = {name: float(line.split()[-4]) for name, line in steps.items()}
+    assert ratio["replicate"] == pytest.approx(1.0, rel=0.05)
     assert ratio["SHARD_GRAD_OP"] == pytest.approx(1.5, rel=0.05) and ratio["FULL_SHARD"] == pytest.approx(2.0, rel=0.05)
+    held = {name: [float(x) for x in line.split()[-2:]] for name, line in steps.items()}  # params, grads / P
+    assert held["DDP"] == held["replicate"] == [1.0, 1.0]  # the whole model and gradient on each of 2 ranks
+    assert held["SHARD_GRAD_OP"] == held["FULL_SHARD"] == [0.5, 0.5]
+    assert "the gradient buckets DDP all-reduced, in order: 1.00 MiB, 3.00 MiB\n" in text  # the measured step's only
     assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 RS3 B2 AG1 RS2 B1 AG0 RS1 B0 RS0" in text  # one unit ahead
     assert "AG0 AG1 AG2 AG3 B3 AG3 AG2 AG1 RS3 B2 AG0 RS2 B1 RS1 B0 RS0" in text  # two units ahead
     assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers

@@ -19,8 +19,9 @@
 #
 # - how many bytes each collective really moves, measured on the wire, against the
 #   textbook (ring) figures, and a surprise about gloo's reduce-scatter;
-# - how many collectives and bytes one training step costs with DDP, `SHARD_GRAD_OP` and
-#   `FULL_SHARD`, and why the textbook says FSDP moves 1.5 times what DDP moves;
+# - how many collectives and bytes one training step costs, and what each rank holds, with
+#   DDP, `replicate` (DDP on FSDP2's machinery), `SHARD_GRAD_OP` and `FULL_SHARD`, and why
+#   the textbook says FSDP moves 1.5 times what DDP moves;
 # - the order of FSDP2's collectives in a step, as the profiler records it, and how
 #   backward prefetching and `reshard_after_forward` change it;
 # - how to take over FSDP2's collectives: your own all-gather and reduce-scatter (and the
@@ -137,9 +138,17 @@ for world in (2, 4):
 #
 # ## One training step
 #
-# Four 512 x 512 Linears, *P* = 4 MiB of float32 parameters, one step of SGD on 2 ranks.
-# DDP's all-reduces are counted with a communication hook (they run inside DDP's C++
-# reducer), FSDP's collectives with {func}`fsdp_guide.precision.record_dtypes`:
+# Four 512 x 512 Linears, *P* = 4 MiB of float32 parameters, one step of SGD on 2 ranks,
+# with DDP, with `replicate` and with FSDP2's two strategies. `replicate`
+# (`torch.distributed._composable.replicate_with_fsdp`) is DDP rebuilt on FSDP2's
+# machinery: each call makes a unit, as `fully_shard` does, whose parameters are
+# replicated DTensors instead of sharded ones. It is a **private, experimental API**: its
+# module name starts with an underscore, and its signature changed within the supported
+# range (torch 2.9 took a 2-D mesh and a `device_mesh` argument; this is 2.13's). DDP's
+# all-reduces are counted with a communication hook (they run inside DDP's C++ reducer),
+# the others' collectives with {func}`fsdp_guide.precision.record_dtypes`. After the
+# measured step, one more backward leaves gradients to count what a rank holds between
+# steps, its local part of each parameter and each gradient:
 #
 # (fsdp2-fully-shard-reshard-after-forward)=
 
@@ -165,9 +174,21 @@ def wrap(model, strategy, device):
     # an explicit mesh: fully_shard's default mesh takes the machine's accelerator even when
     # the group is gloo-only
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if strategy == "replicate":  # private and experimental: torch 2.13's signature
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for layer in model:
+            replicate(layer, mesh=mesh)
+        return replicate(model, mesh=mesh)
     for layer in model:
         fully_shard(layer, mesh=mesh, reshard_after_forward=strategy == "FULL_SHARD")
     return fully_shard(model, mesh=mesh, reshard_after_forward=strategy == "FULL_SHARD")
+
+
+def held(tensors):
+    """Bytes this rank holds of these tensors: a DTensor's local part, a plain tensor whole."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def one_step(strategy):
@@ -202,21 +223,25 @@ def one_step(strategy):
             counts[kind] = counts.get(kind, 0) + n
     if buckets:
         counts["all-reduce"] = len(buckets)
-    return counts, wire, list(buckets)
+    step_buckets = list(buckets)
+    model(x).sum().backward()  # the gradients of one more step, held until the next zero_grad
+    holds = held(model.parameters()) / P, held(p.grad for p in model.parameters()) / P
+    return counts, wire, step_buckets, holds
 
 
 # the textbook (ring) volume in units of P, summed over N = 2 ranks
-TEXTBOOK = {"DDP": 2, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}
+TEXTBOOK = {"DDP": 2, "replicate": 2, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}
 def every_strategy():
     return {strategy: one_step(strategy) for strategy in TEXTBOOK}
 
 
 steps = launch(every_strategy, backend="gloo", output="none")[0]
-print(f"{'strategy':14} {'collectives per step':45} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}")
-for strategy, (counts, wire, _) in steps.items():
+print(f"{'strategy':14} {'collectives per step':30} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}"
+      f" {'params held / P':>16} {'grads held / P':>15}")
+for strategy, (counts, wire, _, (params, grads)) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    print(f"{strategy:14} {described:45} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
-          f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f}")
+    print(f"{strategy:14} {described:30} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
+          f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f} {params:16.2f} {grads:15.2f}")
 print("the gradient buckets DDP all-reduced, in order:",
       ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]))
 
@@ -227,7 +252,16 @@ print("the gradient buckets DDP all-reduced, in order:",
 #   `kDefaultFirstBucketBytes` and `kDefaultBucketBytesCap` in torch's installed header
 #   `torch/include/torch/csrc/distributed/c10d/reducer.hpp`), so one layer's 1 MiB
 #   gradient fills the first bucket and the other three layers share the next: 2 *P* in
-#   all.
+#   all. Every rank holds the whole model and its whole gradient, and the buckets besides:
+#   DDP copies the gradients into them unless `gradient_as_bucket_view=True` makes the
+#   gradients views of them (DDP's documentation of that argument).
+# - **`replicate`** holds what DDP holds, as DTensors placed `Replicate()`, and moves what
+#   DDP moves, in one all-reduce per unit instead of per bucket: FSDP2's units are its
+#   buckets. Its arguments are `fully_shard`'s data-parallel ones (`mp_policy`,
+#   `offload_policy`, `ignored_params`, `dp_mesh_dims`), and its units are `FSDPModule`s.
+#   Its name says it may change without notice: a training script that needs plain data
+#   parallelism is safer with DDP, and one that needs replication across nodes with
+#   sharding inside them passes a 2-D mesh to `fully_shard` ({ref}`tip-2d-mesh-is-hsdp`).
 # - **`SHARD_GRAD_OP`** gathers each layer once (forward; the parameters stay gathered for
 #   backward) and reduce-scatters each layer's gradients: 4 + 4 collectives. The textbook
 #   volume equals DDP's (a reduce-scatter plus an all-gather *is* an all-reduce), but on
@@ -235,7 +269,9 @@ print("the gradient buckets DDP all-reduced, in order:",
 # - **`FULL_SHARD`** gathers every layer again in backward: 8 all-gathers. The textbook
 #   says 1.5 times DDP (two all-gathers and one reduce-scatter instead of one all-reduce);
 #   on gloo it is 2 times. That extra all-gather is the price of holding 1/*N* of the
-#   parameters between uses ({ref}`tutorial-memory` measures what it buys).
+#   parameters between uses ({ref}`tutorial-memory` measures what it buys). Both FSDP2
+#   strategies hold 1/*N* of the parameters and gradients between steps: they differ in
+#   what stays gathered during the step.
 #
 # ## The order of collectives in a step
 #
@@ -674,6 +710,8 @@ print(f"max |old name - new name| = {max((a - b).abs().max().item() for a, b in 
 #
 # - {ref}`tip-communication-volume`: FSDP trades memory for communication; measure both.
 # - {ref}`tip-memory-estimate`: what the extra all-gathers buy.
+# - {ref}`tip-2d-mesh-is-hsdp`: replication across nodes with sharding inside them, from
+#   `fully_shard` rather than the private `replicate`.
 # - {ref}`tip-custom-comms`: a custom reduce-scatter must hand out a fresh output buffer.
 # - {ref}`tip-reduce-scatters-in-flight`: set the buffer cap before the first forward, and
 #   mark the last backward before an optimizer step.
