@@ -68,10 +68,10 @@ def test_the_sharded_model_computes_what_the_saved_one_does_with_either_read(sav
         assert max(r["local"] for r in ranks) < total / world_size + 200  # each rank about 1/N of it
 
 
-def _train(path, out, steps, tokens):
+def _train(path, out, steps, tokens, write="rank0"):
     model = from_pretrained(path)
     losses = _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), tokens, steps)
-    save_pretrained(model, out)
+    save_pretrained(model, out, write=write)
     return losses
 
 
@@ -103,11 +103,12 @@ def saved_41_rows(tmp_path_factory):
     return path, None
 
 
-@pytest.mark.parametrize("weights", ["saved", "saved_41_rows"], ids=["even-shards", "uneven-tied-shards"])
-def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, tmp_path, request):
+@pytest.mark.parametrize("weights, write", [("saved", "rank0"), ("saved_41_rows", "rank0"), ("saved_41_rows", "sharded")],
+                         ids=["even-shards", "uneven-tied-shards", "uneven-tied-shards-written-by-every-rank"])
+def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, write, tmp_path, request):
     path, _ = request.getfixturevalue(weights)
     tokens = torch.arange(32).reshape(4, 8) % 40  # 2 rows per rank, each the same length: mean of means = mean
-    sharded = launch(_train, path, tmp_path / "tuned", 3, tokens, world_size=2, output="none")[0]
+    sharded = launch(_train, path, tmp_path / "tuned", 3, tokens, write, world_size=2, output="none")[0]
 
     single = AutoModelForCausalLM.from_pretrained(path)
     optimizer = torch.optim.AdamW(single.parameters(), lr=1e-2)
@@ -120,7 +121,9 @@ def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, tmp_path
 
     from safetensors import safe_open
 
-    with safe_open(tmp_path / "tuned" / "model.safetensors", "pt") as written:
+    weights = [name for name in _exported(tmp_path / "tuned") if name.endswith(".safetensors")]
+    assert weights == (["model.safetensors"] if write == "rank0" else ["model-00001-of-00001.safetensors"])
+    with safe_open(tmp_path / "tuned" / weights[0], "pt") as written:
         assert "model.embed_tokens.weight" in written.keys()
         assert "lm_head.weight" not in written.keys()  # the tied pair written once, as transformers saves it
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tuned")
@@ -131,7 +134,7 @@ def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, tmp_path
     assert sorted(p.name for p in (tmp_path / "tuned").iterdir()) == _exported(tmp_path / "tuned")  # nor left in it
 
 
-def _tiny_round_trip(path, out, read):
+def _tiny_round_trip(path, out, read, write="rank0"):
     import torch.distributed as dist
 
     import fsdp_guide
@@ -140,18 +143,18 @@ def _tiny_round_trip(path, out, read):
     empty = [n for n, p in model.named_parameters() if p.to_local().numel() == 0]
     with torch.no_grad():
         logits = model((TOKENS % 8).to(fsdp_guide.device())).logits.cpu()
-    save_pretrained(model, out)
+    save_pretrained(model, out, write=write)
     return dist.get_rank(), empty, logits
 
 
-@pytest.mark.parametrize("read", ["rank0", "sharded"])
-def test_parameters_with_fewer_rows_than_ranks_leave_empty_shards_that_still_work(tmp_path, read):
+@pytest.mark.parametrize("read, write", [("rank0", "rank0"), ("sharded", "sharded")])
+def test_parameters_with_fewer_rows_than_ranks_leave_empty_shards_that_still_work(tmp_path, read, write):
     model = _llama(vocab_size=8, hidden_size=2, intermediate_size=2, num_attention_heads=1, num_key_value_heads=1,
                    head_dim=2, num_hidden_layers=1)
     model.save_pretrained(tmp_path / "tiny")
     with torch.no_grad():
         expected = model(TOKENS % 8).logits
-    ranks = launch(_tiny_round_trip, tmp_path / "tiny", tmp_path / "out", read, world_size=4, output="none")
+    ranks = launch(_tiny_round_trip, tmp_path / "tiny", tmp_path / "out", read, write, world_size=4, output="none")
     assert ranks[0][1] == [] and "model.norm.weight" in ranks[3][1]  # 2 rows on 4 ranks: ranks 2 and 3 hold none
     assert all(torch.equal(logits, expected) for _, _, logits in ranks)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -181,6 +184,62 @@ def _user_files(out) -> dict:
 
 def _files(out) -> dict:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _export_sharded(path, out, full_disk_on_rank=None):
+    """Load ``path`` sharded and export it to ``out`` with ``write="sharded"``; DCP's write of
+    ``full_disk_on_rank`` raises ENOSPC."""
+    import errno
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    model = from_pretrained(path)
+    if dist.get_rank() == full_disk_on_rank:
+        def full_disk(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        HuggingFaceStorageWriter.write_data = full_disk
+    save_pretrained(model, out, write="sharded")
+
+
+def test_an_export_written_by_every_rank_replaces_the_gathered_one_keeps_the_users_files_and_survives_a_full_disk(
+        saved, tmp_path):
+    path, _ = saved
+    out = tmp_path / "out"
+    mine = _user_files(out)
+    launch(_export, path, [out], world_size=2, output="none", timeout=120)  # model.safetensors, gathered
+    launch(_export_sharded, path, out, world_size=2, output="none", timeout=120)
+    files = _files(out)
+    assert files.items() >= mine.items()  # untouched
+    # one consolidated file and its index; the gathered export's model.safetensors is gone, as are
+    # DCP's per-rank files and the partial directory
+    assert sorted(set(files) - set(mine)) == _exported(out) == sorted(
+        ["config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted({*_exported(out), *(p.split("/")[0] for p in mine)})
+    _assert_loads_as(out, _llama())
+    with pytest.raises(LaunchError, match="No space left on device"):  # rank 1's write fails: every rank raises
+        launch(_export_sharded, path, out, 1, world_size=2, output="none", timeout=120)
+    assert _files(out) == files  # the previous export whole
+    _assert_loads_as(out, _llama())
+
+
+def _save_with(write, adapters):
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama()
+    if adapters:
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    save_pretrained(model, "unused", write=write)
+
+
+@pytest.mark.parametrize("write, adapters, error", [
+    ("gathered", False, "write='gathered': expected 'rank0' .* or 'sharded'"),
+    ("sharded", True, "write='sharded' writes a whole model; .* use write='rank0'")])
+def test_a_write_it_does_not_know_or_adapters_written_by_every_rank_are_refused_before_anything_is_written(
+        tmp_path, write, adapters, error):
+    with pytest.raises(LaunchError, match=error):
+        launch(_save_with, write, adapters, world_size=2, output="none", timeout=120)
 
 
 def _export(path, outs, max_shard_size=None, full_disk_at=None):

@@ -8,7 +8,8 @@ no rank but rank 0 ever holds a full copy. ``save_pretrained`` gathers the full 
 to rank 0's CPU, writes it with transformers' own ``save_pretrained`` (config, safetensors,
 tied weights written once: the names that share a parameter share the gathered tensor),
 and renames each file into place once it is on disk, leaving the other files in the
-directory as they were.
+directory as they were; with ``write="sharded"`` every rank writes its shards with DCP's
+Hugging Face writer instead, and rank 0 consolidates them, so no rank holds the whole model.
 
 A failure on rank 0 (no such directory, weights that do not match the config, a full disk)
 is raised on every rank, so no rank waits in a collective for the others.
@@ -383,16 +384,29 @@ def _tied_names(model: nn.Module, saved_as: dict[str, str]) -> list[list[str]]:
     return list(names.values())
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write the sharded ``model`` as a Hugging Face model directory at ``path`` (every rank calls it; rank 0 writes).
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, write: str = "rank0") -> Path:
+    """Write the sharded ``model`` as a Hugging Face model directory at ``path`` (every rank calls it).
 
-    The full state dict is gathered parameter by parameter to rank 0's CPU, then
-    transformers' ``save_pretrained`` writes the config and safetensors (tied weights once).
-    ``AutoModelForCausalLM.from_pretrained(path)`` in one process then loads exactly these weights.
+    ``write="rank0"`` (the default): the full state dict is gathered parameter by parameter
+    to rank 0's CPU, then transformers' ``save_pretrained`` writes the config and
+    safetensors (tied weights once). Rank 0 holds the whole model, and only it needs to see
+    ``path``.
+
+    ``write="sharded"``: nothing is gathered. Every rank writes its own shards with
+    ``torch.distributed.checkpoint``'s ``HuggingFaceStorageWriter``, and rank 0 then
+    consolidates them into one safetensors file with its index
+    (``model-00001-of-00001.safetensors``, ``model.safetensors.index.json``), the configs
+    beside them written by transformers' ``save_pretrained`` (with no weights). Tied
+    weights are written once, under their first name. ``path`` must be on a file system
+    every rank sees.
+
+    Either way ``AutoModelForCausalLM.from_pretrained(path)`` in one process then loads
+    exactly these weights.
 
     A peft model (LoRA) writes its adapters only, in peft's format (``adapter_config.json``,
     ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, path)`` reloads them):
-    only the tensors peft saves are gathered (``get_peft_model_state_dict``), not the frozen base.
+    only the tensors peft saves are gathered (``get_peft_model_state_dict``), not the frozen
+    base; only ``write="rank0"`` writes them.
 
     As with transformers' own ``save_pretrained``, the other files in ``path`` (a tokenizer,
     notes, checkpoints) stay; a file of the same name is replaced. Each file is written into
@@ -406,6 +420,14 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     adapters = hasattr(model, "peft_config")
+    if write not in ("rank0", "sharded"):
+        raise ValueError(f"write={write!r}: expected 'rank0' (gather to rank 0, which writes) or 'sharded' "
+                         "(every rank writes its shards with DCP, rank 0 consolidates them)")
+    if write == "sharded":
+        if adapters:
+            raise ValueError("write='sharded' writes a whole model; a peft model's adapters are small and saved in "
+                             "peft's own format: use write='rank0', which gathers only them")
+        return _save_sharded(model, path)
     if adapters:  # gather only what peft's save_pretrained will pick out of the state dict
         from peft import get_peft_model_state_dict
 
@@ -417,11 +439,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
                                                                                        cpu_offload=True)))
 
     def write():
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError(f"{path} is a file: save_pretrained writes a directory there")
-        partial = path / ".partial-export"  # inside path: on its file system, wherever a symlink points
-        shutil.rmtree(partial, ignore_errors=True)  # left by an export that crashed
-        partial.mkdir(parents=True)
+        partial = _fresh_partial(path)
         try:
             if adapters and (path / "README.md").is_file():  # peft updates a model card, keeping what it holds
                 shutil.copy2(path / "README.md", partial)
@@ -432,6 +450,49 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> Path:
 
     _on_rank0_for_all(write)  # a failure on rank 0 (a full disk) is raised on every rank, not waited for
     return path
+
+
+def _save_sharded(model: nn.Module, path: Path) -> Path:
+    """``save_pretrained(write="sharded")``: DCP writes every rank's shards, rank 0 consolidates and publishes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    partial = path / ".partial-export"
+
+    def configs() -> None:  # before DCP writes: transformers' save_pretrained would delete weights it did not write
+        model.save_pretrained(_fresh_partial(path), state_dict={})
+
+    _on_rank0_for_all(configs)
+    state = get_model_state_dict(model)  # each rank's shards, as DTensors: no gather
+    # safetensors refuses two names for one tensor in a file: keep the first name, as transformers does
+    aliases = {alias for names in _tied_names(model, {name: name for name in state}) for alias in names[1:]}
+    try:
+        dcp.save({name: t for name, t in state.items() if name not in aliases},
+                 storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True))
+    except dcp.CheckpointException:  # DCP raises a rank's failure on every rank: all can clean up together
+        _on_rank0_for_all(lambda: shutil.rmtree(partial, ignore_errors=True))
+        raise
+
+    def publish() -> None:
+        try:
+            shutil.rmtree(partial / "sharded")  # each rank's file, now consolidated (SHARDED_DIR_NAME in DCP)
+            _move_into(partial, path, adapters=False)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    _on_rank0_for_all(publish)
+    return path
+
+
+def _fresh_partial(path: Path) -> Path:
+    """An empty ``path/.partial-export`` to write an export into (rank 0): inside ``path``, so on its file
+    system wherever a symlink points; one left by an export that crashed is deleted first."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file: save_pretrained writes a directory there")
+    partial = path / ".partial-export"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
 
 
 def _tied_again(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
