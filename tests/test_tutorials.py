@@ -51,6 +51,25 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert "each written equals the output layer the ranks trained: True (16 MiB of the file's 104 MiB)" in text
 
 
+def test_finetune_hf_exports_from_every_rank_with_dcp_and_stages_on_a_cpu(executed):
+    text = _text_outputs(executed["finetune_hf"])
+    # write='rank0'    2 ranks    1.3 / 1.3          0.4 / 0.4     0.60: rank 0, the other ranks' most, seconds
+    rows = {(line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[3:] if v != "/"]
+            for line in text.splitlines() if line.startswith("write=")}
+    gathered = {world: rows[("write='rank0'", world)][0] for world in (2, 4)}  # rank 0's resident peak
+    every = {world: max(rows[("write='sharded'", world)][0], rows[("write='sharded'", world)][2]) for world in (2, 4)}
+    assert all(peak > 1.0 for peak in gathered.values())  # "more than the model", on any number of ranks
+    assert 0.8 <= every[2] <= 1.4 and 0.4 <= every[4] <= 0.75  # "about twice its shard" (1/2, 1/4 of the model)
+    assert every[2] >= 0.75 * gathered[2] and every[4] <= 0.6 * gathered[4]  # "no better" on 2, "about half" on 4
+    assert ("['config.json', 'generation_config.json', 'model-00001-of-00001.safetensors', "
+            "'model.safetensors.index.json']") in text  # the standard files, DCP's per-rank files gone
+    assert "tied after loading: True | logits equal the sharded model's: True" in text
+    assert "StagingOptions(**{}): AssertionError: Non-blocking copy requires that the current accelerator" in text
+    assert "Ignoring pin_memory flag" in text
+    assert "'use_non_blocking_copy': False}): written" in text
+    assert "the same tensors as save_pretrained(write='sharded') wrote: True" in text
+
+
 def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     text = _text_outputs(executed["lora"])
     lines = text.splitlines()

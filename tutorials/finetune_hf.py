@@ -23,7 +23,9 @@
 #   ({func}`fsdp_guide.hf.from_pretrained`), and each rank reading only its own slices;
 # - that fine-tuning the sharded model computes what one process computes;
 # - how to write the sharded model back as an ordinary Hugging Face directory
-#   ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one process.
+#   ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one process:
+#   gathered to rank 0, or written by every rank with DCP's Hugging Face writer and
+#   consolidated, what each costs in memory, measured, and DCP's background save on a CPU.
 #
 # **What you need**: a CPU; 2 processes on gloo; Linux (the memory readings come from
 # `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
@@ -325,11 +327,149 @@ print("logits equal the sharded model's:", torch.equal(logits, sharded_logits),
 # (`PreTrainedModel.tie_weights`, same file); the reloaded model's logits equal the sharded
 # model's exactly.
 #
+# (finetune-hf-export-sharded)=
+# ## Weights out from every rank: DCP's Hugging Face writer
+#
+# Gathering to rank 0 puts the whole model in one process's memory, which a model bigger
+# than a host cannot afford. `save_pretrained(model, path, write="sharded")` gathers
+# nothing: every rank writes its own shards with `torch.distributed.checkpoint`'s
+# `HuggingFaceStorageWriter` (`save_distributed=True`), and rank 0 then consolidates them
+# into the standard files (`enable_consolidation=True`), with the configs that
+# `transformers`' `save_pretrained` writes when given no weights. Both ways export the
+# fine-tuned model here, each rank measured as in the loading section above, after a
+# warm-up export of the tiny model:
+
+# %%
+def export_and_measure(write, source, out, warmup):
+    import time
+
+    import torch
+
+    from fsdp_guide.hf import from_pretrained, save_pretrained
+
+    model = from_pretrained(source, dtype=torch.float32)
+    save_pretrained(from_pretrained(warmup, dtype=torch.float32), out.with_name(out.name + "-warmup"), write=write)
+
+    def timed_export():
+        start = time.perf_counter()
+        save_pretrained(model, out, write=write)
+        return time.perf_counter() - start
+
+    return peak_memory_rise_mb(timed_export)
+
+
+exports = {(write, world): launch(export_and_measure, write, tuned, workdir / f"export-{write}-{world}", warmup,
+                                  world_size=world, output="none")
+           for world in (2, 4) for write in ("rank0", "sharded")}
+print(f"peak rise while exporting, in model sizes ({model_mb:.0f} MiB); all resident / the private part")
+print(f"{'':26} {'rank 0':>13} {'other ranks, most':>18} {'seconds':>8}")
+for (write, world), ((seconds, rss0, private0), *others) in exports.items():
+    rss, private = (max(rank[i] for rank in others) / model_mb for i in (1, 2))
+    print(f"write={write!r:10} {world} ranks  {rss0 / model_mb:5.1f} / {private0 / model_mb:3.1f} "
+          f"{rss:12.1f} / {private:3.1f} {seconds:8.2f}")
+
+sharded_export = workdir / "export-sharded-2"
+print(sorted(f.name for f in sharded_export.iterdir()))
+reloaded = AutoModelForCausalLM.from_pretrained(sharded_export)
+with torch.no_grad():
+    logits = reloaded(tokens).logits
+print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,
+      "| logits equal the sharded model's:", torch.equal(logits, sharded_logits))
+
+# %% [markdown]
+# Gathering costs rank 0 more than the model, on any number of ranks: the full state dict
+# on its CPU, and what `transformers` allocates to write it. Written by every rank, each
+# rank's peak is about twice its shard, so with 2 ranks it is no better, and with 4 it is
+# about half of gathering's. Each rank's file is serialized in memory before it is
+# written (`safetensors.torch.save` in `_write_files_from_queue`,
+# `torch/distributed/checkpoint/filesystem.py`), and a shard whose storage is larger than
+# its bytes is copied first (FSDP2 pads uneven shards; the intermediate size, 1365, is
+# odd, so rank 1's rows of each MLP weight are padded: `_SerialCpuLoader`, same file).
+# Rank 0 then consolidates, reading the shard files back one full tensor at a time
+# (`_process_output_file` in `torch/distributed/checkpoint/_consolidate_hf_safetensors.py`).
+# The private part is sampled and misses short peaks; nothing here is read through a
+# memory map, so the resident peak is the one to read. On a model this small the seconds
+# are mostly fixed costs, and on 2 cores 4 ranks share them. The directory holds the
+# standard files (DCP's per-rank files are deleted once consolidated), the tied pair was
+# written once, and `transformers` loads it to the same logits.
+#
+# What it needs: a file system every rank sees (each writes its own file, rank 0 reads
+# them all), and a full model: a peft model's adapters are written by `write="rank0"`
+# only. For a model of many gigabytes, `HuggingFaceStorageWriter`'s `fqn_to_index_mapping`
+# splits the output into several files, and DCP's `consolidate_safetensors_files_on_every_rank`
+# shares their consolidation among the ranks; `save_pretrained` writes one file.
+#
+# ### In the background: DCP's stager on a CPU
+#
+# `dcp.async_save` with the same writer returns once the state is staged, copied aside so
+# training can change it, and writes it in the background. Its `DefaultStager` is built
+# for GPUs: with its default `StagingOptions` a CPU-only rank cannot stage at all.
+
+# %%
+def save_in_background(source, out, options):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdp_guide.hf import from_pretrained
+
+    model = from_pretrained(source, dtype=torch.float32)
+    # safetensors refuses two names for one tensor in a file: write the tied pair under its first name
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    state = {name: t for name, t in get_model_state_dict(model).items() if name not in tied}
+    writer = HuggingFaceStorageWriter(str(out), save_distributed=True, enable_consolidation=True)
+    try:
+        stager = DefaultStager(StagingOptions(**options))
+    except AssertionError as error:  # shown below
+        return f"{type(error).__name__}: {error}"
+    group = dist.new_group(backend="gloo")  # the background's collectives apart from training's (NCCL on GPUs)
+    saving = dcp.async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
+    saving.staging_completion.result()  # from here on, training may change the model
+    saving.upload_completion.result()  # the files are written and consolidated
+    stager.close()
+    return "written"
+
+
+from safetensors.torch import load_file
+
+for options in ({}, {"use_pinned_memory": False, "use_non_blocking_copy": False}):
+    result = launch(save_in_background, tuned, workdir / "export-async", options, world_size=2, output="none")[0]
+    print(f"StagingOptions(**{options}): {result}")
+written = load_file(workdir / "export-async" / "model-00001-of-00001.safetensors")
+exported = load_file(sharded_export / "model-00001-of-00001.safetensors")
+print("the same tensors as save_pretrained(write='sharded') wrote:",
+      written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written))
+
+# %% [markdown]
+# `use_non_blocking_copy` needs an accelerator: its copy is synchronised on the
+# accelerator's stream (`DefaultStager.__init__` in
+# `torch/distributed/checkpoint/staging.py` asserts `torch.accelerator.is_available()`).
+# Pinned memory needs CUDA, and is ignored with the warning above. On a CPU, turn both
+# off, and the files are the same. Both are meant for GPUs: pinned host memory lets the
+# device-to-host copy run without blocking. The other two options, shared memory and a
+# background staging thread, were left on in the second run: they work on a CPU. `dcp.async_save` given no stager builds a
+# `DefaultStager` with all four options off (`async_save` in
+# `torch/distributed/checkpoint/state_dict_saver.py`), which is what
+# {func}`fsdp_guide.checkpoint.async_save` relies on; the {ref}`LLM tutorial
+# <llm-async-checkpoint>` measures what saving in the background saves.
+#
+# Last, the models this page wrote are deleted:
+
+# %%
+import shutil
+
+shutil.rmtree(workdir)
+
+# %% [markdown]
 # (finetune-hf-tips)=
 # ## The tips behind this
 #
 # - {ref}`tip-load-pretrained-once`
 # - {ref}`tip-export-safetensors`
+# - {ref}`tip-export-every-rank-writes`
 # - {ref}`tip-check-against-one-process`: the losses above.
 
 # %% tags=["remove-input"]
