@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -32,10 +33,15 @@ def run(world_size=2, **changes):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """2K steps in one go, saving every K: the run every resumed one must reproduce."""
+def straight_run(tmp_path_factory):
+    """2K steps in one go, saving every K: the run every resumed one must reproduce; its losses and checkpoints."""
     directory = tmp_path_factory.mktemp("straight")
-    return run(checkpoint_dir=str(directory), checkpoint_every=K)["losses"]
+    return run(checkpoint_dir=str(directory), checkpoint_every=K)["losses"], directory
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+    return straight_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +247,66 @@ def test_torchrun_on_one_machine_runs_the_same_training(tmp_path):
     assert "step    4 | loss" in done.stdout and "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in done.stdout
     assert "MFU not computed: on cpu, which has no dense bf16 peak" in done.stdout  # on a GPU it prints the MFU
     assert json.loads((tmp_path / "summary.json").read_text())["losses"] == run(steps=K)["losses"]
+
+
+def _saved_state(directory, tmp_path) -> dict:
+    """Everything a checkpoint holds (model, optimizer, scheduler, data position, each rank's RNG), read in
+    this process with DCP's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / f"{directory.parent.name}-{directory.name}.pt"
+    dcp_to_torch_save(directory, whole)
+    return torch.load(whole, weights_only=False)  # our own file, just written: it holds the data position's bytes
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@linux_only
+@pytest.mark.parametrize("how, at", [("--kill-after-step", K + 2), ("--kill-while-saving", 2 * K)],
+                         ids=["during-training", "during-a-save"])
+def test_torchrun_restarts_the_workers_after_a_rank_is_killed_and_they_end_as_the_uninterrupted_run(
+        how, at, straight_run, tmp_path):
+    losses, straight_dir = straight_run
+    checkpoints = tmp_path / "checkpoints"
+    flags = ["--steps", str(2 * K), *SMALL_FLAGS[2:], "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+             str(K), "--resume", "auto", "--out", str(tmp_path / "summary.json")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+               str(Path(__file__).with_name("killed_rank.py")), how, str(at), *flags]
+    # A store of its own for each attempt: with the shared one, a restarted rank read the killed
+    # rank's address and failed in init_process_group in 2 runs of 3 (fsdp_guide.launcher._restart_hazard)
+    env = {**_torchrun_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300, env=env)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in log  # no warning: the hazard is avoided
+    # the first attempt started fresh and lost rank 1 to SIGKILL; torchrun restarted both workers, which resumed
+    assert f"no complete checkpoint in {checkpoints}: starting at step 1 (--resume auto)" in log
+    assert "failed (exitcode: -9) local_rank: 1" in log  # SIGKILL, as torchrun's agent reports it
+    assert f"resumed from {checkpoints / f'step-{K:08d}'} at step {K}" in log
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["first_step"] == K + 1 and summary["losses"] == losses[K:]  # bit for bit
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{K:08d}", f"step-{2 * K:08d}"]  # nothing partial
+    last = f"step-{2 * K:08d}"
+    assert _same(_saved_state(checkpoints / last, tmp_path), _saved_state(straight_dir / last, tmp_path))
+
+
+def test_a_torchrun_that_restarts_on_its_shared_store_is_warned_about():
+    from fsdp_guide.launcher import _restart_hazard
+
+    restarting = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in _restart_hazard(restarting)
+    assert "--max-restarts=3" in _restart_hazard(restarting)
+    assert _restart_hazard({**restarting, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # nothing to restart
+    assert _restart_hazard({**restarting, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a store per attempt
+    assert _restart_hazard({}) is None  # not under torchrun
 
 
 def test_bad_settings_are_refused_with_the_valid_choices():

@@ -175,6 +175,8 @@ def launch(
     world_size = _world_size(world_size)
     _check_options(world_size, backend, timeout, collective_timeout, output)
     if _under_torchrun():
+        if (hazard := _restart_hazard(os.environ)) and os.environ["RANK"] == "0":
+            warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         return [_run_in_this_process(fn, args, kwargs, backend, collective_timeout)]
     payload = _serialise(fn, args, kwargs)
     # Interrupts are noted, not raised where they land, until the ranks are stopped and the
@@ -270,6 +272,25 @@ def _show_warnings(per_rank: list[list[tuple]]) -> None:
 
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _restart_hazard(environ) -> str | None:
+    """Why a restart by this torchrun may fail to start, or None.
+
+    torchrun restarts its workers (``--max-restarts``) on the rendezvous store it shares
+    with them by default, with no prefix per attempt (``DynamicRendezvousHandler.next_rendezvous``
+    in ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``, torch 2.9 to 2.13 at
+    least). The keys the previous attempt's ranks wrote are still there, so a restarted rank
+    can read a dead rank's address and fail to connect, as ``tests/test_llm.py`` saw for gloo.
+    """
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"torchrun --max-restarts={restarts} shares its rendezvous store with the workers (torch's default), "
+                "so a restarted worker can read an address a worker of the previous attempt published and fail in "
+                "init_process_group ('Gloo connectFullMesh failed', or NCCL's 'Connection refused'; "
+                "pytorch/pytorch#135712). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+                "environment: each attempt then gets a store of its own.")
+    return None
 
 
 def _world_size(asked: int | None) -> int:

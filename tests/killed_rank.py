@@ -1,0 +1,63 @@
+"""The LLM recipe as torchrun's script, with rank 1 killed (SIGKILL) in torchrun's first attempt only.
+
+    torchrun --max-restarts=1 ... tests/killed_rank.py --kill-after-step N <the recipe's flags>
+    torchrun --max-restarts=1 ... tests/killed_rank.py --kill-while-saving N <the recipe's flags>
+
+``--kill-after-step N``: rank 1 dies once its step N is computed, in the middle of the run.
+``--kill-while-saving N``: rank 1 dies once it has written its part of checkpoint N, before
+the checkpoint is complete. torchrun then stops the other workers and starts them all again
+(``TORCHELASTIC_RESTART_COUNT`` 1): that attempt is the recipe unchanged, as a restarted job
+would run it. A real failure does not choose its moment; these two are the moments that
+matter to a checkpoint: after the last one, and during one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from fsdp_guide.recipes import train_llm
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as a lost node: no exception, no cleanup
+
+
+def kill_after_step(n: int) -> None:
+    """Rank 1 dies after its n-th training step (the first attempt starts at step 1)."""
+    step, calls = train_llm.train_step, []
+
+    def counted(*args, **kwargs):
+        loss = step(*args, **kwargs)
+        calls.append(loss)
+        if len(calls) == n:
+            die()
+        return loss
+
+    train_llm.train_step = counted
+
+
+def kill_while_saving(n: int) -> None:
+    """Rank 1 dies once its part of checkpoint n is on disk, before every rank has written."""
+    write = FileSystemWriter.write_data
+
+    def written_then_killed(self, plan, planner):
+        written = write(self, plan, planner)
+        written.wait()
+        if f"step-{n:08d}" in str(self.path):
+            die()
+        return written
+
+    FileSystemWriter.write_data = written_then_killed
+
+
+if __name__ == "__main__":
+    how, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+        {"--kill-after-step": kill_after_step, "--kill-while-saving": kill_while_saving}[how](n)
+    train_llm.main(argv)
+    sys.stdout.flush()
+    os._exit(0)  # as the recipe's own __main__: skip the interpreter's teardown of torch's threads
