@@ -24,7 +24,7 @@
 #
 # - the `torchrun` commands for one machine and for several, and the environment
 #   variables that matter;
-# - a SLURM script;
+# - a SLURM script, with restarts when a rank dies;
 # - hybrid sharding (HSDP) on a 2 x 2 mesh: shard within a node, replicate across nodes,
 #   executed.
 #
@@ -91,8 +91,9 @@ r"""
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 ckpt=/shared/ckpt/$SLURM_JOB_NAME
 export NCCL_SOCKET_IFNAME=ib0 OMP_NUM_THREADS=8
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a fresh store for each restart (below)
 
-srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
+srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 --max-restarts=3 \
     --rdzv-backend=c10d --rdzv-endpoint="$head:29500" --rdzv-id="$SLURM_JOB_ID" \
     -m fsdp_guide.recipes.train_llm --checkpoint-dir "$ckpt" --checkpoint-every 500 --resume auto
 ```
@@ -105,6 +106,21 @@ srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 \
 # is no checkpoint, for a run that must not start afresh by mistake.) The recipe publishes a
 # checkpoint only when it is complete ({ref}`tip-exact-resume`), so a job killed during a
 # save resumes from the one before.
+#
+# (cluster-max-restarts)=
+# `--max-restarts=3` lets `torchrun` handle a rank that dies without giving up the
+# allocation: it stops the other ranks, starts them all again (up to 3 times), and
+# `--resume auto` takes them to the newest complete checkpoint. The guide's tests do this
+# on one machine (`tests/test_llm.py`): under `torchrun --max-restarts=1` they kill rank 1
+# with `SIGKILL`, once in the middle of training and once while it saves, and the
+# restarted run ends with the losses, weights, optimizer state and random states of a run
+# that was never interrupted, bit for bit. Export `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+# for such a job: by default `torchrun` keeps one rendezvous store for all its attempts and
+# shares it with the ranks (`DynamicRendezvousHandler.next_rendezvous` in
+# `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`), so a restarted rank can
+# read the address a rank of the previous attempt published and fail to connect
+# (pytorch/pytorch#135712; the tests above failed that way on torch 2.9 and 2.13 without it).
+# The recipe warns when it runs under a `torchrun` that restarts on a shared store.
 #
 # ## HSDP: shard within a node, replicate across nodes
 #
