@@ -93,7 +93,8 @@ print(sorted(f.name for f in path.iterdir()))
 # ## Three ways in, measured
 #
 # Each rank records the rise of its resident memory while it loads (Linux's peak RSS,
-# `VmHWM`, reset just before) and the bytes of the parameters it keeps. The first way is
+# `VmHWM`, reset just before, and the private part; {func}`fsdp_guide.memory.host_peak_rise`)
+# and the bytes of the parameters it keeps. The first way is
 # the one most scripts start with: every rank calls `transformers`' `from_pretrained`,
 # holding the whole model, and only then shards it. The other two are
 # {func}`fsdp_guide.hf.from_pretrained`: the model is built on the `meta` device (no
@@ -103,40 +104,7 @@ print(sorted(f.name for f in path.iterdir()))
 
 # %%
 from fsdp_guide import launch
-
-
-def peak_memory_rise_mb(load):
-    """Run load(); return its result and how far this process's memory rose above the start, at
-    its peak, in MiB: all resident memory (Linux's VmHWM), and the private part (RssAnon, sampled)."""
-    import ctypes
-    import gc
-    import threading
-
-    def status(field):
-        lines = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line.split()[1] for line in lines if line.startswith(field))) / 1024
-
-    libc = ctypes.CDLL("libc.so.6")
-    # M_MMAP_THRESHOLD, fixed: each allocation over 1 MiB is mapped, and unmapped when freed. Left
-    # to itself, glibc raises the threshold after such a free and keeps later tensors in its heap,
-    # so the peak would count freed memory, by an amount that varies with thread timing.
-    libc.mallopt(-3, 2**20)
-    gc.collect()
-    libc.malloc_trim(0)  # hand freed memory back, so the rise counts every new byte
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak, to the current RSS
-    rss, anon = status("VmRSS:"), status("RssAnon:")
-    peak_anon, done = [anon], threading.Event()
-
-    def sample():  # the kernel keeps no peak of the private part: look every millisecond
-        while not done.wait(0.001):
-            peak_anon[0] = max(peak_anon[0], status("RssAnon:"))
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    result = load()
-    done.set()
-    sampler.join()
-    return result, status("VmHWM:") - rss, max(peak_anon[0], status("RssAnon:")) - anon
+from fsdp_guide.memory import host_peak_rise  # VmHWM, and RssAnon sampled every millisecond
 
 
 def every_rank_reads(path):
@@ -162,7 +130,7 @@ def load_and_measure(how, path, warmup):
                "rank 0 reads, broadcasts": lambda p: from_pretrained(p, read="rank0", dtype=torch.float32),
                "each rank reads its slices": lambda p: from_pretrained(p, read="sharded", dtype=torch.float32)}
     loaders[how](warmup)  # imports and first calls, on a tiny model
-    model, rss, private = peak_memory_rise_mb(lambda: loaders[how](path))
+    model, rss, private = host_peak_rise(lambda: loaders[how](path))
     kept = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
     return rss, private, kept
 
@@ -355,7 +323,7 @@ def export_and_measure(write, source, out, warmup):
         save_pretrained(model, out, write=write)
         return time.perf_counter() - start
 
-    return peak_memory_rise_mb(timed_export)
+    return host_peak_rise(timed_export)
 
 
 exports = {(write, world): launch(export_and_measure, write, tuned, workdir / f"export-{write}-{world}", warmup,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryBreakdown", "estimate", "measure", "saved_for_backward", "STRATEGIES"]
+__all__ = ["MemoryBreakdown", "estimate", "host_peak_rise", "measure", "saved_for_backward", "STRATEGIES"]
 
 STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 _STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -272,3 +272,55 @@ def saved_for_backward():
     finally:
         counter.close()
 
+
+
+def host_peak_rise(fn):
+    """Run ``fn()``; return its result and how far this process's memory rose above the start, at its peak, in MiB.
+
+    Two figures: all resident memory (Linux's ``VmHWM``, reset just before, so the exact
+    peak, file pages mapped into the process included), and the private part
+    (``RssAnon``: memory the process allocated, sampled every millisecond, so a lower bound
+    on its peak). Linux only: both come from ``/proc/self``.
+
+    glibc's threshold for giving large blocks their own mapping is fixed at 1 MiB while it
+    runs: left to itself, glibc raises the threshold after such a block is freed and keeps
+    later tensors in its heap, so the peak would count freed memory, by an amount that
+    varies with thread timing.
+
+    Example:
+
+    >>> import torch
+    >>> from fsdp_guide.memory import host_peak_rise
+    >>> total, resident, private = host_peak_rise(lambda: torch.ones(64 * 2**20 // 4).sum().item())
+    >>> total, 60 < resident < 80, 60 < private < 80  # 64 MiB of float32, held while summed
+    (16777216.0, True, True)
+    """
+    import ctypes
+    import gc
+    import threading
+    from pathlib import Path
+
+    def status(field):
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line.split()[1] for line in lines if line.startswith(field))) / 1024
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 2**20)  # M_MMAP_THRESHOLD: each allocation over 1 MiB mapped, and unmapped when freed
+    gc.collect()
+    libc.malloc_trim(0)  # hand freed memory back, so the rise counts every new byte
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM, the peak, to the current RSS
+    rss, anon = status("VmRSS:"), status("RssAnon:")
+    peak_anon, done = [anon], threading.Event()
+
+    def sample():  # the kernel keeps no peak of the private part: look every millisecond
+        while not done.wait(0.001):
+            peak_anon[0] = max(peak_anon[0], status("RssAnon:"))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        sampler.join()
+    return result, status("VmHWM:") - rss, max(peak_anon[0], status("RssAnon:")) - anon
