@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryBreakdown", "estimate", "host_peak_rise", "measure", "saved_for_backward", "STRATEGIES"]
+__all__ = ["MemoryBreakdown", "estimate", "host_peak_rise", "measure", "saved_for_backward", "tensor_peak_rise",
+           "STRATEGIES"]
 
 STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 _STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -324,3 +325,75 @@ def host_peak_rise(fn):
         done.set()
         sampler.join()
     return result, status("VmHWM:") - rss, max(peak_anon[0], status("RssAnon:")) - anon
+
+
+
+class _LiveTensorBytes:
+    """Bytes of the tensors created by operations since it began and still alive, and their peak.
+
+    A ``TorchDispatchMode`` sees every operation's outputs, DTensor's collectives included;
+    each new storage is counted until it is freed, that is until no tensor or view uses it.
+    Written here because torch counts allocated bytes only for accelerators
+    (``torch.cuda.max_memory_allocated``).
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.level = self.peak = 0
+        self._live: dict[int, int] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    # plain tensors only: a subclass (DTensor) wraps one the mode sees created on its own
+                    if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu":
+                        tracker._count(t)
+                return out
+
+        self.mode = Mode()
+
+    def _count(self, t: torch.Tensor) -> None:
+        import weakref
+
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.level += storage.nbytes()
+        self.peak = max(self.peak, self.level)
+        weakref.finalize(storage, self._free, key)  # torch keeps a storage's Python object while the storage lives
+
+    def _free(self, key: int) -> None:
+        self.level -= self._live.pop(key, 0)
+
+
+def tensor_peak_rise(fn):
+    """Run ``fn()``; return its result and the peak, in MiB, of the bytes of CPU tensors it created and still held.
+
+    Every operation's outputs are counted while ``fn`` runs (a ``TorchDispatchMode``), each
+    new storage from its creation until it is freed: the gathered tensors of a sync, a state
+    dict, a buffer. Not counted: what a library holds outside tensors (gloo's buffers, the
+    allocator's free lists), which :func:`host_peak_rise` sees. On a GPU,
+    ``torch.cuda.max_memory_allocated`` counts the allocations of CUDA tensors.
+
+    Example:
+
+    >>> import torch
+    >>> from fsdp_guide.memory import tensor_peak_rise
+    >>> def work():
+    ...     a = torch.ones(4 * 2**20)  # 16 MiB
+    ...     b = a * 2  # 16 MiB more, while a lives
+    ...     del a
+    ...     return b.to(torch.bfloat16).sum().item()  # 8 MiB, after a is gone
+    >>> total, peak = tensor_peak_rise(work)
+    >>> total, round(peak)
+    (8388608.0, 32)
+    """
+    live = _LiveTensorBytes()
+    with live.mode:
+        result = fn()
+    return result, live.peak / 2**20

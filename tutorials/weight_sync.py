@@ -1,0 +1,247 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-weight-sync)=
+# # Weights from training to an inference copy, as RL trainers do
+#
+# **What you will learn**
+#
+# - how to move an FSDP2 model's weights into a separate inference model, the step an RL
+#   trainer (verl, TRL, slime) repeats after every update: three ways, from a gathered
+#   state dict, one parameter at a time, and in buckets;
+# - what each costs the trainer's ranks in memory and the sync in time, measured, and how
+#   many messages each sends;
+# - that the inference copy then computes the trainer's logits: exactly when it keeps the
+#   trainer's dtype, to bf16 rounding when it is converted.
+#
+# **What you need**: a CPU; 3 processes on gloo: 2 train, 1 serves; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# The same code is written to run unchanged with one GPU per rank (NCCL): every tensor
+# lives on {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <weight-sync-tips>`.
+
+# %%
+import sys
+
+import torch
+
+print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+
+# %% [markdown]
+# ## A trainer of two ranks, an engine of one
+#
+# Ranks 0 and 1 train a GPT of 8 blocks, 512 wide, sharded by FSDP2 over a mesh of their
+# own; rank 2 stands for the inference engine (vLLM or SGLang in an RL trainer): a plain,
+# unsharded copy of the same model, in bf16, that never trains. After one optimizer step
+# the trainer sends its new weights to the engine over a process group of ranks 0 and 2,
+# parameter by parameter in `named_parameters()` order, which both sides know. Every rank
+# creates both groups (`new_group` is collective over all ranks), and only the ranks in a
+# group use it:
+
+# %%
+import time
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+import fsdp_guide
+from fsdp_guide import launch
+from fsdp_guide.gpt import GPT, GPTConfig
+from fsdp_guide.memory import tensor_peak_rise
+
+CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512)
+BUCKET_BYTES = 16 * 2**20
+TOKENS = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    model.init_weights()
+    return model
+
+
+def trained_trainer(group, device):
+    """The model sharded over ``group``'s ranks, after one AdamW step on each rank's own batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    model = make_model().to(device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(dist.get_rank()))
+    _, loss = model(batch[:, :-1].to(device), targets=batch[:, 1:].to(device))
+    loss.backward()
+    optimizer.step()
+    return model
+
+
+def buckets(shapes, itemsize, limit):
+    """Consecutive parameters grouped into buckets of at most ``limit`` bytes (one larger parameter alone)."""
+    groups, size = [[]], 0
+    for i, shape in enumerate(shapes):
+        nbytes = shape.numel() * itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+# %% [markdown]
+# The three ways to send, as the trainer's two ranks run them (both call every collective
+# among themselves; rank 0 alone sends to the engine), and the engine's side of each:
+
+# %%
+def send(how, model, link, dtype):
+    """The trainer's side of one sync; returns how many messages rank 0 sent to the engine."""
+    params = [p for _, p in model.named_parameters()]  # a tied weight once
+    sends = 0
+
+    def to_engine(tensor):
+        nonlocal sends
+        if dist.get_rank() == 0:
+            dist.broadcast(tensor.to(dtype), src=0, group=link)
+            sends += 1
+
+    if how == "gathered state dict":  # every parameter gathered into rank 0's CPU memory first
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            for name, _ in model.named_parameters():
+                to_engine(full[name].to(fsdp_guide.device()))
+    elif how == "per parameter":  # one all-gather, then one message, at a time
+        for p in params:
+            to_engine(p.full_tensor())
+    elif how == "bucketed":  # gathered one at a time into a buffer reused for every bucket
+        groups = buckets([p.shape for p in params], dtype.itemsize, BUCKET_BYTES)
+        buffer = torch.empty(max(sum(params[i].numel() for i in bucket) for bucket in groups), dtype=dtype,
+                             device=fsdp_guide.device()) if dist.get_rank() == 0 else None
+        for bucket in groups:
+            filled = 0
+            for i in bucket:
+                full = params[i].full_tensor()  # both trainer ranks: the all-gather
+                if dist.get_rank() == 0:
+                    buffer[filled:filled + full.numel()].copy_(full.flatten())  # converted as it is copied
+                filled += full.numel()
+            if dist.get_rank() == 0:
+                to_engine(buffer[:filled])
+    return sends
+
+
+@torch.no_grad()
+def receive(how, engine, link):
+    """The engine's side: the same messages, in the same order, into its own parameters."""
+    params = [p for _, p in engine.named_parameters()]
+    if how == "bucketed":
+        groups = buckets([p.shape for p in params], params[0].element_size(), BUCKET_BYTES)
+        buffer = torch.empty(max(sum(params[i].numel() for i in bucket) for bucket in groups),
+                             dtype=params[0].dtype, device=params[0].device)
+        for bucket in groups:
+            sizes = [params[i].numel() for i in bucket]
+            dist.broadcast(buffer[:sum(sizes)], src=0, group=link)
+            for i, part in zip(bucket, buffer[:sum(sizes)].split(sizes)):
+                params[i].copy_(part.view_as(params[i]))
+    else:
+        for p in params:
+            dist.broadcast(p, src=0, group=link)  # straight into the parameter's storage
+
+
+def sync(how, dtype):
+    device = fsdp_guide.device()
+    trainers, link = dist.new_group([0, 1]), dist.new_group([0, 2])  # every rank makes both, in this order
+    if dist.get_rank() == 2:  # the engine
+        engine = make_model().to(device, dtype).eval()  # the weights it had before: the old policy
+        for _ in range(3):  # the trainer's warm-up sync, the timed one, and the one its memory is counted in
+            receive(how, engine, link)
+        with torch.no_grad():
+            return {"logits": engine(TOKENS.to(device))[0].float().cpu()}
+    model = trained_trainer(trainers, device)
+    send(how, model, link, dtype)  # once before: imports, connections and first calls do not count
+
+    def timed():
+        start = time.perf_counter()
+        sends = send(how, model, link, dtype)
+        return sends, time.perf_counter() - start
+
+    sends, seconds = timed()  # timed alone: the profiler below slows every operation
+    _, peak = tensor_peak_rise(lambda: send(how, model, link, dtype))
+    with torch.no_grad():
+        logits = model(TOKENS.to(device))[0].cpu()
+    return {"sends": sends, "seconds": seconds, "peak": peak, "logits": logits}
+
+
+# %% [markdown]
+# Each way runs three times: once to warm up (imports, connections, first calls), once
+# timed, and once with torch's profiler counting the tensors each trainer rank creates and
+# frees ({func}`fsdp_guide.memory.tensor_peak_rise`: what `torch.cuda.max_memory_allocated`
+# counts on a GPU). Each in bf16, the engine's usual dtype, and one in fp32:
+
+# %%
+sizes = [p.numel() * 4 / 2**20 for p in make_model().parameters()]  # fp32 MiB, a tied weight once
+model_mib = sum(sizes)
+runs = {(how, dtype): launch(sync, how, dtype, world_size=3, output="none")
+        for how, dtype in [("gathered state dict", torch.bfloat16), ("per parameter", torch.bfloat16),
+                           ("bucketed", torch.bfloat16), ("per parameter", torch.float32)]}
+
+print(f"the model: {model_mib:.0f} MiB in fp32, its largest parameter {max(sizes):.0f} MiB; "
+      "peak rise of the tensors each trainer rank holds while syncing, in MiB")
+print(f"{'':30} {'rank 0':>7} {'rank 1':>7} {'messages':>8} {'seconds':>8}  max |engine - trainer| logits")
+for (how, dtype), (r0, r1, engine) in runs.items():
+    gap = (engine["logits"] - r0["logits"]).abs().max().item()
+    print(f"{how + ', ' + str(dtype).removeprefix('torch.'):30} {r0['peak']:7.1f} {r1['peak']:7.1f} "
+          f"{r0['sends']:8} {r0['seconds']:8.2f}  {gap:.1e}")
+
+# %% [markdown]
+# - **Gathered state dict** (`get_model_state_dict` with `full_state_dict=True,
+#   cpu_offload=True`, the export route of {ref}`tutorial-finetune-hf`): rank 0 holds the
+#   whole model in fp32 before the first message, more than the model's size above. An
+#   engine that shares the trainer's GPU (a colocated RL trainer) would then hold the model
+#   twice, once gathered and once as its own weights: the peak the other two ways avoid.
+# - **Per parameter**: each `full_tensor()` all-gathers one parameter among the trainer's
+#   ranks, and rank 0 sends it, converted, before the next is gathered: one message per
+#   parameter (a tied weight once), and a peak of the largest parameter gathered (printed
+#   above the table) and its bf16 copy. Rank 1, which gathers and never reads, holds up to
+#   two gathered parameters at once.
+# - **Bucketed**: the same gathers, copied and converted into one buffer of at most 16 MiB,
+#   reused for every bucket: a handful of messages instead of one per parameter, for the
+#   buffer's memory on rank 0. On this machine's loopback the seconds barely differ; on a
+#   network, or through an inference engine's own weight-loading call, each message has a
+#   fixed cost, which is why RL trainers send buckets. That cost is not measured here.
+#
+# These are tensors only, counted as they are created and freed: what gloo (or NCCL, on
+# GPUs) keeps in buffers of its own is not in them.
+#
+# The trainer's rank 1 gathers every parameter too (`full_tensor` is an all-gather, so
+# every rank of the mesh receives the whole parameter) and throws it away. An RL trainer
+# whose engine has several ranks of its own sends each engine rank its shard instead;
+# that is the same loop with a slice taken before the message.
+#
+# The last column checks the engine: its logits on the same tokens, against the trainer's
+# own forward. In fp32 they are equal, bit for bit: the engine computes with exactly the
+# trainer's weights. In bf16 they differ by bf16's rounding of the weights, the same for
+# the three ways.
+#
+# (weight-sync-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-weight-sync`: gather one parameter at a time, send in buckets, never the
+#   whole state dict beside a colocated engine.
+# - {ref}`tip-export-every-rank-writes`: writing weights out to disk instead, from every rank.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("weight_sync")
