@@ -117,9 +117,11 @@ srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 --max-restarts=3 \
 # that was never interrupted, bit for bit. Export `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
 # for such a job: by default `torchrun` keeps one rendezvous store for all its attempts and
 # shares it with the ranks (`DynamicRendezvousHandler.next_rendezvous` in
-# `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py`), so a restarted rank can
-# read the address a rank of the previous attempt published and fail to connect
-# (pytorch/pytorch#135712; the tests above failed that way on torch 2.9 and 2.13 without it).
+# `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py` makes its server once;
+# `_create_c10d_store` in `torch/distributed/rendezvous.py` adds no prefix per attempt,
+# assuming a new store for every retry), so a restarted rank can read the address a rank of
+# the previous attempt published and fail to connect (pytorch/pytorch#135712, closed, on
+# NCCL; those tests run with this setting).
 # The recipe warns when it runs under a `torchrun` that restarts on a shared store.
 #
 # ## HSDP: shard within a node, replicate across nodes

@@ -23,7 +23,7 @@ from fsdp_guide.recipes import train_llm
 
 
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)  # as a lost node: no exception, no cleanup
+    os.kill(os.getpid(), signal.SIGKILL)  # as a crash or the kernel's OOM killer: no exception, no cleanup
 
 
 def kill_after_step(n: int) -> None:

@@ -161,7 +161,7 @@ def test_every_executed_page_says_where_it_ran(site, page):
     text = re.sub(r"<[^>]+>", "", html)
     executed = re.search(r"Executed on: (.*?)torch 2\.\d+", text, re.S)
     assert executed, f"{page.stem}: no 'Executed on' box"
-    assert "CPU, gloo, 2 ranks" in executed.group(1) or "CPU, gloo, 4 ranks" in executed.group(1)
+    assert re.search(r"CPU, gloo, [234] ranks", executed.group(1))  # the launches this build ran
     assert "On GPUs:" in text
     assert f'executed_on("{page.stem}")' not in html  # the cell's input is hidden: the reader sees the box
 

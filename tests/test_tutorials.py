@@ -788,8 +788,10 @@ def test_every_page_that_executes_opens_with_what_you_learn_what_you_need_and_ho
 
 def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_logits(executed):
     text = _text_outputs(executed["weight_sync"])
-    model, largest = (float(text.split(key)[1].split(" MiB")[0]) for key in ("the model: ", "largest parameter "))
-    # gathered state dict, bfloat16    222.3     9.0       84     0.46  1.5e-02
+    header = text.split("the model: ")[1]
+    model, largest = float(header.split(" MiB")[0]), float(header.split("its largest ")[1].split(" MiB")[0])
+    parameters = int(header.split(" parameters")[0].split(", ")[-1])
+    # gathered state dict, bfloat16    147.5    56.3       84     0.50  1.3e-02
     rows = {line[:30].strip(): line[30:].split() for line in text.splitlines()
             if line.startswith(("gathered state dict,", "per parameter,", "bucketed,"))}
     rank0, rank1 = ({how: float(row[i]) for how, row in rows.items()} for i in (0, 1))
@@ -797,10 +799,10 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     gap = {how: float(row[4]) for how, row in rows.items()}
     assert rank0["gathered state dict, bfloat16"] > model  # the whole model on rank 0 before the first message
     assert rank0["per parameter, bfloat16"] == pytest.approx(1.5 * largest, abs=0.2)  # gathered, and its bf16 copy
-    assert rank0["bucketed, bfloat16"] <= 16 + 2 * largest  # the buffer, and the parameters being gathered
-    assert all(peak <= 2 * largest + 0.1 for peak in rank1.values())  # "up to two gathered parameters"
-    assert messages["per parameter, bfloat16"] == messages["gathered state dict, bfloat16"] > 50  # one per parameter
+    assert rank0["bucketed, bfloat16"] <= 16 + 2 * largest  # the buffer, and a parameter or two
+    assert all(rank1[how] <= 2 * largest + 0.1 for how in rows if not how.startswith("gathered"))  # one, or two
+    assert messages["per parameter, bfloat16"] == messages["gathered state dict, bfloat16"] == parameters
     assert messages["bucketed, bfloat16"] < 10  # "a handful"
     assert gap["per parameter, float32"] == 0  # bit for bit
-    assert len({gap[how] for how in rows if how.endswith("bfloat16")}) == 1  # the same rounding every way
+    assert "the engine's bf16 logits are the same all three ways: True" in text
     assert 0 < gap["per parameter, bfloat16"] < 0.05

@@ -346,15 +346,19 @@ print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tok
 
 # %% [markdown]
 # Gathering costs rank 0 more than the model, on any number of ranks: the full state dict
-# on its CPU, and what `transformers` allocates to write it. Written by every rank, each
-# rank's peak is about twice its shard, so with 2 ranks it is no better, and with 4 it is
-# about half of gathering's. Each rank's file is serialized in memory before it is
-# written (`safetensors.torch.save` in `_write_files_from_queue`,
+# on its CPU, and more while it is written. Written by every rank, each rank's peak is
+# about twice its shard, so with 2 ranks it is no better, and with 4 it is about half of
+# gathering's.
+#
+# Why twice the shard: each rank's file is serialized in memory before it is written
+# (`safetensors.torch.save` in `_write_files_from_queue`,
 # `torch/distributed/checkpoint/filesystem.py`), and a shard whose storage is larger than
-# its bytes is copied first (FSDP2 pads uneven shards; the intermediate size, 1365, is
-# odd, so rank 1's rows of each MLP weight are padded: `_SerialCpuLoader`, same file).
-# Rank 0 then consolidates, reading the shard files back one full tensor at a time
-# (`_process_output_file` in `torch/distributed/checkpoint/_consolidate_hf_safetensors.py`).
+# its bytes is copied first (`_SerialCpuLoader`, same file). FSDP2 pads uneven shards: the
+# intermediate size (`hidden_size * 8 // 3` in `save_llama` above) is odd, so rank 1's rows
+# of the gate and up projections are padded. Rank 0 then consolidates, reading the shard
+# files back one full tensor at a time (`_process_output_file` in
+# `torch/distributed/checkpoint/_consolidate_hf_safetensors.py`).
+#
 # The private part is sampled and misses short peaks; nothing here is read through a
 # memory map, so the resident peak is the one to read. On a model this small the seconds
 # are mostly fixed costs, and on 2 cores 4 ranks share them. The directory holds the
@@ -364,14 +368,17 @@ print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tok
 # What it needs: a file system every rank sees (each writes its own file, rank 0 reads
 # them all), and a full model: a peft model's adapters are written by `write="rank0"`
 # only. For a model of many gigabytes, `HuggingFaceStorageWriter`'s `fqn_to_index_mapping`
-# splits the output into several files, and DCP's `consolidate_safetensors_files_on_every_rank`
-# shares their consolidation among the ranks; `save_pretrained` writes one file.
+# splits the output into several files, and DCP's
+# `consolidate_safetensors_files_on_every_rank` shares their consolidation among the
+# ranks; `save_pretrained` writes one file.
 #
 # ### In the background: DCP's stager on a CPU
 #
-# `dcp.async_save` with the same writer returns once the state is staged, copied aside so
-# training can change it, and writes it in the background. Its `DefaultStager` is built
-# for GPUs: with its default `StagingOptions` a CPU-only rank cannot stage at all.
+# `dcp.async_save` writes in the background: the state is first staged, copied aside so
+# that training can change it, then written. Given a `DefaultStager`, it returns at once
+# with two futures, `staging_completion` (from then on training may change the model) and
+# `upload_completion` (the files are written). The `DefaultStager` is built for GPUs: with
+# its default `StagingOptions`, a CPU-only rank cannot stage at all.
 
 # %%
 def save_in_background(source, out, options):
@@ -418,11 +425,15 @@ print("the same tensors as save_pretrained(write='sharded') wrote:",
 # Pinned memory needs CUDA, and is ignored with the warning above. On a CPU, turn both
 # off, and the files are the same. Both are meant for GPUs: pinned host memory lets the
 # device-to-host copy run without blocking. The other two options, shared memory and a
-# background staging thread, were left on in the second run: they work on a CPU. `dcp.async_save` given no stager builds a
-# `DefaultStager` with all four options off (`async_save` in
-# `torch/distributed/checkpoint/state_dict_saver.py`), which is what
-# {func}`fsdp_guide.checkpoint.async_save` relies on; the {ref}`LLM tutorial
-# <llm-async-checkpoint>` measures what saving in the background saves.
+# background staging thread, were left on in the second run and worked on this CPU,
+# although `StagingOptions`' docstring says the staging thread requires CUDA.
+#
+# Given no stager, `dcp.async_save` stages with the writer itself when the writer is an
+# `AsyncStager` (`async_save` in `torch/distributed/checkpoint/state_dict_saver.py`), as
+# DCP's `FileSystemWriter`, and so `HuggingFaceStorageWriter`, are: they copy the state to
+# the CPU before returning (`BlockingAsyncStager` in `staging.py`), which works on any
+# machine. That is what {func}`fsdp_guide.checkpoint.async_save` relies on; the
+# {ref}`LLM tutorial <llm-async-checkpoint>` measures what saving in the background saves.
 #
 # Last, the models this page wrote are deleted:
 

@@ -13,17 +13,18 @@
 
 # %% [markdown]
 # (tutorial-weight-sync)=
-# # Weights from training to an inference copy, as RL trainers do
+# # Weights from training to an inference copy
 #
 # **What you will learn**
 #
-# - how to move an FSDP2 model's weights into a separate inference model, the step an RL
-#   trainer (verl, TRL, slime) repeats after every update: three ways, from a gathered
-#   state dict, one parameter at a time, and in buckets;
+# - how to move an FSDP2 model's weights into a separate inference model, the step a
+#   reinforcement-learning trainer repeats after every update so that its inference engine
+#   generates with the new weights: three ways, from a gathered state dict, one parameter
+#   at a time, and in buckets;
 # - what each costs the trainer's ranks in memory and the sync in time, measured, and how
 #   many messages each sends;
 # - that the inference copy then computes the trainer's logits: exactly when it keeps the
-#   trainer's dtype, to bf16 rounding when it is converted.
+#   trainer's dtype, to bf16's precision when it computes in bf16.
 #
 # **What you need**: a CPU; 3 processes on gloo: 2 train, 1 serves; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): every tensor
@@ -40,7 +41,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # ## A trainer of two ranks, an engine of one
 #
 # Ranks 0 and 1 train a GPT of 8 blocks, 512 wide, sharded by FSDP2 over a mesh of their
-# own; rank 2 stands for the inference engine (vLLM or SGLang in an RL trainer): a plain,
+# own; rank 2 stands for the inference engine (an inference server such as vLLM): a plain,
 # unsharded copy of the same model, in bf16, that never trains. After one optimizer step
 # the trainer sends its new weights to the engine over a process group of ranks 0 and 2,
 # parameter by parameter in `named_parameters()` order, which both sides know. Every rank
@@ -124,7 +125,9 @@ def send(how, model, link, dtype):
                 to_engine(full[name].to(fsdp_guide.device()))
     elif how == "per parameter":  # one all-gather, then one message, at a time
         for p in params:
-            to_engine(p.full_tensor())
+            full = p.full_tensor()  # both trainer ranks: the all-gather
+            to_engine(full)
+            del full  # freed before the next parameter is gathered
     elif how == "bucketed":  # gathered one at a time into a buffer reused for every bucket
         groups = buckets([p.shape for p in params], dtype.itemsize, BUCKET_BYTES)
         buffer = torch.empty(max(sum(params[i].numel() for i in bucket) for bucket in groups), dtype=dtype,
@@ -136,6 +139,7 @@ def send(how, model, link, dtype):
                 if dist.get_rank() == 0:
                     buffer[filled:filled + full.numel()].copy_(full.flatten())  # converted as it is copied
                 filled += full.numel()
+                del full  # freed before the next parameter is gathered
             if dist.get_rank() == 0:
                 to_engine(buffer[:filled])
     return sends
@@ -174,9 +178,11 @@ def sync(how, dtype):
     def timed():
         start = time.perf_counter()
         sends = send(how, model, link, dtype)
+        if device.type != "cpu":
+            torch.accelerator.synchronize()  # the collectives ran on the device's streams
         return sends, time.perf_counter() - start
 
-    sends, seconds = timed()  # timed alone: the profiler below slows every operation
+    sends, seconds = timed()  # timed alone: counting tensors below slows every operation
     _, peak = tensor_peak_rise(lambda: send(how, model, link, dtype))
     with torch.no_grad():
         logits = model(TOKENS.to(device))[0].cpu()
@@ -185,9 +191,9 @@ def sync(how, dtype):
 
 # %% [markdown]
 # Each way runs three times: once to warm up (imports, connections, first calls), once
-# timed, and once with torch's profiler counting the tensors each trainer rank creates and
-# frees ({func}`fsdp_guide.memory.tensor_peak_rise`: what `torch.cuda.max_memory_allocated`
-# counts on a GPU). Each in bf16, the engine's usual dtype, and one in fp32:
+# timed, and once with torch's `MemTracker` following every tensor each trainer rank
+# creates and frees, on the CPU and on a GPU alike ({func}`fsdp_guide.memory.tensor_peak_rise`).
+# Each in bf16, the engine's usual dtype, and one in fp32:
 
 # %%
 sizes = [p.numel() * 4 / 2**20 for p in make_model().parameters()]  # fp32 MiB, a tied weight once
@@ -196,43 +202,46 @@ runs = {(how, dtype): launch(sync, how, dtype, world_size=3, output="none")
         for how, dtype in [("gathered state dict", torch.bfloat16), ("per parameter", torch.bfloat16),
                            ("bucketed", torch.bfloat16), ("per parameter", torch.float32)]}
 
-print(f"the model: {model_mib:.0f} MiB in fp32, its largest parameter {max(sizes):.0f} MiB; "
+print(f"the model: {model_mib:.0f} MiB in fp32, {len(sizes)} parameters, its largest {max(sizes):.0f} MiB; "
       "peak rise of the tensors each trainer rank holds while syncing, in MiB")
 print(f"{'':30} {'rank 0':>7} {'rank 1':>7} {'messages':>8} {'seconds':>8}  max |engine - trainer| logits")
 for (how, dtype), (r0, r1, engine) in runs.items():
     gap = (engine["logits"] - r0["logits"]).abs().max().item()
     print(f"{how + ', ' + str(dtype).removeprefix('torch.'):30} {r0['peak']:7.1f} {r1['peak']:7.1f} "
           f"{r0['sends']:8} {r0['seconds']:8.2f}  {gap:.1e}")
+engine_bf16 = [engine["logits"] for (how, dtype), (_, _, engine) in runs.items() if dtype == torch.bfloat16]
+print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l, engine_bf16[0]) for l in engine_bf16))
 
 # %% [markdown]
 # - **Gathered state dict** (`get_model_state_dict` with `full_state_dict=True,
 #   cpu_offload=True`, the export route of {ref}`tutorial-finetune-hf`): rank 0 holds the
-#   whole model in fp32 before the first message, more than the model's size above. An
-#   engine that shares the trainer's GPU (a colocated RL trainer) would then hold the model
-#   twice, once gathered and once as its own weights: the peak the other two ways avoid.
+#   whole model in fp32 before the first message, more than the model's size above.
+#   `cpu_offload=True` keeps it in host memory, one parameter at a time on the device.
+#   Gathered on the GPU instead, it would sit beside the weights of an engine sharing that
+#   GPU (a colocated RL trainer): the model twice on one device.
 # - **Per parameter**: each `full_tensor()` all-gathers one parameter among the trainer's
 #   ranks, and rank 0 sends it, converted, before the next is gathered: one message per
-#   parameter (a tied weight once), and a peak of the largest parameter gathered (printed
-#   above the table) and its bf16 copy. Rank 1, which gathers and never reads, holds up to
-#   two gathered parameters at once.
-# - **Bucketed**: the same gathers, copied and converted into one buffer of at most 16 MiB,
-#   reused for every bucket: a handful of messages instead of one per parameter, for the
-#   buffer's memory on rank 0. On this machine's loopback the seconds barely differ; on a
-#   network, or through an inference engine's own weight-loading call, each message has a
-#   fixed cost, which is why RL trainers send buckets. That cost is not measured here.
-#
-# These are tensors only, counted as they are created and freed: what gloo (or NCCL, on
-# GPUs) keeps in buffers of its own is not in them.
+#   parameter (a tied weight once). Rank 0's peak is the largest parameter gathered, in
+#   fp32, and its bf16 copy.
+# - **Bucketed**: the same gathers, each copied and converted into one buffer of at most
+#   16 MiB, reused for every bucket: a handful of messages instead of one per parameter,
+#   for the buffer's memory on rank 0.
 #
 # The trainer's rank 1 gathers every parameter too (`full_tensor` is an all-gather, so
-# every rank of the mesh receives the whole parameter) and throws it away. An RL trainer
-# whose engine has several ranks of its own sends each engine rank its shard instead;
-# that is the same loop with a slice taken before the message.
+# every rank of the mesh receives the whole parameter) and throws it away. Its peak is one
+# gathered parameter, or two when the next all-gather starts before the previous result is
+# freed, which depends on timing. An engine with several ranks of its own would receive
+# each rank's shard instead: the same loop, with a slice taken before each message.
+#
+# These counts are tensors only: what gloo (or NCCL, on GPUs) keeps in buffers of its own
+# is not in them. The seconds are one sync each, on this machine's loopback, and vary from
+# run to run; how much bucketing saves where each message has a fixed cost (a network, an
+# inference server's weight-loading call) is not measured here.
 #
 # The last column checks the engine: its logits on the same tokens, against the trainer's
 # own forward. In fp32 they are equal, bit for bit: the engine computes with exactly the
-# trainer's weights. In bf16 they differ by bf16's rounding of the weights, the same for
-# the three ways.
+# trainer's weights. In bf16 the engine's weights and arithmetic are bf16, and its logits
+# are the same whichever way the weights came.
 #
 # (weight-sync-tips)=
 # ## The tips behind this

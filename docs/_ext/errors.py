@@ -124,6 +124,10 @@ FIXES = {
         "CPU ranks: :ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
     "was killed by SIGKILL": "A rank died mid-save: the last complete checkpoint stays, resume from it "
         "(:ref:`tip-exact-resume`).",
+    "Ignoring pin_memory flag for checkpoint staging": "DCP's ``DefaultStager`` on a CPU: pass "
+        "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
+    "Non-blocking copy requires that the current accelerator": "DCP's ``DefaultStager`` on a CPU: pass "
+        "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
 }
 
 

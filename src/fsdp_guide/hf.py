@@ -460,6 +460,7 @@ def _save_sharded(model: nn.Module, path: Path) -> Path:
     partial = path / ".partial-export"
 
     def configs() -> None:  # before DCP writes: transformers' save_pretrained would delete weights it did not write
+        # no tensors: transformers writes the config and generation config, and no weight file (no shard to write)
         model.save_pretrained(_fresh_partial(path), state_dict={})
 
     _on_rank0_for_all(configs)

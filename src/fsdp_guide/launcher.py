@@ -278,17 +278,18 @@ def _restart_hazard(environ) -> str | None:
     """Why a restart by this torchrun may fail to start, or None.
 
     torchrun restarts its workers (``--max-restarts``) on the rendezvous store it shares
-    with them by default, with no prefix per attempt (``DynamicRendezvousHandler.next_rendezvous``
-    in ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``, torch 2.9 to 2.13 at
-    least). The keys the previous attempt's ranks wrote are still there, so a restarted rank
+    with them by default: its server is made once (``DynamicRendezvousHandler.next_rendezvous``
+    in ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``), and the workers use it
+    with no prefix per attempt (``_create_c10d_store`` in ``torch/distributed/rendezvous.py``
+    assumes a new store for every retry), torch 2.9 to 2.13 at least. The keys the previous attempt's ranks wrote are still there, so a restarted rank
     can read a dead rank's address and fail to connect, as ``tests/test_llm.py`` saw for gloo.
     """
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return (f"torchrun --max-restarts={restarts} shares its rendezvous store with the workers (torch's default), "
                 "so a restarted worker can read an address a worker of the previous attempt published and fail in "
-                "init_process_group ('Gloo connectFullMesh failed', or NCCL's 'Connection refused'; "
-                "pytorch/pytorch#135712). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+                "init_process_group ('Gloo connectFullMesh failed' on gloo; pytorch/pytorch#135712 reports NCCL "
+                "failing to connect the same way). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
                 "environment: each attempt then gets a store of its own.")
     return None
 

@@ -283,10 +283,11 @@ def host_peak_rise(fn):
     (``RssAnon``: memory the process allocated, sampled every millisecond, so a lower bound
     on its peak). Linux only: both come from ``/proc/self``.
 
-    glibc's threshold for giving large blocks their own mapping is fixed at 1 MiB while it
-    runs: left to itself, glibc raises the threshold after such a block is freed and keeps
-    later tensors in its heap, so the peak would count freed memory, by an amount that
-    varies with thread timing.
+    glibc's threshold for giving large blocks their own mapping is fixed at 1 MiB, from then
+    on in this process (glibc's default, which adjusts itself, cannot be restored): left to
+    itself, glibc raises the threshold after such a block is freed and keeps later tensors
+    in its heap, so the peak would count freed memory, by an amount that varies with thread
+    timing.
 
     Example:
 
@@ -328,57 +329,15 @@ def host_peak_rise(fn):
 
 
 
-class _LiveTensorBytes:
-    """Bytes of the tensors created by operations since it began and still alive, and their peak.
-
-    A ``TorchDispatchMode`` sees every operation's outputs, DTensor's collectives included;
-    each new storage is counted until it is freed, that is until no tensor or view uses it.
-    Written here because torch counts allocated bytes only for accelerators
-    (``torch.cuda.max_memory_allocated``).
-    """
-
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-        self.level = self.peak = 0
-        self._live: dict[int, int] = {}
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in torch.utils._pytree.tree_leaves(out):
-                    # plain tensors only: a subclass (DTensor) wraps one the mode sees created on its own
-                    if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu":
-                        tracker._count(t)
-                return out
-
-        self.mode = Mode()
-
-    def _count(self, t: torch.Tensor) -> None:
-        import weakref
-
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self._live:
-            return
-        self._live[key] = storage.nbytes()
-        self.level += storage.nbytes()
-        self.peak = max(self.peak, self.level)
-        weakref.finalize(storage, self._free, key)  # torch keeps a storage's Python object while the storage lives
-
-    def _free(self, key: int) -> None:
-        self.level -= self._live.pop(key, 0)
-
 
 def tensor_peak_rise(fn):
-    """Run ``fn()``; return its result and the peak, in MiB, of the bytes of CPU tensors it created and still held.
+    """Run ``fn()``; return its result and the peak, in MiB, of the tensors it created and held, on every device together.
 
-    Every operation's outputs are counted while ``fn`` runs (a ``TorchDispatchMode``), each
-    new storage from its creation until it is freed: the gathered tensors of a sync, a state
-    dict, a buffer. Not counted: what a library holds outside tensors (gloo's buffers, the
-    allocator's free lists), which :func:`host_peak_rise` sees. On a GPU,
-    ``torch.cuda.max_memory_allocated`` counts the allocations of CUDA tensors.
+    Counted by torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, private),
+    a dispatch mode that follows each tensor's storage from its creation until it is
+    freed, on the CPU and on accelerators alike: the gathered tensors of a sync, a state
+    dict, a buffer. Not counted: what a library holds outside tensors (gloo's or NCCL's
+    buffers, the allocator's free lists), which :func:`host_peak_rise` sees for the host.
 
     Example:
 
@@ -393,7 +352,9 @@ def tensor_peak_rise(fn):
     >>> total, round(peak)
     (8388608.0, 32)
     """
-    live = _LiveTensorBytes()
-    with live.mode:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
         result = fn()
-    return result, live.peak / 2**20
+    return result, sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values()) / 2**20
