@@ -230,8 +230,9 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 # The trainer's rank 1 gathers every parameter too (`full_tensor` is an all-gather, so
 # every rank of the mesh receives the whole parameter) and throws it away. Sending per
 # parameter or in buckets, its peak is one gathered parameter, or two when the next
-# all-gather starts before the previous result is freed, which depends on timing. An engine with several ranks of its own would receive
-# each rank's shard instead: the same loop, with a slice taken before each message.
+# all-gather starts before the previous result is freed, which depends on timing. An
+# engine with several ranks of its own would receive each rank's shard instead: the same
+# loop, with a slice taken before each message.
 #
 # These counts are tensors only: what gloo (or NCCL, on GPUs) keeps in buffers of its own
 # is not in them. The seconds are one sync each, on this machine's loopback, and vary from
