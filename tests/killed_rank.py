@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_guide.recipes import train_llm
@@ -40,18 +42,24 @@ def kill_after_step(n: int) -> None:
     train_llm.train_step = counted
 
 
-def kill_while_saving(n: int) -> None:
-    """Rank 1 dies once its part of checkpoint n is on disk, before every rank has written."""
-    write = FileSystemWriter.write_data
+class KilledWhileSaving(FileSystemWriter):
+    """DCP's writer, except that rank 1 dies once its part of checkpoint ``step`` is on disk, before
+    every rank has written (``tests/test_llm.py`` passes a subclass as the recipe's ``storage_writer``)."""
 
-    def written_then_killed(self, plan, planner):
-        written = write(self, plan, planner)
+    step = 0
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
         written.wait()
-        if f"step-{n:08d}" in str(self.path):
+        if dist.get_rank() == 1 and f"step-{self.step:08d}" in str(self.path):
             die()
         return written
 
-    FileSystemWriter.write_data = written_then_killed
+
+def kill_while_saving(n: int) -> None:
+    """Rank 1 dies once its part of checkpoint n is on disk: the writer fsdp_guide.checkpoint makes is this one."""
+    KilledWhileSaving.step = n
+    dcp.FileSystemWriter = KilledWhileSaving
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,14 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
 from fsdp_guide.launcher import _threads_per_rank
 from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
 from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
+from killed_rank import KilledWhileSaving
 
 K = 4  # steps between checkpoints
 SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2,
@@ -74,15 +72,10 @@ def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_from_the_newe
     assert f"resumed from {tmp_path / f'step-{K:08d}'} at step {K}" in capfd.readouterr().out
 
 
-class _KilledWhileSaving(FileSystemWriter):
+class _KilledWhileSaving(KilledWhileSaving):
     """Rank 1 is killed (SIGKILL) after writing its part of the step-2K checkpoint, before it is complete."""
 
-    def write_data(self, plan, planner):
-        written = super().write_data(plan, planner)
-        written.wait()
-        if dist.get_rank() == 1 and f"step-{2 * K:08d}" in str(self.path):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return written
+    step = 2 * K
 
 
 def _children():

@@ -281,8 +281,9 @@ def _restart_hazard(environ) -> str | None:
     with them by default: its server is made once (``DynamicRendezvousHandler.next_rendezvous``
     in ``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``), and the workers use it
     with no prefix per attempt (``_create_c10d_store`` in ``torch/distributed/rendezvous.py``
-    assumes a new store for every retry), torch 2.9 to 2.13 at least. The keys the previous attempt's ranks wrote are still there, so a restarted rank
-    can read a dead rank's address and fail to connect, as ``tests/test_llm.py`` saw for gloo.
+    assumes a new store for every retry), torch 2.9 to 2.13 at least. The keys the previous
+    attempt's ranks wrote are still there, so a restarted rank can read a dead rank's address
+    and fail to connect, as ``tests/test_llm.py`` saw for gloo.
     """
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -274,7 +274,6 @@ def saved_for_backward():
         counter.close()
 
 
-
 def host_peak_rise(fn):
     """Run ``fn()``; return its result and how far this process's memory rose above the start, at its peak, in MiB.
 
@@ -326,8 +325,6 @@ def host_peak_rise(fn):
         done.set()
         sampler.join()
     return result, status("VmHWM:") - rss, max(peak_anon[0], status("RssAnon:")) - anon
-
-
 
 
 def tensor_peak_rise(fn):
