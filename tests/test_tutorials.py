@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -17,7 +18,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -806,3 +807,55 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     assert gap["per parameter, float32"] == 0  # bit for bit
     assert "the engine's bf16 logits are the same all three ways: True" in text
     assert 0 < gap["per parameter, bfloat16"] < 0.05
+
+
+def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
+    text = _text_outputs(executed["pipeline"])
+    one_process = float(text.split("one process: loss ")[1].split()[0])
+    # GPipe                      True             4  5.5789211                  5.8e-07
+    exact = [line.split() for line in text.splitlines() if re.match(r"(GPipe|1F1B) +(True|False) +\d+ +\d\.\d{7} ", line)]
+    assert len(exact) == 8  # two schedules, both reshard settings, 4 and 8 micro-batches
+    assert all(abs(float(row[3]) - one_process) < 1e-6 and float(row[4]) < 1e-5 for row in exact)
+
+    units = int(text.split("FSDP units per stage: ")[1].split()[0])
+    whole = [float(x) for x in re.findall(r"stage \d ([\d.]+) MiB", text)]
+    assert "ranks 1 and 3 ran the same collectives as ranks 0 and 2: True" in text
+    # GPipe       True  4          15         8.22               3       0.82        2.47    1.64     4   stage 0
+    # (then the same run's stage 1, its label blank)
+    rows, label = [], None
+    for line in text.splitlines():
+        if line.endswith(("stage 0", "stage 1")) and "MiB" not in line:
+            fields = line.split()
+            label = fields[:3] if fields[0] in ("GPipe", "1F1B") else label
+            gathers, gathered, scatters, after_f, after_b, grads, alive, _, stage = fields[-9:]
+            rows.append((label[0], label[1] == "True", int(label[2]), int(stage), int(gathers), float(gathered),
+                         int(scatters), float(after_f), float(after_b), float(grads), int(alive)))
+    assert len(rows) == 16
+    for schedule, reshard, m, stage, gathers, gathered, scatters, after_f, after_b, grads, alive in rows:
+        shards = whole[stage] / 2  # sharded over the 2 ranks of dp
+        assert scatters == units  # gradients reduced once per step, whatever m
+        assert grads == pytest.approx(whole[stage], abs=0.01)  # whole-size gradients accumulated, either way
+        assert after_b == pytest.approx(shards + whole[stage], abs=0.02)  # gathered after a backward, either way
+        if reshard:  # gathered again for every micro-batch, and once more; only the shards after a forward
+            assert gathers == units * (m + 1) and after_f == pytest.approx(shards, abs=0.01)
+        else:  # once per step: the stage's parameters, gathered once, and kept
+            assert gathers == units and gathered == pytest.approx(whole[stage], abs=0.01) and after_f == after_b
+        assert alive == (m if schedule == "GPipe" else 2 - stage)  # 1F1B: the stages from this one to the last
+
+    # GPipe                 1     0.328          0.53          0.48          0.50
+    idle = {(fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]))
+            for fields in (line.split() for line in text.splitlines())
+            if len(fields) == 6 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]}
+    assert set(idle) == {("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)}
+    assert all(idle["GPipe", m][2] == pytest.approx(1 / (m + 1), abs=0.005) for m in (1, 2, 4, 8))  # p = 2
+    # m=1 leaves each stage idle while the other computes (about half the step); m=8 far less
+    assert idle["GPipe", 1][0] > idle["GPipe", 8][0] and idle["GPipe", 1][1] > idle["GPipe", 8][1]
+
+    drawn = re.findall(r"stage (\d) \|([0-9a-j.]+)\|", text)
+    assert len(drawn) == 4
+    runs = [[(ch, len(list(group))) for ch, group in itertools.groupby(row) if ch != "."] for _, row in drawn]
+    assert all(len({ch for ch, _ in run}) == len(run) for run in runs)  # each chunk drawn in one piece
+    gpipe0, gpipe1, f1b0, f1b1 = ("".join(ch for ch, _ in run) for run in runs)
+    assert gpipe0 == gpipe1 == "0123abcd"  # every forward, then every backward
+    assert f1b1 == "0a1b2c3d"  # the last stage alternates from the start
+    assert f1b0 == "01a2b3cd"  # stage 0: two forwards first (the stages from it to the last)

@@ -56,6 +56,7 @@ GROUPS = {
     "scale": Group("Scale out", "Beyond one machine and beyond data parallelism.", {
         "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
         "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
+        "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
         "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
         "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
     }),
