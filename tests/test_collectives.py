@@ -67,3 +67,27 @@ def test_record_dtypes_and_count_collectives_count_the_whole_gathered_unit_for_f
         recorded, counted = launch(_gathered_bytes, api, world_size=2, output="none")[0]
         # FSDP1 on gloo gathers into a list of per-rank chunks: all of them count, not the first
         assert recorded == counted == 808 * 4, api
+
+
+def _on_two_meshes():
+    """An all-reduce over a 1-D mesh of all ranks, an all-to-all and a broadcast on a second, 2-D mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_guide.collectives import count_collectives
+
+    dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    experts = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    with count_collectives(dense, experts) as seen:
+        dist.all_reduce(torch.ones(3), group=dense.get_group("dp"))
+        dist.all_to_all_single(torch.empty(4), torch.ones(4), group=experts.get_group("ep"))
+        dist.broadcast(torch.ones(2), group_src=0, group=experts.get_group("edp"))
+    with count_collectives(experts) as only_experts:
+        dist.all_reduce(torch.ones(3), group=dense.get_group("dp"))
+    return seen.rows(), only_experts.rows()
+
+
+def test_several_meshes_name_their_dimensions_and_a_group_of_none_is_other():
+    rows, only_experts = launch(_on_two_meshes, world_size=4, output="none")[0]
+    assert rows == [("dp", "all-reduce", 1, 3 * 4), ("edp", "broadcast", 1, 2 * 4), ("ep", "all-to-all", 1, 4 * 4)]
+    assert only_experts == [("other", "all-reduce", 1, 3 * 4)]

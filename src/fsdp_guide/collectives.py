@@ -73,17 +73,19 @@ class CollectiveCount(TorchDispatchMode):
     for an unnamed mesh its index as a string), or ``"other"``.
     """
 
-    def __init__(self, mesh: DeviceMesh | None = None):
+    def __init__(self, *meshes: DeviceMesh | None):
         super().__init__()
         self.count: dict[tuple[str, str], int] = defaultdict(int)
         self.nbytes: dict[tuple[str, str], int] = defaultdict(int)
         self._dims = {}
-        if mesh is not None:
+        for mesh in meshes:
+            if mesh is None:
+                continue
             names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
             # By ranks, not by group: DTensor may run a mesh dimension's collectives on the
             # group of an earlier, equal mesh (same shape and names), which is the same ranks.
-            self._dims = {frozenset(dist.get_process_group_ranks(mesh.get_group(i))): name
-                          for i, name in enumerate(names)}
+            self._dims.update({frozenset(dist.get_process_group_ranks(mesh.get_group(i))): name
+                               for i, name in enumerate(names)})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,8 +105,11 @@ class CollectiveCount(TorchDispatchMode):
         return [(dim, kind, self.count[(dim, kind)], self.nbytes[(dim, kind)]) for dim, kind in sorted(self.count)]
 
 
-def count_collectives(mesh: DeviceMesh | None = None) -> CollectiveCount:
+def count_collectives(*meshes: DeviceMesh | None) -> CollectiveCount:
     """A context manager that counts the collectives run inside it, per mesh dimension, with their bytes.
+
+    ``meshes``: the meshes whose dimensions name the groups (several when parts of a
+    model are sharded on different meshes, as experts are); a group of none is ``"other"``.
 
     Seen: FSDP's (c10d's all-gather, reduce-scatter, all-reduce) and the ones ``DTensor``
     runs for tensor parallelism or ``full_tensor()``. The bytes are each collective's
@@ -128,4 +133,4 @@ def count_collectives(mesh: DeviceMesh | None = None) -> CollectiveCount:
     >>> launch(on_each_dim, world_size=4, output="none")[0]
     [('dp', 'all-reduce', 2, 16), ('tp', 'all-reduce', 1, 16)]
     """
-    return CollectiveCount(mesh)
+    return CollectiveCount(*meshes)
