@@ -18,7 +18,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "experts", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -270,6 +270,13 @@ def test_tensor_parallel_names_the_data_parallel_dimensions_with_dp_mesh_dims(ex
     assert "2.weight  Shard(dim=0) over x=2, Shard(dim=1) over y=2" in tp  # TP's columns, FSDP's rows
     for layout in (hsdp, both, tp):
         assert float(layout.rsplit("=", 1)[1]) < 1e-6  # one process's weights
+
+
+def test_tensor_parallel_says_context_parallelism_does_not_run_on_the_cpu_from_its_own_output(executed):
+    text = _text_outputs(executed["tensor_parallel"])
+    # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
+    assert ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+            "does not have a sharding strategy registered") in text
 
 
 def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_trap_clipping_and_resharding(executed):
@@ -859,3 +866,50 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
     assert gpipe0 == gpipe1 == "0123abcd"  # every forward, then every backward
     assert f1b1 == "0a1b2c3d"  # the last stage alternates from the start
     assert f1b0 == "01a2b3cd"  # stage 0: two forwards first (the stages from it to the last)
+
+
+def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_routes(executed):
+    text = _text_outputs(executed["experts"])
+    assert float(text.split("max |MoE layer - every expert on every token| = ")[1].split()[0]) < 1e-6
+    one_process = float(text.split("loss: one process ")[1].split(";")[0])
+    losses = [float(x) for x in re.findall(r"(?:average|divide factor|sum, global tokens) (\d\.\d{7})", text)]
+    assert len(losses) == 3 and all(abs(x - one_process) < 1e-5 for x in losses)  # the forward is right every way
+    #   moe.experts.w1                1.0e+00            1.1e-07            1.1e-07
+    gaps = {fields[0]: [float(x) for x in fields[1:]] for fields in (line.split() for line in text.splitlines())
+            if len(fields) == 4 and re.fullmatch(r"\d\.\de[+-]\d\d", fields[1])}
+    assert len(gaps) == 7
+    for name, (average, divided, summed) in gaps.items():
+        assert divided < 1e-5 and summed < 1e-5, name
+        assert (average == pytest.approx(1, abs=1e-3)) if name.startswith("moe.experts.") else average < 1e-5, name
+    assert float(text.split("against twice one process's: ")[1].split()[0]) < 1e-5  # exactly twice
+
+    sent = [[int(n) for n in line.split()[2:]] for line in text.splitlines() if re.match(r" +rank \d +\d", line)]
+    assert len(sent) == 4 and all(len(row) == 8 for row in sent) and sum(map(sum, sent)) == 4 * 2 * 16
+    total = [sum(column) for column in zip(*sent)]
+    assert max(total) >= 3 * min(total)  # "several times"
+    computed = [[int(n) for n in re.findall(r"e\d (\d+)", line)] for line in text.splitlines()
+                if re.match(r"  rank \d: e\d", line)]
+    # ranks 0 and 1 form one ep group (experts 0-3 on rank 0, 4-7 on rank 1), ranks 2 and 3 the other
+    assert computed == [[sum(sent[s][e] for s in group) for e in experts]
+                        for group in ((0, 1), (2, 3)) for experts in (range(4), range(4, 8))]
+    assert 0 in computed[0]  # an expert copy with an empty run, in a step that matched one process
+    busiest_rank, busiest_expert = (float(x) for x in re.findall(r"busiest (?:rank|expert)(?: computes)? ([\d.]+)x", text))
+    assert busiest_rank < busiest_expert  # "the ranks differ less"
+
+    collectives = {(fields[0], fields[1]): (int(fields[2]), int(fields[4])) for fields in
+                   (line.split() for line in text.splitlines())
+                   if len(fields) == 6 and fields[0] in ("dp", "edp", "ep") and fields[3] == "x,"}
+    assert {key: n for key, (n, _) in collectives.items()} == {
+        ("dp", "all-gather"): 1, ("dp", "reduce-scatter"): 1, ("edp", "all-gather"): 2,
+        ("edp", "reduce-scatter"): 1, ("ep", "all-to-all"): 5}
+    sent0, computed0 = sum(sent[0]), sum(computed[0])
+    assert collectives["ep", "all-to-all"][1] == 8 * 8 + 2 * (sent0 + computed0) * 32 * 4  # from the routing
+
+    #       2  Shard(0)       (1, 32, 64)  (0, 32, 64)                 65536                    3.1e-07
+    placements = {(int(m[1]), int(m[2])): (m[3], m[4], int(m[5]), float(m[6])) for m in re.finditer(
+        r"(\d) +Shard\((\d)\) +(\([\d, ]+\)) +(\([\d, ]+\)) +(\d+) +([\d.e+-]+)", text)}
+    assert placements[8, 0][:2] == ("(2, 32, 64)", "(2, 32, 64)") and placements[8, 1][:2] == ("(4, 16, 64)", "(4, 16, 64)")
+    assert placements[2, 0][:2] == ("(1, 32, 64)", "(0, 32, 64)")  # one expert cannot split over two ranks by dim 0
+    assert placements[2, 1][:2] == ("(1, 16, 64)", "(1, 16, 64)")
+    assert placements[2, 0][2] == 2 * placements[2, 1][2]  # the padding, gathered
+    assert all(worst < 1e-5 for *_, worst in placements.values())  # every placement trains right

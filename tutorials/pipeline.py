@@ -49,7 +49,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # A stage is an ordinary module that runs part of the model: the first takes tokens and
 # returns the hidden states after its blocks, the last takes those and returns logits. The
 # package's GPT ({class}`fsdp_guide.gpt.GPT`) is cut after half its blocks. torchtitan's
-# `pipeline_module_split` ([`torchtitan/distributed/pipeline_parallel.py`](https://github.com/pytorch/torchtitan/blob/main/torchtitan/distributed/pipeline_parallel.py))
+# `_split_module` ([`torchtitan/distributed/pipeline_parallel.py`](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/pipeline_parallel.py#L470-L530))
 # keeps a stage's modules of a whole model and sets the others to `None`, which its models'
 # forwards skip; the GPT's forward does not, so two small stage modules take its parts:
 
@@ -344,10 +344,10 @@ for (schedule, reshard, m), ranks in runs.items():
 #   micro-batch's activations are still alive, so resharding after forward does not lower
 #   the step's peak; it only comes later.
 #
-# torchtitan avoids those per-micro-batch all-gathers: its `apply_fsdp` sets
-# `reshard_after_forward = not pp_enabled` by default, "to avoid per-microbatch
-# all-gathers, which can be expensive and non-overlapped"
-# ([`torchtitan/models/llama3/infra/parallelize.py`](https://github.com/pytorch/torchtitan/blob/main/torchtitan/models/llama3/infra/parallelize.py)).
+# torchtitan avoids those per-micro-batch all-gathers: by default it shards with
+# `reshard_after_forward = not pp_enabled`, "to avoid per-microbatch all-gathers, which
+# can be expensive and non-overlapped" (`get_fsdp_reshard_after_forward_policy` in
+# [`torchtitan/distributed/fsdp.py`](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/fsdp.py#L112-L136)).
 #
 # The last column counts, from the order the stage ran its chunks in, the micro-batches
 # whose forward ran and whose backward had not yet: their activations are alive at once.

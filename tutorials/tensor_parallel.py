@@ -1103,6 +1103,43 @@ print("the 2D run's own export equals them exactly:",
 # of ranks is each rank's RNG state: {func}`fsdp_guide.checkpoint.load` restores it only
 # on the same world size, so a resumed run that draws random numbers (dropout, data
 # order) continues from new streams.
+
+# %% [markdown]
+# (tp-context-parallel)=
+# ## Context parallelism: not on the CPU
+#
+# Context parallelism (CP) splits the sequence over the ranks of a mesh dimension and runs
+# attention as a ring: each rank's queries meet every rank's keys and values in turn.
+# torch's `context_parallel` (`torch.distributed.tensor.experimental`) shards the buffers
+# it is given along the sequence, and replaces the attention kernels inside its block.
+# Here it is, on 2 ranks, around one causal attention:
+
+# %%
+def attention_split_by_sequence():
+    from torch.distributed.tensor.experimental import context_parallel
+
+    device = fsdp_guide.device()
+    mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("cp",))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, device=device) for _ in range(3))  # batch, heads, sequence, head dim
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except NotImplementedError as e:
+        return f"{type(e).__name__}: {e}"
+    return f"ran: this rank's output {tuple(out.shape)}, half the sequence"
+
+
+print(launch(attention_split_by_sequence, world_size=2, output="none")[0])
+
+# %% [markdown]
+# On the CPU it does not run: CP replaces the flash, memory-efficient and cuDNN attention
+# operators (the `_scaled_dot_product_*_attention` entries of its handlers, in
+# [`torch/distributed/tensor/experimental/_context_parallel/_attention.py`](https://github.com/pytorch/pytorch/blob/main/torch/distributed/tensor/experimental/_context_parallel/_attention.py)),
+# which are GPU kernels, and the CPU's attention is another operator,
+# `_scaled_dot_product_flash_attention_for_cpu`, which it does not handle. So this guide
+# shows no CP training: on GPUs the cell above is meant to run, and a CP run belongs with
+# the recorded GPU runs.
 #
 # (tensor-parallel-tips)=
 # ## The tips behind this

@@ -66,6 +66,8 @@ FIXES = {
     "returned a view tensor": "Here from ``CommDebugMode``'s hooks, harmless "
         "(:ref:`pitfalls-checkpoint-inside-unit` explains); in your own model, modify outputs out of place, or "
         "``.clone()`` them first.",
+    "_scaled_dot_product_flash_attention_for_cpu": "Context parallelism replaces only the GPU attention kernels; "
+        "run it on GPUs: :ref:`tp-context-parallel`.",
     "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
         "op: :ref:`tip-no-sharding-strategy`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "

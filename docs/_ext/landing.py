@@ -57,6 +57,7 @@ GROUPS = {
         "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
         "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
         "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
+        "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
         "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
         "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
     }),

@@ -109,7 +109,8 @@ def count_collectives(*meshes: DeviceMesh | None) -> CollectiveCount:
     """A context manager that counts the collectives run inside it, per mesh dimension, with their bytes.
 
     ``meshes``: the meshes whose dimensions name the groups (several when parts of a
-    model are sharded on different meshes, as experts are); a group of none is ``"other"``.
+    model are sharded on different meshes, as experts are); a group of none is ``"other"``,
+    and a group that is a dimension of several (the same ranks) takes the last one's name.
 
     Seen: FSDP's (c10d's all-gather, reduce-scatter, all-reduce) and the ones ``DTensor``
     runs for tensor parallelism or ``full_tensor()``. The bytes are each collective's
