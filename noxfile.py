@@ -95,7 +95,7 @@ def torch(session: nox.Session, release: str) -> None:
     constraints.write_text("\n".join(pins) + "\n")
     session.install("--compile-bytecode", *TORCH[release])
     session.install("--compile-bytecode", "-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
-                    "scikit-learn")
+                    "scikit-learn", "torchft")
     session.run("python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)")
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
