@@ -808,7 +808,8 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     messages = {how: int(row[2]) for how, row in rows.items()}
     gap = {how: float(row[4]) for how, row in rows.items()}
     assert rank0["gathered state dict, bfloat16"] > model  # the whole model on rank 0 before the first message
-    assert rank0["per parameter, bfloat16"] == pytest.approx(1.5 * largest, abs=0.2)  # gathered, and its bf16 copy
+    # gathered and its bf16 copy; at worst the previous pair too, when gloo's worker thread lets go of it late
+    assert 1.5 * largest - 0.2 <= rank0["per parameter, bfloat16"] <= 3 * largest + 0.2 < model / 4
     assert rank0["bucketed, bfloat16"] <= 16 + 2 * largest  # the buffer, and a parameter or two
     assert all(rank1[how] <= 2 * largest + 0.1 for how in rows if not how.startswith("gathered"))  # one, or two
     assert messages["per parameter, bfloat16"] == messages["gathered state dict, bfloat16"] == parameters

@@ -220,8 +220,9 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 #   GPU (a colocated RL trainer): the model twice on one device.
 # - **Per parameter**: each `full_tensor()` all-gathers one parameter among the trainer's
 #   ranks, and rank 0 sends it, converted, before the next is gathered: one message per
-#   parameter (a tied weight once). Rank 0's peak is the largest parameter gathered, in
-#   fp32, and its bf16 copy.
+#   parameter (a tied weight once). Rank 0's peak is at least the largest parameter
+#   gathered, in fp32, and its bf16 copy; more on a run where the previous parameter's
+#   tensors are still held when the next are made (below).
 # - **Bucketed**: the same gathers, each copied and converted into one buffer of at most
 #   16 MiB, reused for every bucket: a handful of messages instead of one per parameter,
 #   for the buffer's memory on rank 0.
@@ -229,7 +230,10 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 # The trainer's rank 1 gathers every parameter too (`full_tensor` is an all-gather, so
 # every rank of the mesh receives the whole parameter) and throws it away. Sending per
 # parameter or in buckets, its peak is one gathered parameter, or two when the next
-# all-gather starts before the previous result is freed, which depends on timing. An
+# all-gather starts before the previous result is freed. That depends on timing: gloo's
+# worker thread wakes the caller when a collective is done and lets go of its tensors just
+# after, so on a busy machine they can outlive the caller's `del`. Either way each rank
+# holds a few parameters at most, never the model. An
 # engine with several ranks of its own would receive each rank's shard instead: the same
 # loop, with a slice taken before each message.
 #
