@@ -73,31 +73,34 @@ class _Watch:
             self.problems.append(f"request to another host: {request.url}")
 
 
-def test_every_page_loads_with_no_console_error_missing_resource_or_other_host(site, base_url, browser):
-    page = browser.new_page(viewport=DESKTOP)
-    watch = _Watch(page)
-    seen = {}
+@pytest.fixture(scope="module")
+def desktop_visits(site, base_url, browser) -> dict[str, dict]:
+    """Every page loaded once at desktop width: what went wrong while it loaded, then axe-core's
+    serious and critical violations on it. The two tests below read the same visit, instead of
+    loading all the pages twice (about 30 s of a CI run)."""
+    from axe_playwright_python.sync_playwright import Axe
+
+    axe, page = Axe(), browser.new_page(viewport=DESKTOP)
+    watch, visits = _Watch(page), {}
     for path in _pages(site):
         watch.problems.clear()
         page.goto(base_url + path, wait_until="networkidle")
-        seen[path] = list(watch.problems)
+        problems = list(watch.problems)  # before axe injects its script
+        violations = [f"{path}: {v['id']} ({v['impact']}) {v['help']} at {[n['target'] for n in v['nodes'][:3]]}"
+                      for v in axe.run(page).response["violations"] if v["impact"] in ("serious", "critical")]
+        visits[path] = {"problems": problems, "violations": violations}
     page.close()
-    assert len(seen) >= len(TUTORIALS) + 4
-    assert {path: problems for path, problems in seen.items() if problems} == {}
+    return visits
 
 
-def test_no_page_has_a_serious_or_critical_accessibility_violation(site, base_url, browser):
+def test_every_page_loads_with_no_console_error_missing_resource_or_other_host(desktop_visits):
+    assert len(desktop_visits) >= len(TUTORIALS) + 4
+    assert {path: visit["problems"] for path, visit in desktop_visits.items() if visit["problems"]} == {}
+
+
+def test_no_page_has_a_serious_or_critical_accessibility_violation(desktop_visits):
     """axe-core (the engine of browsers' accessibility audits), run on every page as served."""
-    from axe_playwright_python.sync_playwright import Axe
-
-    axe, page, found = Axe(), browser.new_page(viewport=DESKTOP), []
-    for path in _pages(site):
-        page.goto(base_url + path)
-        for violation in axe.run(page).response["violations"]:
-            if violation["impact"] in ("serious", "critical"):
-                targets = [node["target"] for node in violation["nodes"][:3]]
-                found.append(f"{path}: {violation['id']} ({violation['impact']}) {violation['help']} at {targets}")
-    page.close()
+    found = [violation for visit in desktop_visits.values() for violation in visit["violations"]]
     assert not found, "\n".join(found)
 
 

@@ -19,7 +19,7 @@ from fsdp_guide.checkpoint import latest
 from fsdp_guide.launcher import _threads_per_rank
 from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
 from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
-from killed_rank import KilledWhileSaving
+from fsdp_guide.recipes.killed_rank import KilledWhileSaving
 
 K = 4  # steps between checkpoints
 SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2,
@@ -272,7 +272,7 @@ def test_torchrun_restarts_the_workers_after_a_rank_is_killed_and_they_end_as_th
     flags = ["--steps", str(2 * K), *SMALL_FLAGS[2:], "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
              str(K), "--resume", "auto", "--out", str(tmp_path / "summary.json")]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-               str(Path(__file__).with_name("killed_rank.py")), how, str(at), *flags]
+               "-m", "fsdp_guide.recipes.killed_rank", how, str(at), *flags]
     # A store of its own for each attempt: with the shared one, a restarted rank read the killed
     # rank's address and failed in init_process_group in 2 runs of 3 on torch 2.13, 1 of 3 on 2.9.1
     # (fsdp_guide.launcher._restart_hazard)
@@ -285,6 +285,8 @@ def test_torchrun_restarts_the_workers_after_a_rank_is_killed_and_they_end_as_th
     assert f"no complete checkpoint in {checkpoints}: starting at step 1 (--resume auto)" in log
     assert "failed (exitcode: -9) local_rank: 1" in log  # SIGKILL, as torchrun's agent reports it
     assert f"resumed from {checkpoints / f'step-{K:08d}'} at step {K}" in log
+    killed, again = (float(log.split(f"[killed_rank] {what} at ")[1].split()[0]) for what in ("rank 1 killed", "training again"))
+    assert killed < again  # the restart's time, as the page measures it
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first_step"] == K + 1 and summary["losses"] == losses[K:]  # bit for bit
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{K:08d}", f"step-{2 * K:08d}"]  # nothing partial

@@ -18,7 +18,7 @@ def _text_outputs(notebook) -> str:
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "experts", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
+    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "experts", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "rank_dies", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -916,3 +916,43 @@ def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_
     assert placements[2, 1][:2] == ("(1, 16, 64)", "(1, 16, 64)")
     assert placements[2, 0][2] == 2 * placements[2, 1][2]  # the padding, gathered
     assert all(worst < 1e-5 for *_, worst in placements.values())  # every placement trains right
+
+
+def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torchft(executed):
+    import math
+
+    text = _text_outputs(executed["rank_dies"])
+    # killed after step 7               6            1       3.7  True
+    rows = {m[1]: (int(m[2]), int(m[3]), float(m[4]), m[5]) for m in
+            re.finditer(r"^(killed after step 7|killed saving step 12) +(\d+) +(\d+) +([\d.]+) +(\w+)$", text, re.M)}
+    # a checkpoint every 2 steps: step 6 was the newest before step 7; every 6: step 12's was being written
+    assert rows["killed after step 7"][:2] == (6, 1) and rows["killed saving step 12"][:2] == (6, 6), text
+    assert all(restart > 0 and same == "True" for _, _, restart, same in rows.values())
+    assert text.count("failed (exitcode: -9) local_rank: 1") == 2  # SIGKILL, once per run, as torchrun saw it
+    assert text.count("starting at step 1 (--resume auto)") == 2
+
+    save = float(text.split("a save δ = ")[1].split(" ms")[0]) / 1000
+    assert "Daly's Fig. 3 (M = 24 h, δ = 5 min): τ = 117 min" in text  # the paper's own example
+    #            1 h     22.3s     22.2s      308      0.72%
+    rows = re.findall(r"^ +(\d+) h +([\d.]+)s +([\d.]+)s ", text, re.M)
+    assert [int(hours) for hours, _, _ in rows] == [1, 8, 24]
+    for hours, young, daly in rows:
+        assert float(young) == pytest.approx(math.sqrt(2 * save * int(hours) * 3600), rel=0.02, abs=0.1)
+        # Daly's is √(2δM)(1 + ⅓√(δ/2M) + ...) − δ: about ⅔δ under Young's while δ << M
+        assert float(young) - float(daly) == pytest.approx(2 / 3 * save, abs=0.011)
+
+    #   6-71   group 0
+    segments = [(int(a), int(b), m.split("  ")[0].strip(), m[25:].strip() if len(m) > 25 else "")
+                for a, b, m in re.findall(r"^ *(\d+)-(\d+) +(group.*)$", text, re.M)]
+    died = int(text.split("group 1's rank 1 died after step ")[1].split(";")[0])
+    back = int(text.split("group 1 back at step ")[1].split(",")[0])
+    assert died == 8 and back > died + 1
+    # after the death: group 0 alone, then group 1 receiving the state at the step it came back, then both
+    after = [s for s in segments if s[0] > died]
+    assert after[0][:3] == (died + 1, back - 1, "group 0"), segments
+    assert after[1][:2] == (back, back) and after[1][3] == "group 1"
+    assert after[2][0] == back + 1 and after[2][2] == "group 0, group 1"
+    assert "every line from its first attempt: True" in text  # no rank of group 0 restarted
+    assert text.count("= the replay's: True") == 4 and "False" not in text.split("group 0's shards")[1]
+    steps_alone = int(text.split(" computed again; ")[1].split()[0])
+    assert steps_alone == back - died - 1

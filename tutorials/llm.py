@@ -311,6 +311,9 @@ print(f"steps 21-40 after the crash equal the straight run: {after_crash['losses
 # %% [markdown]
 # The half-written `step-40` never got its final name, so `resume="latest"` took `step-20`,
 # the last complete checkpoint, and the rerun of steps 21 to 40 is the straight run again.
+# A job that restarts itself when a rank dies (`torchrun --max-restarts` with
+# `--resume auto`), what the failure costs, and torchft's way of training on through it
+# are on {ref}`tutorial-rank-dies`.
 #
 # (llm-async-checkpoint)=
 # ## Saving in the background

@@ -55,6 +55,7 @@ GROUPS = {
     }),
     "scale": Group("Scale out", "Beyond one machine and beyond data parallelism.", {
         "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
+        "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
         "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
         "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
         "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),

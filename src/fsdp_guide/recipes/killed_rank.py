@@ -1,7 +1,7 @@
 """The LLM recipe as torchrun's script, with rank 1 killed (SIGKILL) in torchrun's first attempt only.
 
-    torchrun --max-restarts=1 ... tests/killed_rank.py --kill-after-step N <the recipe's flags>
-    torchrun --max-restarts=1 ... tests/killed_rank.py --kill-while-saving N <the recipe's flags>
+    torchrun --max-restarts=1 ... -m fsdp_guide.recipes.killed_rank --kill-after-step N <the recipe's flags>
+    torchrun --max-restarts=1 ... -m fsdp_guide.recipes.killed_rank --kill-while-saving N <the recipe's flags>
 
 ``--kill-after-step N``: rank 1 dies once its step N is computed, in the middle of the run.
 ``--kill-while-saving N``: rank 1 dies once it has written its part of checkpoint N, before
@@ -9,6 +9,11 @@ the checkpoint is complete. torchrun then stops the other workers and starts the
 (``TORCHELASTIC_RESTART_COUNT`` 1): that attempt is the recipe unchanged, as a restarted job
 would run it. A real failure does not choose its moment; these two are the moments that
 matter to a checkpoint: after the last one, and during one.
+
+For the cost of the failure, rank 1 prints the time it dies (``killed at``) and rank 0
+of the restarted attempt the time its first step starts (``training again at``), after
+the checkpoint is loaded: the difference is the restart, torchrun's and the script's.
+A fault injector for the "when a rank dies" page and the tests, not for training.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -25,6 +31,7 @@ from fsdp_guide.recipes import train_llm
 
 
 def die() -> None:
+    print(f"[killed_rank] rank {dist.get_rank()} killed at {time.time():.3f}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # as a crash or the kernel's OOM killer: no exception, no cleanup
 
 
@@ -62,10 +69,26 @@ def kill_while_saving(n: int) -> None:
     dcp.FileSystemWriter = KilledWhileSaving
 
 
+def note_first_step() -> None:
+    """Rank 0 of a restarted attempt prints when its first step starts, the checkpoint loaded."""
+    step = train_llm.train_step
+
+    def noted(*args, **kwargs):
+        train_llm.train_step = step  # the first step only
+        print(f"[killed_rank] training again at {time.time():.3f}", flush=True)
+        return step(*args, **kwargs)
+
+    train_llm.train_step = noted
+
+
 if __name__ == "__main__":
     how, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    if how not in ("--kill-after-step", "--kill-while-saving"):
+        sys.exit(f"{how}: expected --kill-after-step N or --kill-while-saving N, then the recipe's flags")
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
         {"--kill-after-step": kill_after_step, "--kill-while-saving": kill_while_saving}[how](n)
+    elif os.environ["TORCHELASTIC_RESTART_COUNT"] != "0" and os.environ["RANK"] == "0":
+        note_first_step()
     train_llm.main(argv)
     sys.stdout.flush()
     os._exit(0)  # as the recipe's own __main__: skip the interpreter's teardown of torch's threads
