@@ -75,6 +75,9 @@ html_theme_options = {
 html_static_path = ["docs/_static"]
 html_css_files = ["custom.css"]  # phone widths: wrap inline code, scroll wide tables in their box
 html_favicon = "docs/_static/favicon.svg"
+# No Python module index: the API reference documents one module whole, and the index's
+# collapse toggles are images without a description (alt="-").
+html_domain_indices = False
 html_context = {"default_mode": "auto"}  # else the theme logs "Got invalid theme mode" on a first visit
 copybutton_exclude = ".linenos, .gp, .go"
 

@@ -246,8 +246,8 @@ for hours in (1, 8, 24):
 # from a live group, over the network; it loads them before its first optimizer step, and
 # the gradients it computed in that step are discarded.
 #
-# The workers are {mod}`fsdp_guide.recipes.replicas`: the recipe's model, optimizer and
-# schedule, and this loop. `should_commit` is a vote among the ranks of one group: the
+# The workers are `fsdp_guide.recipes.replicas`, which {func}`fsdp_guide.recipes.replicas.run`
+# starts: the recipe's model, optimizer and schedule, and this loop. `should_commit` is a vote among the ranks of one group: the
 # group applies the step only if all its ranks say yes, and a rank says no after an error,
 # such as an all-reduce that lost its peer. A group that does not commit computes the step
 # again; other groups may commit it.
