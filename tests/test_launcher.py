@@ -341,8 +341,28 @@ def _kill_rank_1():
 def test_a_rank_killed_by_a_signal_is_reported_with_the_signal():
     with pytest.raises(LaunchError) as info:
         launch(_kill_rank_1, world_size=2, output="none")
-    assert info.value.rank == 1 and info.value.exit_code == -signal.SIGKILL
+    assert info.value.failed[1] == -signal.SIGKILL  # the first to fail, or the peer that followed it
     assert "rank 1 was killed by SIGKILL" in str(info.value)
+
+
+def _abort_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        print("giving up", flush=True)
+        os.abort()
+    dist.barrier()
+
+
+def test_every_rank_that_failed_on_its_own_is_reported_not_only_the_first():
+    # Rank 0 fails only because rank 1 went away, and may exit first (as seen on a loaded
+    # machine); the report names both, with each one's own words.
+    with pytest.raises(LaunchError) as info:
+        launch(_abort_rank_1, world_size=2, output="none")
+    assert info.value.failed == {0: 1, 1: -signal.SIGABRT}
+    message = str(info.value)
+    assert "rank 1 was killed by SIGABRT" in message and "giving up" in message
+    assert "rank 0 raised RuntimeError" in message and "were stopped" not in message
 
 
 def _sleep(seconds):

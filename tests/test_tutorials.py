@@ -747,7 +747,8 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
            if "set_reduce_scatter_unused_params(" in line}
     uneven, swapped = "rank 1: every row to expert 0; ", "each rank: every row to another expert; "
     assert "rows per expert, rank 0 [3, 5], rank 1 [8, 0]" in text and "rank 0 [0, 8], rank 1 [8, 0]" in text
-    assert "Received data size doesn't match expected size" in moe[uneven + "set_reduce_scatter_unused_params(False)"]
+    aborted = moe[uneven + "set_reduce_scatter_unused_params(False)"]  # rank 1 receives rank 0's longer message
+    assert "ranks killed by SIGABRT: [1]; Received data size doesn't match expected size" in aborted
     silent = moe[swapped + "set_reduce_scatter_unused_params(False)"]
     assert "no gradient for ['0.experts.0.weight', '0.experts.0.bias']" in silent  # rank 1 used expert 0
     assert all(float(e.split(";")[0]) > 1e-3 for e in silent.split("= ")[1:])  # wrong, and nothing failed

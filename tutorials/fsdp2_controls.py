@@ -341,6 +341,7 @@ for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_sta
 
 # %%
 import re
+import signal
 
 
 class TwoExperts(nn.Module):
@@ -403,8 +404,9 @@ for case, shifts in SHIFTS.items():
             ranks = launch(moe_step, shifts, unused_params, reference, world_size=2, output="none", timeout=30)
             result = "; ".join(f"rank {r}: no gradient for {missing or 'none'}, max |shard - one process| "
                                f"= {error:.1e}" for r, (missing, error) in enumerate(ranks))
-        except fsdp_guide.LaunchError as failure:  # the first line names the rank; gloo's says why
-            result = (f"{type(failure).__name__}: {str(failure).splitlines()[0][:40]}: "
+        except fsdp_guide.LaunchError as failure:  # which ranks failed on their own, and gloo's words for why
+            aborted = [rank for rank, code in failure.failed.items() if code == -signal.SIGABRT]
+            result = (f"{type(failure).__name__}: ranks killed by SIGABRT: {aborted}; "
                       f"{re.search(r'Received data size[^.]*[.]', str(failure))[0]}")
         print(f"{case}; set_reduce_scatter_unused_params({unused_params!s:5}): {result}")
 

@@ -54,6 +54,7 @@ _BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 _OUTPUTS = ("all", "rank0", "none")
 _TAIL_LINES = 20  # output lines of a failing rank shown with the error
 _TERMINATE_GRACE_S = 2.0
+_CASCADE_S = 0.5  # after a rank fails, how long the others may take to fail on their own
 _SAME_GPUS_ENV = "FSDP_GUIDE_SAME_GPUS"  # fsdp_guide.devices.SAME_GPUS_ENV (that module imports torch)
 _LAUNCH_LOG_ENV = "FSDP_GUIDE_LAUNCH_LOG"  # a JSON-lines file that every launch is appended to
 
@@ -64,7 +65,12 @@ class LaunchError(RuntimeError):
     """A rank raised, died, or the ranks did not finish within ``timeout``.
 
     Attributes:
-        rank: the failing rank (``None`` for a timeout).
+        rank: the failing rank (``None`` for a timeout): the first to fail. Ranks often fail
+            only because a peer went away ("Connection reset by peer"), and the first to
+            exit is not always the cause, so the message also describes every other rank
+            that failed on its own.
+        failed: every rank that failed on its own, before the launch stopped the rest, with
+            its exit code (negative: killed by that signal; 1: raised); empty for a timeout.
         ranks: the ranks the error is about (the failing rank, or every rank still running at the timeout).
         exit_code: the failing rank's exit code (negative: killed by that signal), ``None`` for a timeout.
         remote_traceback: the traceback text the failing rank printed, if it raised.
@@ -75,9 +81,10 @@ class LaunchError(RuntimeError):
     """
 
     def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=(),
-                 stacks=None):
+                 stacks=None, failed=None):
         super().__init__(message)
         self.rank = rank
+        self.failed = dict(failed or {})
         self.ranks = list(ranks)
         self.exit_code = exit_code
         self.remote_traceback = remote_traceback
@@ -506,7 +513,7 @@ class _Ranks:
             if time.monotonic() >= deadline:
                 raise self._timeout(timeout)
         if self._failed():
-            time.sleep(0.05)  # ranks failing at the same moment: let every exit time be recorded
+            self._let_the_others_exit(_CASCADE_S)
             raise self._failure()
         records = [self._result(r) for r in range(self.world_size)]
         return [record[1] for record in records], [record[2] for record in records], [record[3] for record in records]
@@ -518,6 +525,14 @@ class _Ranks:
                 return True
             self.exited.wait(max(0.0, min(0.1, deadline - time.monotonic())))
             return False
+
+    def _let_the_others_exit(self, seconds: float) -> None:
+        """Give the other ranks a moment to fail on their own: a rank whose peer failed
+        usually fails a moment later, and its own error belongs in the report."""
+        deadline = time.monotonic() + seconds
+        with self.exited:
+            while len(self.exits) < self.world_size and time.monotonic() < deadline:
+                self.exited.wait(deadline - time.monotonic())
 
     def _failed(self) -> list[int]:
         with self.exited:  # the reaper threads add to exits: read a snapshot under their lock
@@ -581,27 +596,36 @@ class _Ranks:
 
     def _failure(self) -> LaunchError:
         with self.exited:
-            rank = min(self._failed(), key=lambda r: self.exits[r][0])
-            code = self.exits[rank][1]
-        record = self._result(rank) if self._has_result(rank) else None
-        if record is not None and record[0] == "error":
-            remote_tb = record[3]
+            failed = sorted(self._failed(), key=lambda r: self.exits[r][0])  # the first to exit first
+            running = [r for r in range(self.world_size) if r not in self.exits]
+        rank, code = failed[0], self.exits[failed[0]][1]
+        stacks = self._stacks(running)  # where the others waited for it, before they are stopped
+        self.stop()  # also drains the output, so the tails below are complete
+        remote_tb = self._traceback(rank)
+        if remote_tb is not None:
             message = f"rank {rank} raised {remote_tb.strip().splitlines()[-1]}\n\nTraceback from rank {rank}:\n{remote_tb}"
         else:
-            remote_tb = None
             message = f"rank {rank} {_describe_exit(code)}"
-        with self.exited:
-            running = [r for r in range(self.world_size) if r not in self.exits]
-        stacks = self._stacks(running)  # where the others waited for it, before they are stopped
-        self.stop()  # also drains the output, so the tail below is complete
-        tail = list(self.tails[rank])
-        if tail:
-            message += f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail)
-        others = [r for r in range(self.world_size) if r != rank]
-        if others:
-            message += f"\nThe other ranks ({', '.join(map(str, others))}) were stopped." + _where(stacks)
-        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb, output=tail,
-                           stacks=stacks)
+        message += self._last_output(rank)
+        for other in failed[1:]:
+            other_tb = self._traceback(other)
+            how = f"raised {other_tb.strip().splitlines()[-1]}" if other_tb else _describe_exit(self.exits[other][1])
+            message += f"\nAlso rank {other} {how}" + self._last_output(other)
+        stopped = [r for r in range(self.world_size) if r not in failed]
+        if stopped:
+            message += f"\nThe other ranks ({', '.join(map(str, stopped))}) were stopped." + _where(stacks)
+        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb,
+                           output=list(self.tails[rank]), stacks=stacks,
+                           failed={r: self.exits[r][1] for r in failed})
+
+    def _traceback(self, rank: int) -> str | None:
+        """The traceback this rank sent if it raised, else None."""
+        record = self._result(rank) if self._has_result(rank) else None
+        return record[3] if record is not None and record[0] == "error" else None
+
+    def _last_output(self, rank: int) -> str:
+        tail = self.tails[rank]
+        return f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail) if tail else ""
 
     def stop(self) -> None:
         """Stop every rank process and anything it started; idempotent."""
