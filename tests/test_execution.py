@@ -41,7 +41,20 @@ def test_pages_run_two_at_a_time_and_one_that_must_run_alone_runs_alone(tmp_path
     times = _intervals(tmp_path)
     others = ("first", "second", "third")
     assert not any(_overlap(times["alone"], times[name]) for name in others)
+    # first, as submitted: the second worker did not start a page while the first started the alone one
+    assert times["alone"][1] <= min(times[name][0] for name in others)
     assert any(_overlap(times[a], times[b]) for a in others for b in others if a < b)  # two workers: two at once
+
+
+def test_a_page_that_must_run_alone_waits_for_the_pages_submitted_before_it_and_one_worker_runs_them_all(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(execution, "ALONE", {"alone"})
+    pages = [_page(tmp_path, name, "time.sleep(1)") for name in ("before", "alone", "after")]
+    with execution.Execution(tmp_path / "cache", workers=1) as run:
+        futures = run.submit_all(pages)  # not in execution_order: an ordinary page ahead of the alone one
+        assert all(future.result(timeout=120).cells for future in futures.values())
+    times = _intervals(tmp_path)
+    assert times["before"][1] <= times["alone"][0] and times["alone"][1] <= times["after"][0]
 
 
 def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_failed(tmp_path):

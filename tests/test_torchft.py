@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from isolation import linux_only, loopback_only  # torchft's manager listens on every interface: only lo exists there
 
@@ -43,8 +44,30 @@ def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_e
         assert len(back) >= AFTER_REJOIN
 
     # every group ends with what the sequence of quorums computed, bit for bit
-    replayed = launch(replicas.replay, replicas.participation(steps), 2, world_size=2, output="none")
+    replayed = launch(replicas.replay, replicas.quorums(steps), 2, world_size=2, output="none")
     for rank in (0, 1):
         for group in (0, 1):
             final = torch.load(tmp_path / f"final-group{group}-rank{rank}.pt")
             assert all(torch.equal(a, b) for a, b in zip(final, replayed[rank], strict=True)), (group, rank)
+
+
+def _lines(group, *steps):
+    """Rank 0's log of a group: (step, quorum id, participating) per committed step."""
+    return [{"group": group, "rank": 0, "step": step, "quorum": quorum, "participating": participating,
+             "committed": True} for step, quorum, participating in steps]
+
+
+def test_quorums_follow_the_final_weights_back_past_a_step_two_quorums_computed():
+    # Both groups took step 0 alone (quorums 1 and 2: one formed while the other's heartbeat was
+    # late); group 1 then received group 0's state at step 1, so its own step 0 is not in the weights.
+    logs = {(0, 0): _lines(0, (0, 1, True), (1, 3, True), (2, 3, True)),
+            (1, 0): _lines(1, (0, 2, True), (1, 3, False), (2, 3, True))}
+    assert replicas.quorums(logs) == {0: ([0], []), 1: ([0], [1]), 2: ([0, 1], [])}
+
+
+def test_quorums_refuse_groups_that_averaged_a_step_from_different_weights():
+    # Both took step 0 alone, and both averaged step 1 without either receiving the other's state.
+    logs = {(0, 0): _lines(0, (0, 1, True), (1, 3, True)), (1, 0): _lines(1, (0, 2, True), (1, 3, True))}
+    with pytest.raises(ValueError, match=r"step 1: groups \[0, 1\] averaged their gradients without having "
+                                         r"computed step 0 in one quorum"):
+        replicas.quorums(logs)

@@ -492,7 +492,8 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert "['DTensor']" in orders["optimizer, then forward"] and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
     strategy = {line[:18].strip(): line[18:] for line in text.splitlines()
                 if line.startswith(("on the DTensor", "to_local()", "register_sharding "))}
-    assert "NotImplementedError: Operator aten.renorm.default does not have a sharding strategy" in strategy["on the DTensor"]
+    assert ("ranks [0, 1] raised NotImplementedError: Operator aten.renorm.default does not have a sharding strategy"
+            in strategy["on the DTensor"])
     for way in ("to_local()", "register_sharding"):
         assert "largest row norm 0.500" in strategy[way] and float(strategy[way].rsplit("=", 1)[1]) < 1e-6
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
@@ -770,7 +771,8 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert all(float(p.split("= ")[1].split()[0]) < 1e-6 for p in placed)  # one process's weights either way
     tied = {line[:20].strip(): line[20:] for line in text.splitlines()
             if line.startswith(("a unit each", "one unit for both", "the root holds both"))}
-    assert "raised ValueError: Parameter 'head.weight' is shared with a parameter already managed" in tied["a unit each"]
+    assert ("ranks [0, 1] raised ValueError: Parameter 'head.weight' is shared with a parameter already managed"
+            in tied["a unit each"])
     for units in ("one unit for both", "the root holds both"):
         assert "still tied: True" in tied[units] and float(tied[units].rsplit("=", 1)[1]) < 1e-5
 

@@ -562,8 +562,8 @@ for units in ("a unit each", "one unit for both", "the root holds both"):
         tied, weight = launch(train_tied, units, world_size=2, output="none")[0]
         print(f"{units:20} still tied: {tied}; max |weight - one process| after 3 steps = "
               f"{(weight - alone).abs().max():.1e}")
-    except fsdp_guide.LaunchError as failure:
-        print(f"{units:20} {str(failure).splitlines()[0]}")
+    except fsdp_guide.LaunchError as failure:  # every rank raised it: the one that exited first is chance
+        print(f"{units:20} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}")
 
 # %% [markdown]
 # On torch 2.13 a unit each is refused at the first forward (`_validate_no_duplicate_params`

@@ -570,8 +570,8 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
         error = max((w - a).abs().max().item() for w, a in zip(weights, alone))
         largest = max(w.norm(dim=1).max().item() for w in weights)
         print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
-    except fsdp_guide.LaunchError as failure:
-        print(f"{how:18} {str(failure).splitlines()[0]}")
+    except fsdp_guide.LaunchError as failure:  # every rank raised it: the one that exited first is chance
+        print(f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}")
 
 # %% [markdown]
 # On the DTensor the step fails with DTensor's message. On the rank's own rows it is

@@ -287,26 +287,21 @@ assert done.returncode == 0, done.stderr[-3000:]
 logs = replicas.read_logs(ft)
 
 
-def segments(logs: dict) -> list[tuple[int, int, tuple, tuple]]:
+def segments(quorums: dict) -> list[tuple[int, int, tuple, tuple]]:
     """Runs of steps with the same groups averaged and the same groups healing (receiving the state)."""
-    per_step = {}
-    for (group, rank), lines in logs.items():
-        for line in lines:
-            if rank == 0 and line["committed"]:
-                averaged, healing = per_step.setdefault(line["step"], (set(), set()))
-                (averaged if line["participating"] else healing).add(group)
     runs = []
-    for step, (averaged, healing) in sorted(per_step.items()):
-        key = (tuple(sorted(averaged)), tuple(sorted(healing)))
-        if runs and runs[-1][2:] == key and runs[-1][1] == step - 1:
+    for step, (averaged, healing) in quorums.items():
+        key = (tuple(averaged), tuple(healing))
+        if runs and runs[-1][2:] == key:
             runs[-1] = (runs[-1][0], step, *key)
         else:
             runs.append((step, step, *key))
     return runs
 
 
+quorums = replicas.quorums(logs)  # each step of the final weights: which groups averaged it, which received the state
 print(f"{'steps':>7}  {'gradients averaged from':24} {'receiving the state':20}")
-for first, last_step, averaged, healing in segments(logs):
+for first, last_step, averaged, healing in segments(quorums):
     groups = ", ".join(f"group {g}" for g in averaged)
     print(f"{first:3}-{last_step:<3}  {groups:24} {', '.join(f'group {g}' for g in healing):20}")
 
@@ -315,7 +310,13 @@ for first, last_step, averaged, healing in segments(logs):
 # alone until the other has joined and received its state, as a restarted group would.
 # After group 1 loses rank 1, group 0 goes on alone for as long as group 1 takes to
 # restart; then group 1 receives the state at the step group 0 has reached, and both
-# average again. The time it took, and what each group lost:
+# average again. The table follows the final weights back step by step
+# ({func}`fsdp_guide.recipes.replicas.quorums`). The Lighthouse leaves out of a quorum a
+# group whose last heartbeat is older than the timeout (`quorum_compute`, below), so on a
+# busy machine two quorums can compute the same step (a CI run of this page had both
+# groups take step 0 alone); the group whose copy is dropped receives the other's state
+# at its next quorum. The time it took, and
+# what each group lost:
 
 # %%
 g0, killed_rank = logs[(0, 0)], logs[(1, 1)]
@@ -347,8 +348,7 @@ print(f"group 0: steps {g0[0]['step']} to {g0[-1]['step']}, every line from its 
 # schedule. Its final shards against each group's:
 
 # %%
-averaged = replicas.participation(logs)
-replayed = launch(replicas.replay, averaged, 2, world_size=2, output="none")
+replayed = launch(replicas.replay, quorums, 2, world_size=2, output="none")
 same = []
 for rank in (0, 1):
     final = {group: torch.load(ft / f"final-group{group}-rank{rank}.pt") for group in (0, 1)}

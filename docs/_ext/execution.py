@@ -21,6 +21,7 @@ ranks would add to.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import threading
 from collections.abc import Iterable
@@ -61,7 +62,8 @@ class Execution:
 
     def submit(self, page: Path) -> Future:
         if page not in self._futures:
-            self._futures[page] = self._pool.submit(self._execute, page)
+            ticket = self._alone.ticket(page.stem in ALONE)  # its place in line, taken now
+            self._futures[page] = self._pool.submit(self._execute_then_release, page, ticket)
         return self._futures[page]
 
     def submit_all(self, pages: Iterable[Path]) -> dict[Path, Future]:
@@ -77,7 +79,13 @@ class Execution:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _execute(self, page: Path):
+    def _execute_then_release(self, page: Path, ticket: int):
+        try:
+            return self._execute(page, ticket)
+        finally:  # ran, came from the cache, or failed: the pages behind it may start
+            self._alone.release(ticket)
+
+    def _execute(self, page: Path, ticket: int):
         import jupytext
         from jupyter_cache.base import CacheBundleIn
         from jupyter_cache.executors.utils import single_nb_execution
@@ -90,7 +98,7 @@ class Execution:
             except KeyError:
                 pass  # not executed yet
         for attempt in range(2):  # once more after a kernel crash or a TRANSIENT failure, and only once
-            with self._alone.held(page.stem in ALONE):
+            with self._alone.held(ticket, page.stem in ALONE):
                 try:
                     result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
                                                  allow_errors=False)
@@ -109,23 +117,37 @@ class Execution:
 
 
 class _AloneLock:
-    """Shared by ordinary pages, exclusive for a page that must run alone (a readers-writer
-    lock that lets no new page start while one waits to run alone)."""
+    """Shared by ordinary pages, exclusive for a page that must run alone: a readers-writer
+    lock whose places in line are taken when the pages are submitted, so that no page
+    submitted after one that must run alone starts before it has run (even when its worker
+    gets there first, as the second worker does while the first starts the alone page)."""
 
     def __init__(self):
         self._condition = threading.Condition()
-        self._running = self._waiting_alone = 0
+        self._running = 0
         self._alone = False
+        self._tickets = itertools.count()
+        self._waiting_alone: set[int] = set()  # tickets of the pages to run alone, not yet run
+
+    def ticket(self, alone: bool) -> int:
+        with self._condition:
+            ticket = next(self._tickets)
+            if alone:
+                self._waiting_alone.add(ticket)
+            return ticket
+
+    def release(self, ticket: int) -> None:
+        with self._condition:
+            self._waiting_alone.discard(ticket)
+            self._condition.notify_all()
 
     @contextlib.contextmanager
-    def held(self, alone: bool):
+    def held(self, ticket: int, alone: bool):
         with self._condition:
             if alone:
-                self._waiting_alone += 1
                 self._condition.wait_for(lambda: self._running == 0)
-                self._waiting_alone -= 1
             else:
-                self._condition.wait_for(lambda: not self._alone and not self._waiting_alone)
+                self._condition.wait_for(lambda: not self._alone and min(self._waiting_alone, default=ticket) >= ticket)
             self._running += 1
             self._alone = alone
         try:

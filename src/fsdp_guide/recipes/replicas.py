@@ -165,7 +165,9 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
             apply(model, optimizer, scheduler)
         else:
             optimizer.zero_grad()
-        _log(out, group, rank, step=step, participants=manager.num_participants(),
+        # The quorum's id tells two quorums of one step apart (the Lighthouse numbers each new
+        # membership); torchft 0.2 has no public accessor for it.
+        _log(out, group, rank, step=step, quorum=manager._quorum_id, participants=manager.num_participants(),
              participating=manager.is_participating(), committed=committed, loss=loss, attempt=attempt)
         if group == 1 and rank == 1 and attempt == 0 and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # as a crash: no exception, no goodbye to the quorum
@@ -176,23 +178,23 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
     dist.destroy_process_group()
 
 
-def replay(participation: dict[int, list[int]], groups: int) -> list[torch.Tensor]:
+def replay(quorums: dict[int, tuple[list[int], list[int]]], groups: int) -> list[torch.Tensor]:
     """What the quorums computed, on 2 ranks without torchft; returns this rank's final shards.
 
-    ``participation`` maps each step to the groups whose gradients its quorum averaged
-    (:func:`participation`). Each such group's rows are run in turn, their gradients summed
-    by FSDP's accumulation, divided by their count, then applied: the arithmetic of
-    torchft's all-reduce (a sum, then ``/ num_participants``). With 2 groups the sums are
-    the same bit for bit (a + b is b + a); with more, gloo may add in another order.
+    ``quorums`` maps each step to the groups whose gradients its quorum averaged, and those
+    receiving the state (:func:`quorums`). Each averaged group's rows are run in turn, their
+    gradients summed by FSDP's accumulation, divided by their count, then applied: the
+    arithmetic of torchft's all-reduce (a sum, then ``/ num_participants``). With 2 groups
+    the sums are the same bit for bit (a + b is b + a); with more, gloo may add in another order.
     """
     device, rank = rank_device(), dist.get_rank()
     model = build_model(CONFIG, device, compute_dtype(CONFIG.precision, device))
     optimizer, scheduler = build_optimizer(model, CONFIG)
-    for step in sorted(participation):
-        for group in participation[step]:
+    for step, (averaged, _) in sorted(quorums.items()):
+        for group in averaged:
             local_gradients(model, *batch(step, group, rank, groups, device))
         for p in model.parameters():
-            p.grad.to_local().div_(len(participation[step]))
+            p.grad.to_local().div_(len(averaged))
         apply(model, optimizer, scheduler)
     return [p.to_local().cpu() for p in model.parameters()]
 
@@ -207,24 +209,44 @@ def read_logs(out: Path) -> dict[tuple[int, int], list[dict]]:
     return dict(sorted(logs.items()))
 
 
-def participation(logs: dict) -> dict[int, list[int]]:
-    """Step -> the groups whose gradients its quorum averaged, from rank 0's committed lines of each group.
+def quorums(logs: dict) -> dict[int, tuple[list[int], list[int]]]:
+    """Step -> (the groups whose gradients were averaged, the groups receiving the state) in
+    the quorum that made that step of the final weights, from each group's rank 0.
 
-    Every committed line's ``participants`` (torchft's divisor) must be that count: a group
-    that contributed to a step and then failed to commit it would make the replay wrong, and
-    raises here instead.
+    Followed back from group 0's last step through each quorum it was in (the groups that
+    committed that step under that quorum id), and where it received the state, on through
+    the group that sent it. A quorum can form without a group whose heartbeat the Lighthouse
+    has not seen for ``heartbeat_timeout_ms``, so two quorums may compute the same step; the
+    group whose copy is dropped receives the other's state later, and its own step is not
+    in the final weights. Raises where groups averaged a step after computing the previous
+    one in different quorums: their weights differ, which torchft does not check.
     """
-    steps: dict[int, list[int]] = {}
-    for (group, rank), lines in logs.items():
-        for line in lines:
-            if rank == 0 and line["committed"] and line["participating"]:
-                steps.setdefault(line["step"], []).append(group)
-    for (group, rank), lines in logs.items():
-        for line in lines:
-            if line["committed"] and line["participants"] != len(steps.get(line["step"], [])):
-                raise ValueError(f"step {line['step']}: group {group} averaged over {line['participants']} groups, "
-                                 f"but {steps.get(line['step'], [])} committed it: the replay cannot reproduce it")
-    return {step: sorted(g) for step, g in sorted(steps.items())}
+    committed = {group: [line for line in lines if line["committed"]]
+                 for (group, rank), lines in sorted(logs.items()) if rank == 0}
+
+    def members(line: dict) -> dict[int, int]:  # group -> index of its line, for each group in line's quorum
+        return {group: i for group, lines in committed.items() for i, other in enumerate(lines)
+                if (other["step"], other["quorum"]) == (line["step"], line["quorum"])}
+
+    found, group, at = {}, 0, len(committed[0]) - 1
+    while at >= 0:
+        step = committed[group][at]["step"]
+        quorum = members(committed[group][at])
+        averaged = sorted(g for g, i in quorum.items() if committed[g][i]["participating"])
+        found[step] = (averaged, sorted(set(quorum) - set(averaged)))
+        if not averaged or step == 0:
+            break
+        before = {(committed[g][i - 1]["step"], committed[g][i - 1]["quorum"]) if i else None
+                  for g, i in quorum.items() if g in averaged}
+        if len(before) != 1 or None in before or next(iter(before))[0] != step - 1:
+            raise ValueError(f"step {step}: groups {averaged} averaged their gradients without having computed "
+                             f"step {step - 1} in one quorum ({sorted(before, key=str)}): their weights differ, "
+                             "which torchft does not check")
+        group = averaged[0]  # the group itself, or the one whose state it received
+        at = quorum[group] - 1
+    if min(found) != 0 or len(found) != max(found) + 1:
+        raise ValueError(f"the final weights' steps {sorted(found)} do not go back to step 0 without a gap")
+    return dict(sorted(found.items()))
 
 
 def _free_port() -> int:
