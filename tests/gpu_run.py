@@ -88,14 +88,16 @@ def execute_page(page: Path, timeout: int) -> dict:
 
 
 def llm_bf16(gpus: int) -> dict:
-    """The LLM recipe in bf16 on one rank per GPU (NCCL): tokens/s and peak memory per rank."""
+    """The LLM recipe in bf16 on one rank per GPU (NCCL): tokens/s, MFU and peak memory per rank."""
     from fsdp_guide import launch
     from fsdp_guide.recipes.train_llm import TrainConfig, train
 
     os.environ.pop("FSDP_GUIDE_DEVICE", None)  # one GPU per rank here: the real NCCL path
     summary = launch(train, TrainConfig(steps=40, precision="bf16"), world_size=gpus, output="rank0")[0]
     os.environ["FSDP_GUIDE_DEVICE"] = "cuda"
+    mfu = summary["mfu"]  # None where fsdp_guide.mfu knows no dense bf16 peak for this GPU
     return {"ranks": gpus, "dtype": summary["dtype"], "tokens_per_s": round(summary["tokens_per_s"]),
+            "mfu": None if mfu is None else round(mfu, 4),
             "peak_memory_mib": [round(mib, 1) for mib in summary["peak_memory_mib"]],
             "peak_memory_is": summary["peak_memory_is"],
             "loss_first_last": [round(summary["losses"][0], 4), round(summary["losses"][-1], 4)]}

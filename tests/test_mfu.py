@@ -22,12 +22,13 @@ def _llama_3_1_8b():
 
 
 def test_torchtitans_published_llama_3_1_8b_mfu_is_reproduced_from_its_throughput():
-    # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (end of 2024): Llama 3.1 8B,
-    # FSDP on 8 and on 128 H100s, bf16, selective activation checkpointing, sequence length
-    # 8192 (its llama3_8b training config), tokens per second per GPU in Tables 1 and 3:
+    # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (at commit 820504e): Llama 3.1 8B,
+    # FSDP on 8 and on 128 H100s, bf16, selective activation checkpointing; tokens per second
+    # per GPU in its Tables 1 and 3. The sequence length, 8192, is seq_len in
+    # train_configs/llama3_8b.toml at the torchtitan commit the benchmark names (9dec370).
     tps_per_gpu = {"8 GPUs": 5_762, "8 GPUs, compiled": 6_667, "128 GPUs": 5_605, "128 GPUs, compiled": 6_514}
-    # and the text: "without Float8 achieves 33% to 39% MFU", computed with the H100 SXM's
-    # dense peak (its footnote 2: 989 TFLOPS, the peak torchtitan's get_peak_flops returns).
+    # The text above its tables: these four runs "achieve 33% to 39% MFU", with the H100 SXM's
+    # peak (its footnote 2 says so, without the number; get_peak_flops at 9dec370 returns 989e12).
     model = _llama_3_1_8b()
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # "8B"
     per_token = flops_per_token(model, n_layers=32, n_heads=32, head_dim=128, seq_len=8192)

@@ -254,14 +254,16 @@ print("the gradient buckets DDP all-reduced, in order:",
 #   gradient fills the first bucket and the other three layers share the next: 2 *P* in
 #   all. Every rank holds the whole model and its whole gradient, and the buckets besides:
 #   DDP copies the gradients into them unless `gradient_as_bucket_view=True` makes the
-#   gradients views of them (DDP's documentation of that argument).
-# - **`replicate`** holds what DDP holds, as DTensors placed `Replicate()`, and moves what
-#   DDP moves, in one all-reduce per unit instead of per bucket: FSDP2's units are its
-#   buckets. Its arguments are `fully_shard`'s data-parallel ones (`mp_policy`,
-#   `offload_policy`, `ignored_params`, `dp_mesh_dims`), and its units are `FSDPModule`s.
-#   Its name says it may change without notice: a training script that needs plain data
-#   parallelism is safer with DDP, and one that needs replication across nodes with
-#   sharding inside them passes a 2-D mesh to `fully_shard` ({ref}`tip-2d-mesh-is-hsdp`).
+#   gradients views of them (DDP's documentation of that argument). The two "held" columns
+#   count parameters and gradients only: DDP's buckets are not in them.
+# - **`replicate`** holds the parameters and gradients DDP holds (the two columns), as
+#   DTensors placed `Replicate()`, and moves what DDP moves, in one all-reduce per unit
+#   instead of per bucket: FSDP2's units are its buckets. Its arguments are
+#   `fully_shard`'s data-parallel ones (`mp_policy`, `offload_policy`, `ignored_params`,
+#   `dp_mesh_dims`), and its units are `FSDPModule`s. Its name says it may change without
+#   notice: a training script that needs plain data parallelism is safer with DDP, and one
+#   that needs replication across nodes with sharding inside them passes a 2-D mesh to
+#   `fully_shard` ({ref}`tip-2d-mesh-is-hsdp`).
 # - **`SHARD_GRAD_OP`** gathers each layer once (forward; the parameters stay gathered for
 #   backward) and reduce-scatters each layer's gradients: 4 + 4 collectives. The textbook
 #   volume equals DDP's (a reduce-scatter plus an all-gather *is* an all-reduce), but on

@@ -449,10 +449,14 @@ print("same losses as the notebook:", json.loads(summary_file.read_text())["loss
 # CPU has no dense bf16 tensor-core peak to divide by, and the recipe trains in fp32 there.
 # Three mistakes are common, each giving a number that looks plausible. Here they are on
 # the one published run this page can check against: torchtitan's Llama 3.1 8B on 8 H100s
-# with FSDP, 5,762 tokens per second per GPU at a sequence length of 8192 (its
-# `benchmarks/llama3_h100_202412_torchtitan.md`, Table 1, which reports "33% to 39% MFU"
-# for its four FSDP runs without float8). The model is built on the {term}`meta device`
-# from Llama 3.1 8B's configuration, to count its parameters without allocating them:
+# with FSDP, 5,762 tokens per second per GPU (Table 1 of its
+# [December 2024 benchmark](https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/benchmarks/llama3_h100_202412_torchtitan.md)),
+# at a sequence length of 8192 (`seq_len` in `train_configs/llama3_8b.toml` at the
+# torchtitan commit the benchmark names, 9dec370). The text above its tables says that
+# the runs without Float8, on 8 or 128 GPUs, "achieve 33% to 39% MFU", computed with the
+# H100 SXM's peak (its footnote 2; `get_peak_flops` in that commit returns 989e12). The
+# model is built on the {term}`meta device` from Llama 3.1 8B's configuration, to count
+# its parameters without allocating them:
 
 # %%
 from fsdp_guide.fp8 import quiet_torchao
