@@ -52,22 +52,26 @@ def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_e
 
 
 def _lines(group, *steps):
-    """Rank 0's log of a group: (step, quorum id, participating) per committed step."""
+    """Rank 0's log of a group: (step, quorum id, participating, participants) per committed step."""
     return [{"group": group, "rank": 0, "step": step, "quorum": quorum, "participating": participating,
-             "committed": True} for step, quorum, participating in steps]
+             "participants": participants, "committed": True} for step, quorum, participating, participants in steps]
 
 
 def test_quorums_follow_the_final_weights_back_past_a_step_two_quorums_computed():
     # Both groups took step 0 alone (quorums 1 and 2: one formed while the other's heartbeat was
     # late); group 1 then received group 0's state at step 1, so its own step 0 is not in the weights.
-    logs = {(0, 0): _lines(0, (0, 1, True), (1, 3, True), (2, 3, True)),
-            (1, 0): _lines(1, (0, 2, True), (1, 3, False), (2, 3, True))}
+    logs = {(0, 0): _lines(0, (0, 1, True, 1), (1, 3, True, 1), (2, 3, True, 2)),
+            (1, 0): _lines(1, (0, 2, True, 1), (1, 3, False, 1), (2, 3, True, 2))}
     assert replicas.quorums(logs) == {0: ([0], []), 1: ([0], [1]), 2: ([0, 1], [])}
+    logs[(1, 0)][2]["participants"] = 1  # a divisor the replay would not use
+    with pytest.raises(ValueError, match=r"step 2: groups \[0, 1\] averaged their gradients, but the quorum divided "
+                                         r"by \[1, 2\]"):
+        replicas.quorums(logs)
 
 
 def test_quorums_refuse_groups_that_averaged_a_step_from_different_weights():
     # Both took step 0 alone, and both averaged step 1 without either receiving the other's state.
-    logs = {(0, 0): _lines(0, (0, 1, True), (1, 3, True)), (1, 0): _lines(1, (0, 2, True), (1, 3, True))}
+    logs = {(0, 0): _lines(0, (0, 1, True, 1), (1, 3, True, 2)), (1, 0): _lines(1, (0, 2, True, 1), (1, 3, True, 2))}
     with pytest.raises(ValueError, match=r"step 1: groups \[0, 1\] averaged their gradients without having "
                                          r"computed step 0 in one quorum"):
         replicas.quorums(logs)

@@ -219,7 +219,8 @@ def quorums(logs: dict) -> dict[int, tuple[list[int], list[int]]]:
     has not seen for ``heartbeat_timeout_ms``, so two quorums may compute the same step; the
     group whose copy is dropped receives the other's state later, and its own step is not
     in the final weights. Raises where groups averaged a step after computing the previous
-    one in different quorums: their weights differ, which torchft does not check.
+    one in different quorums (their weights differ, which torchft does not check), or where
+    the quorum's divisor was not the number of groups it averaged.
     """
     committed = {group: [line for line in lines if line["committed"]]
                  for (group, rank), lines in sorted(logs.items()) if rank == 0}
@@ -234,6 +235,10 @@ def quorums(logs: dict) -> dict[int, tuple[list[int], list[int]]]:
         quorum = members(committed[group][at])
         averaged = sorted(g for g, i in quorum.items() if committed[g][i]["participating"])
         found[step] = (averaged, sorted(set(quorum) - set(averaged)))
+        divisors = {committed[g][i]["participants"] for g, i in quorum.items()}
+        if divisors != {len(averaged)}:  # torchft's divisor: the replay divides by len(averaged)
+            raise ValueError(f"step {step}: groups {averaged} averaged their gradients, but the quorum divided "
+                             f"by {sorted(divisors)}: the replay cannot reproduce it")
         if not averaged or step == 0:
             break
         before = {(committed[g][i - 1]["step"], committed[g][i - 1]["quorum"]) if i else None
