@@ -12,7 +12,8 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-b", "html"]
+# -j auto: Sphinx reads and writes the pages in a process per core (the notebooks execute before, docs/_ext/execution.py)
+SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-j", "auto", "-b", "html"]
 
 
 def install(session: nox.Session, *extras: str) -> None:

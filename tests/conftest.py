@@ -109,7 +109,8 @@ def site(tmp_path_factory, execution_cache):
     for attempt in range(2):
         out = tmp_path_factory.mktemp("site")
         # The notebooks' outputs come from the execution above, through the cache.
-        build = sphinx("html", out, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}")
+        build = sphinx("html", out, "-j", "auto", "-D", "nb_execution_mode=cache",
+                       "-D", f"nb_execution_cache_path={execution_cache}")
         if build.returncode == 0 or KERNEL_CRASH not in build.stdout + build.stderr:
             break
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build

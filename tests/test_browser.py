@@ -116,7 +116,8 @@ def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, br
     page = browser.new_page(viewport=PHONE)
     too_wide = {}
     for path in _pages(site):
-        page.goto(base_url + path, wait_until="networkidle")
+        page.goto(base_url + path)  # to its "load" event: styles, scripts and images are in
+        page.evaluate("document.fonts.ready.then(() => null)")  # and the fonts its text is laid out in
         overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
         if overflow > 0:
             too_wide[path] = overflow
@@ -124,10 +125,18 @@ def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, br
     assert too_wide == {}  # pixels past the screen's edge, per page
 
 
+def _search(page, base_url: str, words: str) -> None:
+    """Sphinx's search page for ``words``, once it has listed every result (it adds them one by one, then says so)."""
+    page.goto(base_url + f"search.html?q={words}")
+    page.wait_for_function("""() => {
+        const status = document.querySelector("#search-results p.search-summary");
+        return status && /^(Search finished|Your search did not match)/.test(status.innerText);
+    }""", timeout=15_000)
+
+
 def test_search_finds_summon_full_params_in_the_tips_and_the_tutorial(base_url, browser):
     page = browser.new_page(viewport=DESKTOP)
-    page.goto(base_url + "search.html?q=summon_full_params", wait_until="networkidle")
-    page.wait_for_selector("#search-results li", timeout=15_000)
+    _search(page, base_url, "summon_full_params")
     found = page.eval_on_selector_all("#search-results li a", "links => links.map(a => a.getAttribute('href'))")
     page.close()
     assert any(link.startswith("docs/fsdp_tips.html") for link in found), found
@@ -175,8 +184,7 @@ def test_searching_the_words_of_each_indexed_error_finds_the_page_that_reproduce
     for message, pages in errors:
         # The words of what a reader pastes, as Sphinx's index splits them (identifiers stay whole)
         words = " ".join(list(dict.fromkeys(re.findall(r"\b[A-Za-z_]\w{3,}", message)))[:8])
-        page.goto(base_url + f"search.html?q={words}", wait_until="networkidle")
-        page.wait_for_selector("#search-results li", timeout=15_000)
+        _search(page, base_url, words)
         found = page.eval_on_selector_all("#search-results li a", "links => links.map(a => a.getAttribute('href'))")
         top = [urlparse(link).path for link in found][:5]
         if not pages & set(top):
