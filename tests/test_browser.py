@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import http.server
 import re
@@ -35,8 +37,9 @@ def base_url(site):
     server.server_close()
 
 
-@pytest.fixture(scope="module")
-def browser():
+@contextlib.contextmanager
+def _chromium():
+    """Debian's Chromium, driven by a Playwright of this thread's own (its API is one instance per thread)."""
     from playwright.sync_api import sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -45,6 +48,12 @@ def browser():
         browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with _chromium() as browser:
+        yield browser
 
 
 def _pages(site) -> list[str]:
@@ -74,22 +83,34 @@ class _Watch:
 
 
 @pytest.fixture(scope="module")
-def desktop_visits(site, base_url, browser) -> dict[str, dict]:
+def desktop_visits(site, base_url) -> dict[str, dict]:
     """Every page loaded once at desktop width: what went wrong while it loaded, then axe-core's
     serious and critical violations on it. The two tests below read the same visit, instead of
-    loading all the pages twice (about 30 s of a CI run)."""
+    loading all the pages twice (about 30 s of a CI run).
+
+    axe takes seconds a page (its color-contrast rule most of it), on one core, in the page's
+    renderer; tabs of one browser did not audit faster side by side, two browsers did: each
+    audits half of the pages."""
+    paths = _pages(site)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        halves = pool.map(functools.partial(_visit, base_url), (paths[0::2], paths[1::2]))
+        return {path: visit for half in halves for path, visit in half.items()}
+
+
+def _visit(base_url: str, paths: list[str]) -> dict[str, dict]:
     from axe_playwright_python.sync_playwright import Axe
 
-    axe, page = Axe(), browser.new_page(viewport=DESKTOP)
-    watch, visits = _Watch(page), {}
-    for path in _pages(site):
-        watch.problems.clear()
-        page.goto(base_url + path, wait_until="networkidle")
-        problems = list(watch.problems)  # before axe injects its script
-        violations = [f"{path}: {v['id']} ({v['impact']}) {v['help']} at {[n['target'] for n in v['nodes'][:3]]}"
-                      for v in axe.run(page).response["violations"] if v["impact"] in ("serious", "critical")]
-        visits[path] = {"problems": problems, "violations": violations}
-    page.close()
+    visits = {}
+    with _chromium() as browser:
+        axe, page = Axe(), browser.new_page(viewport=DESKTOP)
+        watch = _Watch(page)
+        for path in paths:
+            watch.problems.clear()
+            page.goto(base_url + path, wait_until="networkidle")
+            problems = list(watch.problems)  # before axe injects its script
+            violations = [f"{path}: {v['id']} ({v['impact']}) {v['help']} at {[n['target'] for n in v['nodes'][:3]]}"
+                          for v in axe.run(page).response["violations"] if v["impact"] in ("serious", "critical")]
+            visits[path] = {"problems": problems, "violations": violations}
     return visits
 
 
