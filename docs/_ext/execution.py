@@ -13,9 +13,11 @@ to ask for fewer, and each page starts up to 4 ranks of its own) and executes no
 from its project table, not the .py pages as jupytext reads them. The few lines below
 bound the concurrency and reuse its execution and caching.
 
-A page that reads a counter of the whole machine runs alone (``ALONE``): the
-communication page counts the bytes on the loopback interface, which a concurrent page's
-ranks would add to.
+A page that reads a counter of the whole machine, or times its ranks against each other,
+runs alone (``ALONE``): the communication page counts the bytes on the loopback
+interface, which a concurrent page's ranks would add to; the pipeline page times its
+bubble with each stage on a core of its own, which a concurrent page's ranks would take
+(its idle fractions drifted by more than 0.1 once, with another page running beside it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-ALONE = {"communication"}  # reads /sys/class/net/lo/statistics/tx_bytes, the whole machine's loopback bytes
+ALONE = {
+    "communication",  # reads /sys/class/net/lo/statistics/tx_bytes, the whole machine's loopback bytes
+    "pipeline",  # times its bubble: one core per stage
+}
 
 # A rendezvous that failed in gloo's connectFullMesh ("Connection closed by peer") with two
 # processes launching at once: seen once in 350 package tests run two at a time
