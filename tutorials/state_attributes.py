@@ -26,7 +26,7 @@
 # - a timeline, observed with hooks: what the module sees as its weight before, inside and
 #   after forward and backward, and after the optimizer step.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the
 # timeline's input come from {func}`fsdp_guide.device`, the rank's own GPU
 # (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the machine that
