@@ -369,9 +369,11 @@ for (schedule, reshard, m), ranks in runs.items():
 # ("PipeDream-Flush") to be the same, (*p* - 1) / *m* of the ideal time.
 #
 # Timing it needs each stage on a CPU core of its own, or the stages would slow each other
-# down instead of waiting. So these runs are 2 ranks, one per stage, without `dp`, on a
-# larger GPT so that computing dominates each micro-batch; each rank records its chunks in
-# its second step:
+# down instead of waiting (the site's build runs this page with no other beside it). So
+# these runs are 2 ranks, one per stage, without `dp`, on a larger GPT so that computing
+# dominates each micro-batch. Each rank records its chunks in three steps after the first;
+# the table gives the three steps' mean time, and each stage's idle fraction of the three
+# together, since one step's varies by a few hundredths from the next's:
 
 # %%
 import os
@@ -379,7 +381,7 @@ import os
 TIMED = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=384)
 
 
-def timed_step(schedule, n_microbatches, micro_batch=8):
+def timed_steps(schedule, n_microbatches, micro_batch=8, steps=3):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     device = fsdp_guide.device()
@@ -389,7 +391,8 @@ def timed_step(schedule, n_microbatches, micro_batch=8):
     pipeline = schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
     batch = torch.randint(0, 256, (n_microbatches * micro_batch, 65), generator=torch.Generator().manual_seed(1))
     batch = batch.to(device)
-    for _ in range(2):  # the first step also learns the shapes; the second is the one kept
+    kept = []
+    for step in range(1 + steps):  # the first step also learns the shapes; the next ones are kept
         stage.spans = []
         dist.barrier()  # both ranks start the step together
         start = time.perf_counter()
@@ -398,33 +401,42 @@ def timed_step(schedule, n_microbatches, micro_batch=8):
         else:
             pipeline.step(target=batch[:, 1:], losses=[])
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "spans": [(k, chunk, s - start, e - start) for k, chunk, s, e, *_ in stage.spans]}
+        if step:
+            kept.append({"seconds": seconds,
+                         "spans": [(k, chunk, s - start, e - start) for k, chunk, s, e, *_ in stage.spans]})
+    return kept
 
 
-timed = {(schedule, m): launch(timed_step, schedule, m, world_size=2, output="none")
+timed = {(schedule, m): launch(timed_steps, schedule, m, world_size=2, output="none")
          for schedule, m in [("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)]}
 
 
+def step_seconds(ranks):
+    """Each kept step's time: its slowest rank's."""
+    return [max(steps[i]["seconds"] for steps in ranks) for i in range(len(ranks[0]))]
+
+
 def bubble(ranks):
-    """Each rank's idle fraction of the step (its slowest rank's): the time outside its chunks.
+    """Each rank's idle fraction of the kept steps together: the time outside its chunks.
 
     That includes waiting, and also what runs between chunks: the last stage's loss, the
-    gradient reduction and scaling after the last backward.
+    gradient reduction and scaling after the last backward. Over several steps, because
+    one step's fraction varies by a few hundredths from one step to the next.
     """
-    step = max(r["seconds"] for r in ranks)
-    return [1 - sum(e - s for _, _, s, e in r["spans"]) / step for r in ranks]
+    busy = [sum(e - s for step in steps for _, _, s, e in step["spans"]) for steps in ranks]
+    return [1 - b / sum(step_seconds(ranks)) for b in busy]
 
 
 print(f"{os.cpu_count()} CPU cores here, one rank per stage")
 print(f"{'schedule':9} {'micro-batches':>13} {'step (s)':>9} {'idle, stage 0':>13} {'idle, stage 1':>13} "
       f"{'(p-1)/(m+p-1)':>13}")
 for (schedule, m), ranks in timed.items():
-    idle, p = bubble(ranks), len(ranks)
-    print(f"{schedule:9} {m:13} {max(r['seconds'] for r in ranks):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
+    idle, p, seconds = bubble(ranks), len(ranks), step_seconds(ranks)
+    print(f"{schedule:9} {m:13} {sum(seconds) / len(seconds):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
           f"{(p - 1) / (m + p - 1):13.2f}")
 
 # %% [markdown]
-# Each step drawn from those records, one character per slice of time: a digit is a
+# The last kept step drawn from those records, one character per slice of time: a digit is a
 # forward of that micro-batch, a letter its backward (`a` for micro-batch 0), a dot is
 # neither (waiting, or the work between chunks):
 
@@ -444,8 +456,9 @@ def timeline(ranks, width=72):
 
 
 for key in [("GPipe", 4), ("1F1B", 4)]:
-    print(f"{key[0]}, {key[1]} micro-batches, {max(r['seconds'] for r in timed[key]):.2f} s")
-    print(timeline(timed[key]))
+    last = [steps[-1] for steps in timed[key]]
+    print(f"{key[0]}, {key[1]} micro-batches, {max(r['seconds'] for r in last):.2f} s")
+    print(timeline(last))
 
 # %% [markdown]
 # What the drawing shows:
