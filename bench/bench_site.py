@@ -76,7 +76,8 @@ def cold_build(out: Path, name: str, workers: int = 2) -> tuple[float, dict[str,
 
 def sphinx(out: Path, cache: str = "cache", doctrees: str = "doctrees") -> list[str]:
     # No -W: a warning (a missing record on the first --record run) does not make a timing wrong.
-    return [sys.executable, "-m", "sphinx", "--keep-going", "-n", "-q", "-b", "html",
+    # -j auto: Sphinx reads and writes on every core, as `nox -s docs` runs it (noxfile.SPHINX).
+    return [sys.executable, "-m", "sphinx", "--keep-going", "-n", "-q", "-j", "auto", "-b", "html",
             "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={out / cache}",
             "-d", str(out / doctrees), str(ROOT)]
 
