@@ -28,7 +28,7 @@
 # - hybrid sharding (HSDP) on a 2 x 2 mesh: shard within a node, replicate across nodes,
 #   executed.
 #
-# **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
 #
 # ## One machine, then several

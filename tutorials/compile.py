@@ -33,7 +33,7 @@
 # - compiling the optimizer step on FSDP2's DTensor parameters: one graph, no collectives,
 #   parameters within rounding of eager's.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 60 seconds on 2 CPU cores ({ref}`measured <measured-times>`) with
+# **What you need**: a CPU; 2 processes on gloo; about 70 seconds on 2 CPU cores ({ref}`measured <measured-times>`) with
 # inductor's cache empty, as it compiles C++ (later runs reuse its on-disk cache and take
 # less). The worker code
 # is written to run unchanged with one GPU per rank (NCCL); on GPUs inductor generates

@@ -37,7 +37,7 @@
 #   plain tensors sit next to DTensors, and a 2D checkpoint loaded by a 1D FSDP run and
 #   exported to one file.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 4 processes on gloo; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type. Tensor parallelism is expected to pay off on GPUs
 # joined by a fast link (NVLink) inside a node; this page shows what runs and what is
