@@ -968,11 +968,13 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torch
     died = int(text.split("group 1's rank 1 died after step ")[1].split(";")[0])
     back = int(text.split("group 1 back at step ")[1].split(",")[0])
     assert died == 8 and back > died + 1
-    # after the death: group 0 alone, then group 1 receiving the state at the step it came back, then both
-    after = [s for s in segments if s[0] > died]
-    assert after[0][:3] == (died + 1, back - 1, "group 0"), segments
-    assert after[1][:2] == (back, back) and after[1][3] == "group 1"
-    assert after[2][0] == back + 1 and after[2][2] == "group 0, group 1"
+    # after the death: group 0 alone until group 1 is back, then group 1 receiving the state at the step
+    # it came back, then both. Group 0's steps alone may start before the death: on a busy machine (a CI
+    # run), group 1 took steps 0 to 8 in quorums of its own, then died before joining group 0's.
+    at = next(i for i, s in enumerate(segments) if s[0] <= died + 1 <= s[1])
+    assert segments[at][1:3] == (back - 1, "group 0"), segments
+    assert segments[at + 1][:2] == (back, back) and segments[at + 1][3] == "group 1"
+    assert segments[at + 2][0] == back + 1 and segments[at + 2][2] == "group 0, group 1"
     assert "every line from its first attempt: True" in text  # no rank of group 0 restarted
     assert text.count("= the replay's: True") == 4 and "False" not in text.split("group 0's shards")[1]
     steps_alone = int(text.split(" computed again; ")[1].split()[0])

@@ -314,8 +314,9 @@ for first, last_step, averaged, healing in segments(quorums):
 # ({func}`fsdp_guide.recipes.replicas.quorums`). The Lighthouse leaves out of a quorum a
 # group whose last heartbeat is older than the timeout (`quorum_compute`, below), so on a
 # busy machine two quorums can compute the same step (a CI run of this page had both
-# groups take step 0 alone); the group whose copy is dropped receives the other's state
-# at its next quorum. The time it took, and
+# groups take step 0 alone; another had group 1 take steps 0 to 8 in quorums of its own,
+# then die before it had joined group 0's); the group whose copy is dropped receives the
+# other's state at its next quorum. The time it took, and
 # what each group lost:
 
 # %%
