@@ -32,29 +32,73 @@ def _overlap(a, b) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def test_pages_run_two_at_a_time_and_one_that_must_run_alone_runs_alone(tmp_path, monkeypatch):
-    monkeypatch.setattr(execution, "ALONE", {"alone"})
-    pages = [_page(tmp_path, name, "time.sleep(2)") for name in ("alone", "first", "second", "third")]
+def _cells(folder, name: str, *cells: tuple[bool, str]):
+    """A page of code cells, (alone, body) each, that appends (name, cell, start, end) to cells.jsonl,
+    and its kernel's start as cell -1 (from /proc: when the process began, on the same clock)."""
+    source = f"""# %%
+import json, os, time
+ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # starttime, since boot
+began = time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+with open("cells.jsonl", "a") as log:
+    log.write(json.dumps([{name!r}, -1, began, began]) + "\\n")
+"""
+    for index, (alone, body) in enumerate(cells):
+        source += f"""
+# %%{' tags=["alone"]' if alone else ''}
+start = time.time()
+{body}
+with open("cells.jsonl", "a") as log:
+    log.write(json.dumps([{name!r}, {index}, start, time.time()]) + "\\n")
+"""
+    page = folder / f"{name}.py"
+    page.write_text(source)
+    return page
+
+
+def _cell_intervals(folder) -> dict[tuple[str, int], tuple[float, float]]:
+    lines = (folder / "cells.jsonl").read_text().splitlines()
+    return {(name, cell): (start, end) for name, cell, start, end in map(json.loads, lines)}
+
+
+def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_the_rest_of_its_page_does_not(
+        tmp_path):
+    measuring = _cells(tmp_path, "measuring", (False, "time.sleep(1.5)"), (True, "time.sleep(2)"),
+                       (False, "time.sleep(1)"))
+    others = [_cells(tmp_path, name, (False, "time.sleep(1)"), (False, "time.sleep(1)"))
+              for name in ("first", "second", "third", "fourth")]
     with execution.Execution(tmp_path / "cache", workers=2) as run:
-        futures = run.submit_all(execution.execution_order(pages, {}))
-    assert all(future.result().cells[0].cell_type == "code" for future in futures.values())
-    times = _intervals(tmp_path)
-    others = ("first", "second", "third")
-    assert not any(_overlap(times["alone"], times[name]) for name in others)
-    # first, as submitted: the second worker did not start a page while the first started the alone one
-    assert times["alone"][1] <= min(times[name][0] for name in others)
-    assert any(_overlap(times[a], times[b]) for a in others for b in others if a < b)  # two workers: two at once
+        futures = run.submit_all([measuring, *others])
+    assert all(future.result().cells for future in futures.values())
+    times = _cell_intervals(tmp_path)
+    alone = times["measuring", 1]
+    other_cells = {key: span for key, span in times.items() if key[0] != "measuring"}
+    assert len(other_cells) == 4 * 3  # each page's kernel start and two cells
+    assert not any(_overlap(alone, span) for key, span in other_cells.items() if key[1] >= 0)
+    assert not any(alone[0] < span[0] < alone[1] for key, span in other_cells.items() if key[1] == -1)
+    # the measuring page's other cells shared the machine: each ran beside another page's cell
+    for cell in (0, 2):
+        assert any(_overlap(times["measuring", cell], span) for key, span in other_cells.items() if key[1] >= 0)
+    # and the ordinary pages ran two at a time
+    assert any(_overlap(span, other) for (a, i), span in other_cells.items() for (b, j), other in other_cells.items()
+               if a < b and i >= 0 and j >= 0)
 
 
-def test_a_page_that_must_run_alone_waits_for_the_pages_submitted_before_it_and_one_worker_runs_them_all(
-        tmp_path, monkeypatch):
-    monkeypatch.setattr(execution, "ALONE", {"alone"})
-    pages = [_page(tmp_path, name, "time.sleep(1)") for name in ("before", "alone", "after")]
-    with execution.Execution(tmp_path / "cache", workers=1) as run:
-        futures = run.submit_all(pages)  # not in execution_order: an ordinary page ahead of the alone one
-        assert all(future.result(timeout=120).cells for future in futures.values())
-    times = _intervals(tmp_path)
-    assert times["before"][1] <= times["alone"][0] and times["alone"][1] <= times["after"][0]
+def test_alone_cells_in_a_row_at_the_end_and_failing_neither_hang_nor_keep_the_machine(tmp_path):
+    last = _cells(tmp_path, "last", (False, "pass"), (True, "time.sleep(0.5)"), (True, "time.sleep(0.5)"))
+    failing = _cells(tmp_path, "failing", (True, "raise ValueError('an alone cell that fails')"))
+    after = _cells(tmp_path, "after", (False, "time.sleep(0.5)"), (True, "pass"))
+    for workers in (1, 2):
+        with execution.Execution(tmp_path / f"cache-{workers}", workers=workers) as run:
+            futures = run.submit_all([last, failing, after])
+            assert future_result(futures[last]).cells and future_result(futures[after]).cells
+            with pytest.raises(execution.PageFailed, match="an alone cell that fails"):
+                future_result(futures[failing])
+    times = _cell_intervals(tmp_path)
+    assert times["last", 2][0] >= times["last", 1][1]
+
+
+def future_result(future):
+    return future.result(timeout=120)  # a page left waiting for the machine fails here instead of hanging
 
 
 def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_failed(tmp_path):
@@ -69,10 +113,10 @@ def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_
     assert list(_intervals(tmp_path)) == ["once"]  # the second run took it from the cache
 
 
-def test_the_pages_with_a_recorded_time_run_longest_first_after_those_that_run_alone():
+def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_one():
     pages = [ROOT / "tutorials" / f"{stem}.py" for stem in ("quickstart", "communication", "compile", "new_page")]
     order = execution.execution_order(pages, {"quickstart": 10.0, "communication": 20.0, "compile": 50.0})
-    assert [page.stem for page in order] == ["communication", "new_page", "compile", "quickstart"]
+    assert [page.stem for page in order] == ["new_page", "compile", "communication", "quickstart"]
 
 
 def test_a_page_whose_rendezvous_failed_in_gloo_is_executed_once_more_and_only_once(tmp_path):

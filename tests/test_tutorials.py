@@ -873,7 +873,7 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
     assert idle["GPipe", 1][0] > idle["GPipe", 8][0] and idle["GPipe", 1][1] > idle["GPipe", 8][1]
     # "near the formula": the two stages' mean within 0.1 of it, and 1F1B's "close" to GPipe's at the
     # same m. Beside another page's ranks, 1F1B's once differed from GPipe's by more than 0.1, hence the
-    # page runs alone (execution.ALONE); alone, one step's mean idle still varied by about 0.03 (0.13
+    # timed cell runs alone (tagged execution.ALONE); alone, one step's mean idle still varied by about 0.03 (0.13
     # to 0.21 for 1F1B, m=8), hence the fractions over three steps (seen alone: within 0.03 of GPipe's,
     # within 0.07 of the formula).
     mean = {key: (stage0 + stage1) / 2 for key, (stage0, stage1, _) in idle.items()}

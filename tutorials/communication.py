@@ -61,9 +61,11 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # collective of *S* = 4 MiB, and after a second barrier (every rank has then received, so
 # every rank has sent, its part) rank 0 reads it again. No rank can send before rank 0's
 # first read: they wait for rank 0 in the barrier that follows it. The barriers' own few
-# bytes are measured the same way around nothing, and subtracted:
+# bytes are measured the same way around nothing, and subtracted. The counter is the whole
+# machine's, so nothing else may send meanwhile: the site's build runs the cells that read
+# it (tagged `alone`) while no other page's cell runs.
 
-# %%
+# %% tags=["alone"]
 from pathlib import Path
 
 import torch.distributed as dist
@@ -152,7 +154,7 @@ for world in (2, 4):
 #
 # (fsdp2-fully-shard-reshard-after-forward)=
 
-# %%
+# %% tags=["alone"]
 import torch.nn as nn
 
 WIDTH, LAYERS = 512, 4

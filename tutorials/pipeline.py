@@ -369,13 +369,14 @@ for (schedule, reshard, m), ranks in runs.items():
 # ("PipeDream-Flush") to be the same, (*p* - 1) / *m* of the ideal time.
 #
 # Timing it needs each stage on a CPU core of its own, or the stages would slow each other
-# down instead of waiting (the site's build runs this page with no other beside it). So
-# these runs are 2 ranks, one per stage, without `dp`, on a larger GPT so that computing
-# dominates each micro-batch. Each rank records its chunks in three steps after the first;
-# the table gives the three steps' mean time, and each stage's idle fraction of the three
-# together, since one step's varies by a few hundredths from the next's:
+# down instead of waiting: the site's build runs the next cell (tagged `alone`) while no
+# other page's cell runs. So these runs are 2 ranks, one per stage, without `dp`, on a
+# larger GPT so that computing dominates each micro-batch. Each rank records its chunks in
+# three steps after the first; the table gives the three steps' mean time, and each
+# stage's idle fraction of the three together, since one step's varies by a few
+# hundredths from the next's:
 
-# %%
+# %% tags=["alone"]
 import os
 
 TIMED = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=384)

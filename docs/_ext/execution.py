@@ -13,27 +13,26 @@ to ask for fewer, and each page starts up to 4 ranks of its own) and executes no
 from its project table, not the .py pages as jupytext reads them. The few lines below
 bound the concurrency and reuse its execution and caching.
 
-A page that reads a counter of the whole machine, or times its ranks against each other,
-runs alone (``ALONE``): the communication page counts the bytes on the loopback
-interface, which a concurrent page's ranks would add to; the pipeline page times its
-bubble with each stage on a core of its own, which a concurrent page's ranks would take
-(its idle fractions drifted by more than 0.1 once, with another page running beside it).
+A cell that reads a counter of the whole machine, or times ranks against each other, is
+tagged ``alone`` (``# %% tags=["alone"]``) and runs with no other page's cell running
+(``_Machine``): the communication page counts the bytes on the loopback interface, which a
+concurrent page's ranks would add to; the pipeline page times its bubble with each stage
+on a core of its own, which a concurrent page's ranks would take (its idle fractions
+drifted by more than 0.1 once, with another page running beside it). The rest of such a
+page (its kernel's start, its imports, its other cells) shares the machine as any page
+does: only the tagged cells keep the other pages waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import re
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-ALONE = {
-    "communication",  # reads /sys/class/net/lo/statistics/tx_bytes, the whole machine's loopback bytes
-    "pipeline",  # times its bubble: one core per stage
-}
+ALONE = "alone"  # the tag of a cell that runs with no other page's cell running
 
 # A rendezvous that failed in gloo's connectFullMesh ("Connection closed by peer") with two
 # processes launching at once: seen once in 350 package tests run two at a time
@@ -51,9 +50,9 @@ class Execution:
     """Executes pages (.py files jupytext reads) into the jupyter-cache at ``cache_path``.
 
     ``submit`` returns a future of the executed notebook; at most ``workers`` pages run at
-    once, and a page in ``ALONE`` runs with no other. A page whose code cells are already in
-    the cache is not executed again. Call ``close`` (or use it as a context manager) to wait
-    for every page submitted.
+    once, and a cell tagged ``alone`` runs while no other page's cell does. A page whose
+    code cells are already in the cache is not executed again. Call ``close`` (or use it as
+    a context manager) to wait for every page submitted.
     """
 
     def __init__(self, cache_path: str | Path, workers: int = 2, timeout: int = 180):
@@ -62,13 +61,12 @@ class Execution:
         self.cache, self.timeout = get_cache(str(cache_path)), timeout
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
-        self._alone = _AloneLock()
+        self._machine = _Machine()
         self._futures: dict[Path, Future] = {}
 
     def submit(self, page: Path) -> Future:
         if page not in self._futures:
-            ticket = self._alone.ticket(page.stem in ALONE)  # its place in line, taken now
-            self._futures[page] = self._pool.submit(self._execute_then_release, page, ticket)
+            self._futures[page] = self._pool.submit(self._execute, page)
         return self._futures[page]
 
     def submit_all(self, pages: Iterable[Path]) -> dict[Path, Future]:
@@ -84,13 +82,7 @@ class Execution:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _execute_then_release(self, page: Path, ticket: int):
-        try:
-            return self._execute(page, ticket)
-        finally:  # ran, came from the cache, or failed: the pages behind it may start
-            self._alone.release(ticket)
-
-    def _execute(self, page: Path, ticket: int):
+    def _execute(self, page: Path):
         import jupytext
         from jupyter_cache.base import CacheBundleIn
         from jupyter_cache.executors.utils import single_nb_execution
@@ -103,10 +95,10 @@ class Execution:
             except KeyError:
                 pass  # not executed yet
         for attempt in range(2):  # once more after a kernel crash or a TRANSIENT failure, and only once
-            with self._alone.held(ticket, page.stem in ALONE):
+            with self._machine.page() as before_cell:
                 try:
                     result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
-                                                 allow_errors=False)
+                                                 allow_errors=False, on_cell_execute=before_cell)
                 except DeadKernelError:  # the intermittent kernel crash (tests/conftest.py, KERNEL_CRASH)
                     if attempt:
                         raise
@@ -121,53 +113,71 @@ class Execution:
         return result.nb
 
 
-class _AloneLock:
-    """Shared by ordinary pages, exclusive for a page that must run alone: a readers-writer
-    lock whose places in line are taken when the pages are submitted, so that no page
-    submitted after one that must run alone starts before it has run (even when its worker
-    gets there first, as the second worker does while the first starts the alone page)."""
+class _Machine:
+    """The machine, shared by the pages that run at once, and taken whole by a cell tagged ``alone``.
+
+    A readers-writer lock with pages for readers, given up and taken again at each cell: a
+    page holds a share from before its kernel starts until its kernel has stopped, except
+    at a cell's start (nbclient's ``on_cell_execute`` hook, ``before_cell``). There it waits
+    while a cell tagged ``alone`` waits or runs; and a cell tagged ``alone`` waits there
+    until no other page holds a share, then holds the machine until its page's next
+    ordinary cell, or its end. So an alone cell starts once the other pages' running cells
+    have ended (a kernel starting counts as a cell), and none starts until it has ended.
+    Written by hand: neither the standard library nor nbclient has one.
+    """
 
     def __init__(self):
         self._condition = threading.Condition()
-        self._running = 0
-        self._alone = False
-        self._tickets = itertools.count()
-        self._waiting_alone: set[int] = set()  # tickets of the pages to run alone, not yet run
+        self._shares = 0  # pages running an ordinary cell, or starting or stopping their kernel
+        self._alone_waiting = 0
+        self._alone_running = False
 
-    def ticket(self, alone: bool) -> int:
-        with self._condition:
-            ticket = next(self._tickets)
-            if alone:
-                self._waiting_alone.add(ticket)
-            return ticket
-
-    def release(self, ticket: int) -> None:
-        with self._condition:
-            self._waiting_alone.discard(ticket)
-            self._condition.notify_all()
+    def _open(self) -> bool:
+        return not self._alone_running and not self._alone_waiting
 
     @contextlib.contextmanager
-    def held(self, ticket: int, alone: bool):
+    def page(self):
+        """Held while a page executes; yields the hook its kernel's client calls before each cell."""
+        holds_alone = False
+
+        def before_cell(cell, cell_index) -> None:
+            nonlocal holds_alone
+            alone = ALONE in cell.metadata.get("tags", [])
+            with self._condition:
+                if alone and holds_alone:
+                    return  # the page's next cell is alone too: it keeps the machine
+                self._give_up(holds_alone)
+                holds_alone = False
+                if alone:
+                    self._alone_waiting += 1
+                    self._condition.wait_for(lambda: self._shares == 0 and not self._alone_running)
+                    self._alone_waiting -= 1
+                    self._alone_running = holds_alone = True
+                else:
+                    self._condition.wait_for(self._open)
+                    self._shares += 1
+
         with self._condition:
-            if alone:
-                self._condition.wait_for(lambda: self._running == 0)
-            else:
-                self._condition.wait_for(lambda: not self._alone and min(self._waiting_alone, default=ticket) >= ticket)
-            self._running += 1
-            self._alone = alone
+            self._condition.wait_for(self._open)
+            self._shares += 1
         try:
-            yield
+            yield before_cell
         finally:
             with self._condition:
-                self._running -= 1
-                self._alone = False
-                self._condition.notify_all()
+                self._give_up(holds_alone)
+
+    def _give_up(self, holds_alone: bool) -> None:
+        """The page's share, or the whole machine (called with the condition held)."""
+        if holds_alone:
+            self._alone_running = False
+        else:
+            self._shares -= 1
+        self._condition.notify_all()
 
 
 def execution_order(pages: Iterable[Path], seconds: dict[str, float]) -> list[Path]:
-    """The pages that run alone first (nothing waits behind them then), then the longest first,
-    so that the last page to finish is a short one; pages with no recorded time lead."""
-    return sorted(pages, key=lambda page: (page.stem not in ALONE, -seconds.get(page.stem, float("inf"))))
+    """The longest first, so that the last page to finish is a short one; pages with no recorded time lead."""
+    return sorted(pages, key=lambda page: -seconds.get(page.stem, float("inf")))
 
 
 def recorded_seconds(root: Path) -> dict[str, float]:
