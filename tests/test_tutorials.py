@@ -431,7 +431,7 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         own, mean = float(line.split("rank 0's ")[1].split(",")[0]), float(line.split("mean over ranks ")[1])
         assert own > 1e-3 and mean < 1e-7  # this rank's own gradient; the average is eager's
     # the compiled optimizer step: one graph on DTensors, run every step, no collectives, close to eager
-    assert "compiled optimizer.step: 1 graph(s), with [24] DTensor inputs, for 24 parameters" in text
+    assert "compiled optimizer.step: 1 graph(s), with [14] DTensor inputs, for 14 parameters" in text
     assert "the compiled graph ran 3x in 3 steps" in text and "collectives in the steps: 0" in text
     difference = float(text.split("parameters after 3 steps vs eager AdamW: max |difference| ")[1].split()[0])
     assert 0 < difference < 1e-4
@@ -539,7 +539,7 @@ def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(ex
     assert "1437 training and 360 test images of shape (1, 8, 8)" in text
     epochs = [line for line in text.splitlines() if line.startswith("Train Epoch: ")]
     tests = [line for line in text.splitlines() if line.startswith("Test set: Average loss: ")]
-    assert len(epochs) == len(tests) == 8
+    assert len(epochs) == len(tests) == 5
     correct = int(tests[-1].split("Accuracy: ")[1].split("/")[0])
     assert correct / 360 >= 0.97
     assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text

@@ -152,32 +152,13 @@ def what_ran(fn):
 # ## Which backend
 #
 # `inductor`, torch's default, generates C++ (with OpenMP) for the CPU and Triton for
-# GPUs. On a CPU it needs a C++ compiler; where it has none, this page falls back to
-# `aot_eager`: the same graph capture (dynamo) and autograd tracing (AOTAutograd), run by
-# eager kernels. Each rank tries `inductor` on a tiny function on its own device (rank
-# 0's answer is used: here every rank is on the same machine):
-
-# %%
-def pick_backend():
-    """inductor where it compiles for this rank's device, else aot_eager."""
-    try:
-        torch.compile(lambda x: x * 2 + 1, backend="inductor")(torch.ones(4, device=fsdp_guide.device()))
-        return "inductor", "it compiled a test function"
-    except torch._dynamo.exc.BackendCompilerFailed as error:
-        return "aot_eager", str(error).splitlines()[0]
-    finally:
-        torch._dynamo.reset()
-
-
-BACKEND, why = launch(pick_backend, output="none")[0]
-print(f"backend for the cells below that say BACKEND: {BACKEND} ({why})")
-
-# %% [markdown]
-# Only the first comparison below uses `BACKEND`, because the numbers are where inductor
-# differs. Every other cell uses `aot_eager`: what they show (graphs, graph breaks,
-# guards, FSDP's hooks and collectives, the activations saved) is decided by dynamo and
-# AOTAutograd before a backend sees the graph, and inductor's C++ compile of each graph
-# would only add its time to this page.
+# GPUs. On a CPU it needs a C++ compiler; where it has none, the first comparison below
+# falls back to `aot_eager`: the same graph capture (dynamo) and autograd tracing
+# (AOTAutograd), run by eager kernels. It is the only one that uses `inductor`, because
+# the numbers are where inductor differs. Every other cell uses `aot_eager`: what they
+# show (graphs, graph breaks, guards, FSDP's hooks and collectives, the activations saved)
+# is decided by dynamo and AOTAutograd before a backend sees the graph, and inductor's C++
+# compile of each graph would only add its time to this page.
 
 # %% [markdown]
 # (compile-where)=
@@ -224,13 +205,18 @@ def compiled_where(where, backend):
 WHERE = ("eager", "each block, after fully_shard", "each block, before fully_shard", "whole model")
 
 
-def every_place(backend):
-    return {where: compiled_where(where, backend) for where in WHERE}
+def every_place():
+    """Each place compiled by inductor, or by aot_eager where inductor cannot compile for this rank's device."""
+    try:
+        return "inductor", {where: compiled_where(where, "inductor") for where in WHERE}
+    except torch._dynamo.exc.BackendCompilerFailed as error:
+        return f"aot_eager (inductor failed: {str(error).splitlines()[0]})", {
+            where: compiled_where(where, "aot_eager") for where in WHERE}
 
 
-results = launch(every_place, BACKEND, output="none")[0]
+backend, results = launch(every_place, output="none")[0]
 eager_losses, eager_params, *_ = results["eager"]
-print(f"backend: {BACKEND}")
+print(f"backend: {backend}")
 print(f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
       f"{'AG+RS':>6} {'compiled runs':>14}")
 for where, (losses, params, graphs, skipped, collectives, runs) in results.items():
@@ -714,14 +700,15 @@ for name in ROOT_PARAMS:
 # FSDP2 its parameters, gradients and AdamW's moments are DTensors. `foreach=True` is
 # AdamW's default for DTensors on GPUs (`_default_to_fused_or_foreach` in
 # `torch/optim/optimizer.py`; on the CPU the default is a loop over parameters), so the CPU
-# compiles the update a GPU run would. Three steps, eager and compiled, each step profiled:
+# compiles the update a GPU run would. Three steps on the one-block GPT above, eager and
+# compiled, each step profiled:
 
 # %%
 def optimizer_steps(compiled):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     log = CompileLog("aot_eager")
-    model = shard(build_model())
+    model = shard(build_model(ONE_BLOCK))  # the graph's size grows with the number of parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     step = torch.compile(optimizer.step, backend=log) if compiled else optimizer.step
     ran = Counter()

@@ -132,7 +132,7 @@ def test(model, loader, device):
 # returns the whole history to the notebook, which prints it.
 
 # %%
-def train_digits(api, epochs=8):
+def train_digits(api, epochs=5):
     device = fsdp_guide.device()  # this rank's GPU, or the CPU
     train_set, test_set = digits()
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=0)
