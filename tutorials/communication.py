@@ -31,7 +31,7 @@
 #   (`set_all_reduce_hook`).
 #
 # **What you need**: Linux (the bytes are read from the loopback interface's counter);
-# 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed
+# 2 and 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed
 # {ref}`at the end <communication-tips>`; every public FSDP2 name, and the page that
 # executes it, is in {ref}`fsdp2-map`.
 #

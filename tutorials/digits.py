@@ -20,7 +20,7 @@
 # part of every epoch through a `DistributedSampler`, with the training log summed over
 # ranks; and the same run with FSDP1 and FSDP2.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # code is written to run unchanged with one GPU per rank (NCCL). The data are the 1,797
 # 8x8 digits that ship inside scikit-learn: nothing is downloaded. The tips it uses are
 # listed {ref}`at the end <digits-tips>`.

@@ -28,7 +28,7 @@
 # - how to compute {term}`MFU` right, checked against a published run, and three ways to get it wrong.
 #
 # **What you need**: a CPU; 2 processes on gloo, 4 for one cell; transformers, for one
-# cell that builds Llama 3.1 8B's shapes without their memory; about 55 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# cell that builds Llama 3.1 8B's shapes without their memory; about 65 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
 # `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16),

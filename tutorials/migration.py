@@ -22,7 +22,7 @@
 # - how to carry an FSDP1 checkpoint (model and optimizer) over to FSDP2 and continue
 #   training where FSDP1 stopped.
 #
-# **What you need**: a CPU; 2 processes on gloo, about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo, about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips it demonstrates are listed {ref}`at the end <migration-tips>`.

@@ -30,7 +30,7 @@
 #   measured and drawn, the idle time (the *bubble*) against the schedule's formula, and
 #   how many micro-batches' activations each schedule keeps alive.
 #
-# **What you need**: a CPU; 4 processes on gloo, then 2; about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 processes on gloo, then 2; about 45 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the mesh and
 # the stages are built on {func}`fsdp_guide.device`. This page shows what runs, what is
 # exact and what the schedules do, not speed.
