@@ -11,6 +11,22 @@ import pytest
 from conftest import NOTEBOOKS, ROOT, TUTORIALS, sphinx
 
 
+
+# A cell's opening tag: myst-nb adds a class for each of the cell's tags (tag_alone, tag_remove-input).
+CELL = re.compile(r'<div class="cell(?: tag_[\w-]+)* docutils container"')
+
+
+def _cell_start(html: str, at: int) -> int:
+    """Where the last cell opening before ``at`` starts, or -1."""
+    return max((m.start() for m in CELL.finditer(html, 0, at)), default=-1)
+
+
+def _cell_end(html: str, after: int) -> int | None:
+    """Where the next cell opening after ``after`` starts, or None (the page's end)."""
+    found = CELL.search(html, after)
+    return found.start() if found else None
+
+
 def test_the_site_shows_the_tested_executions_instead_of_running_the_tutorials_again(site, execution_cache):
     from jupyter_cache import get_cache
 
@@ -125,9 +141,9 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
             page = (site / "docs" / path).resolve().read_text()
             at = page.index(f'id="{anchor}"')
             cell = page.rfind("<div", 0, at + 1)
-            assert 'class="cell docutils container' in page[cell:at + 200], (href, "not a cell")
-            end = page.find('<div class="cell docutils container"', at)
-            shown = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end if end > 0 else None])).split())
+            assert CELL.search(page[cell:at + 200]), (href, "not a cell")
+            end = _cell_end(page, at)
+            shown = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end])).split())
             assert printed in shown, (href, printed)
         messages.append(printed)
     for reproduced in ("FSDP does not support deepcopy", "Cannot use ReduceOp.PREMUL_SUM with Gloo",
@@ -292,9 +308,9 @@ def test_every_link_of_the_fsdp2_map_lands_on_an_executed_cell_whose_code_uses_t
         html = (site / folder / f"{page}.html").read_text()
         # The label is the cell's id, or an empty span at the cell's start when it has several.
         at = html.index(f'id="{label(name)}"')
-        cell = html.rfind('<div class="cell docutils container"', 0, at)
-        assert re.fullmatch(r'<div class="cell docutils container" |<div [^>]*>\s*(<span id="[^"]+"></span>\s*)*<span ',
+        cell = _cell_start(html, at)
+        assert re.fullmatch(CELL.pattern + r' |<div [^>]*>\s*(<span id="[^"]+"></span>\s*)*<span ',
                             html[cell:at]), (name, "the label is not on a cell")
-        end = html.find('<div class="cell docutils container"', cell + 1)
-        code = htmllib.unescape(re.sub(r"<[^>]+>", "", html[cell:end if end > 0 else None]))
+        end = _cell_end(html, cell + 1)
+        code = htmllib.unescape(re.sub(r"<[^>]+>", "", html[cell:end]))
         assert pattern(name) in code, (name, page)
