@@ -165,6 +165,7 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert len(grads) == 2 and all(to_mean < 1e-5 and to_own > 1e-2 for to_mean, to_own, _ in grads)
     assert grads[1][2] == 0 < grads[0][2]  # rank 1's branch never used the expert
     assert line("-n, --native").startswith("-n, --native Collect stack traces from native extensions")
+    assert "LaunchError: rank 0 was killed by SIGTERM" in text  # its dump thread ended the hang, after both dumps
     spy0, spy1 = text.split("rank 0, main thread, innermost first")[1].split("tensors in the saved")[0].split(
         "rank 1, main thread")
     assert "pthread_cond_wait" in spy0 and "c10d::Work::wait" in spy0 and "c10d::wait_tensor" in spy0

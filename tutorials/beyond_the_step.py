@@ -472,7 +472,8 @@ print(f"exported EMA vs one process's:  largest difference {largest_difference(e
 import tempfile
 from pathlib import Path
 
-path = Path(tempfile.mkdtemp()) / "ema.pt"
+scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
+path = Path(scratch.name) / "ema.pt"
 torch.save(exported, path)  # rank 0's export, loaded into a plain model:
 plain = build_model()
 print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))

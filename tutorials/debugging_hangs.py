@@ -56,7 +56,8 @@ from torch.distributed.constants import default_pg_timeout
 from fsdp_guide import LaunchError, launch
 
 print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
-workdir = Path(tempfile.mkdtemp())
+scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
+workdir = Path(scratch.name)
 
 
 def mlp(layers=3):
@@ -564,14 +565,22 @@ print(*[" ".join(line.split()) for line in help_text.splitlines() if "--native" 
 
 # %% [markdown]
 # (debugging-hangs-py-spy)=
-# A thread in each rank runs `py-spy dump --native` on its own process after 3 seconds:
+# A thread in each rank runs `py-spy dump --native` on its own process after 2 seconds, when
+# both ranks wait. A hang never ends by itself: once both dumps are written, rank 0's thread
+# stops its own process (SIGTERM, as you would stop a hung job), and the launch stops rank 1.
+# Ending it there, rather than at a `timeout`, waits for py-spy however slow the machine is:
 
 # %%
 def py_spy_dump_after(seconds, where):
+    import signal
     import subprocess
     import threading
+    import time
 
     import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dumps = [Path(where, f"py-spy{r}.txt") for r in range(world_size)]
 
     def dump():
         try:
@@ -580,7 +589,12 @@ def py_spy_dump_after(seconds, where):
             text = done.stdout or done.stderr
         except (OSError, subprocess.TimeoutExpired) as error:  # not installed, or not allowed here
             text = f"py-spy could not run: {error}"
-        Path(where, f"py-spy{dist.get_rank()}.txt").write_text(text)
+        dumps[rank].with_suffix(".part").write_text(text)
+        dumps[rank].with_suffix(".part").rename(dumps[rank])  # whole or absent: the other ranks wait for it
+        if rank == 0:  # every dump written: end the hang
+            while not all(path.exists() for path in dumps):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Timer(seconds, dump).start()
 
@@ -590,7 +604,7 @@ def save_on_rank_0_only(where):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = sharded_mlp()
-    py_spy_dump_after(3, where)
+    py_spy_dump_after(2, where)
     if dist.get_rank() == 0:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         torch.save(full, Path(where, "model.pt"))
@@ -606,9 +620,9 @@ NATIVE = ("pthread_cond_wait", "std::condition_variable::wait", "c10d::")  # the
 PYTHON = {"wait_tensor", "DTensor.redistribute", "get_model_state_dict", "barrier", "save_on_rank_0_only"}
 
 try:
-    launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=8, output="none")
-except LaunchError as error:
-    print(f"{type(error).__name__}: {str(error).splitlines()[0][:60]} ...")
+    launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=120, output="none")
+except LaunchError as error:  # rank 0 ended itself once both dumps were written
+    print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
 for rank in (0, 1):
     dump = no_colours((workdir / f"py-spy{rank}.txt").read_text())
     if '"MainThread"' not in dump:  # py-spy's error: not installed, or not allowed to trace

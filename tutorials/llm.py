@@ -181,7 +181,8 @@ from pathlib import Path
 from fsdp_guide import launch
 from fsdp_guide.recipes.train_llm import train
 
-workdir = Path(tempfile.mkdtemp(prefix="llm-"))
+scratch = tempfile.TemporaryDirectory(prefix="llm-")  # deleted, with what the page wrote, when the kernel exits
+workdir = Path(scratch.name)
 straight = launch(train, dataclasses.replace(config, checkpoint_dir=str(workdir / "straight"), checkpoint_every=20),
                   world_size=2, output="none")[0]
 print(f"computed in {straight['dtype']}")

@@ -76,7 +76,8 @@ print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft
 # %%
 from transformers import LlamaConfig, LlamaForCausalLM
 
-workdir = Path(tempfile.mkdtemp())
+scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
+workdir = Path(scratch.name)
 path = workdir / "llama"
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

@@ -171,7 +171,8 @@ print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 # %%
 import tempfile
 
-CHECKPOINT = tempfile.mkdtemp(prefix="fsdp1-checkpoint-")
+scratch = tempfile.TemporaryDirectory(prefix="fsdp1-checkpoint-")  # deleted, with what the page wrote, when the kernel exits
+CHECKPOINT = scratch.name
 
 
 def fsdp1_saves_then_continues(path):

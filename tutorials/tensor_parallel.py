@@ -1050,7 +1050,8 @@ from pathlib import Path
 
 from fsdp_guide import checkpoint
 
-run_dir = Path(tempfile.mkdtemp(prefix="tensor-parallel-"))
+scratch = tempfile.TemporaryDirectory(prefix="tensor-parallel-")  # deleted, with what the page wrote, when the kernel exits
+run_dir = Path(scratch.name)
 
 
 def train_2d_and_save(directory):
