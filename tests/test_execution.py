@@ -60,6 +60,12 @@ def _cell_intervals(folder) -> dict[tuple[str, int], tuple[float, float]]:
     return {(name, cell): (start, end) for name, cell, start, end in map(json.loads, lines)}
 
 
+# A deadlock in the machine's lock would leave threads that `with Execution` waits for at its end: after
+# this long, pytest-timeout prints every thread's stack and ends the session instead of hanging.
+HANG = pytest.mark.timeout(300, method="thread")
+
+
+@HANG
 def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_the_rest_of_its_page_does_not(
         tmp_path):
     measuring = _cells(tmp_path, "measuring", (False, "time.sleep(1.5)"), (True, "time.sleep(2)"),
@@ -68,7 +74,7 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
               for name in ("first", "second", "third", "fourth")]
     with execution.Execution(tmp_path / "cache", workers=2) as run:
         futures = run.submit_all([measuring, *others])
-    assert all(future.result().cells for future in futures.values())
+    assert all(future.result().cells for future in futures.values())  # the with's end waited for them
     times = _cell_intervals(tmp_path)
     alone = times["measuring", 1]
     other_cells = {key: span for key, span in times.items() if key[0] != "measuring"}
@@ -83,6 +89,7 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
                if a < b and i >= 0 and j >= 0)
 
 
+@HANG
 def test_alone_cells_in_a_row_at_the_end_and_failing_neither_hang_nor_keep_the_machine(tmp_path):
     last = _cells(tmp_path, "last", (False, "pass"), (True, "time.sleep(0.5)"), (True, "time.sleep(0.5)"))
     failing = _cells(tmp_path, "failing", (True, "raise ValueError('an alone cell that fails')"))
@@ -90,15 +97,11 @@ def test_alone_cells_in_a_row_at_the_end_and_failing_neither_hang_nor_keep_the_m
     for workers in (1, 2):
         with execution.Execution(tmp_path / f"cache-{workers}", workers=workers) as run:
             futures = run.submit_all([last, failing, after])
-            assert future_result(futures[last]).cells and future_result(futures[after]).cells
+            assert futures[last].result().cells and futures[after].result().cells
             with pytest.raises(execution.PageFailed, match="an alone cell that fails"):
-                future_result(futures[failing])
+                futures[failing].result()
     times = _cell_intervals(tmp_path)
     assert times["last", 2][0] >= times["last", 1][1]
-
-
-def future_result(future):
-    return future.result(timeout=120)  # a page left waiting for the machine fails here instead of hanging
 
 
 def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_failed(tmp_path):

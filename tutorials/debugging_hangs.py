@@ -118,7 +118,7 @@ def evaluate(batches_on_rank_1, monitored=None, dumps=None):
     device = fsdp_guide.device()
     model = sharded_mlp()
     if dumps is not None:
-        dump_flight_recorder_after(2, dumps)  # defined below, with the flight recorder
+        dump_flight_recorder_after(2, dumps, then_stop=True)  # defined below, with the flight recorder
     batches = 2 if dist.get_rank() == 0 else batches_on_rank_1
     total = torch.zeros(1, device=device)
     with torch.no_grad():
@@ -203,17 +203,44 @@ except LaunchError:
 # which returns the recorder's `dump`, a pickle (`pickle_str` in `FlightRecorderDetail.hpp`),
 # the format torch's analyser loads. A thread started in each rank writes it 2 seconds after the model is built,
 # while the ranks hang, to `fr_trace_rank_<rank>` (a prefix then the rank, as
-# `DebugInfoWriter` in `FlightRecorder.hpp` names NCCL's dumps):
+# `DebugInfoWriter` in `FlightRecorder.hpp` names NCCL's dumps). A hang never ends by itself:
+# once every rank's dump is written, rank 0 stops its own process (SIGTERM, as you would stop
+# a hung job), and `launch` stops the others; ending there rather than at a `timeout` waits
+# for the dumps however slow the machine is:
 
 # %%
-def dump_flight_recorder_after(seconds, dumps):
+def write_then_rename(path, data):
+    """The whole file or none: another rank may be waiting for it to appear."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_bytes(data)
+    part.rename(path)
+
+
+def stop_once_written(paths):
+    """On rank 0: wait until every path exists, then stop this process."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        while not all(path.exists() for path in paths):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def dump_flight_recorder_after(seconds, dumps, then_stop=False):
     import threading
 
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
 
+    paths = [Path(dumps, f"fr_trace_rank_{rank}") for rank in range(dist.get_world_size())]
+
     def dump():
-        Path(dumps, f"fr_trace_rank_{dist.get_rank()}").write_bytes(c10d._dump_fr_trace())  # with stack traces
+        write_then_rename(paths[dist.get_rank()], c10d._dump_fr_trace())  # with stack traces
+        if then_stop:
+            stop_once_written(paths)
 
     Path(dumps).mkdir(exist_ok=True)
     threading.Timer(seconds, dump).start()
@@ -224,9 +251,9 @@ def flight_recorder(dumps, rank):
 
 
 try:
-    launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=5, output="none")
-except LaunchError as error:
-    print(f"{type(error).__name__}: {str(error).splitlines()[0][:60]} ...")
+    launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=120, output="none")
+except LaunchError as error:  # rank 0 ended itself once both dumps were written
+    print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
 for rank in (0, 1):
     print(f"rank {rank}'s last collectives (sequence number, operation, input sizes):")
     for entry in flight_recorder(workdir / "hang1", rank)["entries"][-3:]:
@@ -389,7 +416,7 @@ def train_with_a_branch(where, dumps=None):
 
 
 try:
-    launch(train_with_a_branch, str(workdir), str(workdir / "hang2"), world_size=2, backend="gloo", timeout=5,
+    launch(train_with_a_branch, str(workdir), str(workdir / "hang2"), world_size=2, backend="gloo", timeout=8,
            output="none")
 except LaunchError as error:
     for rank, stack in sorted(error.stacks.items()):
@@ -566,21 +593,16 @@ print(*[" ".join(line.split()) for line in help_text.splitlines() if "--native" 
 # %% [markdown]
 # (debugging-hangs-py-spy)=
 # A thread in each rank runs `py-spy dump --native` on its own process after 2 seconds, when
-# both ranks wait. A hang never ends by itself: once both dumps are written, rank 0's thread
-# stops its own process (SIGTERM, as you would stop a hung job), and the launch stops rank 1.
-# Ending it there, rather than at a `timeout`, waits for py-spy however slow the machine is:
+# both ranks wait; once both dumps are written, rank 0 stops, as with the flight recorder:
 
 # %%
 def py_spy_dump_after(seconds, where):
-    import signal
     import subprocess
     import threading
-    import time
 
     import torch.distributed as dist
 
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    dumps = [Path(where, f"py-spy{r}.txt") for r in range(world_size)]
+    paths = [Path(where, f"py-spy{rank}.txt") for rank in range(dist.get_world_size())]
 
     def dump():
         try:
@@ -589,12 +611,8 @@ def py_spy_dump_after(seconds, where):
             text = done.stdout or done.stderr
         except (OSError, subprocess.TimeoutExpired) as error:  # not installed, or not allowed here
             text = f"py-spy could not run: {error}"
-        dumps[rank].with_suffix(".part").write_text(text)
-        dumps[rank].with_suffix(".part").rename(dumps[rank])  # whole or absent: the other ranks wait for it
-        if rank == 0:  # every dump written: end the hang
-            while not all(path.exists() for path in dumps):
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGTERM)
+        write_then_rename(paths[dist.get_rank()], text.encode())
+        stop_once_written(paths)
 
     threading.Timer(seconds, dump).start()
 
