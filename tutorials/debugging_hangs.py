@@ -45,6 +45,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -250,10 +251,17 @@ def flight_recorder(dumps, rank):
     return pickle.loads((Path(dumps) / f"fr_trace_rank_{rank}").read_bytes())
 
 
+def how_it_ended(error):
+    """The rank that stopped and its signal; any other end (a timeout, an exception), as launch said it."""
+    if error.exit_code is not None and error.exit_code < 0:
+        return f"rank {error.rank} stopped by {signal.Signals(-error.exit_code).name}"
+    return str(error).splitlines()[0]
+
+
 try:
     launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=120, output="none")
-except LaunchError as error:  # rank 0 ended itself once both dumps were written
-    print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+except LaunchError as error:
+    print("the hang ended:", how_it_ended(error))
 for rank in (0, 1):
     print(f"rank {rank}'s last collectives (sequence number, operation, input sizes):")
     for entry in flight_recorder(workdir / "hang1", rank)["entries"][-3:]:
@@ -639,8 +647,8 @@ PYTHON = {"wait_tensor", "DTensor.redistribute", "get_model_state_dict", "barrie
 
 try:
     launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=120, output="none")
-except LaunchError as error:  # rank 0 ended itself once both dumps were written
-    print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+except LaunchError as error:
+    print("the hang ended:", how_it_ended(error))
 for rank in (0, 1):
     dump = no_colours((workdir / f"py-spy{rank}.txt").read_text())
     if '"MainThread"' not in dump:  # py-spy's error: not installed, or not allowed to trace
