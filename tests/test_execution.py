@@ -10,24 +10,6 @@ from conftest import ROOT
 import execution  # docs/_ext, put on sys.path by conftest
 
 
-def _page(folder, name: str, body: str):
-    """A py:percent page that appends (name, start, end) to times.jsonl after running body."""
-    page = folder / f"{name}.py"
-    page.write_text(f"""# %%
-import json, time
-start = time.time()
-{body}
-with open("times.jsonl", "a") as log:
-    log.write(json.dumps([{name!r}, start, time.time()]) + "\\n")
-""")
-    return page
-
-
-def _intervals(folder) -> dict[str, tuple[float, float]]:
-    lines = (folder / "times.jsonl").read_text().splitlines()
-    return {name: (start, end) for name, start, end in map(json.loads, lines)}
-
-
 def _overlap(a, b) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
@@ -58,6 +40,11 @@ with open("cells.jsonl", "a") as log:
 def _cell_intervals(folder) -> dict[tuple[str, int], tuple[float, float]]:
     lines = (folder / "cells.jsonl").read_text().splitlines()
     return {(name, cell): (start, end) for name, cell, start, end in map(json.loads, lines)}
+
+
+def _finished(folder) -> list[str]:
+    """The pages whose first cell ran to its end, in the order they did."""
+    return [name for name, cell in _cell_intervals(folder) if cell == 0]
 
 
 # A deadlock in the machine's lock would leave threads that `with Execution` waits for at its end: after
@@ -105,15 +92,15 @@ def test_alone_cells_in_a_row_at_the_end_and_failing_neither_hang_nor_keep_the_m
 
 
 def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_failed(tmp_path):
-    page = _page(tmp_path, "once", "print('executed')")
-    failing = _page(tmp_path, "failing", "raise ValueError('the cell that fails')")
+    page = _cells(tmp_path, "once", (False, "print('executed')"))
+    failing = _cells(tmp_path, "failing", (False, "raise ValueError('the cell that fails')"))
     with execution.Execution(tmp_path / "cache") as run:
-        assert run.submit(page).result().cells[0].outputs[0].text == "executed\n"
+        assert run.submit(page).result().cells[1].outputs[0].text == "executed\n"
         with pytest.raises(execution.PageFailed, match="ValueError: the cell that fails"):
             run.submit(failing).result()
     with execution.Execution(tmp_path / "cache") as run:  # a new run over the same cache
-        assert run.submit(page).result().cells[0].outputs[0].text == "executed\n"
-    assert list(_intervals(tmp_path)) == ["once"]  # the second run took it from the cache
+        assert run.submit(page).result().cells[1].outputs[0].text == "executed\n"
+    assert _finished(tmp_path) == ["once"]  # the second run took it from the cache
 
 
 def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_one():
@@ -123,15 +110,14 @@ def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_on
 
 
 def test_a_page_whose_rendezvous_failed_in_gloo_is_executed_once_more_and_only_once(tmp_path):
-    fails_once = _page(tmp_path, "fails_once", f"""import os
-if not os.path.exists("tried"):
+    fails_once = _cells(tmp_path, "fails_once", (False, f"""if not os.path.exists("tried"):
     open("tried", "w").close()
-    raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")""")
-    always = _page(tmp_path, "always", f"""open("attempts", "a").write("x")
-raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")""")
+    raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")"""))
+    always = _cells(tmp_path, "always", (False, f"""open("attempts", "a").write("x")
+raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")"""))
     with execution.Execution(tmp_path / "cache") as run:
         run.submit(fails_once).result()
         with pytest.raises(execution.PageFailed, match="connectFullMesh"):
             run.submit(always).result()
-    assert list(_intervals(tmp_path)) == ["fails_once"]
+    assert _finished(tmp_path) == ["fails_once"]
     assert (tmp_path / "attempts").read_text() == "xx"
