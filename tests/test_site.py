@@ -11,7 +11,6 @@ import pytest
 from conftest import NOTEBOOKS, ROOT, TUTORIALS, sphinx
 
 
-
 # A cell's opening tag: myst-nb adds a class for each of the cell's tags (tag_alone, tag_remove-input).
 CELL = re.compile(r'<div class="cell(?: tag_[\w-]+)* docutils container"')
 
