@@ -306,8 +306,9 @@ for first, last_step, averaged, healing in segments(quorums):
     print(f"{first:3}-{last_step:<3}  {groups:24} {', '.join(f'group {g}' for g in healing):20}")
 
 # %% [markdown]
-# The two groups are started together; when one reaches the Lighthouse first, it steps
-# alone until the other has joined and received its state, as a restarted group would.
+# The two groups are started together, and their workers wait for each other before the
+# first step (`_wait_for_every_worker`); when one still reaches the Lighthouse first, it
+# steps alone until the other has joined and received its state, as a restarted group would.
 # After group 1 loses rank 1, group 0 goes on alone for as long as group 1 takes to
 # restart; then group 1 receives the state at the step group 0 has reached, and both
 # average again. The table follows the final weights back step by step

@@ -6,7 +6,7 @@ runs a torchft Lighthouse on 127.0.0.1 and ``--groups`` replica groups, each sta
 its own ``torchrun --nproc-per-node=2 --max-restarts=1``: FSDP2 shards the model inside a
 group, and torchft's fault-tolerant all-reduce averages the gradients across the groups
 in each step's quorum (HSDP, with the replicate dimension made fault tolerant). In group
-1's first attempt, rank 1 dies (SIGKILL) after step ``--kill-at``; torchrun restarts that
+1's first attempt, rank 1 dies (SIGKILL) after step ``--kill-at`` (or its first step past it); torchrun restarts that
 group alone, its workers join the next quorum and receive the step, weights, optimizer
 state and schedule from a live group, over the process group, while the other groups go on
 stepping (once the Lighthouse has dropped group 1: see the page).
@@ -123,6 +123,20 @@ def _log(out: Path, group: int, rank: int, **record) -> None:
         log.write(json.dumps({"group": group, "rank": rank, **record, "time": time.time()}) + "\n")
 
 
+def _wait_for_every_worker(out: Path, groups: int, group: int, rank: int, timeout: float = 120) -> None:
+    """Every group's first step waits until all the workers are up, so that the groups begin in one
+    quorum: a group still starting (torchrun, imports, the model) on a busy machine joined a CI run's
+    quorum at step 12, after the others had stepped past --kill-at alone. A restarted worker finds
+    every file there and goes on."""
+    (out / f"ready-group{group}-rank{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(out.glob("ready-group*-rank*"))) < groups * RANKS_PER_GROUP:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fsdp_guide.recipes.replicas: not every group's workers were up within {timeout:g} s "
+                               f"(ready files in {out}: {sorted(path.name for path in out.glob('ready-*'))})")
+        time.sleep(0.05)
+
+
 def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.checkpointing.pg_transport import PGTransport
@@ -150,6 +164,7 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
         # the state to a rejoining group over the process group (HTTPTransport would serve it on every interface)
         checkpoint_transport=PGTransport(across, timeout=timeout, device=device),
     )
+    _wait_for_every_worker(out, groups, group, rank)
     while manager.current_step() < _stop_step(out):
         started = time.monotonic()
         manager.start_quorum()
@@ -169,7 +184,7 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
         # membership); torchft 0.2 has no public accessor for it.
         _log(out, group, rank, step=step, quorum=manager._quorum_id, participants=manager.num_participants(),
              participating=manager.is_participating(), committed=committed, loss=loss, attempt=attempt)
-        if group == 1 and rank == 1 and attempt == 0 and step == kill_at:
+        if group == 1 and rank == 1 and attempt == 0 and step >= kill_at:  # >=: group 1 may join or heal past it
             os.kill(os.getpid(), signal.SIGKILL)  # as a crash: no exception, no goodbye to the quorum
         # A step of a real model takes a while: the tiny one's would race through hundreds while group 1 restarts.
         time.sleep(max(0.0, step_seconds - (time.monotonic() - started)))
