@@ -32,8 +32,8 @@
 # - the fix for each, checked, and a symptom → tool → fix table.
 #
 # **What you need**: a CPU; 2 processes on gloo; `py-spy` for its section (the package's
-# `test` or `docs` extra); about 50 seconds on 2 CPU cores ({ref}`measured <measured-times>`), most of it spent waiting for
-# hangs to time out. The hangs run on gloo on purpose, even where GPUs are present
+# `test` or `docs` extra); about 50 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent waiting in
+# hangs, for a timeout or for the dumps. The hangs run on gloo on purpose, even where GPUs are present
 # (`backend="gloo"`): a gloo collective holds the calling Python line until it completes
 # (the stacks below find each rank on that line), where an NCCL rank would run on and hang
 # later ({ref}`on GPUs <debugging-hangs-gpu>`). The models are built on
