@@ -71,7 +71,8 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
     # A kernel's start is known to a clock tick (/proc's starttime): it began in [span[0], span[0] + tick). A
     # CI run had one at 1.2 ms before the alone cell's end, its first cell 0.57 s after: it began once the cell ended.
     tick = 1 / os.sysconf("SC_CLK_TCK")
-    assert not any(alone[0] < span[0] and span[0] + tick < alone[1] for key, span in other_cells.items() if key[1] == -1)
+    starts = [span[0] for key, span in other_cells.items() if key[1] == -1]
+    assert not any(alone[0] < start and start + tick < alone[1] for start in starts)
     # the measuring page's other cells shared the machine: each ran beside another page's cell
     for cell in (0, 2):
         assert any(_overlap(times["measuring", cell], span) for key, span in other_cells.items() if key[1] >= 0)
