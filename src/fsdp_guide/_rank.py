@@ -111,6 +111,25 @@ def _exit_when_parent_dies(run_dir: Path) -> None:
 
 
 _stacks_file = None  # kept open: faulthandler writes to its descriptor from a signal handler
+_fault_file = None  # the same, for a fatal signal
+
+
+def _report_fatal_signals(run_dir: Path, rank: int) -> None:
+    """On SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL, write every thread's Python stack to ``RUN_DIR/rankN.fault``.
+
+    A rank killed by such a signal raises no Python exception, so without this its
+    ``LaunchError`` could say only its exit code. faulthandler writes from its C signal
+    handler and then lets the signal kill the process as before (the exit code stays
+    ``-SIGNAL``); the launcher puts the report in the error. Enabled before anything else
+    runs, in cold and warm ranks alike (a warm rank does not inherit the server's setting:
+    this replaces it). The file's modification time is when the rank died, which orders
+    its death among the other ranks' failures (``launcher._Ranks._failure``).
+    """
+    import faulthandler
+
+    global _fault_file
+    _fault_file = open(run_dir / f"rank{rank}.fault", "w")  # noqa: SIM115
+    faulthandler.enable(file=_fault_file, all_threads=True)
 
 
 def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
@@ -128,6 +147,28 @@ def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     _stacks_file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")  # after register: the launcher
     _stacks_file.flush()  # signals only a rank whose file has this line (unhandled, the signal would kill it)
+
+
+def wait_for_every_rank(store, key: str, world_size: int, timeout: float) -> None:
+    """Wait, on the rendezvous store, until every rank has reached this point under ``key``.
+
+    Called before a rank tears its process group down. ``init_process_group`` is no
+    barrier (since torch 2.1 its own store barrier runs only with ``TORCH_DIST_INIT_BARRIER=1``):
+    gloo's ``connectFullMesh`` returns on a rank once its side of each pair is connected,
+    while a peer may still be waiting to see its side complete. A rank whose function makes
+    no collective then destroys the group and closes the pairs, and the peer, still inside
+    ``init_process_group`` (or inside a ``new_group`` the function made), fails with
+    ``Gloo connectFullMesh failed with ... Connection closed by peer``. That was the
+    intermittent failure of two launches at once: 12 of 300 trivial launches with a busy
+    machine beside them (``bench/stress_launch.py``), none once every rank waits here for
+    every other to have returned from the function (and so from every group's set-up) first.
+    """
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {key!r} within {timeout:g} s")
+        time.sleep(0.002)
 
 
 def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
@@ -173,6 +214,7 @@ def _finish_saves() -> None:
 
 def main() -> None:
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
+    _report_fatal_signals(run_dir, rank)
     _dump_stacks_when_asked(run_dir, rank)
     threading.Thread(target=_exit_when_parent_dies, args=(run_dir,), daemon=True).start()
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
@@ -188,6 +230,7 @@ def main() -> None:
             result = fn(*args, **kwargs)
             _finish_saves()
         if dist.is_initialized():  # the function may have torn it down itself
+            wait_for_every_rank(store, "fsdp_guide/returned", config["world_size"], config["collective_timeout"])
             dist.destroy_process_group()
         try:
             _write_result(run_dir, rank, ("ok", result, where, caught))

@@ -65,12 +65,17 @@ class LaunchError(RuntimeError):
     """A rank raised, died, or the ranks did not finish within ``timeout``.
 
     Attributes:
-        rank: the failing rank (``None`` for a timeout): the first to fail. Ranks often fail
-            only because a peer went away ("Connection reset by peer"), and the first to
-            exit is not always the cause, so the message also describes every other rank
-            that failed on its own.
+        rank: the failing rank (``None`` for a timeout): the root cause, the rank that failed
+            first. Ranks often fail only because a peer went away ("Connection reset by peer"),
+            and they may exit before it, so the order is when each rank raised (its own clock
+            reading as it caught the exception) or died (faulthandler's report, else when the
+            launcher saw it exit), and a rank whose error says only that a peer went away
+            comes after every rank that failed otherwise. The message lists the others as
+            consequences, each with its own words.
         failed: every rank that failed on its own, before the launch stopped the rest, with
             its exit code (negative: killed by that signal; 1: raised); empty for a timeout.
+        crashes: for each rank killed by SIGSEGV, SIGFPE, SIGABRT, SIGBUS or SIGILL, every
+            thread's Python stack at that moment, as ``faulthandler`` wrote it in the rank.
         ranks: the ranks the error is about (the failing rank, or every rank still running at the timeout).
         exit_code: the failing rank's exit code (negative: killed by that signal), ``None`` for a timeout.
         remote_traceback: the traceback text the failing rank printed, if it raised.
@@ -81,10 +86,11 @@ class LaunchError(RuntimeError):
     """
 
     def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=(),
-                 stacks=None, failed=None):
+                 stacks=None, failed=None, crashes=None):
         super().__init__(message)
         self.rank = rank
         self.failed = dict(failed or {})
+        self.crashes = dict(crashes or {})
         self.ranks = list(ranks)
         self.exit_code = exit_code
         self.remote_traceback = remote_traceback
@@ -316,18 +322,28 @@ def _world_size(asked: int | None) -> int:
 def _run_in_this_process(fn, args, kwargs, backend, timeout):
     import torch.distributed as dist
 
-    from fsdp_guide._rank import _finish_saves, init_process_group
+    from fsdp_guide._rank import _finish_saves, init_process_group, wait_for_every_rank
 
     created = not dist.is_initialized()
     if created:
         init_process_group(backend, timeout=timeout)
+    global _torchrun_launches
+    _torchrun_launches += 1
     try:
         result = fn(*args, **kwargs)
         _finish_saves()
+        if created and dist.is_initialized():  # no rank tears the group down while a peer still sets it up
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            wait_for_every_rank(_get_default_store(), f"fsdp_guide/returned/{_torchrun_launches}",
+                                dist.get_world_size(), timeout)
         return result
     finally:
         if created and dist.is_initialized():  # fn may have torn it down itself
             dist.destroy_process_group()
+
+
+_torchrun_launches = 0  # launches this torchrun rank ran in-process: each waits under a key of its own
 
 
 def _seconds(name: str, value, *, none_ok: bool) -> None:
@@ -419,7 +435,9 @@ class _Ranks:
         self.threads: list[threading.Thread] = []
         self.tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(world_size)]
         self.exits: dict[int, tuple[float, int]] = {}  # rank -> (when it exited, exit code)
+        self.exit_clock: dict[int, float] = {}  # rank -> time.time() when its exit was seen (the ranks' clock)
         self.exited = threading.Condition()
+        self._stopped = False
 
     def start(self) -> None:
         sock = _free_loopback_socket()
@@ -473,11 +491,13 @@ class _Ranks:
         self.threads.append(thread)
 
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
-        # One waiter per rank records when it exited: the first rank to fail is the
-        # root cause; the others often fail only because their peer went away.
-        code = proc.wait()
+        # One waiter per rank records when it exited (for the order of failures, and to end
+        # the wait). A cold rank is left a zombie until stop(): while it is one, its pid, and
+        # so its process group's id, cannot be given to another process (see _signal_group).
+        code = _exit_code_leaving_a_zombie(proc) if not self.warm else proc.wait()
         with self.exited:
             self.exits[rank] = (time.monotonic(), code)
+            self.exit_clock[rank] = time.time()
             self.exited.notify_all()
 
     def _forward(self, rank: int, pipe, stream: str) -> None:
@@ -573,8 +593,8 @@ class _Ranks:
             if not before.endswith("\n"):
                 continue  # the rank has not installed its handler yet: the signal would kill it
             with self.exited:
-                running = r not in self.exits and self.procs[r].poll() is None
-            if not running:  # exited (its pid may be reused): signal nothing
+                running = r not in self.exits and self.procs[r].returncode is None
+            if not running:  # exited (a warm rank's pid may be reused): signal nothing
                 continue
             try:
                 os.kill(self.procs[r].pid, STACKS_SIGNAL)
@@ -596,27 +616,75 @@ class _Ranks:
 
     def _failure(self) -> LaunchError:
         with self.exited:
-            failed = sorted(self._failed(), key=lambda r: self.exits[r][0])  # the first to exit first
+            failed = self._failed()
             running = [r for r in range(self.world_size) if r not in self.exits]
-        rank, code = failed[0], self.exits[failed[0]][1]
         stacks = self._stacks(running)  # where the others waited for it, before they are stopped
         self.stop()  # also drains the output, so the tails below are complete
+        failed = self._root_cause_first(failed)
+        crashes = {r: report for r in failed if (report := self._crash_report(r))}
+        rank, code = failed[0], self.exits[failed[0]][1]
+        message = f"rank {rank} {self._how(rank)}"
         remote_tb = self._traceback(rank)
         if remote_tb is not None:
-            message = f"rank {rank} raised {remote_tb.strip().splitlines()[-1]}\n\nTraceback from rank {rank}:\n{remote_tb}"
-        else:
-            message = f"rank {rank} {_describe_exit(code)}"
-        message += self._last_output(rank)
+            message += f"\n\nTraceback from rank {rank}:\n{remote_tb}"
+        message += self._crash_text(rank, crashes) + self._last_output(rank)
         for other in failed[1:]:
-            other_tb = self._traceback(other)
-            how = f"raised {other_tb.strip().splitlines()[-1]}" if other_tb else _describe_exit(self.exits[other][1])
-            message += f"\nAlso rank {other} {how}" + self._last_output(other)
+            message += (f"\nThen rank {other} {self._how(other)}" + self._crash_text(other, crashes)
+                        + self._last_output(other))
         stopped = [r for r in range(self.world_size) if r not in failed]
         if stopped:
             message += f"\nThe other ranks ({', '.join(map(str, stopped))}) were stopped." + _where(stacks)
         return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb,
-                           output=list(self.tails[rank]), stacks=stacks,
+                           output=list(self.tails[rank]), stacks=stacks, crashes=crashes,
                            failed={r: self.exits[r][1] for r in failed})
+
+    def _root_cause_first(self, failed: list[int]) -> list[int]:
+        """The failed ranks, the root cause first (see ``LaunchError.rank``).
+
+        The order in which the launcher sees the ranks exit is not the order in which they
+        failed: a rank that raised may take longer to exit than the peer its exit broke.
+        Each rank's failure has a time on the machine's one wall clock: a raise, the rank's
+        own reading as it caught the exception (taken before it exits, so before any peer
+        can see it gone); a fatal signal, the modification time of faulthandler's report
+        (written as it died); any other exit, when the launcher saw it (later than the
+        exit, so only the peer-gone rule below keeps such a rank ahead of the peers it broke)."""
+
+        def when(rank: int) -> float:
+            record = self._result(rank) if self._has_result(rank) else None
+            if record is not None and record[0] == "error":
+                return record[1]
+            fault = self.run_dir / f"rank{rank}.fault"
+            with contextlib.suppress(OSError):
+                if fault.stat().st_size:
+                    return fault.stat().st_mtime
+            return self.exit_clock[rank]
+
+        def peer_gone(rank: int) -> bool:
+            tb = self._traceback(rank)
+            return tb is not None and _PEER_GONE.search(tb.strip().splitlines()[-1]) is not None
+
+        return sorted(failed, key=lambda r: (peer_gone(r), when(r), r))
+
+    def _how(self, rank: int) -> str:
+        tb = self._traceback(rank)
+        return f"raised {tb.strip().splitlines()[-1]}" if tb is not None else _describe_exit(self.exits[rank][1])
+
+    def _crash_report(self, rank: int) -> str | None:
+        """faulthandler's report of a rank that died of a fatal signal, or None."""
+        if self.exits[rank][1] >= 0:
+            return None
+        try:
+            report = (self.run_dir / f"rank{rank}.fault").read_text(errors="replace").strip()
+        except OSError:
+            return None
+        return report or None
+
+    @staticmethod
+    def _crash_text(rank: int, crashes: dict[int, str]) -> str:
+        if rank not in crashes:
+            return ""
+        return (f"\nPython stacks of rank {rank} at the signal (faulthandler, most recent call first):\n"
+                + "\n".join(f"  {line}" for line in crashes[rank].splitlines()))
 
     def _traceback(self, rank: int) -> str | None:
         """The traceback this rank sent if it raised, else None."""
@@ -628,24 +696,34 @@ class _Ranks:
         return f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail) if tail else ""
 
     def stop(self) -> None:
-        """Stop every rank process and anything it started; idempotent."""
-        if not self.procs:
+        """Stop every rank process and anything it started; idempotent.
+
+        Signals only process groups that are still the ranks' own: a cold rank is reaped
+        here, after its group was signalled, never before (``_reap`` leaves it a zombie),
+        so its group's id cannot have passed to another process; a warm rank, which the
+        server reaps as it exits, only while its pid is not another process's
+        (``_signal_group``)."""
+        if self._stopped or not self.procs:
             return
-        for proc in self.procs:
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+        self._stopped = True
+        for rank, proc in enumerate(self.procs):
+            if not self._has_exited(rank):
+                _signal_group(proc, signal.SIGTERM, exited=False)
         deadline = time.monotonic() + _TERMINATE_GRACE_S
+        with self.exited:
+            while len(self.exits) < len(self.procs) and time.monotonic() < deadline:
+                self.exited.wait(max(0.0, deadline - time.monotonic()))
+        for rank, proc in enumerate(self.procs):  # stragglers, and children a rank left behind
+            _signal_group(proc, signal.SIGKILL, exited=self.warm and self._has_exited(rank))
+        for thread in self.threads:  # the reapers first: a cold rank is reaped by proc.wait() below, not before
+            thread.join(timeout=5)
         for proc in self.procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            _signal_group(proc, signal.SIGKILL)  # stragglers, and children a rank left behind
             proc.wait()
             proc.stdin.close()
-        for thread in self.threads:
-            thread.join(timeout=5)
+
+    def _has_exited(self, rank: int) -> bool:
+        with self.exited:
+            return rank in self.exits
 
 
 def _main_thread_stack(dump: str) -> str | None:
@@ -668,23 +746,67 @@ def _where(stacks: dict[int, str]) -> str:
         f"[rank{r}]\n" + "\n".join(f"  {line}" for line in stack.splitlines()) for r, stack in sorted(stacks.items()))
 
 
-def _signal_group(proc, sig: int) -> None:
-    """Signal a rank's process group: the rank and whatever it started.
+def _exit_code_leaving_a_zombie(proc: subprocess.Popen) -> int:
+    """Wait for a child's exit and return its code as ``Popen.returncode`` gives it, without
+    reaping it: ``proc.wait()`` reaps it later (``_Ranks.stop``)."""
+    if not hasattr(os, "waitid"):
+        return proc.wait()
+    while True:
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except InterruptedError:
+            continue
+        except ChildProcessError:  # reaped already (not by this module): Popen knows its code
+            return proc.wait()
+        if info is None:
+            continue
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        return -info.si_status if killed else info.si_status
 
-    A group's id is not given to another group while it has a member. A bare pid is:
-    once a rank has exited and been reaped, another process may get its number (pid_max
-    is 32768 on many Linux machines, and every thread takes one). So the rank alone is
-    signalled only while it is not known to have exited (a warm rank before its setsid).
+
+def _signal_group(proc, sig: int, *, exited: bool) -> None:
+    """Signal a rank's process group: the rank and whatever it started, but nothing else.
+
+    A process group's id is the pid of the rank that leads it (each rank starts a session of
+    its own), and Linux gives that number to a new process once no process holds it, as a
+    pid or as the id of its group (pid_max is 32768 on many machines, and every thread takes
+    a number): a process the user started with ``setsid``, another launch's rank or a
+    Jupyter kernel could then lead a group of that id, and be killed. So a group is
+    signalled only while its id is known to be the rank's:
+
+    - a cold rank: always, before ``stop`` reaps it (an unreaped zombie keeps its number);
+    - a warm rank (the server reaps it): while it has not exited (``exited=False``); after,
+      only while no process has its pid, that is while the group's id is held by the
+      children the rank left in it, or by nothing (the signal then finds no group). What
+      remains is the moment between that check and the signal, in which the number would
+      have to be given to a new process that also starts a session.
     """
+    if exited:
+        try:
+            os.kill(proc.pid, 0)
+        except ProcessLookupError:
+            pass  # no process has the number: the group, if any, is the rank's leftovers
+        except PermissionError:
+            return  # another user's process has the number: not ours
+        else:
+            return  # a live process has the number now: the group is not the rank's
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
-        if proc.poll() is not None:
+        if exited or proc.returncode is not None:
             return
         try:
-            os.kill(proc.pid, sig)
+            os.kill(proc.pid, sig)  # a warm rank before its setsid: its own pid, not yet reusable
         except (ProcessLookupError, PermissionError):
             pass
+
+
+# What a rank raises when only its peer went away: the peer's exit closed the connection
+# (gloo's pair.cc "Connection reset by peer" / "Connection closed by peer", a write into
+# it "Broken pipe"; the TCPStore's client the same, or its recv "got 0 bytes"), or NCCL
+# aborted the communicator. Such a rank is a consequence of another rank's failure.
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed"
+                        r"|failed to recv, got 0 bytes|NCCL communicator was aborted|ncclRemoteError", re.IGNORECASE)
 
 
 def _describe_exit(code: int) -> str:
