@@ -102,9 +102,7 @@ def torch(session: nox.Session, release: str) -> None:
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
-    # after 5 minutes instead of running into CI's limit. One test at a time: with two
-    # (pytest-xdist), two launches from two processes at once failed on torch 2.15 in gloo's
-    # connectFullMesh ("Connection closed by peer"), not yet understood.
+    # after 5 minutes instead of running into CI's limit. One test at a time: 2 cores.
     session.run("pytest", "--timeout=300", "--durations=15", *ignored, *session.posargs)
 
 

@@ -114,15 +114,13 @@ def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_on
     assert [page.stem for page in order] == ["new_page", "compile", "communication", "quickstart"]
 
 
-def test_a_page_whose_rendezvous_failed_in_gloo_is_executed_once_more_and_only_once(tmp_path):
-    fails_once = _cells(tmp_path, "fails_once", (False, f"""if not os.path.exists("tried"):
-    open("tried", "w").close()
-    raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")"""))
-    always = _cells(tmp_path, "always", (False, f"""open("attempts", "a").write("x")
-raise RuntimeError("{execution.TRANSIENT} with [pair.cc:547] Connection closed by peer")"""))
+def test_a_page_whose_rendezvous_failed_in_gloo_fails_at_once_without_a_retry(tmp_path):
+    # connectFullMesh's failure was retried until its cause was found and fixed (a rank
+    # tearing its group down while a peer was still joining): a page that fails with it now
+    # fails like any other, executed once.
+    always = _cells(tmp_path, "always", (False, """open("attempts", "a").write("x")
+raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")"""))
     with execution.Execution(tmp_path / "cache") as run:
-        run.submit(fails_once).result()
         with pytest.raises(execution.PageFailed, match="connectFullMesh"):
             run.submit(always).result()
-    assert _finished(tmp_path) == ["fails_once"]
-    assert (tmp_path / "attempts").read_text() == "xx"
+    assert (tmp_path / "attempts").read_text() == "x"
