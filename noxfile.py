@@ -5,6 +5,7 @@ with GPUs; `nox -s bench` measures speed."""
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -59,10 +60,10 @@ def tests(session: nox.Session) -> None:
 TORCH = {"oldest": ["torch==2.9.1", "torchao==0.16.0"], "newest": ["--upgrade", "torch", "torchao"]}
 # The package's own tests. Left out: the site (executing the pages, the built site, the
 # browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the pinned torch), the
-# GPU-run script (it executes the pages), and torchft's live recovery (torchft is the pages' library, not the
+# GPU-run script (it executes the pages), the noxfile's own checks (nox is not installed there), and torchft's live recovery (torchft is the pages' library, not the
 # package's; it passed on 2.9.1 and on 2.15 when added, and costs half a minute a session).
 SITE_TESTS = ["test_tutorials.py", "test_execution.py", "test_site.py", "test_browser.py", "test_device_generic.py",
-              "test_install.py", "test_gpu_run.py", "test_jupyter.py", "test_torchft.py"]
+              "test_install.py", "test_gpu_run.py", "test_jupyter.py", "test_torchft.py", "test_noxfile.py"]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
 # fallback, warm launches off, what a fork shares: numpy's state, the hash seed, the Hugging Face modules) and its
@@ -86,6 +87,42 @@ PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defin
                  "test_a_notebook_kernel_that_launched_shuts_down_by_itself"]
 
 
+# What one torch session may need on disk: PyPI's torch is the CUDA build, about 3 GB of
+# wheels that uv keeps in its cache and 5 GB unpacked in the environment (hard links from
+# the cache where both are on one filesystem); a new release comes with new wheels.
+TORCH_SESSION_BYTES = 10 * 10**9
+
+
+def free_space_problem(folders: list[Path], needed: int, installed: bool) -> str | None:
+    """Why a torch session would run out of disk, or None: said before the install starts,
+    not in the middle of an extraction (where an earlier CI run ran out)."""
+    if installed:
+        return None  # this release is in the environment already: nothing new to download
+    for folder in folders:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        if free < needed:
+            return (f"{existing} has {free / 1e9:.1f} GB free, and installing torch's CUDA wheels there needs about "
+                    f"{needed / 1e9:.0f} GB: free some (`uv cache prune` removes uv's unused archives, "
+                    "`uv cache clean` all of them; old environments in .nox/ can go) and run again")
+    return None
+
+
+def installed_torch(session: nox.Session) -> str | None:
+    """The torch version in this session's environment, or None."""
+    python = Path(session.virtualenv.location) / "bin" / "python"
+    if not python.exists():
+        return None
+    out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def uv_cache_dir() -> Path:
+    out = subprocess.run(["uv", "cache", "dir"], capture_output=True, text=True)
+    return Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else Path.home() / ".cache" / "uv"
+
+
 @nox.session(venv_backend="uv")  # uv: torch's CUDA wheels from PyPI in seconds, and no local cap on the version
 @nox.parametrize("release", list(TORCH), ids=list(TORCH))
 def torch(session: nox.Session, release: str) -> None:
@@ -95,6 +132,12 @@ def torch(session: nox.Session, release: str) -> None:
             if not line.startswith(("torch==", "torchao=="))]
     constraints = Path(session.create_tmp()) / "constraints-but-torch.txt"
     constraints.write_text("\n".join(pins) + "\n")
+    wanted = TORCH[release][0].partition("==")[2]  # "" for newest: whatever the index serves now
+    have = installed_torch(session)
+    problem = free_space_problem([uv_cache_dir(), Path(session.virtualenv.location)], TORCH_SESSION_BYTES,
+                                 installed=bool(have) and have.split("+")[0] == wanted)
+    if problem:
+        session.error(problem)
     session.install("--compile-bytecode", *TORCH[release])
     session.install("--compile-bytecode", "-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
                     "scikit-learn")

@@ -111,7 +111,9 @@ def launch(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results in rank order.
 
     Each rank is a fresh process with its default process group initialised
-    before ``fn`` runs and destroyed after, and with ``RANK``, ``LOCAL_RANK``,
+    before ``fn`` runs and destroyed once every rank has returned from it (a rank that
+    tears its group down while a peer is still setting it up breaks the peer's
+    ``init_process_group``: ``fsdp_guide._rank.wait_for_every_rank``), and with ``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun sets
     them. ``fn`` may be defined in a notebook cell or a script's ``__main__``:
     it is shipped by value. Return plain Python data (numbers, lists, dicts);
@@ -167,8 +169,10 @@ def launch(
 
     Raises:
         LaunchError: a rank raised (its traceback is in the message), died without
-            raising, or the ranks did not finish within ``timeout``. Every rank
-            process is stopped before it is raised.
+            raising (killed by a fatal signal: every thread's Python stack at that moment,
+            from ``faulthandler``), or the ranks did not finish within ``timeout``. The rank
+            that failed first is the one named; the ranks that failed because of it follow.
+            Every rank process is stopped before it is raised.
         KeyboardInterrupt: the wait was interrupted (Ctrl-C, Jupyter's stop button): raised
             once every rank is stopped, saying how many were.
         ValueError: ``world_size < 1`` (or, under torchrun, other than ``WORLD_SIZE``), an
