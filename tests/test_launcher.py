@@ -431,6 +431,74 @@ def test_ranks_whose_function_makes_no_collective_never_break_a_peer_still_joini
     assert results == [[0, 0]] * 60
 
 
+def _what_the_process_inherited(folder):
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    path = Path(folder) / f"rank{dist.get_rank()}"
+    path.write_text("checkpoint")
+    return {"mode": path.stat().st_mode & 0o777, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "nice": os.nice(0), "threads": torch.get_num_threads()}
+
+
+@pytest.fixture
+def restored_process_state():
+    import resource
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    nofile, nice = resource.getrlimit(resource.RLIMIT_NOFILE), os.nice(0)
+    yield
+    os.umask(umask)
+    resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+    assert os.nice(0) == nice or os.geteuid() == 0  # lowering it back needs root
+    if os.geteuid() == 0:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+def test_a_warm_rank_starts_with_the_umask_limits_and_nice_value_a_cold_one_would(tmp_path, monkeypatch,
+                                                                                  restored_process_state):
+    import resource
+
+    launch(int, world_size=2, output="none")  # the server starts with this process's state as it is now
+    os.umask(0o077)  # a notebook keeping its checkpoints private, after its first launch
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    os.setpriority(os.PRIO_PROCESS, 0, os.nice(0) + 3)
+    seen = {}
+    for warm in ("1", "0"):
+        monkeypatch.setenv("FSDP_GUIDE_WARM", warm)
+        (tmp_path / warm).mkdir()
+        seen[warm] = launch(_what_the_process_inherited, str(tmp_path / warm), world_size=2, output="none")
+    assert seen["1"] == seen["0"]
+    assert seen["1"][0]["mode"] == 0o600 and seen["1"][0]["nofile"] == 512 and seen["1"][0]["nice"] == os.nice(0)
+
+
+def test_omp_num_threads_0_gives_warm_and_cold_ranks_the_same_result(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # a job script's $((cores / ranks)) rounded down
+    seen = {}
+    for warm in ("1", "0"):
+        monkeypatch.setenv("FSDP_GUIDE_WARM", warm)
+        (tmp_path / warm).mkdir()
+        seen[warm] = [r["threads"] for r in launch(_what_the_process_inherited, str(tmp_path / warm), world_size=2,
+                                                   output="none")]
+    assert seen["1"] == seen["0"] and all(threads >= 1 for threads in seen["1"])
+
+
+def test_a_warm_rank_whose_set_up_raises_is_reported_as_raising(monkeypatch):
+    from fsdp_guide import _warm
+
+    launch(int, world_size=2, output="none")  # a warm server
+    # Each rank's set-up (environment, working directory, umask, seeds) runs in the forked
+    # rank; a failure there (here: a working directory that is gone) must read as a raise.
+    monkeypatch.setattr(_warm.os, "getcwd", lambda: "/nonexistent/fsdp-guide-test")
+    with pytest.raises(LaunchError) as info:
+        launch(int, world_size=2, output="none")
+    assert "raised FileNotFoundError" in str(info.value) and "/nonexistent/fsdp-guide-test" in str(info.value)
+    assert "without raising a Python exception" not in str(info.value)
+
+
 def _sleep(seconds):
     print("working")
     time.sleep(seconds)

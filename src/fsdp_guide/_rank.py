@@ -212,7 +212,10 @@ def _finish_saves() -> None:
         checkpoint._wait_in_flight()
 
 
-def main() -> None:
+def main(prepare=None) -> None:
+    """Run this rank. ``prepare``: what a warm rank does first to look like a cold one
+    (``_warm._fresh_state``), inside the same error handling as the function: a failure
+    there is reported with its traceback, as the same failure in a cold rank would be."""
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
     _report_fatal_signals(run_dir, rank)
     _dump_stacks_when_asked(run_dir, rank)
@@ -220,6 +223,8 @@ def main() -> None:
     config = pickle.loads((run_dir / "config.pkl").read_bytes())
     sys.path[:] = config["sys_path"]  # a warm rank was forked with the server's (a cold one has it already)
     try:
+        if prepare is not None:
+            prepare()
         fn, args, kwargs = pickle.loads((run_dir / "payload.pkl").read_bytes())
         import torch.distributed as dist
 

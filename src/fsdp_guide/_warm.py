@@ -19,6 +19,7 @@ arguments and ``sys.path`` before running :func:`fsdp_guide._rank.main`, which a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import logging
@@ -259,6 +260,7 @@ class _Rank:
 
     def __init__(self, argv: list[str], env: dict, cwd: str):
         self.argv, self.env, self.cwd = argv, env, cwd
+        self.state = _ProcessState.of_this_process()
 
     def _bootstrap(self, parent_sentinel) -> int:
         global forked
@@ -273,17 +275,55 @@ class _Rank:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
                                       errors="backslashreplace")
-        os.environ.clear()
-        os.environ.update(self.env)
-        if store:
-            os.environ["FSDP_GUIDE_STORE_FD"] = str(store[0])
-        os.chdir(self.cwd)
         sys.argv = ["-c", *self.argv]
-        _fresh_state()
+
+        def prepare() -> None:  # inside main's error handling: a failure here is reported as the rank's
+            os.environ.clear()
+            os.environ.update(self.env)
+            if store:
+                os.environ["FSDP_GUIDE_STORE_FD"] = str(store[0])
+            os.chdir(self.cwd)
+            self.state.apply()
+            _fresh_state()
+
         from fsdp_guide._rank import main
 
-        main()  # sets sys.path from the launch, runs the function, and always ends with os._exit
+        main(prepare=prepare)  # sets sys.path from the launch, runs the function, and always ends with os._exit
         return 1
+
+
+class _ProcessState:
+    """What a cold rank inherits from the launching process besides its environment and working
+    directory, and a fork of the server would not: the umask (a notebook's ``os.umask(0o077)``
+    must keep its checkpoints private), the resource limits, the nice value and the blocked
+    signals, as they are when the launch starts."""
+
+    def __init__(self, umask: int, limits: dict, nice: int | None, blocked: set):
+        self.umask, self.limits, self.nice, self.blocked = umask, limits, nice, blocked
+
+    @classmethod
+    def of_this_process(cls) -> _ProcessState:
+        import resource
+
+        umask = os.umask(0o022)
+        os.umask(umask)  # reading the umask means setting it: put it back at once
+        limits = {name: resource.getrlimit(getattr(resource, name))
+                  for name in dir(resource) if name.startswith("RLIMIT_")}
+        nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None
+        blocked = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        return cls(umask, limits, nice, blocked)
+
+    def apply(self) -> None:
+        import resource
+
+        os.umask(self.umask)
+        for name, (soft, hard) in self.limits.items():
+            with contextlib.suppress(ValueError, OSError):  # a hard limit the server cannot raise back stays lower
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+        if self.nice is not None:
+            with contextlib.suppress(OSError):  # a lower nice value than the server's needs privileges
+                os.setpriority(os.PRIO_PROCESS, 0, self.nice)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.blocked)
 
 
 def _fresh_state() -> None:
@@ -305,5 +345,5 @@ def _fresh_state() -> None:
     if "numpy.random" in sys.modules:  # imported by the server (transformers imports it): its global state too
         sys.modules["numpy.random"].seed()  # no argument: fresh entropy, as numpy seeds itself at import
     threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
+    if threads and threads.isdigit() and int(threads) > 0:  # 0 or junk: torch's default, as a cold rank's import takes it
         torch.set_num_threads(int(threads))  # the server imported torch before this launch chose the count
