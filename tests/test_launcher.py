@@ -755,6 +755,57 @@ def test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_t
             sleeper.wait()
 
 
+def _touch(path):
+    Path(path).touch()
+
+
+def _returns_an_object_of_a_module_only_the_rank_imports(folder):
+    import sys
+
+    sys.path.insert(0, folder)
+    import only_in_the_rank
+
+    return only_in_the_rank.Thing()
+
+
+def test_a_result_this_process_cannot_rebuild_is_a_launch_error_naming_the_rank(tmp_path):
+    (tmp_path / "only_in_the_rank.py").write_text("class Thing:\n    pass\n")
+    with pytest.raises(LaunchError) as info:
+        launch(_returns_an_object_of_a_module_only_the_rank_imports, str(tmp_path), world_size=2, output="none")
+    assert info.value.rank == 0
+    assert "rank 0 returned a value this process cannot rebuild: ModuleNotFoundError" in str(info.value)
+    assert "only_in_the_rank" in str(info.value) and "Return plain data" in str(info.value)
+
+
+def test_a_launch_log_that_cannot_be_written_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_GUIDE_LAUNCH_LOG", str(tmp_path / "missing" / "launches.jsonl"))
+    with pytest.raises(ValueError, match="FSDP_GUIDE_LAUNCH_LOG=.*which does not exist: name a file"):
+        launch(_touch, str(tmp_path / "ran"), world_size=2, output="none")
+    assert not (tmp_path / "ran").exists()  # refused before the work, not after it
+
+
+def test_a_launch_log_that_fails_while_recording_warns_and_keeps_the_results(tmp_path, monkeypatch):
+    log = tmp_path / "launches.jsonl"
+    monkeypatch.setenv("FSDP_GUIDE_LAUNCH_LOG", str(log))
+
+    def seven():
+        return 7
+
+    import shutil
+
+    from fsdp_guide import launcher
+
+    real_record = launcher._record
+
+    def record_after_the_folder_went(fn, world_size, where):
+        shutil.rmtree(tmp_path)  # the folder goes while the ranks work (a cleaned scratch folder)
+        real_record(fn, world_size, where)
+
+    monkeypatch.setattr(launcher, "_record", record_after_the_folder_went)
+    with pytest.warns(RuntimeWarning, match="could not be recorded there"):
+        assert launch(seven, world_size=2, output="none") == [7, 7]
+
+
 def _rank_0_returns_a_lock():
     import torch.distributed as dist
 

@@ -195,6 +195,7 @@ def launch(
         if (hazard := _restart_hazard(os.environ)) and os.environ["RANK"] == "0":
             warnings.warn(hazard, RuntimeWarning, stacklevel=2)
         return [_run_in_this_process(fn, args, kwargs, backend, collective_timeout)]
+    _check_launch_log()
     payload = _serialise(fn, args, kwargs)
     # Interrupts are noted, not raised where they land, until the ranks are stopped and the
     # run directory is gone: a second Ctrl-C (or stop button) cannot cut the cleanup short.
@@ -264,8 +265,25 @@ def _record(fn, world_size: int, ranks: list[dict]) -> None:
     _launches.append(entry)
     log = os.environ.get(_LAUNCH_LOG_ENV)
     if log:
-        with open(log, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        try:
+            with open(log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:  # the launch's results are not lost for a log line
+            warnings.warn(f"{_LAUNCH_LOG_ENV}={log!r}: this launch could not be recorded there ({exc})",
+                          RuntimeWarning, stacklevel=3)
+
+
+def _check_launch_log() -> None:
+    """A launch log that cannot be written is said before any rank starts, not after their work."""
+    log = os.environ.get(_LAUNCH_LOG_ENV)
+    if not log:
+        return
+    folder = Path(log).parent
+    if Path(log).is_dir() or not folder.is_dir() or not os.access(folder if not Path(log).exists() else log, os.W_OK):
+        what = ("is a directory" if Path(log).is_dir() else
+                f"is in {folder}, which does not exist" if not folder.is_dir() else "cannot be written")
+        raise ValueError(f"{_LAUNCH_LOG_ENV}={log!r} {what}: name a file this process can append to "
+                         f"(its folder must exist), or unset {_LAUNCH_LOG_ENV}")
 
 
 def _show_warnings(per_rank: list[list[tuple]]) -> None:
@@ -539,7 +557,7 @@ class _Ranks:
         if self._failed():
             self._let_the_others_exit(_CASCADE_S)
             raise self._failure()
-        records = [self._result(r) for r in range(self.world_size)]
+        records = [self._result_or_error(r) for r in range(self.world_size)]
         return [record[1] for record in records], [record[2] for record in records], [record[3] for record in records]
 
     def _wait_for_an_exit(self, deadline: float) -> bool:
@@ -568,6 +586,18 @@ class _Ranks:
 
     def _result(self, rank: int) -> tuple:
         return pickle.loads((self.run_dir / f"rank{rank}.pkl").read_bytes())
+
+    def _result_or_error(self, rank: int) -> tuple:
+        """A finished rank's record; a value this process cannot rebuild is the rank's failure."""
+        try:
+            return self._result(rank)
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling raises: the value's module, its class
+            self.stop()
+            raise LaunchError(
+                f"rank {rank} returned a value this process cannot rebuild: {type(exc).__name__}: {exc}. "
+                "Return plain data (numbers, strings, lists, dicts, tensors), or objects of modules this "
+                "process imports too (a module only the rank imported cannot be unpickled here).",
+                rank=rank, ranks=[rank], exit_code=0, output=list(self.tails[rank])) from None
 
     def _timeout(self, timeout: float) -> LaunchError:
         with self.exited:
@@ -654,7 +684,10 @@ class _Ranks:
         exit, so only the peer-gone rule below keeps such a rank ahead of the peers it broke)."""
 
         def when(rank: int) -> float:
-            record = self._result(rank) if self._has_result(rank) else None
+            try:
+                record = self._result(rank) if self._has_result(rank) else None
+            except Exception:  # noqa: BLE001 - an "ok" value this process cannot rebuild: no raise to date
+                record = None
             if record is not None and record[0] == "error":
                 return record[1]
             fault = self.run_dir / f"rank{rank}.fault"
@@ -692,7 +725,10 @@ class _Ranks:
 
     def _traceback(self, rank: int) -> str | None:
         """The traceback this rank sent if it raised, else None."""
-        record = self._result(rank) if self._has_result(rank) else None
+        try:
+            record = self._result(rank) if self._has_result(rank) else None
+        except Exception:  # noqa: BLE001 - an "ok" value this process cannot rebuild
+            return None
         return record[3] if record is not None and record[0] == "error" else None
 
     def _last_output(self, rank: int) -> str:
