@@ -13,8 +13,17 @@ def _text_outputs(notebook) -> str:
     chunks = []
     for cell in notebook.cells:
         for out in cell.get("outputs", []):
+            if "scrapbook" in out.get("metadata", {}):
+                continue  # a value glued for the prose (myst_nb.glue), shown in the text, not as output
             chunks.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
     return "".join(chunks)
+
+
+def _glued(notebook) -> dict:
+    """The values a page glued for its prose (``myst_nb.glue``), by name, as their text/plain."""
+    return {out["metadata"]["scrapbook"]["name"]: out["data"].get("text/plain")
+            for cell in notebook.cells for out in cell.get("outputs", [])
+            if "scrapbook" in out.get("metadata", {})}
 
 
 def test_every_tutorial_is_tested():
@@ -38,11 +47,14 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert every[1] >= 1.0 and every[3] >= 1.0  # a whole fp32 model allocated on each rank
     assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
     assert broadcast[0] <= 1.2  # rank 0: the mapped bf16 file (0.5 model sizes) plus its shard
-    # the prose's numbers: 1.1 private on each rank that reads; rank 0's resident 0.5 above its private part;
-    # rank 1's extra 0.1 to 0.2 over its shard (0.2 seen in CI, with another page executing beside
-    # it); the resident 0.9 when reading slices (sampled, so "about": within one printed step of the prose's figure)
-    assert all(abs(v - 1.1) <= 0.11 for v in (every[1], every[3])) and 0.4 <= broadcast[0] - broadcast[1] <= 0.6
-    assert 0.05 <= broadcast[3] - broadcast[4] <= 0.25 and all(abs(v - 0.9) <= 0.11 for v in (sliced[0], sliced[2]))
+    # The prose quotes this run's figures (glued); what it claims of them: rank 0's bf16 file shows
+    # in its resident memory, not its private part (the file is half the fp32 model; sampled, so
+    # most of it); rank 1's extra over its shard is a tensor at a time, never the model; reading
+    # slices, the resident memory is most of the file, more than the private shard.
+    assert broadcast[0] - broadcast[1] >= 0.3
+    assert broadcast[3] - broadcast[4] <= 0.5
+    assert all(resident > private for resident, private in ((sliced[0], sliced[1]), (sliced[2], sliced[3])))
+    assert _glued(executed["finetune_hf"]).keys() >= {"every_rank_private", "rank0_mapped", "rank1_extra", "sliced_resident"}
     assert "relative difference at the first step: 1e-06;" in text  # "about one part in a million"
     relative = float(text.split("largest relative difference: ")[1].split()[0])
     assert relative < 1e-4

@@ -138,25 +138,38 @@ def load_and_measure(how, path, warmup):
 ways = ["every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices"]
 measured = {how: launch(load_and_measure, how, path, warmup, world_size=2, output="none") for how in ways}
 
+from myst_nb import glue  # the figures the text below quotes, taken from this run
+
 print(f"peak rise while loading, in model sizes ({model_mb:.0f} MiB); all resident memory / the private part")
 print(f"{'':28} {'rank 0':>13} {'rank 1':>13} {'shard kept':>11}")
+in_sizes = {}
 for how, ranks in measured.items():
-    (rss0, private0, kept), (rss1, private1, _) = (tuple(v / model_mb for v in r) for r in ranks)
+    (rss0, private0, kept), (rss1, private1, _) = in_sizes[how] = tuple(tuple(v / model_mb for v in r) for r in ranks)
     print(f"{how:28} {rss0:5.1f} / {private0:3.1f} {rss1:7.1f} / {private1:3.1f} {kept:10.2f}")
+every, broadcast, sliced = (in_sizes[how] for how in ways)
+glue("every_rank_private", min(every[0][1], every[1][1]), display=False)
+glue("rank0_mapped", broadcast[0][0] - broadcast[0][1], display=False)
+glue("rank1_extra", broadcast[1][1] - broadcast[0][2], display=False)
+glue("sliced_resident", min(sliced[0][0], sliced[1][0]), display=False)
 
 # %% [markdown]
+# The figures in this text are this run's, taken from the table by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the table above.
+#
 # Read the private part first: it is memory the rank allocated, which nothing else can use
 # and which the kernel cannot drop under pressure, as it can clean file pages (sampled every
 # millisecond, so a lower bound on the peak). When every rank reads, each builds the whole
-# fp32 model (about 1.1 model sizes, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
+# fp32 model ({glue:text}`every_rank_private:.1f` model sizes or more, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
 # forces that copy) before sharding frees all but its half. With
 # {func}`fsdp_guide.hf.from_pretrained`, rank 0's full copy is the file itself: safetensors
-# maps it rather than copying it, so it shows in the resident total only (0.5 model sizes:
-# the bf16 file), as file pages the kernel shares and can drop. Rank 1 receives the
+# maps it rather than copying it, so it shows in the resident total only ({glue:text}`rank0_mapped:.1f` model
+# sizes more than the private part; the bf16 file is 0.5), as file pages the kernel shares and can drop. Rank 1 receives the
 # broadcast one tensor at a time, each allocated whole before it copies out its slice
-# (its extra, 0.1 to 0.2 from run to run, more on a busy machine; `_broadcast_state_dict` and `_broadcast_tensors` in
+# (its extra over its shard, {glue:text}`rank1_extra:.1f` model sizes in this run: a tensor, never the model, though
+# it varies from run to run, and a busy machine's sampling can miss it; `_broadcast_state_dict` and `_broadcast_tensors` in
 # `torch/distributed/_state_dict_utils.py`). Reading its own slices, each rank's private
-# memory is its shard; the resident, about 0.9, shows that the pages mapped around those slices come to most of the file.
+# memory is its shard; the resident, {glue:text}`sliced_resident:.1f` here, shows that the pages mapped around those
+# slices come to most of the file.
 
 # %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
 import matplotlib.pyplot as plt
