@@ -29,13 +29,24 @@ with open("cells.jsonl", "a") as log:
         source += f"""
 # %%{' tags=["alone"]' if alone else ''}
 start = time.time()
+open("running-{name}-{index}", "w").close()
 {body}
+os.remove("running-{name}-{index}")
 with open("cells.jsonl", "a") as log:
     log.write(json.dumps([{name!r}, {index}, start, time.time()]) + "\\n")
 """
     page = folder / f"{name}.py"
     page.write_text(source)
     return page
+
+
+# A cell body that returns once a cell of another page is running (each cell marks itself
+# running-<page>-<cell> while it runs), and fails after 120 s: a lock that kept the pages apart
+# would never let it see one.
+UNTIL_ANOTHER_PAGE_RUNS = """deadline = time.time() + 120
+while not any(not p.name.startswith("running-{name}-") for p in __import__("pathlib").Path(".").glob("running-*")):
+    assert time.time() < deadline, "no other page's cell ran beside this one"
+    time.sleep(0.01)"""
 
 
 def _cell_intervals(folder) -> dict[tuple[str, int], tuple[float, float]]:
@@ -56,8 +67,8 @@ HANG = pytest.mark.timeout(300, method="thread")
 @HANG
 def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_the_rest_of_its_page_does_not(
         tmp_path):
-    measuring = _cells(tmp_path, "measuring", (False, "time.sleep(1.5)"), (True, "time.sleep(2)"),
-                       (False, "time.sleep(1)"))
+    waits = UNTIL_ANOTHER_PAGE_RUNS.format(name="measuring")
+    measuring = _cells(tmp_path, "measuring", (False, waits), (True, "time.sleep(2)"), (False, waits))
     others = [_cells(tmp_path, name, (False, "time.sleep(1)"), (False, "time.sleep(1)"))
               for name in ("first", "second", "third", "fourth")]
     with execution.Execution(tmp_path / "cache", workers=2) as run:
@@ -73,7 +84,8 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
     tick = 1 / os.sysconf("SC_CLK_TCK")
     starts = [span[0] for key, span in other_cells.items() if key[1] == -1]
     assert not any(alone[0] < start and start + tick < alone[1] for start in starts)
-    # the measuring page's other cells shared the machine: each ran beside another page's cell
+    # the measuring page's other cells shared the machine: each ran beside another page's cell (each
+    # waited until one ran: the other pages have cells left both before and after the alone cell)
     for cell in (0, 2):
         assert any(_overlap(times["measuring", cell], span) for key, span in other_cells.items() if key[1] >= 0)
     # and the ordinary pages ran two at a time
