@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
@@ -877,31 +876,34 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
             assert gathers == units and gathered == pytest.approx(whole[stage], abs=0.01) and after_f == after_b
         assert alive == (m if schedule == "GPipe" else 2 - stage)  # 1F1B: the stages from this one to the last
 
-    # GPipe                 1     0.328          0.53          0.48          0.50
-    idle = {(fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]))
+    # GPipe                 1     0.328          0.53          0.48          0.50         0.02
+    idle = {(fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))
             for fields in (line.split() for line in text.splitlines())
-            if len(fields) == 6 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]}
+            if len(fields) == 7 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]}
     assert set(idle) == {("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)}
     assert all(idle["GPipe", m][2] == pytest.approx(1 / (m + 1), abs=0.005) for m in (1, 2, 4, 8))  # p = 2
-    # m=1 leaves each stage idle while the other computes (about half the step); m=8 far less
-    assert idle["GPipe", 1][0] > idle["GPipe", 8][0] and idle["GPipe", 1][1] > idle["GPipe", 8][1]
-    # "near the formula": the two stages' mean within 0.1 of it, and 1F1B's "close" to GPipe's at the
-    # same m. Beside another page's ranks, 1F1B's once differed from GPipe's by more than 0.1, hence the
-    # timed cell runs alone (tagged execution.ALONE); alone, one step's mean idle still varied by about 0.03 (0.13
-    # to 0.21 for 1F1B, m=8), hence the fractions over three steps (seen alone: within 0.03 of GPipe's,
-    # within 0.07 of the formula).
-    mean = {key: (stage0 + stage1) / 2 for key, (stage0, stage1, _) in idle.items()}
-    assert all(abs(mean[key] - formula) < 0.1 for key, (_, _, formula) in idle.items()), idle
-    assert all(abs(mean["1F1B", m] - mean["GPipe", m]) < 0.1 for m in (4, 8)), idle
+    assert all(0 <= v < 1 for values in idle.values() for v in values[:2])  # a NaN fails here too
+    # The claims, each with the margin this run's own step-to-step spread justifies (the timed cell runs
+    # alone among the pages, but a busy machine still stretches some chunks: seen beside another page,
+    # 1F1B's fraction once differed from GPipe's by more than 0.1, with steps varying as much):
+    mean = {key: (stage0 + stage1) / 2 for key, (stage0, stage1, _, _) in idle.items()}
+    spread = {key: values[3] for key, values in idle.items()}
+    # - more micro-batches, a smaller bubble: m = 1 and 2 against m = 4 and 8 (the formula's gaps: 0.17 to 0.39)
+    assert all(mean["GPipe", few] - mean["GPipe", many] > 0.1 - spread["GPipe", few] - spread["GPipe", many]
+               and mean["GPipe", few] > mean["GPipe", many] for few, many in ((1, 4), (1, 8), (2, 8))), idle
+    # - "near the formula": within 0.1 of it, beyond what the steps themselves varied
+    assert all(abs(mean[key] - formula) < 0.1 + spread[key] for key, (_, _, formula, _) in idle.items()), idle
+    # - 1F1B's bubble close to GPipe's at the same m
+    assert all(abs(mean["1F1B", m] - mean["GPipe", m]) < 0.1 + spread["1F1B", m] + spread["GPipe", m]
+               for m in (4, 8)), idle
 
+    # The order of each stage's chunks, from when each started: fixed by the schedule, whatever the timing.
+    orders = dict(re.findall(r"(GPipe|1F1B), 4 micro-batches.*\n(?:stage.*\n){2}  stage 0 ran: (.*)\n", text))
+    orders1 = dict(re.findall(r"(GPipe|1F1B), 4 micro-batches.*\n(?:stage.*\n){2}.*\n  stage 1 ran: (.*)\n", text))
+    assert orders == {"GPipe": "0 1 2 3 a b c d", "1F1B": "0 1 a 2 b 3 c d"}  # stage 0: two forwards first
+    assert orders1 == {"GPipe": "0 1 2 3 a b c d", "1F1B": "0 a 1 b 2 c 3 d"}  # the last stage alternates
     drawn = re.findall(r"stage (\d) \|([0-9a-j.]+)\|", text)
-    assert len(drawn) == 4
-    runs = [[(ch, len(list(group))) for ch, group in itertools.groupby(row) if ch != "."] for _, row in drawn]
-    assert all(len({ch for ch, _ in run}) == len(run) for run in runs)  # each chunk drawn in one piece
-    gpipe0, gpipe1, f1b0, f1b1 = ("".join(ch for ch, _ in run) for run in runs)
-    assert gpipe0 == gpipe1 == "0123abcd"  # every forward, then every backward
-    assert f1b1 == "0a1b2c3d"  # the last stage alternates from the start
-    assert f1b0 == "01a2b3cd"  # stage 0: two forwards first (the stages from it to the last)
+    assert len(drawn) == 4  # the drawing of those steps (a chunk shorter than a column may hide under the next)
 
 
 def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_routes(executed):

@@ -420,21 +420,29 @@ def step_seconds(ranks):
 def bubble(ranks):
     """Each rank's idle fraction of the kept steps together: the time outside its chunks.
 
-    That includes waiting, and also what runs between chunks: the last stage's loss, the
-    gradient reduction and scaling after the last backward. Over several steps, because
-    one step's fraction varies by a few hundredths from one step to the next.
+    That includes waiting, and also what runs between chunks: the last stage's loss, and
+    after the last backward the schedule's ``perform_reduce_grad``, which here (no FSDP on
+    these stages) only divides the gradients by the number of micro-batches. Over several
+    steps, because one step's fraction varies from the next's (``spread``, printed).
     """
     busy = [sum(e - s for step in steps for _, _, s, e in step["spans"]) for steps in ranks]
     return [1 - b / sum(step_seconds(ranks)) for b in busy]
 
 
+def spread(ranks):
+    """How much the two stages' mean idle fraction varied from one kept step to the next (largest minus smallest)."""
+    means = [sum(1 - sum(e - s for _, _, s, e in steps[i]["spans"]) / seconds for steps in ranks) / len(ranks)
+             for i, seconds in enumerate(step_seconds(ranks))]
+    return max(means) - min(means)
+
+
 print(f"{os.cpu_count()} CPU cores here, one rank per stage")
 print(f"{'schedule':9} {'micro-batches':>13} {'step (s)':>9} {'idle, stage 0':>13} {'idle, stage 1':>13} "
-      f"{'(p-1)/(m+p-1)':>13}")
+      f"{'(p-1)/(m+p-1)':>13} {'step to step':>12}")
 for (schedule, m), ranks in timed.items():
     idle, p, seconds = bubble(ranks), len(ranks), step_seconds(ranks)
     print(f"{schedule:9} {m:13} {sum(seconds) / len(seconds):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
-          f"{(p - 1) / (m + p - 1):13.2f}")
+          f"{(p - 1) / (m + p - 1):13.2f} {spread(ranks):12.2f}")
 
 # %% [markdown]
 # The last kept step drawn from those records, one character per slice of time: a digit is a
@@ -456,10 +464,18 @@ def timeline(ranks, width=72):
     return "\n".join(rows)
 
 
+def order(r):
+    """The stage's chunks in the order they started: the schedule's order, whatever their lengths."""
+    return " ".join(str(chunk) if kind == "F" else chr(ord("a") + chunk) for kind, chunk, *_ in sorted(
+        r["spans"], key=lambda span: span[2]))
+
+
 for key in [("GPipe", 4), ("1F1B", 4)]:
     last = [steps[-1] for steps in timed[key]]
     print(f"{key[0]}, {key[1]} micro-batches, {max(r['seconds'] for r in last):.2f} s")
     print(timeline(last))
+    for rank, r in enumerate(last):
+        print(f"  stage {rank} ran: {order(r)}")
 
 # %% [markdown]
 # What the drawing shows:
@@ -467,8 +483,10 @@ for key in [("GPipe", 4), ("1F1B", 4)]:
 # - **The fill and the drain.** Stage 1 starts only when stage 0's first forward arrives,
 #   and finishes first, waiting while stage 0 runs its last backward: its bubble is at the
 #   two ends of its row. Stage 0's is in the middle, between its forwards and its
-#   backwards, waiting for the last stage's first gradients (and at its very end, FSDP's
-#   gradient reduction, which runs outside the chunks).
+#   backwards, waiting for the last stage's first gradients (and at its very end, the
+#   schedule's `perform_reduce_grad`, outside the chunks: these timed stages have no FSDP,
+#   so it only divides the gradients by the number of micro-batches; with FSDP it would also
+#   reduce-scatter them).
 # - **GPipe** runs every forward, then every backward; **1F1B**, after as many forwards as
 #   there are stages from it to the last, alternates one backward and one forward. Its
 #   steady state frees each micro-batch's activations as soon as it can (the "alive"
