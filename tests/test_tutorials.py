@@ -647,9 +647,11 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     stalls = {how: [float(ms) for ms in line[28:].split()] for line in text.splitlines()
               for how in ("slow storage, synchronous", "slow storage, asynchronous") if line.startswith(how)}
     assert all(ms > 500 for ms in stalls["slow storage, synchronous"])  # the half-second write, waited for
-    # step 20's write went on while training did: the asynchronous save skipped the half second
-    # the synchronous one waited (the foreground parts, both slower on a busy machine, are alike)
-    assert stalls["slow storage, synchronous"][0] - stalls["slow storage, asynchronous"][0] > 400
+    # step 20's write went on while training did: the asynchronous save's writes ran off the training
+    # thread, the synchronous one's on it (what the stall's difference shows, whatever the machine's load)
+    assert "\nsynchronous saves to slow storage: the half-second writes ran on training thread\n" in text
+    assert "asynchronous saves to slow storage: the half-second writes ran on background\n" in text
+    assert stalls["slow storage, asynchronous"][0] < stalls["slow storage, synchronous"][0]
     assert "losses equal the straight run: True" in text
     assert "published, by every run: [('step-00000020', 'step-00000040')]" in text
     for world_size in (4, 1):

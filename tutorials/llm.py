@@ -334,25 +334,34 @@ import time
 
 
 class SlowStorage(FileSystemWriter):
-    """A file system that takes half a second per rank's write, as a busy network file system may."""
+    """A file system that takes half a second per rank's write, as a busy network file system may.
+    It notes which thread wrote: training's own, or one in the background."""
 
     def write_data(self, plan, planner):
+        import threading
+
         time.sleep(0.5)
+        with open(workdir / "slow-writes.txt", "a") as log:
+            log.write("training thread\n" if threading.current_thread() is threading.main_thread() else "background\n")
         return super().write_data(plan, planner)
 
 
-runs = {}
+runs, writers = {}, {}
 for storage in ("local disk", "slow storage"):
     for mode in ("synchronous", "asynchronous"):
+        (workdir / "slow-writes.txt").write_text("")
         where = workdir / f"{storage} {mode}".replace(" ", "-")
         runs[storage, mode] = launch(train, dataclasses.replace(config, checkpoint_dir=str(where), checkpoint_every=20,
                                                                 async_checkpoint=mode == "asynchronous"),
                                      storage_writer=SlowStorage if storage == "slow storage" else None,
                                      world_size=2, output="none")[0]
         runs[storage, mode]["published"] = sorted(p.name for p in where.iterdir())
+        writers[storage, mode] = sorted(set((workdir / "slow-writes.txt").read_text().split("\n")) - {""})
 print(f"{'':28} {'training waited in the saves at steps 20 and 40, ms':>52}")
 for (storage, mode), run in runs.items():
     print(f"{storage + ', ' + mode:28} " + "  ".join(f"{1000 * s:8.1f}" for s in run["save_stall_s"]))
+for mode in ("synchronous", "asynchronous"):
+    print(f"{mode} saves to slow storage: the half-second writes ran on {' and '.join(writers['slow storage', mode])}")
 print("losses equal the straight run:", all(run["losses"] == straight["losses"] for run in runs.values()))
 print("published, by every run:", sorted({tuple(run["published"]) for run in runs.values()}))
 
@@ -363,7 +372,7 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 # for the first save the checkpoint group's creation); the numbers vary from run to run.
 # With storage that takes half a second to write, a synchronous save stops training for
 # that half second and more; the asynchronous one at step 20 costs about what it did on the
-# local disk, as the write goes on while steps 21 to 40 train. The save at step 40 is the
+# local disk, as the write goes on in the background (the last two lines) while steps 21 to 40 train. The save at step 40 is the
 # run's last, and the run waits for its write before it ends.
 #
 # %% [markdown]
