@@ -205,9 +205,12 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
     reference = float(text.split("one process: loss ")[1].split()[0])
     per_rank, times_ranks, factor_one = (rows(how)[0] for how in ("per-rank mean", "global count x ranks",
                                                                   "global count, divide factor 1"))
-    # the prose's 24%, and its logged losses: the mean of the ranks' means against one process's
-    assert per_rank[-1] == "2.4e-01" and per_rank[-2] == "5.542033" and reference == 5.543871
+    # what the prose says of its (glued) figures: the per-rank mean's gradient far from one process's, its
+    # logged loss off too; the global count's within float32 rounding
+    assert float(per_rank[-1]) > 0.1 and float(per_rank[-2]) != reference
     assert float(times_ranks[-1]) < 1e-6 and float(factor_one[-1]) < 1e-6
+    assert _glued(executed["loss_and_accumulation"]).keys() >= {"per_rank_error", "per_rank_logged",
+                                                                 "one_process_loss", "global_count_error"}
     assert float(times_ranks[-2]) == float(factor_one[-2]) == reference
     # gloo refuses FSDP's PREMUL_SUM; should it gain the op, the page says so and this fails on purpose
     assert "a rank raised RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo" in text

@@ -201,6 +201,13 @@ print(f"{'loss formed as':32} {'logged loss':>12} {'gradient error vs one proces
 for how, (logged, grads) in results.items():
     print(f"{how:32} {logged:12.6f} {relative_error(grads):30.1e}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("per_rank_error", relative_error(results["per-rank mean"][1]), display=False)
+glue("per_rank_logged", results["per-rank mean"][0], display=False)
+glue("one_process_loss", reference_loss, display=False)
+glue("global_count_error", max(relative_error(results[how][1]) for how in WAYS[1:]), display=False)
+
 # %% [markdown]
 # `set_force_sum_reduction_for_comms(True)` is there for gloo. With a divide factor other
 # than the shard group's size and a float32 or bfloat16 reduce dtype, FSDP2 otherwise
@@ -232,11 +239,15 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # (`FSDPModule.set_gradient_divide_factor` in `_fully_shard.py`), hence the loop over every
 # FSDP module.
 #
-# The per-rank mean's gradient is 24% away from one process's. FSDP averages the two
+# The figures below are this run's, glued from the table above (myst-nb's `glue`, whose
+# roles JupyterLab does not render: read them from the table there).
+#
+# The per-rank mean's gradient is {glue:text}`per_rank_error:.0%` away from one process's. FSDP averages the two
 # ranks' means, and a mean of means weighs each of rank 0's 75 tokens by 1/150 and each of
 # rank 1's 120 by 1/240, where one process weighs every token by 1/195. Its logged loss,
-# the mean of the ranks' means, is slightly off too (5.542033 against 5.543871). Divided by the global count, both ways of undoing FSDP's average
-# agree with one process to float32 rounding (the errors of order 1e-8 in the table): the
+# the mean of the ranks' means, is slightly off too ({glue:text}`per_rank_logged:.6f` against
+# {glue:text}`one_process_loss:.6f`). Divided by the global count, both ways of undoing FSDP's average
+# agree with one process to float32 rounding (errors up to {glue:text}`global_count_error:.0e` in the table): the
 # same numbers, added in another order.
 #
 # The error comes from the spread of token counts between ranks: larger batches shrink the
