@@ -238,8 +238,10 @@ def test_every_tip_links_to_its_tutorial_and_back(site):
         assert back and back <= set(tips), (tutorial.stem, back)
 
 
-def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_path):
-    run = sphinx("doctest", tmp_path, "-D", "nb_execution_mode=off")
+def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_path, execution_cache):
+    # The outputs from the pages' one execution: the prose's glued figures are read from them (with no
+    # outputs, every {glue} role would warn, and -W fails the build).
+    run = sphinx("doctest", tmp_path, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}")
     assert run.returncode == 0, run.stdout + run.stderr
     report = (tmp_path / "doctest" / "output.txt").read_text()
     assert re.search(r"\b[1-9]\d* tests\s+0 failures in tests", report), report

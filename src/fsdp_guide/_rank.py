@@ -149,7 +149,7 @@ def _dump_stacks_when_asked(run_dir: Path, rank: int) -> None:
     _stacks_file.flush()  # signals only a rank whose file has this line (unhandled, the signal would kill it)
 
 
-def wait_for_every_rank(store, key: str, world_size: int, timeout: float) -> None:
+def wait_for_every_rank(store, key: str, rank: int, world_size: int, timeout: float) -> None:
     """Wait, on the rendezvous store, until every rank has reached this point under ``key``.
 
     Called before a rank tears its process group down. ``init_process_group`` is no
@@ -169,6 +169,15 @@ def wait_for_every_rank(store, key: str, world_size: int, timeout: float) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"not every rank reached {key!r} within {timeout:g} s")
         time.sleep(0.002)
+    # Rank 0 may serve the store (torchrun's env:// rendezvous does, unless its agent's store is
+    # shared): it goes on only once every rank is done asking it, or a rank still polling above
+    # would lose the store as rank 0 exits ("Connection reset by peer", seen under torchrun).
+    store.add(f"{key}/seen", 1)
+    if rank == 0:
+        while store.add(f"{key}/seen", 0) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every rank saw {key!r} complete within {timeout:g} s")
+            time.sleep(0.002)
 
 
 def _leave_together(store, rank: int, world_size: int, timeout: float) -> None:
@@ -235,7 +244,7 @@ def main(prepare=None) -> None:
             result = fn(*args, **kwargs)
             _finish_saves()
         if dist.is_initialized():  # the function may have torn it down itself
-            wait_for_every_rank(store, "fsdp_guide/returned", config["world_size"], config["collective_timeout"])
+            wait_for_every_rank(store, "fsdp_guide/returned", rank, config["world_size"], config["collective_timeout"])
             dist.destroy_process_group()
         try:
             _write_result(run_dir, rank, ("ok", result, where, caught))

@@ -358,7 +358,7 @@ def _run_in_this_process(fn, args, kwargs, backend, timeout):
             from torch.distributed.distributed_c10d import _get_default_store
 
             wait_for_every_rank(_get_default_store(), f"fsdp_guide/returned/{_torchrun_launches}",
-                                dist.get_world_size(), timeout)
+                                dist.get_rank(), dist.get_world_size(), timeout)
         return result
     finally:
         if created and dist.is_initialized():  # fn may have torn it down itself
