@@ -222,9 +222,9 @@ def _finish_saves() -> None:
 
 
 def main(prepare=None) -> None:
-    """Run this rank. ``prepare``: what a warm rank does first to look like a cold one
-    (``_warm._fresh_state``), inside the same error handling as the function: a failure
-    there is reported with its traceback, as the same failure in a cold rank would be."""
+    """Run this rank. ``prepare``: what a warm rank does first to look like a cold one (its
+    environment, working directory, process state and seeds: ``_warm._Rank._bootstrap``), inside
+    the same error handling as the function: a failure there is reported with its traceback."""
     run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
     _report_fatal_signals(run_dir, rank)
     _dump_stacks_when_asked(run_dir, rank)
