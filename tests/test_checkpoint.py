@@ -4,6 +4,7 @@ crafted files, and an optimizer that does not match. Each on real gloo process g
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -252,8 +253,22 @@ def test_every_file_and_directory_is_fsynced_before_and_after_the_rename(tmp_pat
     assert synced == [exported.with_name("model.pt.partial"), tmp_path]
 
 
+class _HeldWriter(FileSystemWriter):
+    """DCP's writer, writing nothing until ``release`` is set: a save certainly still in flight
+    however fast or busy the machine (DCP's asynchronous save writes from a thread of the rank)."""
+
+    release = threading.Event()
+
+    def write_data(self, plan, planner):
+        if not _HeldWriter.release.wait(timeout=120):
+            raise TimeoutError("the test never released the writer")
+        return super().write_data(plan, planner)
+
+
 class _SlowWriter(FileSystemWriter):
-    """DCP's writer, taking a second to write each rank's part: a save that is still in flight."""
+    """DCP's writer, taking a second to write each rank's part: a save most likely still in flight
+    when the function returns (were it written sooner, the test would pass without proving the point:
+    weakened by timing, never broken)."""
 
     def write_data(self, plan, planner):
         time.sleep(1.0)
@@ -265,12 +280,17 @@ def _two_async_saves_then_load(directory):
 
     model, opt = _model_and_optimizer()
     at_step_1 = _weights(model)
-    first = checkpoint.async_save(directory, 1, model, opt, storage_writer=_SlowWriter)
-    returned_before_written = not first.done()
+    first = checkpoint.async_save(directory, 1, model, opt, storage_writer=_HeldWriter)
+    returned_before_written = not first.done()  # its writer is held: it cannot have written
     with torch.no_grad():
         for p in model.parameters():
-            p.zero_()  # training goes on while step 1 is written
-    second = checkpoint.async_save(directory, 2, model, opt, storage_writer=_SlowWriter)
+            p.zero_()  # training goes on while step 1 is in flight
+    # Released from another thread while the second save waits: a second save that did not wait
+    # for the first would return with the first still held (not done). (Were the second's own
+    # staging slower than the half second, the check would pass without proving the wait: it
+    # can be weakened by a busy machine, never broken.)
+    threading.Timer(0.5, _HeldWriter.release.set).start()
+    second = checkpoint.async_save(directory, 2, model, opt, storage_writer=_HeldWriter)
     first_done_when_second_started = first.done()  # at most one save in flight
     second.wait()
     names = sorted(p.name for p in Path(directory).iterdir())
@@ -294,7 +314,7 @@ def _async_save_killed_in_flight(directory):
 
     model, opt = _model_and_optimizer()
     checkpoint.save(directory, 1, model, opt)
-    checkpoint.async_save(directory, 2, model, opt, storage_writer=_SlowWriter)
+    checkpoint.async_save(directory, 2, model, opt, storage_writer=_HeldWriter)  # never released
     os._exit(1)  # the job dies while step 2 is being written
 
 
