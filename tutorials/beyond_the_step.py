@@ -137,21 +137,31 @@ def both_settings():
 n_params = len(list(build_model().parameters()))
 print(f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
       f"{'after reshard()':>16}   plain tensors among the {n_params} parameters(): after forward 3, after reshard()")
-for setting, (rows, after, (plain, plain_after)) in launch(both_settings, output="none")[0].items():
+evaluation = launch(both_settings, output="none")[0]
+for setting, (rows, after, (plain, plain_after)) in evaluation.items():
     name = "None (the default)" if setting is None else str(setting)
     print(f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
           f"{after:16.2f}   {plain:3} {plain_after:3}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("bts_eval_default_held", evaluation[None][0][-1][1], display=False)  # after forward 3
+glue("bts_eval_shards", evaluation[None][1], display=False)  # after reshard()
+glue("bts_eval_kept_held", evaluation[False][0][-1][1], display=False)
+
 # %% [markdown]
+# The figures in this text are this run's, taken from the tables by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the table above each paragraph.
+#
 # - With the default, each forward gathers the 2 blocks again; the root is gathered once
-#   and **stays gathered** after the forward (0.50 *P* of shards plus the root's
-#   embeddings and final norm, whole: 0.77 *P*). In training, the backward reshards it; evaluation has no backward, so
+#   and **stays gathered** after the forward ({glue:text}`bts_eval_shards:.2f` *P* of shards plus the root's
+#   embeddings and final norm, whole: {glue:text}`bts_eval_default_held:.2f` *P*). In training, the backward reshards it; evaluation has no backward, so
 #   it stays until something reshards it: a backward, `reshard()`, or `state_dict()` and
 #   `load_state_dict()`, whose hooks reshard first (`FSDPParamGroup._register_state_dict_hooks`
 #   in `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
 # - With `reshard_after_forward=False`, the first forward gathers all 3 units and later
 #   forwards gather nothing, but the rank then holds the whole model beside its shards
-#   (1.5 *P*) until `reshard()`.
+#   ({glue:text}`bts_eval_kept_held:.1f` *P*) until `reshard()`.
 # - `reshard()` on every FSDP module (it does not recurse: `FSDPModule.reshard` in
 #   `torch/distributed/fsdp/_fully_shard/_fully_shard.py`) frees the gathered parameters.
 #   Call it after evaluating: the next training step would reuse the gathered root and
@@ -297,13 +307,14 @@ for keep in (False, True):
     same = all(results[rank][keep][0] == one_process[rank] for rank in (0, 1))
     name = "kept gathered (reshard_after_forward=False)" if keep else "resharded after each forward"
     print(f"{name:44} {count:11} {count / NEW_TOKENS:13.2f} {during:9.2f} {str(same):>22}")
+glue("bts_generation_kept_held", results[0][True][2], display=False)
 
 # %% [markdown]
 # Resharding after each forward, the first forward gathers all 3 units and each later one
 # the 2 blocks again (the root stays gathered, as in evaluation): 13 all-gathers for 6
 # tokens, 2 for every forward after the first, though each input is one token longer than
 # the last (FSDP gathers per unit run, whatever the input). Kept gathered, the 3 units are
-# gathered once and the rank holds the whole model beside its shard (1.5 *P*) while it generates. What the
+# gathered once and the rank holds the whole model beside its shard ({glue:text}`bts_generation_kept_held:.1f` *P*) while it generates. What the
 # gathers cost in time is not measured here (CPU ranks on one machine). On GPUs each
 # all-gather per token is expected to add a collective's latency to a decoding step that
 # otherwise does little work, and a KV cache would shrink the step's compute, not the count
@@ -547,21 +558,25 @@ def both_teachers():
 
 
 print(f"{'teacher root':28} {'':8} {'all-gathers in step 1, 2':>25} {'model states held / P':>22}")
-for setting, parts in launch(both_teachers, output="none")[0].items():
+teachers = launch(both_teachers, output="none")[0]
+for setting, parts in teachers.items():
     for who, (counts, states) in parts.items():
         name = "default" if setting is None else "reshard_after_forward=True"
         print(f"{name:28} {who:8} {' '.join(f'{c:3}' for c in counts):>25} {states:22.2f}")
+glue("bts_student_held", teachers[None]["student"][1], display=False)
+glue("bts_teacher_default_held", teachers[None]["teacher"][1], display=False)
+glue("bts_teacher_resharded_held", teachers[True]["teacher"][1], display=False)
 
 # %% [markdown]
-# The student, trained with AdamW, holds 1.5 *P* per rank after its step: half its
+# The student, trained with AdamW, holds {glue:text}`bts_student_held:.1f` *P* per rank after its step: half its
 # parameters and half of each of AdamW's two moments (`zero_grad()` has freed the
 # gradients). The teacher holds parameters only. Its root is the choice:
 #
 # - with the default, the root stays gathered after the teacher's forward and through the
-#   student's whole step (0.77 *P*: its shards and the root's embeddings, whole), and the
+#   student's whole step ({glue:text}`bts_teacher_default_held:.2f` *P*: its shards and the root's embeddings, whole), and the
 #   next step's teacher forward gathers only the 2 blocks;
 # - with `reshard_after_forward=True` passed to the teacher's root, the teacher holds its
-#   shards only (0.50 *P*), and pays one more all-gather, the root's, per step.
+#   shards only ({glue:text}`bts_teacher_resharded_held:.2f` *P*), and pays one more all-gather, the root's, per step.
 #
 # Left unsharded (a plain module on every rank, not given to `fully_shard`), the teacher
 # would hold 1 *P* on every rank and run no collective; replicated *with* FSDP (a shard

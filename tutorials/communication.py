@@ -247,8 +247,20 @@ for strategy, (counts, wire, _, (params, grads)) in steps.items():
 print("the gradient buckets DDP all-reduced, in order:",
       ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]))
 
+from myst_nb import glue  # the figures the text below quotes, from this run
+
+glue("ddp_buckets", len(steps["DDP"][2]), display=False)
+glue("shard_grad_op_gathers", steps["SHARD_GRAD_OP"][0]["all-gather"], display=False)
+glue("shard_grad_op_scatters", steps["SHARD_GRAD_OP"][0]["reduce-scatter"], display=False)
+glue("full_shard_gathers", steps["FULL_SHARD"][0]["all-gather"], display=False)
+glue("shard_grad_op_vs_ddp", steps["SHARD_GRAD_OP"][1] / steps["DDP"][1], display=False)  # the "vs DDP" column
+glue("full_shard_vs_ddp", steps["FULL_SHARD"][1] / steps["DDP"][1], display=False)
+
 # %% [markdown]
-# - **DDP** all-reduces the gradients in buckets, two here (their sizes are printed below
+# The figures in these paragraphs are this run's, taken from the table by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the table above.
+#
+# - **DDP** all-reduces the gradients in buckets, {glue:text}`ddp_buckets` here (their sizes are printed below
 #   the table): by default DDP caps its first bucket at 1 MiB and the others at 25 MiB
 #   (`dist._DEFAULT_FIRST_BUCKET_BYTES` in `torch/nn/parallel/distributed.py`;
 #   `kDefaultFirstBucketBytes` and `kDefaultBucketBytesCap` in torch's installed header
@@ -267,12 +279,12 @@ print("the gradient buckets DDP all-reduced, in order:",
 #   that needs replication across nodes with sharding inside them passes a 2-D mesh to
 #   `fully_shard` ({ref}`tip-2d-mesh-is-hsdp`).
 # - **`SHARD_GRAD_OP`** gathers each layer once (forward; the parameters stay gathered for
-#   backward) and reduce-scatters each layer's gradients: 4 + 4 collectives. The textbook
+#   backward) and reduce-scatters each layer's gradients: {glue:text}`shard_grad_op_gathers` + {glue:text}`shard_grad_op_scatters` collectives. The textbook
 #   volume equals DDP's (a reduce-scatter plus an all-gather *is* an all-reduce), but on
-#   gloo the reduce-scatter costs an all-reduce, so it moves 1.5 times DDP.
-# - **`FULL_SHARD`** gathers every layer again in backward: 8 all-gathers. The textbook
+#   gloo the reduce-scatter costs an all-reduce, so it moves {glue:text}`shard_grad_op_vs_ddp:.1f` times DDP.
+# - **`FULL_SHARD`** gathers every layer again in backward: {glue:text}`full_shard_gathers` all-gathers. The textbook
 #   says 1.5 times DDP (two all-gathers and one reduce-scatter instead of one all-reduce);
-#   on gloo it is 2 times. That extra all-gather is the price of holding 1/*N* of the
+#   on gloo it is {glue:text}`full_shard_vs_ddp:.1f` times. That extra all-gather is the price of holding 1/*N* of the
 #   parameters between uses ({ref}`tutorial-memory` measures what it buys). Both FSDP2
 #   strategies hold 1/*N* of the parameters and gradients between steps: they differ in
 #   what stays gathered during the step.
@@ -591,12 +603,17 @@ def every_pipeline():
             "two roots, share_comm_ctx": two_roots(shared=True)}
 
 
-for setting, result in launch(every_pipeline, world_size=2, output="none")[0].items():
+pipelines = launch(every_pipeline, world_size=2, output="none")[0]
+for setting, result in pipelines.items():
     if setting.startswith("set_is_last_backward"):
         waits, kept = result
         print(f"{setting:48} waits before units, per backward: {waits}; forwards FSDP keeps after each: {kept}")
     else:
         print(f"{setting:48} waits before units: {result}")
+
+_, kept = pipelines["set_is_last_backward(False, False, True)"]
+glue("forwards_kept_first", kept[0], display=False)
+glue("forwards_kept_second", kept[1], display=False)
 
 
 # %% [markdown]
@@ -606,7 +623,8 @@ for setting, result in launch(every_pipeline, world_size=2, output="none")[0].it
 # nothing: FSDP reads it once, when it initialises (`FSDPState._init_shared_state` in
 # `_fsdp_state.py`); set it before the first forward. Under `set_is_last_backward(False)`
 # the next backward's first unit (3) also waits, for the buffer the previous backward left
-# in flight, and FSDP's record of forwards grows, 4 and 8, until the backward marked last
+# in flight, and FSDP's record of forwards grows, {glue:text}`forwards_kept_first` and {glue:text}`forwards_kept_second` (glued from the
+# line above), until the backward marked last
 # clears it. Only a backward marked last waits for the pending reductions when it ends
 # (`finalize_backward`, called from `_root_post_backward_final_callback` in
 # `_fsdp_state.py`): on GPUs, where the reductions run on their own stream, unmarked,

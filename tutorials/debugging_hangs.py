@@ -342,8 +342,22 @@ report = fr_trace(workdir / "hang1-named")
 print("\n".join(line for line in report.splitlines() if line.startswith(("Collective sequence", "error msg"))))
 print("by rank:", verdict(report))
 
+from myst_nb import glue  # the numbers the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+
+def mismatched(report):
+    """The number of the first collective torch's analyser reports an error for (None if it reports none)."""
+    found = re.search(r"Collective sequence number: (\d+) has errors", report)
+    return found and int(found[1])
+
+
+glue("hang1_mismatch", mismatched(report), display=False)
+
 # %% [markdown]
-# The analyser finds the collective where the ranks parted, number 7, and the mismatch
+# (The numbers the text quotes from here on are this run's, glued from the outputs by myst-nb's
+# `glue`; JupyterLab does not render glue's roles: read them in the outputs.)
+#
+# The analyser finds the collective where the ranks parted, number {glue:text}`hang1_mismatch`, and the mismatch
 # type. Its "culprit" is not a judgement: it compares every rank's entry with that of the
 # first dump it read and blames the rank that differs ("Here we assume the current rank is
 # not the source of the error", `check_current_entry_match` in
@@ -458,35 +472,47 @@ for rank, report in enumerate(reports):
     print(f"rank {rank} raised before its collective number {own[1]}: {own[2]} of [{own[3]}]" if own
           else f"rank {rank} raised nothing: {report}")
 
+rank0 = re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),", reports[0] or "")
+glue("hang2_detail_mismatch", rank0 and int(rank0[1]), display=False)  # numbered from 0
+glue("hang2_detail_passed", rank0 and int(rank0[1]) - 1, display=False)
+
 # %% [markdown]
-# DETAIL stops both ranks at once, with no timeout, but at collective 3 (from 0): rank 0's
-# reduce-scatter of backward against rank 1's all-gather. Its collective 2 passed the check.
+# DETAIL stops both ranks at once, with no timeout, but at collective {glue:text}`hang2_detail_mismatch` (from 0): rank 0's
+# reduce-scatter of backward against rank 1's all-gather. Its collective {glue:text}`hang2_detail_passed` passed the check.
 # The flight recorder's analyser, on the dumps of the hang above (their group table named
 # as before), says the same:
 
 # %%
 name_the_group(workdir / "hang2", workdir / "hang2-named")
-print("torchfrtrace, by rank:", verdict(fr_trace(workdir / "hang2-named")))
+report = fr_trace(workdir / "hang2-named")
+print("torchfrtrace, by rank:", verdict(report))
+
+glue("hang2_mismatch", mismatched(report), display=False)  # numbered from 1
+glue("hang2_matched", mismatched(report) and mismatched(report) - 1, display=False)
 
 # %% [markdown]
-# Collective 4 (from 1), where rank 0's gradient reduction meets rank 1's all-gather. (On
+# Collective {glue:text}`hang2_mismatch` (from 1), where rank 0's gradient reduction meets rank 1's all-gather. (On
 # gloo, FSDP's `reduce_scatter_single`, where the launcher found rank 0, is recorded as
 # `gloo:all_reduce` of the whole gradient, 272 numbers.) Both tools compare operation,
-# sizes and dtypes, and collective 3 matched: two all-gathers of 136 numbers, each rank's
+# sizes and dtypes, and collective {glue:text}`hang2_matched` matched: two all-gathers of 136 numbers, each rank's
 # shard of a 16×16 layer plus its bias. The flight recorder keeps more than these: the
-# Python stack that issued each collective. Printed for the first four collectives, with
+# Python stack that issued each collective. Printed for the collectives both ranks recorded, with
 # the FSDP hook that issued it and the worker's line:
 
 # %%
 FSDP_HOOKS = ("pre_forward", "pre_backward", "_prefetch_unshard", "post_backward")
 
 
+def hook_of(entry):
+    """The FSDP hook that issued a recorded collective (its frames are innermost first)."""
+    return next(frame["name"] for frame in entry["frames"] if frame["name"] in FSDP_HOOKS)
+
+
 def issued_by(entry, fn):
     """A recorded collective: its operation and size, the FSDP hook and the line of `fn` that issued it."""
     frames = entry["frames"]  # innermost first
-    hook = next(frame["name"] for frame in frames if frame["name"] in FSDP_HOOKS)
     line = next(frame["line"] for frame in frames if (frame["filename"], frame["name"]) == ("<dynamic-code>", fn.__name__))
-    return f"{entry['profiling_name'][5:]} {entry['input_sizes'][0]}, {hook}, {worker_line(fn, line)}"
+    return f"{entry['profiling_name'][5:]} {entry['input_sizes'][0]}, {hook_of(entry)}, {worker_line(fn, line)}"
 
 
 traces = [flight_recorder(workdir / "hang2", rank)["entries"] for rank in (0, 1)]
@@ -494,14 +520,18 @@ print(f"{'':3}{'rank 0':56}rank 1")
 for number, entries in enumerate(zip(*traces), start=1):
     print(f"{number:<3}" + "".join(f"{issued_by(entry, train_with_a_branch):56}" for entry in entries))
 
+# the first collective the two ranks issued from different FSDP hooks
+glue("hang2_parted", next((number for number, (a, b) in enumerate(zip(*traces), start=1) if hook_of(a) != hook_of(b)),
+                          None), display=False)
+
 # %% [markdown]
-# Collective 3 is where the ranks parted: rank 0's all-gather was issued by the forward
+# Collective {glue:text}`hang2_parted` is where the ranks parted: rank 0's all-gather was issued by the forward
 # (`pre_forward`) on the line `y = expert(y)`, rank 1's by backward (`pre_backward`) on
 # `y.sum().backward()`. The pair matched because ranks pair collectives by their order,
 # not by what they mean: an all-gather concatenates each rank's shard, so rank 1's layer
 # was assembled with rank 0's shard of the expert, and both ranks went on with wrong
-# weights until their operations differed at collective 4. So: the stacks, DETAIL and the
-# analyser point at collective 4, in backward, one past the cause; the recorder's stacks of
+# weights until their operations differed at collective {glue:text}`hang2_mismatch`. So: the stacks, DETAIL and the
+# analyser point at collective {glue:text}`hang2_mismatch`, in backward, one past the cause; the recorder's stacks of
 # the collective before the first mismatch find the branch. The analyser's verdict prints
 # the stack of the mismatched collective only, from the first dump it read (`EntryState.log`
 # in `torch/distributed/flight_recorder/components/types.py`), not of the one before; reading

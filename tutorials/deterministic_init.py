@@ -115,10 +115,16 @@ def init_after_sharding():
 wrong = launch(init_after_sharding, world_size=2, output="none")[0]
 w = wrong["0.weight"]  # (32, 16): rank 0 holds rows 0-15, rank 1 rows 16-31
 print("rank 0's rows == rank 1's rows:", torch.equal(w[:16], w[16:]))
-print("matrix rank:", torch.linalg.matrix_rank(w).item(), "of a possible", min(w.shape))
+weight_rank = torch.linalg.matrix_rank(w).item()
+print("matrix rank:", weight_rank, "of a possible", min(w.shape))
+
+from myst_nb import glue  # the figure the text below quotes, from this run
+
+glue("sharded_init_rank", weight_rank, display=False)
 
 # %% [markdown]
-# A 32x16 weight of independent random numbers has rank 16; this one has rank 16 too,
+# A 32x16 weight of independent random numbers has rank 16; this one has rank {glue:text}`sharded_init_rank` too
+# (this run's, glued from the line above by myst-nb's `glue`; JupyterLab does not render it: read it there),
 # but only because each half alone has rank 16. Its 32 output features start as 16
 # identical pairs. A square layer shows the rank loss directly:
 

@@ -198,9 +198,16 @@ for mode in MODES:
     matmuls = results[mode]["collectives"]
     print(f"{mode:9} {matmuls[('forward', 'matmul')][0]:14} | {matmuls[('backward', 'matmul')][0]}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("fp8_fp32_gathered", results["fp32"]["collectives"][("forward", "all-gather")][2], display=False)
+
 # %% [markdown]
-# - **All-gather**: forward and backward each gather the three 64 KiB weights, 196,608
-#   bytes in FP32; half that in BF16, a quarter in FP8, one byte per element. On gloo the
+# The figures in this text are this run's, taken from the tables by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the table above each paragraph.
+#
+# - **All-gather**: forward and backward each gather the three 64 KiB weights,
+#   {glue:text}`fp8_fp32_gathered:,` bytes in FP32; half that in BF16, a quarter in FP8, one byte per element. On gloo the
 #   float8 bytes travel as `uint8` (gloo rejects float8 tensors, so `float8_fully_shard`
 #   reinterprets them; with NCCL it leaves them `float8_e4m3fn`, not run here).
 # - **Reduce-scatter** of gradients stays in float32 in every mode: FP8 is used for the
@@ -259,10 +266,12 @@ print(f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  {'saved in forwa
 for mode in MODES:
     states, saved, held = results[mode]["states"], results[mode]["saved"], results[mode]["held"]
     print(f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}")
+glue("fp8_params", sum(p.numel() for p in make_model().parameters()), display=False)
+glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)  # float32: 4 bytes each
 
 # %% [markdown]
-# Model states are the same in every mode (49,152 parameters: 24,576 per rank, 4 bytes
-# each): FSDP2 keeps each rank's shard in float32 and casts while it gathers (to
+# Model states are the same in every mode ({glue:text}`fp8_params:,` parameters:
+# {glue:text}`fp8_rank_params:,` per rank, 4 bytes each): FSDP2 keeps each rank's shard in float32 and casts while it gathers (to
 # bfloat16, or to float8 with the scale), so that shard *is* the master copy the
 # optimizer updates. There is no second float32 copy.
 #
@@ -365,15 +374,20 @@ for name, (mode, optimizer_class, stored) in SETUPS.items():
                         master_weights=optimizer_class is MasterWeightAdamW)
     print(f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
           f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}")
+master, bf16_states = (measured[name][0].total / (num_params / 2) for name in ("fp8, master-weight AdamW", "bf16, AdamW"))
+glue("fp8_master_bytes", master, display=False)  # model-state bytes per parameter, as the table's column
+glue("fp8_bf16_bytes", bf16_states, display=False)
+glue("fp8_master_ratio", master / bf16_states, display=False)
 
 # %% [markdown]
 # With FSDP storing float32 shards *and* an optimizer keeping float32 masters, FP8 holds
-# 20 bytes of model states per parameter where the BF16 run holds 16: the FP32 weights
+# {glue:text}`fp8_master_bytes:.0f` bytes of model states per parameter where the BF16 run holds {glue:text}`fp8_bf16_bytes:.0f`: the FP32 weights
 # are there twice, once as FSDP's shard and once as the optimizer's master. The measured
 # bytes are exactly what `estimate` predicts for that pair of settings. What this
 # reproduces of MS-AMP's report is the cause, a second float32 copy of the weights, not its
 # numbers: their 34 GB against 28 GB (1.21) is the whole GPU memory of t5-3b with MS-AMP's
-# own FP8 optimizer against BF16, activations and buffers included, while 20/16 = 1.25 here
+# own FP8 optimizer against BF16, activations and buffers included, while
+# {glue:text}`fp8_master_bytes:.0f`/{glue:text}`fp8_bf16_bytes:.0f` = {glue:text}`fp8_master_ratio:.2f` here
 # is model states alone, with this page's stand-in optimizer.
 #
 # Either copy can go; keep exactly one float32 copy of the weights:

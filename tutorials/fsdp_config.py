@@ -165,17 +165,24 @@ def strategy_table(api):
 
 print(f"{'':5} {'strategy':14} stored  all-gathers  reduce-scatters  all-reduces  "
       "|loss after a step - 1 process|")
+collectives = {}
 for api in ("fsdp2", "fsdp1"):
     for strategy, share, sent, error in launch(strategy_table, api, world_size=4,
                                                output="none")[0]:
+        collectives[api, strategy] = sent
         print(f"{api:5} {strategy:14} {share:6.3f}  {sent['all-gather']:11}  "
               f"{sent['reduce-scatter']:15}  {sent['all-reduce']:11}  {error:.1e}")
+
+from myst_nb import glue  # the count the text below quotes, from this table
+
+glue("full_shard_all_gathers", collectives["fsdp2", "FULL_SHARD"]["all-gather"], display=False)
 
 # %% [markdown]
 # - `FULL_SHARD` (ZeRO-3) keeps a quarter and all-gathers each unit twice, once for
 #   forward and again for backward, because it frees the gathered parameters after
 #   forward; except the root unit, whose backward comes first: both APIs keep it
-#   gathered (7 all-gathers for 4 units).
+#   gathered ({glue:text}`full_shard_all_gathers` all-gathers for 4 units: this run's count, glued from the table by
+#   myst-nb's `glue`, which JupyterLab does not render; read it in the table).
 # - `SHARD_GRAD_OP` (ZeRO-2) keeps them gathered from forward to backward: one
 #   all-gather per unit instead of two, for more memory during the step.
 # - `NO_SHARD` is DDP: a full copy, gradients all-reduced. (FSDP2 has no such mode;

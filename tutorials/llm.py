@@ -191,6 +191,10 @@ for step in range(10, 41, 10):
     print(f"step {step:2}: loss {straight['losses'][step - 1]:.4f}")
 print("checkpoints kept:", sorted(p.name for p in (workdir / "straight").iterdir()))
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("llm_final_loss", straight["losses"][39], display=False)  # step 40's, printed above
+
 # %% mystnb={"image": {"alt": "Loss of the byte-level GPT over 40 steps on 2 ranks, starting near the dotted line at ln 256 (a uniform guess over bytes) and falling to about 3."}}
 import matplotlib.pyplot as plt
 
@@ -412,11 +416,13 @@ out = model.generate(prompt, max_new_tokens=60, temperature=0.8, generator=torch
 print(repr(bytes(out[0].tolist()).decode("utf-8", "replace")))
 
 # %% [markdown]
-# After 40 steps (a loss of about 3.1 nats per byte, against 5.5 for a uniform guess) the
+# After 40 steps (a loss of about {glue:text}`llm_final_loss:.1f` nats per byte, against 5.5 for a uniform guess) the
 # model has learned which bytes are common, spaces and frequent letters, not yet words: it
 # is far from trained. The point here is that the exported file is a complete, ordinary
 # model, loaded and sampled without FSDP, here in the notebook's own process (the export
-# holds CPU tensors, whatever device the ranks trained on).
+# holds CPU tensors, whatever device the ranks trained on). (This page's figures are its
+# run's, glued in by myst-nb's `glue`; JupyterLab does not render glue's roles: read them
+# from the outputs, step 40's loss in the training log above.)
 #
 # ## The same code from the command line and under torchrun
 #
@@ -496,9 +502,10 @@ ways = {
 for way, value in ways.items():
     print(f"{way:42} MFU {value:6.1%}")
 print(f"attention's share of the FLOPs per token: {1 - 6 * matmul_parameters(llama) / per_token:.0%}")
+glue("llm_mfu_right", ways["right: whole model, attention, dense peak"], display=False)
 
 # %% [markdown]
-# The right way gives the published figure's lower end (33.7%, printed above; torchtitan's other
+# The right way gives the published figure's lower end ({glue:text}`llm_mfu_right:.1%`, printed above; torchtitan's other
 # three runs give the rest of its range, checked in `tests/test_mfu.py`). The sparse peak halves it; a rank's shard
 # (what a parameter's local tensor holds under FSDP: count a DTensor's `numel()`, the whole
 # parameter's, not its `to_local()`'s) divides the matmul term by the number of ranks; and

@@ -190,10 +190,19 @@ for rank, r in enumerate(fp32["LoRA"]):
         print(f"rank {rank}: {nbytes / 2**20:5.2f} MiB of {dtype} parameters on the {where}; "
               f"the pretrained weights: {pretrained}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("lora_loaded_mib", next(n for n, _, _, pretrained in lora["adapt given"] if pretrained) / 2**20, display=False)
+glue("lora_kept_mib", lora["states"].params / 2**20, display=False)
+
 # %% [markdown]
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph.
+#
 # `adapt` ran once on each rank on the model's structure (its parameters allocated, never
-# loaded), and once more on rank 0, on the whole pretrained model in fp32 on the CPU: 15.07
-# MiB, about twice the 7.59 MiB of parameters a rank keeps. That is the full copy
+# loaded), and once more on rank 0, on the whole pretrained model in fp32 on the CPU:
+# {glue:text}`lora_loaded_mib:.2f` MiB, about twice the {glue:text}`lora_kept_mib:.2f` MiB
+# of parameters a rank keeps. That is the full copy
 # {ref}`tutorial-finetune-hf` measures when every rank loads the model, here on rank 0 alone,
 # briefly (only the adapters' values are kept from it): a base that does not fit in rank 0's
 # CPU memory in the loading dtype cannot be loaded this way. LoRA's own initial values do
@@ -429,17 +438,23 @@ for mode, r in traffic.items():
     per_micro = [b / r["base"] for b in r["gathered"]]
     print(f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
           f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}")
+resharded, kept = traffic["reshard after forward"], traffic["kept from forward to backward"]
+glue("lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False)  # micro-batch 1
+glue("lora_resharded_held", resharded["in forward"] / resharded["base"], display=False)
+glue("lora_kept_gathered", kept["gathered"][0] / kept["base"], display=False)
+glue("lora_kept_held", kept["in forward"] / kept["base"], display=False)
+glue("lora_replicated_held", traffic["replicated"]["in forward"] / traffic["replicated"]["base"], display=False)
 
 # %% [markdown]
 # Read it per micro-batch. Resharding after forward gathers the whole base twice per
-# micro-batch (2.01 base sizes, forward and backward; of each gathered buffer the rank
+# micro-batch ({glue:text}`lora_resharded_gathered:.2f` base sizes, forward and backward; of each gathered buffer the rank
 # already held half), in 10 all-gathers (5 units, forward and backward), and holds the
-# least in forward (0.95): its shards, the root (embedding and output layer) and one layer
-# gathered at a time. Keeping the base from forward to backward halves the traffic (1.01),
-# and holds the whole base gathered beside the shards when forward ends (1.51). Keeping it
-# across the micro-batches pays it once per step, and holds those 1.51 between micro-batches
+# least in forward ({glue:text}`lora_resharded_held:.2f`): its shards, the root (embedding and output layer) and one layer
+# gathered at a time. Keeping the base from forward to backward halves the traffic ({glue:text}`lora_kept_gathered:.2f`),
+# and holds the whole base gathered beside the shards when forward ends ({glue:text}`lora_kept_held:.2f`). Keeping it
+# across the micro-batches pays it once per step, and holds those {glue:text}`lora_kept_held:.2f` between micro-batches
 # too. Replicated, nothing is all-gathered, but a rank holds the base twice when forward ends
-# (2.01: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
+# ({glue:text}`lora_replicated_held:.2f`: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
 # gathered; between micro-batches, once. The reductions column is the same in every mode by
 # the worker's construction (`set_requires_gradient_sync(last)` in each): it shows only that
 # FSDP honours the flag, 4 per optimizer step, one per unit that holds adapters (the 4
@@ -525,16 +540,19 @@ print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded
 #
 # {func}`fsdp_guide.hf.save_pretrained` on a `peft` model gathers only the tensors `peft`
 # saves (`get_peft_model_state_dict`: here the adapters, not the frozen base) to rank 0 and
-# writes them with `peft`'s own `save_pretrained` (114 KiB below: the 28,672 fp32 adapter
-# values are 112 KiB): a directory `PeftModel.from_pretrained` loads onto the base. Merging
+# writes them with `peft`'s own `save_pretrained` ({glue:text}`lora_adapter_file_kib:.0f` KiB below: the
+# {glue:text}`lora_trainable:,` fp32 adapter values are {glue:text}`lora_adapter_kib:.0f` KiB): a directory `PeftModel.from_pretrained` loads onto the base. Merging
 # the adapters into the base weights is `peft`'s `merge_and_unload`, done once, in one
 # process, on the reloaded model; the result is an ordinary `transformers` model.
 
 # %%
 from peft import PeftModel
 
-print("adapter directory:", sorted(f.name for f in adapter_dir.iterdir()),
-      f"({(adapter_dir / 'adapter_model.safetensors').stat().st_size / 2**10:.0f} KiB)")
+adapter_kib = (adapter_dir / "adapter_model.safetensors").stat().st_size / 2**10
+print("adapter directory:", sorted(f.name for f in adapter_dir.iterdir()), f"({adapter_kib:.0f} KiB)")
+glue("lora_adapter_file_kib", adapter_kib, display=False)
+glue("lora_trainable", lora["trainable"], display=False)  # printed with the parameter counts above
+glue("lora_adapter_kib", lora["trainable"] * 4 / 2**10, display=False)  # fp32: 4 bytes a value
 reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter_dir)
 with torch.no_grad():
     logits = reloaded(input_ids=batch).logits

@@ -310,9 +310,12 @@ print(f"{'loss formed as':36} {'gradient error vs one process':>30}")
 for how, (_, grads) in results[0].items():
     print(f"{how:36} {relative_error(grads):30.1e}")
 
+glue("accumulated_mean_error", relative_error(results[0]["micro-batch mean / micro-batches"][1]), display=False)
+
 # %% [markdown]
 # Four micro-batches of 31 to 63 tokens, weighted equally by the usual recipe: its
-# gradient is 28% away from one process's, further than the per-rank mean's 24%. Counting
+# gradient is {glue:text}`accumulated_mean_error:.0%` away from one process's, further than the per-rank mean's
+# {glue:text}`per_rank_error:.0%` (this run's, glued from the tables). Counting
 # the step's tokens first gives one process's gradient again, to rounding.
 #
 # (loss-accumulation-traffic)=
@@ -385,7 +388,18 @@ def print_costs(measured, world):
         print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
 
 
-print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[0], world=2)
+measured = launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[0]
+print_costs(measured, world=2)
+
+(synced, held_synced, _), (unsynced, held_unsynced, _) = measured["sync every micro-batch"], measured["no sync until the last"]
+glue("gathers_per_micro_batch", synced["all-gather"][0] / STEP_MICRO, display=False)
+glue("gathered_per_micro_batch", synced["all-gather"][1] / STEP_MICRO, display=False)  # in P
+glue("scatters_synced", synced["reduce-scatter"][0], display=False)
+glue("scattered_synced", synced["reduce-scatter"][1], display=False)
+glue("scatters_unsynced", unsynced["reduce-scatter"][0], display=False)
+glue("scattered_unsynced", unsynced["reduce-scatter"][1], display=False)
+glue("held_synced", max(held_synced), display=False)
+glue("held_unsynced", max(held_unsynced), display=False)
 
 # %% [markdown]
 # Per step of 4 micro-batches on 2 ranks, P the parameters' bytes:
@@ -393,14 +407,15 @@ print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], 
 # - **All-gathers do not change**: 3 units gathered in every forward and the 2 blocks
 #   again in every backward (the root, with the embeddings, stays gathered from its forward
 #   to its backward: FSDP2 does not reshard the root after forward, `FSDPState._lazy_init`
-#   in `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`), 5 all-gathers and 1.73 P per
-#   micro-batch. Turning off the sync does
+#   in `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`), {glue:text}`gathers_per_micro_batch:g` all-gathers and
+#   {glue:text}`gathered_per_micro_batch:.2f` P per micro-batch (this run's figures, glued from the table above,
+#   here and below). Turning off the sync does
 #   not turn off resharding: for that,
 #   `set_reshard_after_backward(False)` (and `reshard_after_forward=False`), at the cost of
 #   holding the parameters unsharded too ({ref}`lora-traffic` measures it).
-# - **Reduce-scatters fall from 12 per step to 3**: one per unit (3) per backward that
-#   reduces, so *M* x 3 become 3, and the 4 *P* of gradients handed to them per step
-#   become 1 *P*.
+# - **Reduce-scatters fall from {glue:text}`scatters_synced` per step to {glue:text}`scatters_unsynced`**: one per unit (3) per backward that
+#   reduces, so *M* x 3 become 3, and the {glue:text}`scattered_synced:.0f` *P* of gradients handed to them per step
+#   become {glue:text}`scattered_unsynced:.0f` *P*.
 # - **Gradient memory rises from P/2 to P per rank**: from the first micro-batch to the
 #   reduction, every rank holds the whole model's gradients, unsharded, where the default
 #   holds only its shard (1/N of them on N ranks).
@@ -419,16 +434,24 @@ print_costs(launch(costs, ["sync every micro-batch", "no sync until the last"], 
 
 # %%
 hsdp_modes = ["sync every micro-batch", "no all-reduce until the last", "no sync until the last"]
-print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0], world=4)
+hsdp = launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0]
+print_costs(hsdp, world=4)
+
+(synced, _, _), (reduced_once, held_reduced_once, _) = hsdp["sync every micro-batch"], hsdp["no all-reduce until the last"]
+glue("hsdp_reduces_synced", synced["all-reduce"][0], display=False)
+glue("hsdp_reduced_synced", synced["all-reduce"][1], display=False)
+glue("hsdp_reduces_once", reduced_once["all-reduce"][0], display=False)
+glue("hsdp_reduced_once", reduced_once["all-reduce"][1], display=False)
+glue("hsdp_held_reduced_once", max(held_reduced_once), display=False)
 
 # %% [markdown]
 # Per step on the 2 x 2 mesh:
 #
-# - **Syncing every micro-batch** all-reduces across replicas after every backward: 12
+# - **Syncing every micro-batch** all-reduces across replicas after every backward: {glue:text}`hsdp_reduces_synced`
 #   all-reduces per step (3 units x 4), each of the rank's shard of a unit's gradients,
 #   *P*/2 per micro-batch in all.
-# - **`set_requires_all_reduce(False)`** all-reduces after the last micro-batch only: 3
-#   instead of 12, 0.5 *P* instead of 2 *P*; the reduce-scatters inside each replica stay,
+# - **`set_requires_all_reduce(False)`** all-reduces after the last micro-batch only: {glue:text}`hsdp_reduces_once`
+#   instead of {glue:text}`hsdp_reduces_synced`, {glue:text}`hsdp_reduced_once:.1f` *P* instead of {glue:text}`hsdp_reduced_synced:.0f` *P*; the reduce-scatters inside each replica stay,
 #   and the gradients held stay sharded, *P*/2 per rank (FSDP sums the reduce-scattered
 #   shards until the all-reduce).
 # - **`set_requires_gradient_sync(False)`** removes both until the last micro-batch, and
@@ -446,9 +469,11 @@ print_costs(launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0], w
 # | `set_requires_all_reduce(False)` (HSDP) | *M* x *P* | *P*/*N* | *P*/*N* |
 # | `set_requires_gradient_sync(False)` | *P* | *P*/*N* | *P* |
 #
-# Measured above with *M* = 4, *U* = 3 and *N* = 2: 12 reduce-scatters per step (4 *P*)
-# became 3 (1 *P*) and the gradients held went from 0.5 *P* to 1.0 *P*; on HSDP, 12
-# all-reduces (2 *P*) became 3 (0.5 *P*), the gradients held staying at 0.5 *P*.
+# Measured above with *M* = 4, *U* = 3 and *N* = 2: {glue:text}`scatters_synced` reduce-scatters per step
+# ({glue:text}`scattered_synced:.0f` *P*) became {glue:text}`scatters_unsynced` ({glue:text}`scattered_unsynced:.0f` *P*) and the
+# gradients held went from {glue:text}`held_synced:.1f` *P* to {glue:text}`held_unsynced:.1f` *P*; on HSDP,
+# {glue:text}`hsdp_reduces_synced` all-reduces ({glue:text}`hsdp_reduced_synced:.0f` *P*) became {glue:text}`hsdp_reduces_once`
+# ({glue:text}`hsdp_reduced_once:.1f` *P*), the gradients held staying at {glue:text}`hsdp_held_reduced_once:.1f` *P*.
 #
 # With mixed precision the bytes change by dtype: all-gathers move `param_dtype`,
 # reductions the reduce dtype. While the sync is off, FSDP accumulates the unsharded

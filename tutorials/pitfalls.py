@@ -491,15 +491,26 @@ rows = launch(compare_checkpoint_placements, output="none")[0]
 for api, impl, where, gathers, scatters, error in rows:
     print(f"{api:6} {impl:12} {where:12} {gathers:11}  {scatters:15}  {error:.1e}")
 
+from myst_nb import glue  # the counts the text below quotes, from this table
+
+all_gathers = {(api, impl, where): gathers for api, impl, where, gathers, _, _ in rows}
+glue("fsdp1_reentrant_around", all_gathers["FSDP1", "reentrant", "around"], display=False)
+glue("fsdp1_reentrant_inside", all_gathers["FSDP1", "reentrant", "inside"], display=False)
+glue("fsdp1_whole_model", all_gathers["FSDP1", "no_reentrant", "whole-model"], display=False)
+glue("fsdp2_all_gathers", max(n for (api, _, _), n in all_gathers.items() if api == "FSDP2"), display=False)
+
 # %% [markdown]
+# The counts below are this run's, glued from the table by myst-nb's `glue` (JupyterLab does
+# not render glue's roles: read them in the table).
+#
 # Every arrangement trains correctly, but not at the same cost. With FSDP1 and the
 # reentrant implementation (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`,
 # still common in older code) around each unit, the recomputation all-gathers every unit
-# a second time: 9 all-gathers instead of 6, half as much parameter traffic again. Around
-# the whole model, even the non-reentrant one makes 8. FSDP2 recognises the recomputation:
+# a second time: {glue:text}`fsdp1_reentrant_around` all-gathers instead of {glue:text}`fsdp1_reentrant_inside`, half as much parameter traffic again. Around
+# the whole model, even the non-reentrant one makes {glue:text}`fsdp1_whole_model`. FSDP2 recognises the recomputation:
 # `FSDPState._pre_forward` (`torch/distributed/fsdp/_fully_shard/_fsdp_state.py`) returns
 # early while the unit is in `TrainingState.PRE_BACKWARD`, all-gathering only a unit that
-# is not already unsharded, so on this torch it makes 6 in every arrangement. Inside the
+# is not already unsharded, so on this torch it makes {glue:text}`fsdp2_all_gathers` in every arrangement. Inside the
 # unit never makes more all-gathers than any other arrangement, on either API: checkpoint
 # each block, then shard it.
 #

@@ -280,44 +280,75 @@ def every_setup():
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 print(f"{'':28} {'dim':4}" + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS)
       + f"{'in the step':>13}{'params held / P':>17}{'saved, KiB':>12}")
-for name, (rows, in_step, held, saved) in launch(every_setup, world_size=4, output="none")[0].items():
+setups = launch(every_setup, world_size=4, output="none")[0]
+for name, (rows, in_step, held, saved) in setups.items():
     for i, dim in enumerate(sorted({dim for dim, *_ in rows})):
         cells = {kind: f"{n:3} {size:6.2f}" for d, kind, n, size in rows if d == dim}
         print(f"{name if i == 0 else '':28} {dim:4}" + "".join(f"{cells.get(kind, '-'):>24}" for kind in KINDS)
               + (f"{in_step:13}{held:17.2f}{saved:12.0f}" if i == 0 else ""))
 
+from myst_nb import glue  # the figures the text quotes, from this run's tables (JupyterLab shows glue's roles unrendered)
+
+
+def counted(setup, dim, kind):
+    """One cell of the table above: (n, size in P)."""
+    return next((n, size) for d, k, n, size in setups[setup][0] if (d, k) == (dim, kind))
+
+
+FSDP, TP, BOTH, NO_SP = SETUPS  # the table's rows
+glue("tp_fsdp_moved", counted(FSDP, "dp", "all-gather")[1] + counted(FSDP, "dp", "reduce-scatter")[1], display=False)
+glue("tp_fsdp_gathered", counted(FSDP, "dp", "all-gather")[1], display=False)
+glue("tp_alone_gathers", counted(TP, "tp", "all-gather")[0], display=False)
+glue("tp_alone_scatters", counted(TP, "tp", "reduce-scatter")[0], display=False)
+glue("tp_alone_reduces", counted(TP, "tp", "all-reduce")[0], display=False)
+glue("tp_alone_held", setups[TP][2], display=False)
+glue("tp_2d_gathers", counted(BOTH, "dp", "all-gather")[0], display=False)
+glue("tp_2d_gathered", counted(BOTH, "dp", "all-gather")[1], display=False)
+glue("tp_2d_held", setups[BOTH][2], display=False)
+glue("tp_2d_norm_reduces", counted(BOTH, "tp", "all-reduce")[0], display=False)
+glue("tp_2d_norm_reduced", counted(BOTH, "tp", "all-reduce")[1], display=False)
+glue("tp_nosp_reduces", counted(NO_SP, "tp", "all-reduce")[0], display=False)
+glue("tp_nosp_reduced", counted(NO_SP, "tp", "all-reduce")[1], display=False)
+glue("tp_saved_sp", setups[BOTH][3], display=False)
+glue("tp_saved_nosp", setups[NO_SP][3], display=False)
+
 # %% [markdown]
+# The figures in this page's text are this run's, glued from the cells' outputs (myst-nb's
+# `glue`); in JupyterLab, which does not render glue's roles, read them from the outputs above them.
+#
 # - **FSDP alone** all-gathers each of the 3 units in the forward and the 2 blocks again
 #   in the backward (the root stays gathered: `FSDPState._lazy_init` in
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` turns off the root's reshard
 #   after forward), and reduce-scatters the 3 units'
-#   gradients: 2.7 *P* of parameters and gradients over the `dp` groups. Each rank holds
+#   gradients: {glue:text}`tp_fsdp_moved:.1f` *P* of parameters and gradients over the `dp` groups. Each rank holds
 #   a quarter.
-# - **TP alone** never moves a parameter: it moves activations, 10 all-gathers and 8
-#   reduce-scatters over the forward and backward, at the size of one layer's input. A
-#   rank holds 0.45 *P*: the embeddings and norms are whole on every rank. Its 24 small
+# - **TP alone** never moves a parameter: it moves activations, {glue:text}`tp_alone_gathers` all-gathers and
+#   {glue:text}`tp_alone_scatters` reduce-scatters over the forward and backward, at the size of one layer's input. A
+#   rank holds {glue:text}`tp_alone_held:.2f` *P*: the embeddings and norms are whole on every rank. Its
+#   {glue:text}`tp_alone_reduces` small
 #   all-reduces all run inside AdamW's step (the "in the step" column): the norms'
 #   gradients, {ref}`partial sums <tp-partial-grads>` that the optimizer reduces each time
 #   it reads one.
 # - **FSDP x TP** does both on separate groups: FSDP's collectives run over `dp` on
-#   TP-split units (1.01 *P* of all-gathers instead of 1.74: the blocks are half-size, the
-#   root is not split by TP); TP's run over `tp` on half the batch. Each rank holds
-#   0.32 *P*, about a third: the TP-split weights a quarter, the embeddings half. Here
-#   nothing runs in the step: the norms' gradients are all-reduced once before it (8
-#   all-reduces, 0.01 *P*), by FSDP, which redistributes each gradient to its parameter's
+#   TP-split units ({glue:text}`tp_2d_gathered:.2f` *P* of all-gathers instead of
+#   {glue:text}`tp_fsdp_gathered:.2f`: the blocks are half-size, the root is not split by TP); TP's run over `tp`
+#   on half the batch. Each rank holds {glue:text}`tp_2d_held:.2f` *P*, about a third: the TP-split weights a
+#   quarter, the embeddings half. Here nothing runs in the step: the norms' gradients are all-reduced once before
+#   it ({glue:text}`tp_2d_norm_reduces` all-reduces, {glue:text}`tp_2d_norm_reduced:.2f` *P*), by FSDP, which redistributes each gradient to its parameter's
 #   placements before reduce-scattering it (`FSDPParam._get_grad_inner_tensor` in
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py`).
 # - **Without sequence parallelism** each sub-layer's partial sums are all-reduced (4
-#   sub-layers, forward and backward: 8 all-reduces). The table counts full-size buffers,
+#   sub-layers, forward and backward: {glue:text}`tp_nosp_reduces` all-reduces). The table counts full-size buffers,
 #   not bytes on the wire: with a ring algorithm a rank sends (n-1)/n of the buffer for an
 #   all-gather or a reduce-scatter and twice that for an all-reduce (the factors NCCL's
-#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so the 8 all-reduces of
-#   0.49 *P* carry what 8 reduce-scatters and 8 all-gathers of 0.49 *P* carry. Sequence
+#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so the {glue:text}`tp_nosp_reduces` all-reduces of
+#   {glue:text}`tp_nosp_reduced:.2f` *P* carry what {glue:text}`tp_nosp_reduces` reduce-scatters and
+#   {glue:text}`tp_nosp_reduces` all-gathers of {glue:text}`tp_nosp_reduced:.2f` *P* carry. Sequence
 #   parallelism adds two all-gathers here: out of the last block in the forward, and of
 #   the gradient at the first block's input in the backward (the embeddings and final
 #   norm are outside the plan). What it saves is activation memory, the norms' inputs and
-#   the residual stream split along the sequence: 260 KiB saved for backward against 277
-#   KiB. Little here: `q`, `k`, `v` and `fc` take the all-gathered, whole sequence as
+#   the residual stream split along the sequence: {glue:text}`tp_saved_sp:.0f` KiB saved for backward against
+#   {glue:text}`tp_saved_nosp:.0f` KiB. Little here: `q`, `k`, `v` and `fc` take the all-gathered, whole sequence as
 #   input in both layouts, and a `Linear` saves its input for its weight's gradient.
 #
 # What the split buys is not on this table: with TP, each rank's matmuls are a fraction of
@@ -367,22 +398,30 @@ one(*global_batch())[1].backward()
 one_grad = one.blocks[0].ln_1.weight.grad
 found = launch(norm_gradients_under_tp_alone, world_size=4, output="none")
 print(f"blocks.0.ln_1.weight.grad: {found[0]['placements']}; parameters with a partial gradient: {found[0]['partial']}")
+misses = []
 for rank, on_rank in enumerate(found):
     difference = (on_rank["local"] - one_grad).abs().max()
+    misses.append(difference.item())
     print(f"rank {rank}: to_local() vs one process's gradient, largest difference {difference:.1e}")
 summed = sum(on_rank["local"] for on_rank in found)
 print(f"the 4 ranks' to_local() summed: largest difference {(summed - one_grad).abs().max():.1e}"
       f" (the gradient's largest entry: {one_grad.abs().max():.1e})")
 for what in ("step, left partial", "reducing once", "step, reduced"):
     print(f"{what:20} (dim, kind, n, bytes): {found[0][what] or 'no collective'}")
+glue("tp_partial_miss", min(misses), display=False)  # the rank whose to_local() comes closest
+glue("tp_grad_largest", one_grad.abs().max().item(), display=False)
+glue("tp_partial_params", found[0]["partial"], display=False)
+glue("tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False)  # (dim, kind, n, bytes)
+glue("tp_partial_once_reduces", found[0]["reducing once"][0][2], display=False)
 
 # %% [markdown]
-# No rank's `to_local()` is the gradient (each misses it by 1e-4 or more, against a
-# largest entry of 3e-4); the 4 summed are, up to rounding. AdamW's step (the single-tensor
+# No rank's `to_local()` is the gradient (each misses it by {glue:text}`tp_partial_miss:.1e` or more, against a
+# largest entry of {glue:text}`tp_grad_largest:.1e`); the 4 summed are, up to rounding. AdamW's step (the single-tensor
 # implementation, `_single_tensor_adam` in `torch/optim/adam.py`) reads each gradient three
 # times, in `exp_avg.lerp_(grad, ...)` and `addcmul_(grad, grad, ...)`, and DTensor
-# all-reduces a `Partial` operand each time: 24 all-reduces for the 8 partial gradients.
-# Redistributing each to `Replicate()` once before the step costs 8, and the step then
+# all-reduces a `Partial` operand each time: {glue:text}`tp_partial_step_reduces` all-reduces for the
+# {glue:text}`tp_partial_params` partial gradients. Redistributing each to `Replicate()` once before the step costs
+# {glue:text}`tp_partial_once_reduces`, and the step then
 # runs none. Until then, hand-written code that reads `p.grad.to_local()` (logging a
 # gradient norm, a custom clipping) reads one rank's term. Under FSDP x TP, FSDP does
 # that reduction itself (the table's 0 in the step).
@@ -535,15 +574,18 @@ def both_ways():
     return result
 
 
-for name, (placement, width, held, collectives, loss) in launch(both_ways, world_size=4, output="none")[0].items():
+trap = launch(both_ways, world_size=4, output="none")[0]
+for name, (placement, width, held, collectives, loss) in trap.items():
     print(f"{name}:\n  attn.q.weight  {placement}\n  q's output on a rank {width}; params held {held:.2f} P\n"
           f"  collectives (dim, kind, n) {collectives}\n  loss {loss:.6f}")
+glue("tp_trap_gathers", next(n for dim, kind, n in trap["FSDP x TP"][3] if (dim, kind) == ("dp", "all-gather")),
+     display=False)
 
 # %% [markdown]
 # Both compute the same loss (one forward and backward, no optimizer step): HSDP is data
 # parallelism, correct on any batches, and here each TP-style pair feeds it the same
-# batch twice. (Each counts 4 all-gathers
-# over `dp` or `tp`, not the table's 5: the forward that measured `q`'s output left the
+# batch twice. (Each counts {glue:text}`tp_trap_gathers` all-gathers
+# over `dp` or `tp`, not the table's {glue:text}`tp_2d_gathers`: the forward that measured `q`'s output left the
 # root gathered.) What differs:
 #
 # - **the placements**: `Replicate() over dp` on the first dimension is HSDP's signature;
@@ -722,13 +764,16 @@ def edge_layer_layouts():
 
 
 print(f"{'':34} {'weight on a rank':23} {'output on a rank':26} {'tp collectives (kind, n, bytes)':33} vs unsharded")
-for name, (weight, out, rows, difference) in launch(edge_layer_layouts, world_size=4, output="none")[0].items():
+edges = launch(edge_layer_layouts, world_size=4, output="none")[0]
+for name, (weight, out, rows, difference) in edges.items():
     collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in rows) or "none"
     print(f"{name:34} {weight:23} {out:26} {collectives:33} {difference:.0e}")
+glue("tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False)  # (dim, kind, n, bytes)
+glue("tp_logits_gather_bytes", edges["output layer, logits gathered"][2][0][3], display=False)
 
 # %% [markdown]
 # - The vocabulary-split embedding holds half the rows and all-reduces its output (a
-#   rank's 4 x 16 x 32 floats, 8192 bytes); with `output_layouts=Shard(1)` it
+#   rank's 4 x 16 x 32 floats, {glue:text}`tp_emb_reduce_bytes` bytes); with `output_layouts=Shard(1)` it
 #   reduce-scatters it instead and hands on half the sequence, which is what a
 #   sequence-parallel stack wants next. This GPT adds the position embedding, whole
 #   sequence, to the token embedding's output, so the page keeps `Replicate()` there
@@ -738,7 +783,7 @@ for name, (weight, out, rows, difference) in launch(edge_layer_layouts, world_si
 #   expect.
 # - The output layer's `ColwiseParallel` holds half the vocabulary's rows. Gathered
 #   (`output_layouts=Replicate()`), every rank gets all 256 logits of every token, one
-#   all-gather of 65536 bytes for these 64 tokens; left split as a `DTensor`
+#   all-gather of {glue:text}`tp_logits_gather_bytes` bytes for these 64 tokens; left split as a `DTensor`
 #   (`use_local_output=False`), each rank holds the logits of its half of the vocabulary,
 #   and nothing moves. Every row matches the unsharded module.
 #
@@ -815,18 +860,33 @@ for name, (untied, tied, held, full, rows, loss, grads) in results.items():
     print(f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
           f" {loss:10.7f} {difference:21.1e}" + (f"  (untied by the plans, tied again: {tied})" if untied else ""))
 
+
+def tp_collectives(plan, kind):
+    """(n, bytes) of one plan's tp collectives of a kind, as in the table above."""
+    return next((n, nbytes) for _, k, n, nbytes in results[plan][4] if k == kind)
+
+
+PAGE, GATHERED, PARALLEL, _ = OUTPUT_PLANS
+gathered_reduces, parallel_reduces = tp_collectives(GATHERED, "all-reduce"), tp_collectives(PARALLEL, "all-reduce")
+glue("tp_logits_bytes", results[PAGE][2], display=False)  # the logits on a rank, this page's plan
+glue("tp_extra_gather_bytes", tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1],
+     display=False)
+glue("tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False)  # each all-reduce's
+glue("tp_lp_reduce_bytes", (parallel_reduces[1] - gathered_reduces[1]) // (parallel_reduces[0] - gathered_reduces[0]),
+     display=False)  # each of loss parallel's own all-reduces
+
 # %% [markdown]
 # - With this page's plan every rank computes all the logits of all 8 sequences
-#   (131072 bytes) from the whole output layer. Split and gathered, a rank computes a
-#   quarter and all-gathers the rest: one more all-gather, of the full 131072 bytes.
-#   The split adds two all-reduces of the hidden states (2 x 16384 bytes): the
+#   ({glue:text}`tp_logits_bytes` bytes) from the whole output layer. Split and gathered, a rank computes a
+#   quarter and all-gathers the rest: one more all-gather, of the full {glue:text}`tp_extra_gather_bytes` bytes.
+#   The split adds two all-reduces of the hidden states (2 x {glue:text}`tp_hidden_reduce_bytes` bytes): the
 #   embedding's output in the forward, and the output layer's input gradient in the
 #   backward (`ColwiseParallel._prepare_input_fn` in `style.py` wraps the input with
 #   `DTensor.from_local` as `Replicate()`, and `_FromTorchTensor.backward` in
 #   `torch/distributed/tensor/_api.py` redistributes its partial gradient to that).
 # - With loss parallel a rank holds a quarter of the logits and they are never
 #   gathered: its all-gathers are exactly this page's plan's, and beside those two
-#   all-reduces it runs three more of 512 bytes, one float per token: the
+#   all-reduces it runs three more of {glue:text}`tp_lp_reduce_bytes` bytes, one float per token: the
 #   maximum and the sum of exponentials of the log-softmax (`_log_softmax` in
 #   `torch/distributed/tensor/parallel/loss.py`) and the target's log-probability
 #   (`_nll_loss_forward`, same file).
