@@ -14,34 +14,41 @@ from fsdp_guide import launch
 from fsdp_guide.recipes import replicas
 
 KILL_AT, AFTER_REJOIN = 10, 10
+# Group 1's restart sleeps 3 s before it imports torch, three times the Lighthouse's heartbeat
+# timeout (1 s): the quorum drops group 1 while it cannot yet be back, with seconds to spare
+# for group 0's steps alone on a loaded machine too.
+REJOIN_AFTER = 3
 
 
 @linux_only
 def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_equal_the_quorums_replay(tmp_path):
     command = [sys.executable, "-m", "fsdp_guide.recipes.replicas", "--out", str(tmp_path), "--kill-at", str(KILL_AT),
-               "--after-rejoin", str(AFTER_REJOIN), "--rejoin-after", "1"]
+               "--after-rejoin", str(AFTER_REJOIN), "--rejoin-after", str(REJOIN_AFTER)]
     done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300)
     logs = "\n".join(f"{p.name}:\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("group?.log")))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + logs
     assert "failed (exitcode: -9) local_rank: 1" in (tmp_path / "group1.log").read_text()  # the SIGKILL, as torchrun saw it
 
     steps = replicas.read_logs(tmp_path)
+    made = replicas.quorums(steps)  # step -> (groups averaged, groups receiving) in the final weights' history
     last = max(line["step"] for lines in steps.values() for line in lines)
     for rank in (0, 1):
         live, restarted = steps[(0, rank)], steps[(1, rank)]
         # group 0 never stopped: every step committed once, from where it joined to the last
         committed = [s["step"] for s in live if s["committed"]]
         assert committed == list(range(live[0]["step"], last + 1)) and live[0]["step"] < KILL_AT
-        back = [s for s in restarted if s["attempt"] == 1]
+        back = [s for s in restarted if s["attempt"] == 1 and s["committed"]]
         assert [s["step"] for s in restarted if s["attempt"] == 0][-1] == KILL_AT
-        # the quorum shrank: group 0 stepped alone while group 1 was away (it waited a second more), then grew back
+        # the quorum shrank: group 0 stepped alone while group 1 was away, dividing by 1
         alone = [s for s in live if KILL_AT < s["step"] < back[0]["step"] and s["committed"]]
-        assert len(alone) >= 3 and all(s["participants"] == 1 for s in alone), live
-        assert all(s["participants"] == 2 for s in live if s["step"] > back[0]["step"])
-        # group 1 came back at group 0's current step (no checkpoint exists), receiving the state, then averaged
-        assert not back[0]["participating"] and all(s["participating"] for s in back[1:])
-        assert [s["step"] for s in back] == list(range(back[0]["step"], last + 1))
-        assert len(back) >= AFTER_REJOIN
+        assert alone and all(s["participants"] == 1 and made[s["step"]] == ([0], []) for s in alone), live
+        # group 1 came back past the step it died at (no checkpoint exists), receiving the live state first
+        assert back[0]["step"] > KILL_AT and not back[0]["participating"]
+        assert [s["step"] for s in back] == sorted({s["step"] for s in back}) and len(back) >= AFTER_REJOIN
+        # then the quorum grew back: both groups averaged a step of the final weights. (Which later steps
+        # both averaged rests on heartbeats arriving in time, so it is not asserted step by step;
+        # quorums() above raised unless every step's divisor was the number of groups it averaged.)
+        assert any(made[s["step"]] == ([0, 1], []) for s in back[1:] if s["step"] in made)
 
     # every group ends with what the sequence of quorums computed, bit for bit
     replayed = launch(replicas.replay, replicas.quorums(steps), 2, world_size=2, output="none")
