@@ -68,6 +68,8 @@ def test_a_peak_it_does_not_know_and_impossible_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="dense .without sparsity."):
         peak_flops("Radeon 9000")
     assert peak_flops("NVIDIA H100 NVL") == 835e12 and peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    with pytest.raises(ValueError, match="'NVIDIA H100 CNX'"):  # a variant the table does not name
+        peak_flops("NVIDIA H100 CNX")
     with pytest.raises(ValueError, match="at least one device"):
         mfu(1_000, 10**9, 989e12, devices=0)
 
@@ -87,3 +89,20 @@ def test_a_sharded_model_counts_its_whole_parameters_once_with_the_tied_head():
 
     for sharded, whole in launch(_flops_per_token_sharded_and_whole, world_size=2, output="none"):
         assert sharded == whole
+
+
+# The names torch.cuda.get_device_name() gives, and half the sparse figure of each part's datasheet
+# (mfu.PEAK_BF16_DENSE cites each): the NVL parts have a lower peak than the SXM ones they share a die with.
+@pytest.mark.parametrize(("name", "tflops"), [
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA B200", 2250)])
+def test_each_part_gets_its_own_datasheet_peak(name, tflops):
+    assert peak_flops(name) == tflops * 1e12
+
+
+@pytest.mark.parametrize("name", ["NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H100 CNX", "NVIDIA H200 NVX",
+                                  "NVIDIA A100X", "NVIDIA B200A"])
+def test_a_variant_never_falls_through_to_another_parts_peak(name):
+    with pytest.raises(ValueError, match="no dense bf16 peak known"):
+        peak_flops(name)

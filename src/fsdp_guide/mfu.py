@@ -23,22 +23,45 @@ not work the model needs (that ratio is hardware FLOPs utilisation, HFU).
 
 from __future__ import annotations
 
+import re
+
 import torch.nn as nn
 
 __all__ = ["PEAK_BF16_DENSE", "flops_per_token", "matmul_parameters", "mfu", "peak_flops"]
 
-# Dense bf16 tensor-core peaks, FLOP/s, from NVIDIA's datasheets (whose headline figures are
-# with sparsity, twice these): https://www.nvidia.com/en-us/data-center/a100/,
-# .../h100/, .../h200/, and the Blackwell datasheet for B200. Matched in this order
-# against torch.cuda.get_device_name(): the first key contained in the name wins.
+# Dense bf16 tensor-core peaks of one accelerator, FLOP/s: half the figure NVIDIA's datasheets
+# print, which is with 2:4 sparsity, rounded down to a TFLOP/s as torchtitan's get_peak_flops does.
 PEAK_BF16_DENSE = {
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM, and the variants not named above
-    "H200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
+    "A100": 312e12,  # 624 sparse, SXM and PCIe alike: https://www.nvidia.com/en-us/data-center/a100/
+    "H100 SXM": 989e12,  # 1,979 sparse: https://www.nvidia.com/en-us/data-center/h100/
+    "H100 NVL": 835e12,  # 1,671 sparse, per GPU (same page)
+    "H100 PCIe": 756e12,  # 1,513 sparse (same page)
+    "H200 SXM": 989e12,  # 1,979 sparse: https://www.nvidia.com/en-us/data-center/h200/
+    "H200 NVL": 835e12,  # 1,671 sparse (same page)
+    "B200": 2250e12,  # 4.5 PFLOP/s sparse, per GPU: https://www.nvidia.com/en-us/data-center/hgx/
 }
+
+# The parts torch.cuda.get_device_name() names, and what else the name may say about the same
+# part (its memory): "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H200".
+_FAMILY = re.compile(r"(?<![A-Z0-9])(A100|H100|H200|B200)(?![0-9])")
+_SAME_PART = re.compile(r"\d+GB|HBM\dE?|SXM\d?|NVIDIA|-")
+
+
+def _part(device_name: str) -> str | None:
+    """The key of PEAK_BF16_DENSE for a device name, or None: a family's variant that the table
+    does not name (an H100 CNX, an H800, a GH200) never falls through to another part's peak."""
+    upper = device_name.upper()
+    found = _FAMILY.search(upper)
+    if found is None:
+        return None
+    family, rest = found[1], upper[:found.start()] + " " + upper[found.end():]
+    words = [w for w in re.split(r"[\s-]+", rest) if w and not _SAME_PART.fullmatch(w)]
+    if family == "A100":
+        return family if words in ([], ["PCIE"]) else None
+    if family == "B200":
+        return family if not words else None
+    variant = {(): "SXM", ("NVL",): "NVL", ("PCIE",): "PCIe"}.get(tuple(words))
+    return f"{family} {variant}" if variant else None
 
 
 def peak_flops(device_name: str) -> float:
@@ -47,16 +70,18 @@ def peak_flops(device_name: str) -> float:
     >>> from fsdp_guide.mfu import peak_flops
     >>> peak_flops("NVIDIA H100 PCIe") / 1e12
     756.0
+    >>> peak_flops("NVIDIA H200 NVL") / 1e12
+    835.0
     >>> peak_flops("cpu")
     Traceback (most recent call last):
     ...
-    ValueError: no dense bf16 peak known for 'cpu' (known: H100 NVL, H100 PCIe, H100, H200, B200, A100); pass the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s
+    ValueError: no dense bf16 peak known for 'cpu' (known: A100, H100 SXM, H100 NVL, H100 PCIe, H200 SXM, H200 NVL, B200); pass the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s
     """
-    for name, peak in PEAK_BF16_DENSE.items():
-        if name in device_name:
-            return peak
-    raise ValueError(f"no dense bf16 peak known for {device_name!r} (known: {', '.join(PEAK_BF16_DENSE)}); pass "
-                     "the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s")
+    part = _part(device_name)
+    if part is None:
+        raise ValueError(f"no dense bf16 peak known for {device_name!r} (known: {', '.join(PEAK_BF16_DENSE)}); pass "
+                         "the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s")
+    return PEAK_BF16_DENSE[part]
 
 
 def matmul_parameters(model: nn.Module) -> int:
