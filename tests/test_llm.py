@@ -506,3 +506,20 @@ def test_a_config_names_its_field_as_the_command_names_its_flag():
         TrainConfig(async_checkpoint=True, checkpoint_dir="ckpt")
     with pytest.raises(ValueError, match=r"^steps=40.0: expected a positive int"):
         TrainConfig(steps=40.0)
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    ([], "one of the arguments --kill-after-step --kill-while-saving is required"),
+    (["--kill-after-step"], "argument --kill-after-step: expected one argument"),
+    (["--kill-while-saving", "0"], "argument --kill-while-saving: expected a step number (1 or more), got '0'"),
+    (["--kill-after-step", "3", "--kill-while-saving", "4"], "not allowed with argument --kill-after-step"),
+    (["--kill-after-step", "3", "--steps", "4"], "TORCHELASTIC_RESTART_COUNT and RANK not set: run it under torchrun"),
+])
+def test_the_fault_injector_answers_a_bad_command_with_status_2_and_one_line(argv, error):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "RANK")}
+    done = subprocess.run([sys.executable, "-m", "fsdp_guide.recipes.killed_rank", *argv], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("python -m fsdp_guide.recipes.killed_rank: error: ") and error in last, done.stderr
+    assert "Traceback" not in done.stderr

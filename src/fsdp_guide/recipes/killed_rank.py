@@ -18,6 +18,7 @@ A fault injector for the "when a rank dies" page and the tests, not for training
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -81,14 +82,41 @@ def note_first_step() -> None:
     train_llm.train_step = noted
 
 
-if __name__ == "__main__":
-    how, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if how not in ("--kill-after-step", "--kill-while-saving"):
-        sys.exit(f"{how}: expected --kill-after-step N or --kill-while-saving N, then the recipe's flags")
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a step number (1 or more), got {text!r}")
+    return int(text)
+
+
+def _parse(argv: list[str]) -> tuple[str, int, list[str]]:
+    """(how, step, the recipe's flags), or a usage error (exit status 2) as the recipe's own."""
+    parser = argparse.ArgumentParser(prog="python -m fsdp_guide.recipes.killed_rank", allow_abbrev=False,
+                                     description="The LLM recipe under torchrun --max-restarts=1, with rank 1 killed "
+                                                 "in the first attempt; the other flags are the recipe's.")
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--kill-after-step", type=_positive, metavar="N", help="rank 1 dies once its step N is computed")
+    how.add_argument("--kill-while-saving", type=_positive, metavar="N",
+                     help="rank 1 dies once it has written its part of checkpoint N")
+    args, recipe = parser.parse_known_args(argv)
+    missing = [name for name in ("TORCHELASTIC_RESTART_COUNT", "RANK") if name not in os.environ]
+    if missing:
+        parser.error(f"{' and '.join(missing)} not set: run it under torchrun, e.g. torchrun --nproc-per-node=2 "
+                     "--max-restarts=1 -m fsdp_guide.recipes.killed_rank --kill-after-step 3 <the recipe's flags>")
+    if args.kill_after_step is not None:
+        return "--kill-after-step", args.kill_after_step, recipe
+    return "--kill-while-saving", args.kill_while_saving, recipe
+
+
+def main(argv: list[str] | None = None) -> None:
+    how, n, argv = _parse(sys.argv[1:] if argv is None else argv)
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
         {"--kill-after-step": kill_after_step, "--kill-while-saving": kill_while_saving}[how](n)
     elif os.environ["TORCHELASTIC_RESTART_COUNT"] != "0" and os.environ["RANK"] == "0":
         note_first_step()
     train_llm.main(argv)
+
+
+if __name__ == "__main__":
+    main()
     sys.stdout.flush()
     os._exit(0)  # as the recipe's own __main__: skip the interpreter's teardown of torch's threads
