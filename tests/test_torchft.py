@@ -82,3 +82,37 @@ def test_quorums_refuse_groups_that_averaged_a_step_from_different_weights():
     with pytest.raises(ValueError, match=r"step 1: groups \[0, 1\] averaged their gradients without having "
                                          r"computed step 0 in one quorum"):
         replicas.quorums(logs)
+
+
+def _usage_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        replicas.main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    (["--after-rejoin", "0"], "expected --after-rejoin 1 or more (got 0)"),
+    (["--rejoin-after", "-1"], "--rejoin-after and --step-seconds 0 or more (got -1, 0.1)"),
+    (["--timeout", "0"], "--timeout above 0 (got 0)"),
+])
+def test_the_driver_answers_impossible_settings_with_a_usage_error(flags, error, tmp_path, capsys):
+    assert error in _usage_error(["--out", str(tmp_path), *flags], capsys)
+
+
+def test_the_driver_refuses_a_directory_that_holds_a_previous_run_and_writes_nothing_there(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")  # a file of the user's: no run's, so no reason to refuse
+    (tmp_path / "group0-rank0.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "stop").write_text("7")
+    message = _usage_error(["--out", str(tmp_path)], capsys)
+    assert "holds a previous run's files (group0-rank0.jsonl, stop)" in message and "empty directory" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["group0-rank0.jsonl", "notes.txt", "stop"]
+    assert (tmp_path / "stop").read_text() == "7"
+
+
+def test_the_driver_refuses_to_run_where_an_interface_other_than_loopback_exists(tmp_path, capsys, monkeypatch):
+    # torchft's manager listens on every interface: the rule the module's docstring states, enforced
+    monkeypatch.setattr(replicas.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    message = _usage_error(["--out", str(tmp_path)], capsys)
+    assert "interfaces other than loopback exist (eth0)" in message and "loopback_only" in message
+    assert list(tmp_path.iterdir()) == []

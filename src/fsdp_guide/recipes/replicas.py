@@ -343,9 +343,18 @@ def run(out: Path, groups: int = 2, kill_at: int = 5, after_rejoin: int = 10, re
         lighthouse.shutdown()
 
 
+# The files a run writes into --out (worker, _wait_for_every_worker, run): another run's would mix with them.
+_RUN_FILES = re.compile(r"group\d+(\.log|-rank\d+\.jsonl)|final-group\d+-rank\d+\.pt|ready-group\d+-rank\d+|stop(\.tmp)?")
+
+
+def _previous_run(out: Path) -> list[str]:
+    return sorted(path.name for path in out.iterdir() if _RUN_FILES.fullmatch(path.name))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="an existing directory for the logs")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="an existing directory for the logs, holding no previous run")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=5, help="group 1's rank 1 dies after this step")
     parser.add_argument("--after-rejoin", type=int, default=10, help="steps to run once group 1 is back")
@@ -358,6 +367,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: not a directory; create it first")
     if args.groups < 2 or not 0 <= args.kill_at < MAX_STEPS:
         parser.error(f"expected --groups 2 or more and --kill-at 0 to {MAX_STEPS - 1}")
+    if args.after_rejoin < 1 or args.rejoin_after < 0 or args.step_seconds < 0 or not args.timeout > 0:
+        parser.error(f"expected --after-rejoin 1 or more (got {args.after_rejoin}), --rejoin-after and --step-seconds "
+                     f"0 or more (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0 "
+                     f"(got {args.timeout:g})")
+    if not args.worker and (previous := _previous_run(args.out)):
+        parser.error(f"--out {args.out} holds a previous run's files ({', '.join(previous[:3])}"
+                     f"{', ...' if len(previous) > 3 else ''}): the two would mix; pass an empty directory")
+    if (interfaces := sorted({name for _, name in socket.if_nameindex()} - {"lo"})):
+        parser.error(f"interfaces other than loopback exist ({', '.join(interfaces)}), and torchft's manager listens "
+                     "on every interface: run it where only lo exists, e.g. in a network namespace of its own, "
+                     "fsdp_guide.isolation.loopback_only([sys.executable, '-m', 'fsdp_guide.recipes.replicas', ...])")
     if args.worker:
         if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
             time.sleep(float(os.environ["REJOIN_AFTER"]))  # a slow restart: a new node, a long import
