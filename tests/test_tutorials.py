@@ -484,6 +484,10 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     assert saved["checkpoint, then compile"] < saved["no checkpointing, eager"] / 2
     rng_kib = float(text.split("the CPU generator's state: ")[1].split()[0])
     assert abs(saved["checkpoint, then compile"] - saved["checkpointing, eager"] - 2 * rng_kib) < 1.5  # one per block
+    # the prose quotes the extra (glued) and claims it is the generator's state, once per block (2)
+    glued = _glued(executed["compile"])
+    assert glued.keys() >= {"compile_ac_extra_kib"}
+    assert abs(float(glued["compile_ac_extra_kib"]) - 2 * rng_kib) < 1.0
     # compiled autograd: the root's final callback and its reduce-scatter never happen
     ca = {line[:34].strip(): line[34:].split() for line in lines if line.startswith((
         "all-gathers", "reduce-scatters", "root's final callback", "compiled autograd graphs", "graph breaks ",
@@ -529,9 +533,16 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(executed):
     assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
     assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
     assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
-    ratios = {line.split()[0]: float(line.split()[-2]) for line in text.splitlines()
-              if line.startswith(("build, then wrap", "wrap as you build", "meta device"))}
-    assert ratios == {"build,": 1.0, "wrap": 0.53, "meta": 0.5}
+    rows = {line.split()[0]: line.split()[-3:] for line in text.splitlines()
+            if line.startswith(("build, then wrap", "wrap as you build", "meta device"))}
+    ratios = {name: float(row[1]) for name, row in rows.items()}  # max parameter bytes / building first's
+    # The prose quotes building first's share of the model and wrapping as you build's ratio (glued); what it
+    # claims of them: building first holds the whole model (100%); wrapping as you build, 15/16 · 1/2 + 1/16 of
+    # it on 2 ranks; on meta, the shards only: 1/world_size
+    full_model = int(re.search(r"full model: ([\d,]+) bytes", text)[1].replace(",", ""))
+    assert int(rows["build,"][0].replace(",", "")) == full_model and ratios["build,"] == 1.0
+    assert ratios["wrap"] == round(15 / 16 * 1 / 2 + 1 / 16, 2) and ratios["meta"] == 1 / 2
+    assert _glued(executed["enable_wrap"]).keys() >= {"wrap_build_first", "wrap_as_you_build"}
 
 
 def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
@@ -553,6 +564,41 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     assert "rank 1  placements           (Shard(dim=0),)" in text
     assert text.count("inside forward") == 2 and text.count("after optimizer step") == 2
     assert lines  # the two timeline tables were printed
+    # The prose quotes the splits, the flat lengths, rank 1's positions and the timelines' bytes (glued); what it
+    # claims of them: torch.chunk splits the rows evenly on 2 ranks; FSDP1 flattens every parameter into one
+    # vector (its _unpadded_unsharded_size), half on each rank; rank 1 holds the rest of 0.weight at the start
+    # of its shard, then all of 0.bias; FSDP2's full weight is twice its shard; FSDP1's weight is freed outside
+    # forward and backward, its flat parameter a 4-byte-per-number shard outside the computation, the whole inside
+    tables = {(api, int(rank)): {row[0]: row for row in (re.split(r"\s{2,}", line) for line in body.splitlines()[2:])}
+              for api, rank, body in re.findall(r"(FSDP[12]), rank (\d):\n(.*?)\ntotal local bytes", text, re.S)}
+
+    def numel(shape):  # "(6, 8)" -> 48
+        n = 1
+        for d in re.findall(r"\d+", shape):
+            n *= int(d)
+        return n
+
+    for name in ("0.weight", "2.weight"):
+        rows = [int(re.findall(r"\d+", tables[("FSDP2", rank)][name][2])[0]) for rank in (0, 1)]
+        assert rows[0] == rows[1] == int(re.findall(r"\d+", tables[("FSDP2", 0)][name][1])[0]) / 2
+    flat = sum(numel(row[1]) for row in tables[("FSDP1", 0)].values())
+    assert [sum(numel(row[2]) for row in tables[("FSDP1", rank)].values()) for rank in (0, 1)] == [flat / 2] * 2
+    assert re.search(rf"_unpadded_unsharded_size +Size +torch.Size\(\[{flat}\]\)", text)
+    weight, bias = tables[("FSDP1", 1)]["0.weight"], tables[("FSDP1", 1)]["0.bias"]
+    on_rank0 = numel(tables[("FSDP1", 0)]["0.weight"][2])
+    rest = numel(weight[1]) - on_rank0
+    assert weight[4] == f"elements {on_rank0}:{numel(weight[1])} (flattened)" and weight[3].startswith(f"at [0:{rest}] ")
+    assert bias[4] == f"elements 0:{numel(bias[1])} (flattened)" and bias[3].startswith(f"at [{rest}:{rest + numel(bias[1])}] ")
+    fsdp2, fsdp1 = ({line[:22].strip(): re.split(r"\s{2,}", line[22:].strip()) for line in part.splitlines()
+                     if line.startswith(("before forward ", "inside forward ", "after backward "))}
+                    for part in text.split("weight's bytes", 1))
+    assert int(fsdp2["inside forward"][2]) == 4 * numel(weight[1]) == 2 * int(fsdp2["before forward"][2])
+    assert fsdp1["before forward"][2] == fsdp1["after backward"][2] == "0"
+    assert int(fsdp1["before forward"][3]) == 4 * flat // 2 and int(fsdp1["inside forward"][3]) == 4 * flat
+    assert _glued(executed["state_attributes"]).keys() >= {
+        "sa_small_rows_0", "sa_small_rows_1", "sa_large_rows_0", "sa_large_rows_1", "sa_flat_numel", "sa_flat_shard",
+        "sa_r1_weight_elements", "sa_r1_weight_at", "sa_r1_bias_at", "sa_fsdp2_full_bytes", "sa_fsdp2_shard_bytes",
+        "sa_fsdp1_freed_bytes", "sa_fsdp1_shard_bytes", "sa_fsdp1_full_bytes"}
 
 
 def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
@@ -627,6 +673,12 @@ def test_digits_tutorial_logs_like_the_classic_example_and_reaches_97_percent(ex
     correct = int(tests[-1].split("Accuracy: ")[1].split("/")[0])
     assert correct / 360 >= 0.97
     assert "largest |train loss FSDP1 - FSDP2| over the epochs: 0.0e+00" in text
+    # The prose quotes this run's image counts (glued); what it claims of them: the training set is
+    # odd, so the sampler pads it by one image (read twice) and each rank reads half the padded list.
+    glued = {k: int(v) for k, v in _glued(executed["digits"]).items()}
+    assert glued.keys() >= {"digits_train_images", "digits_read_images", "digits_rank_images"}
+    assert glued["digits_train_images"] % 2 == 1
+    assert glued["digits_read_images"] == glued["digits_train_images"] + 1 == 2 * glued["digits_rank_images"]
 
 
 def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
@@ -645,13 +697,30 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     text = _text_outputs(executed["memory"])
     totals = {line.split()[0]: line.split()[-1] for line in text.splitlines()
               if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line}
+    # the prose quotes the totals (glued) and claims them the paper's numbers: ZeRO's Figure 1, constants from the paper
     assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
     rows = [line.split() for line in text.splitlines() if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD"))
             and len(line.split()) == 7]
     assert len(rows) == 10  # DDP, NO_SHARD x 2 APIs, FULL_SHARD x 2 APIs; on 2 and 4 ranks
     assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
-    in_step = [float(line.split()[5]) for line in text.splitlines() if line.strip().startswith("in step")]
-    assert [round(r, 2) for r in in_step] == [1.5, 1.5, 1.26, 1.25]  # SHARD_GRAD_OP: full parameters + FSDP's shard
+    params = {}  # (ranks, strategy, api) -> measured / estimated parameters; "in step": SHARD_GRAD_OP in the step
+    for ranks, table in zip((2, 4), text.split("\n4 ranks ", 1)):
+        for line in table.splitlines():
+            fields = line.replace("in step", "in_step").split()
+            if len(fields) == 7 and fields[1] in ("ddp", "fsdp2", "fsdp1"):
+                params[(ranks, fields[0], fields[1])] = float(fields[4])
+    # The prose quotes the padding and the in-step ratios (glued); what it claims of them: FSDP2 pads on 4 ranks,
+    # on 2 nothing; FSDP1 pads too, less (once per unit); in the step SHARD_GRAD_OP holds 1 + 1/N of the
+    # estimate, with FSDP2's padding on 4 ranks (the gathered parameters are padded too)
+    padding = params[(4, "FULL_SHARD", "fsdp2")]
+    assert padding > 1 and params[(2, "FULL_SHARD", "fsdp2")] == params[(2, "NO_SHARD", "fsdp2")] == 1
+    assert 1 < params[(4, "FULL_SHARD", "fsdp1")] < padding
+    assert all(round(params[(ranks, "in_step", api)], 2) == 1 + 1 / ranks for ranks in (2, 4) for api in ("fsdp2", "fsdp1")
+               if (ranks, api) != (4, "fsdp2"))
+    assert params[(4, "in_step", "fsdp2")] == pytest.approx((1 + 1 / 4) * padding, abs=2e-4)
+    assert params[(4, "in_step", "fsdp2")] > params[(4, "in_step", "fsdp1")]
+    assert _glued(executed["memory"]).keys() >= {"mem_zero_ddp", "mem_zero_stage2", "mem_zero_stage3", "mem_fsdp2_padding",
+                                                 "mem_fsdp1_padding", "mem_in_step_2", "mem_in_step_4", "mem_in_step_4_fsdp2"}
 
 
 def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):

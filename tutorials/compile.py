@@ -555,13 +555,21 @@ for order, (losses, params, graphs, saved) in runs.items():
     print(f"{order:26} {len(graphs):>6} {str(graphs):>10} {saved / 1024:11.0f} {difference:27.1e}")
 print(f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkpointing, eager"][3]) / 1024,
+     display=False)
+
 # %% [markdown]
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph.
+#
 # - **Checkpoint, then compile** (torchtitan's order: "compile after AC wrapping and
 #   before FSDP", a comment in `parallelize_llama`, `torchtitan/models/llama3/infra/parallelize.py`):
 #   dynamo traces the wrapper's `torch.utils.checkpoint` call as one higher-order
 #   operator (the block's linears sit in a subgraph, so the top level counts none), and
 #   AOTAutograd's partitioner recomputes the checkpointed region in the compiled
-#   backward. The partitioner keeps only the block's input; the extra 9 KiB over eager
+#   backward. The partitioner keeps only the block's input; the extra {glue:text}`compile_ac_extra_kib:.0f` KiB over eager
 #   checkpointing is a snapshot of the CPU generator's state per block (its size is
 #   printed under the table), saved so that the recomputed attention, an operator with a
 #   dropout argument, replays the same random stream. Eager checkpointing keeps its RNG

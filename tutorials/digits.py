@@ -39,6 +39,10 @@ train_set, test_set = digits()
 print(f"{len(train_set)} training and {len(test_set)} test images of shape "
       f"{tuple(train_set[0][0].shape)}; classes {sorted(set(test_set.tensors[1].tolist()))}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("digits_train_images", len(train_set), display=False)
+
 # %% [markdown]
 # ## The model and one epoch
 #
@@ -120,14 +124,18 @@ def test(model, loader, device):
 
 
 # %% [markdown]
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph
+# (the images each rank reads: from the output below this one).
+#
 # `DistributedSampler` shuffles the indices of the training set (anew each epoch, by
-# `set_epoch`) and gives rank r every second one, starting at r. 1437 is odd, so with the
+# `set_epoch`) and gives rank r every second one, starting at r. {glue:text}`digits_train_images` is odd, so with the
 # default `drop_last=False` it first pads the list by repeating its first index
-# (`DistributedSampler.__iter__` in `torch/utils/data/distributed.py`): each rank reads 719
+# (`DistributedSampler.__iter__` in `torch/utils/data/distributed.py`): each rank reads {glue:text}`digits_rank_images`
 # images an epoch, and one image is read twice. FSDP averages the gradients of the two
 # ranks, so a step averages over 2 × 16 images, as a batch of 32 would. It is not bit for
-# bit the run of one process with batches of 32, though: that process would read 1437
-# images an epoch, not 1438, and draw its dropout masks from one random stream, not two.
+# bit the run of one process with batches of 32, though: that process would read {glue:text}`digits_train_images`
+# images an epoch, not {glue:text}`digits_read_images`, and draw its dropout masks from one random stream, not two.
 # Every rank computes its own loss and counts; `all_reduce` sums them, and the function
 # returns the whole history to the notebook, which prints it.
 
@@ -150,7 +158,8 @@ def train_digits(api, epochs=5):
         test_loss, correct, n_test = test(model, test_loader, device)
         scheduler.step()
         history.append(dict(epoch=epoch, train_loss=train_loss / n_train,
-                            test_loss=test_loss / n_test, correct=int(correct), total=int(n_test)))
+                            test_loss=test_loss / n_test, correct=int(correct), total=int(n_test),
+                            train_images=int(n_train)))
     return history
 
 
@@ -161,6 +170,10 @@ for h in fsdp2:
           f"({100 * h['correct'] / h['total']:.2f}%)")
 assert fsdp2[-1]["correct"] / fsdp2[-1]["total"] >= 0.97
 print("\nFSDP2: at least 97% test accuracy")
+read = fsdp2[0]["train_images"]  # training images read in an epoch, summed over the 2 ranks
+print(f"training images read an epoch: {read} ({read // 2} per rank)")
+glue("digits_read_images", read, display=False)
+glue("digits_rank_images", read // 2, display=False)
 
 # %% [markdown]
 # ## The same run with FSDP1

@@ -269,19 +269,27 @@ for name, per_rank in measured.items():
     peak, after = per_rank[0]
     print(f"{name:30} {peak:>43,} {peak / baseline:>6.2f} {after:>15,}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("wrap_build_first", baseline / full_model, display=False)
+glue("wrap_as_you_build", measured["wrap as you build"][0][0] / baseline, display=False)
+
 # %% [markdown]
-# Building first needs the whole model on every rank: 100%. Wrapping as you build reaches
-# at most the shards of the blocks built so far plus one full block: 15/16 · 1/2 + 1/16 ≈
-# 0.53 of it, approaching 1/world_size as blocks get smaller relative to the model. The
-# full block's storage is gone once it is sharded because nothing refers to it any more:
-# `FSDPParam._init_sharded_param` (`torch/distributed/fsdp/_fully_shard/_fsdp_param.py`)
-# copies the rank's rows into a new shard and lets the original "be freed normally when
-# its ref count reaches 0", as its comment says. (While `fully_shard` copies a block into
-# its shard, that block briefly exists twice; the counts above are taken between blocks.)
-# On the `meta` device nothing is allocated until `to_empty`, which allocates only the
-# shards: 1/world_size. But `to_empty` leaves the memory uninitialised, and initialising
-# *after* sharding is where the {ref}`deterministic-init pitfall <tip-init-before-sharding>`
-# waits.
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph.
+#
+# Building first needs the whole model on every rank: {glue:text}`wrap_build_first:.0%`. Wrapping
+# as you build reaches at most the shards of the blocks built so far plus one full block: 15/16 ·
+# 1/2 + 1/16 ≈ {glue:text}`wrap_as_you_build:.2f` of it, approaching 1/world_size as blocks get
+# smaller relative to the model. The full block's storage is gone once it is sharded because
+# nothing refers to it any more: `FSDPParam._init_sharded_param`
+# (`torch/distributed/fsdp/_fully_shard/_fsdp_param.py`) copies the rank's rows into a new shard
+# and lets the original "be freed normally when its ref count reaches 0", as its comment says.
+# (While `fully_shard` copies a block into its shard, that block briefly exists twice; the counts
+# above are taken between blocks.) On the `meta` device nothing is allocated until `to_empty`,
+# which allocates only the shards: 1/world_size. But `to_empty` leaves the memory uninitialised,
+# and initialising *after* sharding is where the
+# {ref}`deterministic-init pitfall <tip-init-before-sharding>` waits.
 
 # %%
 for name, per_rank in measured.items():

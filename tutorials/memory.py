@@ -49,17 +49,29 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 from fsdp_guide.memory import estimate
 
 print(f"{'strategy':14} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}   (GB per device)")
+zero = {}
 for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
     m = estimate(7.5e9, 64, strategy, param_dtype=torch.float16, optimizer="adam",
                  master_weights=True)
+    zero[strategy] = float(m.total / 1e9)
     print(f"{strategy:14} {m.params / 1e9:9.2f} {m.grads / 1e9:9.2f} {m.optimizer / 1e9:10.2f} "
           f"{m.total / 1e9:9.1f}")
 
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+glue("mem_zero_ddp", zero["DDP"], display=False)
+glue("mem_zero_stage2", zero["SHARD_GRAD_OP"], display=False)
+glue("mem_zero_stage3", zero["FULL_SHARD"], display=False)
+
 # %% [markdown]
-# 120 GB, 16.6 GB and 1.9 GB: the paper's numbers for the baseline, P<sub>os+g</sub> and
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph.
+#
+# {glue:text}`mem_zero_ddp:.0f` GB, {glue:text}`mem_zero_stage2:.1f` GB and
+# {glue:text}`mem_zero_stage3:.1f` GB: the paper's numbers for the baseline, P<sub>os+g</sub> and
 # P<sub>os+g+p</sub>. (Its stage 1, which shards only the optimizer state, has no FSDP
-# counterpart.) The estimate is model states only: activations, temporary buffers and
-# the gathered parameters of the unit being computed come on top.
+# counterpart.) The estimate is model states only: activations, temporary buffers and the gathered
+# parameters of the unit being computed come on top.
 #
 # (memory-measured)=
 # ## Estimated against measured, on real ranks
@@ -129,12 +141,24 @@ for world_size in (2, 4):
         print(f"{'':8} {strategy:14} {api:6} {est.total / 1e6:9.3f} {got.total / 1e6:9.3f}   "
               + "  ".join(f"{r:6.4f}" for r in ratios))
 
+
+def params_ratio(world_size, strategy, api):
+    """Measured / estimated parameters in one row of the tables above."""
+    return next(float(got.params / est.params) for s, a, est, got in results[world_size] if (s, a) == (strategy, api))
+
+
+glue("mem_fsdp2_padding", params_ratio(4, "FULL_SHARD", "fsdp2") - 1, display=False)
+glue("mem_fsdp1_padding", params_ratio(4, "FULL_SHARD", "fsdp1") - 1, display=False)
+glue("mem_in_step_2", params_ratio(2, "  in step", "fsdp2"), display=False)
+glue("mem_in_step_4", params_ratio(4, "  in step", "fsdp1"), display=False)
+glue("mem_in_step_4_fsdp2", params_ratio(4, "  in step", "fsdp2"), display=False)
+
 # %% [markdown]
-# For DDP, `NO_SHARD` and `FULL_SHARD` the measurement is the estimate, up to padding:
-# FSDP makes all shards equal, and the padding is real memory. FSDP2 pads each
-# parameter's first dimension to a multiple of the world size (on 4 ranks, 126 and 510
-# rows become 128 and 512: 0.9% here; on 2 ranks nothing), FSDP1 pads each unit's flat
-# parameter once (0.01%).
+# For DDP, `NO_SHARD` and `FULL_SHARD` the measurement is the estimate, up to padding: FSDP makes
+# all shards equal, and the padding is real memory. FSDP2 pads each parameter's first dimension to
+# a multiple of the world size (on 4 ranks, 126 and 510 rows become 128 and 512:
+# {glue:text}`mem_fsdp2_padding:.1%` here; on 2 ranks nothing), FSDP1 pads each unit's flat
+# parameter once ({glue:text}`mem_fsdp1_padding:.2%`).
 #
 # The `FutureWarning` printed with each table comes from FSDP1's `NO_SHARD` rows: torch
 # deprecates FSDP1's `NO_SHARD` and recommends `DistributedDataParallel` for it (the
@@ -142,14 +166,15 @@ for world_size in (2, 4):
 # measured here only to compare; as the table shows, it holds what DDP holds, up to
 # FSDP1's padding.
 #
-# `SHARD_GRAD_OP` is the exception, and instructive. Between steps FSDP keeps only the
-# shards, so at rest it holds exactly what `FULL_SHARD` holds: 1/N of the parameters.
-# From forward to backward it keeps every unit's gathered parameters, and then holds the
-# full parameters *and* its shard of them: 1 + 1/N of ZeRO stage 2's figure (1.5 on 2
-# ranks; 1.25 on 4, 1.26 with FSDP2's padding; grads not yet produced). ZeRO's stage 2
-# has no such extra copy because its fp32 master weights are part of the optimizer state
-# (K); in FSDP the fp32 shard *is* the master copy (the {ref}`FP8 tutorial <tutorial-fp8>`
-# shows that FSDP2 keeps no other, and what happens when the optimizer keeps one too).
+# `SHARD_GRAD_OP` is the exception, and instructive. Between steps FSDP keeps only the shards, so
+# at rest it holds exactly what `FULL_SHARD` holds: 1/N of the parameters. From forward to
+# backward it keeps every unit's gathered parameters, and then holds the full parameters *and* its
+# shard of them: 1 + 1/N of ZeRO stage 2's figure ({glue:text}`mem_in_step_2:.1f` on 2 ranks;
+# {glue:text}`mem_in_step_4:.2f` on 4, {glue:text}`mem_in_step_4_fsdp2:.2f` with FSDP2's padding;
+# grads not yet produced). ZeRO's stage 2 has no such extra copy because its fp32 master weights
+# are part of the optimizer state (K); in FSDP the fp32 shard *is* the master copy (the
+# {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2 keeps no other, and what happens when the
+# optimizer keeps one too).
 
 # %% mystnb={"image": {"alt": "Stacked bars of model-state memory measured per rank, in MB, split into parameters, gradients and optimizer state, for each strategy and API, on 2 ranks (left) and 4 ranks (right)."}}
 import matplotlib.pyplot as plt

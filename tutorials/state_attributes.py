@@ -79,17 +79,45 @@ for api in ("FSDP2", "FSDP1"):
     for rank in (0, 1):
         print(f"{api}, rank {rank}:\n{per_rank[rank][api]}\n")
 
+import math
+import re
+
+from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+fsdp2_rows, fsdp1_rows = ([{row.name: row for row in per_rank[rank][api]} for rank in (0, 1)] for api in ("FSDP2", "FSDP1"))
+
+
+def first_to_last(span):
+    """'elements 34:48 (flattened)' or 'at [0:14] of this rank's flat shard' -> '34 to 47'"""
+    start, stop = re.search(r"(\d+):(\d+)", span).groups()
+    return f"{start} to {int(stop) - 1}"
+
+
+glue("sa_small_rows_0", fsdp2_rows[0]["2.weight"].local_shape[0], display=False)
+glue("sa_small_rows_1", fsdp2_rows[1]["2.weight"].local_shape[0], display=False)
+glue("sa_large_rows_0", fsdp2_rows[0]["0.weight"].local_shape[0], display=False)
+glue("sa_large_rows_1", fsdp2_rows[1]["0.weight"].local_shape[0], display=False)
+glue("sa_flat_numel", sum(math.prod(row.local_shape) for rows in fsdp1_rows for row in rows.values()), display=False)
+glue("sa_flat_shard", sum(math.prod(row.local_shape) for row in fsdp1_rows[0].values()), display=False)
+glue("sa_r1_weight_elements", first_to_last(fsdp1_rows[1]["0.weight"].holds), display=False)
+glue("sa_r1_weight_at", first_to_last(fsdp1_rows[1]["0.weight"].placement), display=False)
+glue("sa_r1_bias_at", first_to_last(fsdp1_rows[1]["0.bias"].placement), display=False)
+
 # %% [markdown]
-# FSDP2 gives each rank a block of rows of every parameter (`torch.chunk` on dim 0, so the
-# 2x6 weight splits 1 + 1 and a 6x8 one 3 + 3). FSDP1 concatenates all the parameters of a
-# unit into one flat vector of 68 numbers and gives each rank 34 of them, so a parameter
-# may sit wholly on one rank (`0.bias` on rank 1) or straddle both (`0.weight`). Each
-# FSDP1 row says which elements of the flattened parameter the rank holds, and where they
-# lie in its flat shard: rank 1 holds elements 34 to 47 of `0.weight` at positions 0 to 13
-# of its shard, then all of `0.bias` at 14 to 19.
-# `describe_sharding` returns a `ShardingTable`, which defines `_repr_html_`
-# (`src/fsdp_guide/describe.py`): as the last line of a notebook cell it displays as an
-# HTML table.
+# The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the output above each paragraph.
+#
+# FSDP2 gives each rank a block of rows of every parameter (`torch.chunk` on dim 0, so the 2x6
+# weight splits {glue:text}`sa_small_rows_0` + {glue:text}`sa_small_rows_1` and a 6x8 one
+# {glue:text}`sa_large_rows_0` + {glue:text}`sa_large_rows_1`). FSDP1 concatenates all the
+# parameters of a unit into one flat vector of {glue:text}`sa_flat_numel` numbers and gives each
+# rank {glue:text}`sa_flat_shard` of them, so a parameter may sit wholly on one rank (`0.bias` on
+# rank 1) or straddle both (`0.weight`). Each FSDP1 row says which elements of the flattened
+# parameter the rank holds, and where they lie in its flat shard: rank 1 holds elements
+# {glue:text}`sa_r1_weight_elements` of `0.weight` at positions {glue:text}`sa_r1_weight_at` of
+# its shard, then all of `0.bias` at {glue:text}`sa_r1_bias_at`. `describe_sharding` returns a
+# `ShardingTable`, which defines `_repr_html_` (`src/fsdp_guide/describe.py`): as the last line of
+# a notebook cell it displays as an HTML table.
 #
 # ## FSDP2: parameters are DTensors
 
@@ -142,7 +170,7 @@ for name, (kind, value) in launch(flat_param_attributes, world_size=2,
 
 # %% [markdown]
 # The ones worth knowing: `_fqns`, `_shapes` and `_numels` describe the original
-# parameters in flattening order; `_unpadded_unsharded_size` is the flat length (68) and
+# parameters in flattening order; `_unpadded_unsharded_size` is the flat length ({glue:text}`sa_flat_numel`) and
 # `_sharded_size` a rank's share of it after padding; `_shard_param_infos` says which part
 # of each original parameter lies in this rank's shard (what `describe_sharding` reads);
 # `_shard_numel_padded` is the padding at the end of this rank's shard.
@@ -213,12 +241,17 @@ print(f"after backward, weight.grad is a {fsdp2_rank0['grad type']}")
 print(f"optimizer step: the shard's storage is the same: {fsdp2_rank0['same storage']}, "
       f"its values changed: {fsdp2_rank0['values changed']}")
 
+fsdp2_when = {when: values for when, *values in fsdp2_rank0["rows"]}
+glue("sa_fsdp2_full_bytes", fsdp2_when["inside forward"][2], display=False)
+glue("sa_fsdp2_shard_bytes", fsdp2_when["before forward"][2], display=False)
+
 # %% [markdown]
-# FSDP2 swaps what is registered on the module: the sharded `DTensor` outside, the full
-# plain `Parameter` (192 bytes instead of 96) while the layer computes, in forward and
-# again in backward. The gradient arrives after backward as a `DTensor` whose local part is
-# the shard's shape, and the optimizer step changes the shard's values in the same storage:
-# it updates the shard in place.
+# FSDP2 swaps what is registered on the module: the sharded `DTensor` outside, the full plain
+# `Parameter` ({glue:text}`sa_fsdp2_full_bytes` bytes instead of
+# {glue:text}`sa_fsdp2_shard_bytes`) while the layer computes, in forward and again in backward.
+# The gradient arrives after backward as a `DTensor` whose local part is the shard's shape, and
+# the optimizer step changes the shard's values in the same storage: it updates the shard in
+# place.
 
 # %%
 def fsdp1_timeline():
@@ -236,19 +269,25 @@ def fsdp1_timeline():
     return record_timeline(model, layer, snapshot, device)
 
 
-show(launch(fsdp1_timeline, world_size=2, output="none")[0],
-     ["weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"])
+fsdp1_rank0 = launch(fsdp1_timeline, world_size=2, output="none")[0]
+show(fsdp1_rank0, ["weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"])
+
+fsdp1_when = {when: values for when, *values in fsdp1_rank0}
+glue("sa_fsdp1_freed_bytes", fsdp1_when["before forward"][2], display=False)  # the weight's
+glue("sa_fsdp1_shard_bytes", fsdp1_when["before forward"][3], display=False)  # the FlatParameter's
+glue("sa_fsdp1_full_bytes", fsdp1_when["inside forward"][3], display=False)
 
 # %% [markdown]
-# FSDP1 (with the default `use_orig_params=False`) leaves `layer.weight` a plain tensor
-# of the full shape at all times, but it is a *view* into the unsharded flat parameter.
-# Before the first forward and after backward its storage is freed (0 bytes): reading or
-# editing `layer.weight` there touches nothing real. Right after forward it still holds
-# the gathered values, because FSDP1 does not reshard the *root* unit after forward
-# (backward needs it at once); this model has only the root unit. The `FlatParameter`
-# itself points at its 34-number shard (136 bytes) outside the computation and at the
-# full 68 numbers (272 bytes) inside it, and its gradient is a flat shard too. To read or
-# change weights outside forward, use {func}`fsdp_guide.summon_full_params`.
+# FSDP1 (with the default `use_orig_params=False`) leaves `layer.weight` a plain tensor of the
+# full shape at all times, but it is a *view* into the unsharded flat parameter. Before the first
+# forward and after backward its storage is freed ({glue:text}`sa_fsdp1_freed_bytes` bytes):
+# reading or editing `layer.weight` there touches nothing real. Right after forward it still holds
+# the gathered values, because FSDP1 does not reshard the *root* unit after forward (backward
+# needs it at once); this model has only the root unit. The `FlatParameter` itself points at its
+# {glue:text}`sa_flat_shard`-number shard ({glue:text}`sa_fsdp1_shard_bytes` bytes) outside the
+# computation and at the full {glue:text}`sa_flat_numel` numbers ({glue:text}`sa_fsdp1_full_bytes`
+# bytes) inside it, and its gradient is a flat shard too. To read or change weights outside
+# forward, use {func}`fsdp_guide.summon_full_params`.
 #
 # (state-attributes-tips)=
 # ## What this showed, and the tips behind it
