@@ -464,6 +464,21 @@ def test_a_metadata_that_points_outside_the_checkpoint_is_refused_before_anythin
     assert message.startswith(f"{metadata_file} was refused: it points at {crafted_path!r}, which is not a file")
 
 
+@pytest.mark.parametrize("crafted_path", ["__0_0\0.distcp", "x" * 4000, "é" * 200], ids=["nul", "4000-chars", "400-bytes"])
+def test_a_metadata_naming_a_file_no_file_system_can_hold_is_refused_naming_the_metadata(tmp_path, crafted_path):
+    import dataclasses
+
+    [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
+    metadata_file = Path(saved) / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    for index, info in metadata.storage_data.items():  # every entry: the first looked at must be refused
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path=crafted_path)
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    [message] = launch(_try_load, saved, world_size=1, output="none")  # not ValueError or OSError from the OS
+    assert message.startswith(f"{metadata_file} was refused: it points at "), message
+    assert "which no file can be named (a NUL byte, or over 255 bytes)" in message and len(message) < 400
+
+
 @pytest.mark.parametrize("content, says", [(b"not a pickle", "cannot be read"), (pickle.dumps({"a": 1}), "holds a dict"),
                                            (pickle.dumps({"a": 1})[:-3], "cannot be read")],
                          ids=["garbage", "not-metadata", "truncated"])

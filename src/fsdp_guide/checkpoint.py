@@ -566,12 +566,25 @@ def _not_dcp_metadata(metadata) -> str | None:
             return "its storage_data is not a map from DCP's indexes to storage entries"
         name = info.relative_path
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-            return f"it points at {name!r}, which is not a file of the checkpoint's own directory"
+            return f"it points at {_shown(name)}, which is not a file of the checkpoint's own directory"
+        # A NUL byte or a name longer than a file system takes would reach the OS as a raw ValueError or
+        # OSError; DCP names its files __<rank>_<n>.distcp, far shorter than any limit.
+        if "\0" in name or len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+            return f"it points at {_shown(name)}, which no file can be named (a NUL byte, or over {_NAME_MAX} bytes)"
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
             return f"an entry of {name!r} has offset {info.offset!r} and length {info.length!r}"
         if getattr(info, "transform_descriptors", None):  # decompression and the like: this package writes none
             return f"an entry of {name!r} is to be transformed ({info.transform_descriptors!r}) when read"
     return None
+
+
+_NAME_MAX = 255  # bytes in one file name on Linux's file systems and macOS's (os.pathconf's PC_NAME_MAX there)
+
+
+def _shown(name) -> str:
+    """A name from a file for a message: its repr, cut short if long."""
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(name)} characters)"
 
 
 def _not_regular_files(path: Path, metadata) -> str | None:
@@ -581,6 +594,8 @@ def _not_regular_files(path: Path, metadata) -> str | None:
             mode = os.lstat(path / name).st_mode
         except FileNotFoundError:
             continue  # missing: DCP's read says so, and load names the checkpoint
+        except OSError as error:  # what else the OS says of a name (_not_dcp_metadata refused the impossible ones)
+            return f"{_shown(name)} cannot be looked at ({error.strerror})"
         if not stat.S_ISREG(mode):
             return f"{name} is not a plain file of the checkpoint (a link, a pipe or a device)"
     return None
