@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -441,6 +442,32 @@ def test_a_truncated_file_or_an_index_naming_a_missing_shard_is_an_error_on_ever
     assert errors[0] == errors[1]
     assert errors[0].startswith(f"FileNotFoundError: {split / 'model.safetensors.index.json'} names ['{shard.name}'], "
                                 f"not in {split}")
+
+
+_DAMAGED_INDEXES = [(b'{"weight_map": {"a": ', "it is not JSON"), (b"[1, 2]", "it holds a JSON list, not an object"),
+                    (b'{"metadata": {}}', 'it has no "weight_map"'),
+                    (b'{"weight_map": ["model.safetensors"]}', 'its "weight_map" is not an object')]
+
+
+@pytest.mark.parametrize(("content", "problem"), _DAMAGED_INDEXES, ids=["not-json", "a-list", "no-map", "map-a-list"])
+def test_a_damaged_index_is_named_by_a_load_and_refused_by_either_export_which_writes_nothing(
+        saved, tmp_path, content, problem):
+    path, _ = saved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    index = damaged / "model.safetensors.index.json"
+    index.write_bytes(content)
+    assert f"ValueError: {index} is damaged: {problem}" in _error_of(damaged)  # not JSONDecodeError or KeyError
+    out = tmp_path / "out"
+    _user_files(out)
+    (out / index.name).write_bytes(content)
+    before = _files(out)
+    for export in (_export, _export_sharded):  # write="rank0", then write="sharded"
+        with pytest.raises(LaunchError, match=re.escape(f"{out / index.name} is damaged: {problem}")) as raised:
+            launch(export, path, [out] if export is _export else out, world_size=2, output="none", timeout=120)
+        assert "overwrites no file it did not write: move or delete this one" in str(raised.value)
+        assert _files(out) == before and sorted(p.name for p in out.iterdir()) == sorted(
+            {name.split("/")[0] for name in before})  # nothing written, nothing partial left
 
 
 def _unpicklable_error_on_rank_0():

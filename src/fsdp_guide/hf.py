@@ -270,11 +270,29 @@ def _config(path: Path, model_cls):
     return config
 
 
+def _weight_map(index: Path, then: str) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index file, or a ValueError naming the file, what is wrong with it
+    and ``then``: what that means for the caller."""
+    try:
+        content = json.loads(index.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        problem = f"it is not JSON ({error})"
+    else:
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            return weight_map
+        problem = (f"it holds a JSON {type(content).__name__}, not an object" if not isinstance(content, dict)
+                   else 'it has no "weight_map"' if "weight_map" not in content
+                   else 'its "weight_map" is not an object from tensor names to file names')
+    raise ValueError(f'{index} is damaged: {problem}. A safetensors index, as save_pretrained writes it, is a JSON '
+                     f'object whose "weight_map" names the .safetensors file of each tensor; {then}.')
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The safetensors files of the model: those its index names, or model.safetensors, or the only one there is."""
     index = path / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint; other .safetensors beside it (consolidated.*) are not the model's
-        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({path / name for name in _weight_map(index, "the model cannot be read from it").values()})
         missing = [file.name for file in files if not file.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} names {missing}, not in {path}: the checkpoint is incomplete.")
@@ -439,6 +457,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, write: str = "
                                                                                        cpu_offload=True)))
 
     def write():
+        _exported_files(path, adapters)  # a damaged index there: refused before anything is written
         partial = _fresh_partial(path)
         try:
             if adapters and (path / "README.md").is_file():  # peft updates a model card, keeping what it holds
@@ -460,6 +479,7 @@ def _save_sharded(model: nn.Module, path: Path) -> Path:
     partial = path / ".partial-export"
 
     def configs() -> None:  # before DCP writes: transformers' save_pretrained would delete weights it did not write
+        _exported_files(path, adapters=False)  # a damaged index there: refused before anything is written
         # no tensors: transformers writes the config and generation config, and no weight file (no shard to write)
         model.save_pretrained(_fresh_partial(path), state_dict={})
 
@@ -540,7 +560,9 @@ def _exported_files(path: Path, adapters: bool) -> list[Path]:
     names = [ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME]
     if not adapters:
         index = path / SAFE_WEIGHTS_INDEX_NAME
-        named = json.loads(index.read_text())["weight_map"].values() if index.is_file() else ()
+        # A damaged index is refused, not replaced: the export would overwrite a file it did not write.
+        named = _weight_map(index, "the export writes an index of its own there and overwrites no file it did "
+                                   "not write: move or delete this one").values() if index.is_file() else ()
         # only weight files in path itself: an index is no licence to delete anything else
         shards = sorted({name for name in named if Path(name).name == name and name.endswith(".safetensors")})
         names = [SAFE_WEIGHTS_INDEX_NAME, *shards, SAFE_WEIGHTS_NAME, *names]
