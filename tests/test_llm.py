@@ -61,6 +61,32 @@ def test_resume_continues_bit_for_bit(saved_at_k, straight, tmp_path):
     assert resumed["losses"] == straight[K:]  # exactly equal, data stream included
 
 
+def test_a_resume_applies_a_new_rate_schedule_and_decay_and_says_so(saved_at_k, capfd):
+    # The checkpoint restored AdamW's groups and LambdaLR's base rate: --lr was ignored without a word.
+    resumed = launch(train, dataclasses.replace(SMALL, checkpoint_dir=str(saved_at_k), resume="latest", lr=1e-5,
+                                                steps=3 * K, weight_decay=0.0), world_size=2)[0]
+    out = capfd.readouterr().out
+    assert f"at step {K}; steps {3 * K} (the checkpoint's: {2 * K}); lr 1e-05 (the checkpoint's: 0.003); " \
+           "weight_decay 0.0 (the checkpoint's: 0.1)" in out
+    # exactly the rates of a run started with these settings, from step K + 1 on (the schedule alone decides them)
+    fresh = run(lr=1e-5, steps=3 * K, weight_decay=0.0)
+    assert resumed["lrs"] == fresh["lrs"][K:] and len(resumed["lrs"]) == 2 * K
+
+
+def test_a_resume_that_would_change_the_run_is_refused_before_any_rank_starts(saved_at_k, tmp_path):
+    command = [sys.executable, "-m", "fsdp_guide.recipes.train_llm", "--n-layer", "2", "--n-head", "2",
+               "--n-embd", "32", "--block-size", "32", "--batch-size", "8", "--seed", "3",
+               "--checkpoint-dir", str(saved_at_k), "--resume", "latest", "--out", str(tmp_path / "s.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "" and "[rank" not in done.stderr, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"{PROG}: error: --batch-size 8 (the checkpoint's: 4), --seed 3 (the checkpoint's: 0): "
+                           f"{saved_at_k / f'step-{K:08d}'} continues a run with other settings"), last
+    assert last.endswith("leave them as they were, or start afresh without --resume") and not (tmp_path / "s.json").exists()
+    with pytest.raises(LaunchError, match=r"ValueError: seed=3 \(the checkpoint's: 0\): .* without resume"):
+        run(checkpoint_dir=str(saved_at_k), resume="latest", seed=3)  # the same check, in a notebook's terms
+
+
 def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_from_the_newest_one(straight, tmp_path, capfd):
     # The same command for every attempt of a restarted job: the first starts, the next ones resume.
     config = dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), checkpoint_every=K, resume="auto")
@@ -141,9 +167,17 @@ def test_the_tied_embedding_and_head_train_as_one_process_on_uneven_shards():
     assert three == pytest.approx(one, rel=1e-5)  # the same global batches, reduced in another order
 
 
-def _resume_error(config) -> str:
+def _as_if_saved_without_settings(config):
+    """train, on a checkpoint as saved before the recipe saved its settings (RunSettings): none to compare."""
+    from fsdp_guide.recipes import train_llm
+
+    train_llm._saved_settings = lambda path: None
+    return train_llm.train(config)
+
+
+def _resume_error(config, worker=train) -> str:
     with pytest.raises(LaunchError) as error:
-        launch(train, config, world_size=2, output="none")
+        launch(worker, config, world_size=2, output="none")
     assert "CheckpointError" in str(error.value)
     return str(error.value)
 
@@ -155,12 +189,16 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
         dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), resume="latest"))
 
     wider = dataclasses.replace(SMALL, n_embd=48, resume=str(latest(saved_at_k)))
-    message = _resume_error(wider)
+    with pytest.raises(LaunchError, match=rf"ValueError: n_embd=48 \(the checkpoint's: 32\): {latest(saved_at_k)} "
+                                          "continues a run with other settings"):  # the recipe's check, first
+        launch(train, wider, world_size=2, output="none")
+    # what the checkpoint itself refuses, where the recipe's check has no saved settings to compare
+    message = _resume_error(wider, _as_if_saved_without_settings)
     assert "has shape (256, 32) in the checkpoint and (256, 48) in this model" in message
     assert str(latest(saved_at_k)) in message
-
     fp16 = dataclasses.replace(SMALL, precision="fp16", resume=str(latest(saved_at_k)))  # fp16 needs a scaler
-    assert "the checkpoint holds no 'scaler' state, which this run needs" in _resume_error(fp16)
+    assert "the checkpoint holds no 'scaler' state, which this run needs" in _resume_error(
+        fp16, _as_if_saved_without_settings)
 
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-r", str(latest(saved_at_k)), str(corrupt)], check=True)

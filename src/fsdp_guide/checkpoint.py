@@ -465,6 +465,24 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return int(state["step"])
 
 
+def _saved_value(path: str | os.PathLike, key: str):
+    """One non-tensor value of the checkpoint at ``path`` (a Stateful's entry, flattened: ``"settings.values"``),
+    read in this process alone and as safely as :func:`load` reads; None where the checkpoint has no such entry."""
+    path = Path(path)
+    metadata = _read_metadata(path)
+    if key not in metadata.state_dict_metadata:
+        return None
+    state = {key: None}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: what this is for
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner(), no_dist=True)
+    except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
+        raise CheckpointError(f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
+                              "or damaged; resume from another checkpoint") from error
+    return state[key]
+
+
 def _per_rank(path: Path, metadata, name: str, world: int) -> int | None:
     """This rank, if ``name`` was saved per rank (on as many ranks as now); None if saved once."""
     saved = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}

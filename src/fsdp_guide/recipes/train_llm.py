@@ -15,7 +15,11 @@ shards and initialise them one unit at a time (as one process would, through
 gradient clipping over the global norm, and gradient accumulation that
 reduce-scatters once per step. Checkpoints
 (``fsdp_guide.checkpoint``) hold everything needed to continue bit for bit,
-the position in the data stream included.
+the position in the data stream included, and the settings they were saved with: a
+resume may change the schedule and the optimiser's settings (``--steps``, ``--lr``,
+``--warmup``, ``--weight-decay``, ``--clip``), which it applies and prints, but not what
+makes the run (the model, the data and its order, the seed, the precision), which is a
+usage error.
 """
 
 from __future__ import annotations
@@ -203,6 +207,16 @@ def _command_problem(args: dict) -> str | None:
     elif resume and not (Path(resume) / ".metadata").is_file():  # DCP writes it last: the sign of a complete one
         return (f"{given('resume')}: not a complete checkpoint (it has no .metadata file); "
                 "complete ones are named step-N")
+    if resume:
+        from fsdp_guide import checkpoint
+
+        path = checkpoint.latest(directory) if resume in ("latest", "auto") else Path(resume)
+        try:
+            saved = path and _saved_settings(path)
+        except checkpoint.CheckpointError as error:
+            return f"{given('resume')}: {error}"
+        if saved and (problem := _resume_problem(saved, args, path, cli=True)):
+            return problem
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes both files; other nodes need not have the directory
         for field in ("export", "out"):
             path = args[field] and Path(args[field])
@@ -332,6 +346,65 @@ def _peak_memory(device: torch.device) -> tuple[str, float]:
     return "peak RSS of the whole process (ru_maxrss)", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib / 2**20
 
 
+# A resume continues the run it was saved from. What makes that run, the model, the data and
+# their order, the precision, must be the checkpoint's: a usage error names any that differ.
+# The schedule and the optimiser's settings may change, and are applied (a longer run, a lower
+# rate); the rest (when to stop, save, log, export) is the command's alone.
+_SAME_RUN = ("n_layer", "n_head", "n_embd", "block_size", "data", "batch_size", "grad_accum",
+             "simulated_size_in_batches", "seed", "precision")
+_APPLIED = ("steps", "lr", "warmup", "weight_decay", "clip")
+_SETTINGS = "settings.values"  # RunSettings' entry in a checkpoint, as DCP flattens it
+
+
+class RunSettings:
+    """The settings a checkpoint was saved with (DCP's ``Stateful``, saved beside the model): what a resume compares."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+
+    def state_dict(self) -> dict:
+        return {"values": json.dumps({field: getattr(self.config, field) for field in _SAME_RUN + _APPLIED})}
+
+    def load_state_dict(self, state: dict) -> None:  # read before the load instead (_saved_settings)
+        raise NotImplementedError("the saved settings are read with _saved_settings, not loaded")
+
+
+def _saved_settings(path: Path) -> dict | None:
+    """The settings the checkpoint at ``path`` was saved with; None for one saved before they were."""
+    from fsdp_guide import checkpoint
+
+    saved = checkpoint._saved_value(path, _SETTINGS)
+    return None if saved is None else json.loads(saved)
+
+
+def _resume_problem(saved: dict, values: dict, path: Path, cli: bool) -> str | None:
+    """What of the run the checkpoint at ``path`` continues the settings ``values`` change, in one line; None if nothing."""
+    name, given = _naming(values, cli)
+    changed = [field for field in _SAME_RUN if field in saved and saved[field] != values[field]]
+    if not changed:
+        return None
+    what = ", ".join(f"{given(field)} (the checkpoint's: {saved[field]})" for field in changed)
+    return (f"{what}: {path} continues a run with other settings, and a resume continues that run; leave "
+            f"{'them' if len(changed) > 1 else 'it'} as {'they were' if len(changed) > 1 else 'it was'}, "
+            f"or start afresh without {name('resume')}")
+
+
+def _apply_changed_settings(saved: dict, config: TrainConfig, optimizer, scheduler) -> dict:
+    """Give the resumed optimizer and schedule the settings this run asks for where they differ from the
+    checkpoint's (which the load restored); returns {field: (the checkpoint's, now)} for those."""
+    changed = {f: (saved[f], getattr(config, f)) for f in _APPLIED if f in saved and saved[f] != getattr(config, f)}
+    if {"lr", "steps", "warmup"} & changed.keys():  # LambdaLR's base rate came back from the checkpoint
+        scheduler.base_lrs = [config.lr] * len(optimizer.param_groups)
+        for group, lr in zip(optimizer.param_groups, scheduler.base_lrs):
+            group["initial_lr"] = lr
+            group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)  # as LambdaLR computes it
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    if "weight_decay" in changed:
+        for group in optimizer.param_groups:
+            group["weight_decay"] = config.weight_decay
+    return changed  # steps and warmup reach the schedule, and clip the step, through config itself
+
+
 def _checkpoint_to_resume(config: TrainConfig) -> Path | None:
     """The checkpoint ``--resume`` names; None for a fresh start (no ``--resume``, or ``auto`` before the first save)."""
     from fsdp_guide import checkpoint
@@ -370,18 +443,25 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
 
     start, path = 0, _checkpoint_to_resume(config)
     if path is not None:
+        saved_with = _saved_settings(path) or {}
+        if problem := _resume_problem(saved_with, vars(config), path, cli=False):
+            raise ValueError(problem)
         start = checkpoint.load(path, model, optimizer, **stateful)
+        changed = _apply_changed_settings(saved_with, config, optimizer, scheduler)
         if rank == 0:
-            print(f"resumed from {path} at step {start}")
+            print(f"resumed from {path} at step {start}"
+                  + "".join(f"; {f} {now} (the checkpoint's: {was})" for f, (was, now) in changed.items()))
     elif config.resume == "auto" and rank == 0:  # a restarted job's first attempt: nothing saved yet
         print(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 1 (--resume auto)")
+    stateful["settings"] = RunSettings(config)  # saved with every checkpoint of this run, never loaded
 
     tokens_per_step = config.batch_size * config.block_size * config.grad_accum
-    losses, last_log, last_time, saved, stalls = [], start, time.perf_counter(), None, []
+    losses, lrs, last_log, last_time, saved, stalls = [], [], start, time.perf_counter(), None, []
     bar = tqdm(total=config.steps, initial=start, disable=rank != 0 or not config.progress, file=sys.stderr)
     last = config.stop_at or config.steps
     run_start = time.perf_counter()
     for step in range(start + 1, last + 1):
+        lrs.append(scheduler.get_last_lr()[0])  # the rate this step uses
         losses.append(train_step(model, optimizer, scheduler, scaler, batches, config, device))
         bar.update()
         if step % config.log_every == 0 or step == last:
@@ -413,7 +493,7 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if rank == 0:
         print(f"peak memory per rank, {what}: " + ", ".join(f"rank{r} {mib:,.0f} MiB" for r, mib in enumerate(peaks)))
         print(f"MFU {utilisation:.1%} (fsdp_guide.mfu)" if why_not is None else f"MFU not computed: {why_not}")
-    return dict(first_step=start + 1, losses=losses, dtype=str(dtype).removeprefix("torch."),
+    return dict(first_step=start + 1, losses=losses, lrs=lrs, dtype=str(dtype).removeprefix("torch."),
                 peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s, mfu=utilisation,
                 checkpoint=str(saved) if saved else None, save_stall_s=stalls)
 
@@ -444,7 +524,9 @@ _HELP = {
     "keep": "how many checkpoints to keep in --checkpoint-dir, the newest (at least 1)",
     "async_checkpoint": "write each checkpoint in the background (DCP's async_save) while training goes on",
     "resume": ("'latest' (the newest complete checkpoint in --checkpoint-dir), 'auto' (that, or a fresh start "
-               "when there is none yet: what a job restarted by torchrun --max-restarts needs), or a checkpoint's path"),
+               "when there is none yet: what a job restarted by torchrun --max-restarts needs), or a checkpoint's path; "
+               "the model, data, seed and precision flags must be the checkpoint's, --steps, --lr, --warmup, "
+               "--weight-decay and --clip are applied"),
     "export": "write the consolidated model (one torch.save file) here at the end",
 }
 
