@@ -710,3 +710,108 @@ def test_an_export_to_a_path_that_cannot_be_a_file_is_refused_on_every_rank_befo
     raised = launch(_export, str(tmp_path / where), world_size=2, output="none", timeout=50, collective_timeout=60)
     assert raised[0] == f"ValueError: {tmp_path / where}: expected the path of a file to write, in a directory that exists"
     assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with ValueError" in raised[1]
+
+
+class _WaitsForFile(FileSystemWriter):
+    """DCP's writer, writing nothing until the file ``go`` exists: a save certainly still in progress
+    while another run tries the same step, however fast or busy the machine."""
+
+    go = ""
+
+    def write_data(self, plan, planner):
+        deadline = time.monotonic() + 120
+        while not Path(_WaitsForFile.go).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never let the writer go")
+            time.sleep(0.02)
+        return super().write_data(plan, planner)
+
+
+def _seeded(seed):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = fully_shard(nn.Linear(4, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _save_seeded(directory, seed, go=None):
+    """Save step 2 of a model made from ``seed``; its weights, and the save's path or error."""
+    from fsdp_guide import checkpoint
+
+    model, opt = _seeded(seed)
+    _WaitsForFile.go = go or ""
+    try:
+        saved = str(checkpoint.save(directory, 2, model, opt, storage_writer=_WaitsForFile if go else None))
+    except CheckpointError as error:
+        saved = f"CheckpointError: {error}"
+    return _weights(model), saved
+
+
+def _load_latest(directory):
+    from fsdp_guide import checkpoint
+
+    model, opt = _seeded(7)
+    checkpoint.load(checkpoint.latest(directory), model, opt)
+    return _weights(model)
+
+
+def test_two_runs_saving_one_step_into_one_directory_never_publish_each_others_weights(tmp_path):
+    # Run A (seed 0) makes step 2's partial directory and is still writing; run B (seed 1) saves step 2 there.
+    # B used to delete A's partial directory and write into the same path: A then published B's weights.
+    directory, go = tmp_path / "ckpt", tmp_path / "go"
+    first: list = []
+    a = threading.Thread(target=lambda: first.append(launch(_save_seeded, str(directory), 0, str(go),
+                                                            world_size=2, output="none", timeout=180)))
+    a.start()
+    try:
+        partial = directory / ".partial-step-00000002"
+        deadline = time.monotonic() + 120
+        while not (partial / ".fsdp_guide-checkpoint").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [(_, b_saved), (_, b_saved_1)] = launch(_save_seeded, str(directory), 1, world_size=2, output="none")
+    finally:
+        go.touch()
+        a.join(timeout=180)
+    # B is refused on every rank, naming the process that is writing, and wrote nothing
+    assert b_saved.startswith(f"CheckpointError: {directory / 'step-00000002'} was not saved: pid "), b_saved
+    assert f"is saving the same step into {directory} now" in b_saved and b_saved_1.startswith("CheckpointError: ")
+    [(a_weights, a_saved), _] = first[0]
+    assert a_saved == str(directory / "step-00000002")
+    loaded = launch(_load_latest, str(directory), world_size=2, output="none")[0]
+    assert all(torch.equal(x, y) for x, y in zip(loaded, a_weights, strict=True))  # A's weights, as A's save said
+    # the claim ends with the save: the next save of that step, another run's, replaces it
+    [(b_weights, again), _] = launch(_save_seeded, str(directory), 1, world_size=2, output="none")
+    assert again == str(directory / "step-00000002")
+    loaded = launch(_load_latest, str(directory), world_size=2, output="none")[0]
+    assert all(torch.equal(x, y) for x, y in zip(loaded, b_weights, strict=True))
+
+
+def _save_then_die_holding_the_claim(directory):
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from fsdp_guide import checkpoint
+
+    model, opt = _seeded(0)
+
+    class Dies(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if dist.get_rank() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash mid-save, the claim held
+            return super().write_data(plan, planner)
+
+    checkpoint.save(directory, 2, model, opt, storage_writer=Dies)
+
+
+def test_a_claim_left_by_a_crashed_save_does_not_block_the_next(tmp_path):
+    directory = tmp_path / "ckpt"
+    with pytest.raises(LaunchError, match="SIGKILL"):
+        launch(_save_then_die_holding_the_claim, str(directory), world_size=2, output="none", timeout=120)
+    assert (directory / ".partial-step-00000002" / ".fsdp_guide-checkpoint").exists()  # left as the crash left it
+    [(weights, saved), _] = launch(_save_seeded, str(directory), 1, world_size=2, output="none")
+    assert saved == str(directory / "step-00000002") and sorted(p.name for p in directory.iterdir()) == ["step-00000002"]
+    loaded = launch(_load_latest, str(directory), world_size=2, output="none")[0]
+    assert all(torch.equal(x, y) for x, y in zip(loaded, weights, strict=True))

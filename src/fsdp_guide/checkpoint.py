@@ -30,6 +30,7 @@ the checkpoint and the mismatch before DCP's own would.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import operator
@@ -144,8 +145,11 @@ def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: t
             own error, every other rank a :class:`CheckpointError` naming it.
     """
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
-    dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))  # returns once all have written
-    _on_rank0(lambda: _publish_and_clean(partial, final, step, keep), f"{final} was not published")
+    try:
+        dcp.save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial))  # once all have written
+        _on_rank0(lambda: _publish_and_clean(partial, final, step, keep), f"{final} was not published")
+    finally:
+        _release(partial)
     return final
 
 
@@ -203,17 +207,22 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
     """
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
     group = _checkpoint_group()
-    written = dcp.async_save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial),
-                             process_group=group)
-    if not isinstance(written, Future):  # an AsyncSaveResponse: the writer staged in the background itself
-        raise TypeError(f"storage_writer={storage_writer!r} stages asynchronously itself; give async_save a "
-                        "writer that stages when called (DCP's FileSystemWriter does)")
+    try:
+        written = dcp.async_save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial),
+                                 process_group=group)
+        if not isinstance(written, Future):  # an AsyncSaveResponse: the writer staged in the background itself
+            raise TypeError(f"storage_writer={storage_writer!r} stages asynchronously itself; give async_save a "
+                            "writer that stages when called (DCP's FileSystemWriter does)")
+    except BaseException:
+        _release(partial)
+        raise
 
     def publish() -> None:  # rank 0: every rank's part is written when the coordinator's save completes
         _publish_and_clean(partial, final, step, keep)
 
     global _in_flight
-    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group, final))
+    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group, final,
+                                          lambda: _release(partial)))
     return _in_flight
 
 
@@ -248,8 +257,9 @@ def _timeout(group):
         return None
 
 
-def _then(future: Future, publish, group, final: Path) -> Future:
-    """A future completed on every rank once ``future`` has and rank 0 has run ``publish()`` after it.
+def _then(future: Future, publish, group, final: Path, release=lambda: None) -> Future:
+    """A future completed on every rank once ``future`` has and rank 0 has run ``publish()`` after it,
+    and then ``release()``, whether the write or the publishing failed or not.
 
     It runs in the writing thread. Rank 0 then tells every rank how publishing went (a
     broadcast on the checkpoint group, success or not): no rank's ``wait()`` returns before
@@ -266,6 +276,8 @@ def _then(future: Future, publish, group, final: Path) -> Future:
                 publish()
         except BaseException as failed:  # noqa: BLE001  (DCP's CheckpointException derives from BaseException)
             error = failed
+        finally:
+            release()
         error = _told_by_rank0(error, group, f"{final} was not published")
         if error is None:
             published.set_result(None)
@@ -328,11 +340,15 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
     _on_rank0(lambda: _make_partial(final, partial, step), f"{final} was not saved")  # rank 0 looks and makes it
-    state = _model_and_optimizer(model, optimizer)
-    for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
-        state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
-    state["step"] = step
-    state.update(_rng_states(rank))  # each rank its own keys: they differ
+    try:
+        state = _model_and_optimizer(model, optimizer)
+        for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
+            state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
+        state["step"] = step
+        state.update(_rng_states(rank))  # each rank its own keys: they differ
+    except BaseException:
+        _release(partial)
+        raise
     return state, partial, final
 
 
@@ -340,15 +356,79 @@ _RESERVED = ("model", "optim", "step", "rng", "cuda_rng")
 
 
 def _make_partial(final: Path, partial: Path, step: int) -> None:
-    """Rank 0: refuse names that are not this package's, then make the partial directory with its marker."""
+    """Rank 0: refuse names that are not this package's, then make the partial directory with its marker,
+    and hold a lock on the marker until the save is published or has failed (``_release``).
+
+    The lock is the save's claim on the step: another run saving the same step into the same
+    directory finds the partial directory locked and is refused, instead of deleting it and
+    writing its own files into the same path (the run that published would then publish the
+    other's weights). flock, not a lock file: a process that dies holding it lets go of it.
+    """
     for path in (final, partial, _aside(final)):
         if path.exists() and not _is_ours(path, step):
             raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
                                   f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
                                   "into another directory")
-    shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save (ours: checked above)
-    partial.mkdir(parents=True)
-    (partial / _MARKER).write_text(_marker_text(step))
+    if partial.exists():  # ours (checked above): left by a crash during an earlier save, or another run's, writing
+        _refuse_if_claimed(partial, final)
+        shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        partial.mkdir()
+    except FileExistsError:  # another run made it between the two lines above
+        raise CheckpointError(f"{final} was not saved: another save of step {step} into {partial.parent} "
+                              "began at the same moment; give each run a checkpoint directory of its own") from None
+    fd = os.open(partial / _MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the file is new, in a directory this call made: nobody else holds it
+    _claims[partial] = fd
+    os.write(fd, _marker_text(step).encode())
+
+
+_claims: dict[Path, int] = {}  # rank 0: partial directory -> its marker's open, locked descriptor
+
+
+def _refuse_if_claimed(partial: Path, final: Path) -> None:
+    """Raise if a live process holds the lock on ``partial``'s marker (a save in progress)."""
+    try:
+        fd = os.open(partial / _MARKER, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # a crash before the marker was written: nobody's claim
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(os.fstat(fd))
+        raise CheckpointError(f"{final} was not saved: {holder or 'another process'} is saving the same step into "
+                              f"{partial.parent} now ({partial.name} is its); two runs saving into one directory "
+                              "would publish each other's files: give each run a checkpoint directory of its "
+                              "own") from None
+    finally:
+        os.close(fd)  # and with it the lock, if this call took it
+
+
+def _lock_holder(stat_result) -> str | None:
+    """The process holding a flock on the file (Linux's /proc/locks), as "pid N (its command)"; None elsewhere."""
+    try:
+        locks = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    inode = f":{stat_result.st_ino}"
+    for line in locks:
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].endswith(inode):
+            pid = fields[4]
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                command = ""
+            return f"pid {pid}" + (f" ({command.strip()[:80]})" if command.strip() else "")
+    return None
+
+
+def _release(partial: Path) -> None:
+    """Rank 0: let go of the claim on a save's step, once it is published or has failed."""
+    fd = _claims.pop(partial, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _fsync(path: Path) -> None:
