@@ -136,3 +136,67 @@ raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection cl
         with pytest.raises(execution.PageFailed, match="connectFullMesh"):
             run.submit(always).result()
     assert (tmp_path / "attempts").read_text() == "x"
+
+
+_INTERRUPTED_BUILD = """
+import sys, pathlib
+sys.path.insert(0, {ext!r})
+import execution
+pages = [pathlib.Path(p) for p in sys.argv[1:]]
+try:
+    with execution.Execution({cache!r}, workers=2) as run:
+        futures = run.submit_all(pages)
+except KeyboardInterrupt:
+    print("interrupted:", sorted(p.name for p, f in futures.items() if f.cancelled()), flush=True)
+    sys.exit(130)
+"""
+
+_RANKS_THAT_SLEEP = """# %%
+import os
+open("kernel-{name}", "w").write(str(os.getpid()))
+from fsdp_guide import launch
+
+def sleeper(folder):
+    import os, time
+    open(f"{{folder}}/rank-{name}-{{os.environ['RANK']}}", "w").write(str(os.getpid()))
+    time.sleep(600)
+
+launch(sleeper, os.getcwd(), world_size=2, output="none")
+"""
+
+
+@HANG
+def test_ctrl_c_stops_the_running_pages_kernels_and_ranks_at_once_and_starts_no_other(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    pages = []
+    for name in ("first", "second", "queued"):
+        pages.append(tmp_path / f"{name}.py")
+        pages[-1].write_text(_RANKS_THAT_SLEEP.format(name=name))
+    script = _INTERRUPTED_BUILD.format(ext=str(ROOT / "docs" / "_ext"), cache=str(tmp_path / "cache"))
+    build = subprocess.Popen([sys.executable, "-c", script, *map(str, pages)], stdout=subprocess.PIPE, text=True,
+                             cwd=tmp_path)
+    try:
+        ranks = [tmp_path / f"rank-{name}-{rank}" for name in ("first", "second") for rank in (0, 1)]
+        deadline = time.monotonic() + 180
+        while not all(path.exists() for path in ranks):  # both pages' ranks are up, sleeping for 600 s
+            assert time.monotonic() < deadline and build.poll() is None, build.stdout.read()
+            time.sleep(0.1)
+        time.sleep(0.5)  # the rank files are written before the pids are read: let the writes finish
+        pids = [int(path.read_text()) for path in ranks]
+        pids += [int((tmp_path / f"kernel-{name}").read_text()) for name in ("first", "second")]
+        build.send_signal(signal.SIGINT)  # as Ctrl-C in the terminal
+        out, _ = build.communicate(timeout=120)  # not the 600 s the cells would take
+    finally:
+        build.kill()
+    assert build.returncode == 130 and "interrupted: ['queued.py']" in out, out  # the third page never started
+    assert not (tmp_path / "kernel-queued").exists()
+    deadline = time.monotonic() + 30  # the ranks notice their kernel is gone (their stdin closes) and exit
+    while (alive := [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]):
+        assert time.monotonic() < deadline, f"left running: {alive}"
+        time.sleep(0.1)

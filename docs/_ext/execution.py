@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 ALONE = "alone"  # the tag of a cell that runs with no other page's cell running
@@ -58,6 +59,7 @@ class Execution:
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
         self._machine = _Machine()
         self._futures: dict[Path, Future] = {}
+        self._interrupted = threading.Event()  # Ctrl-C: stop every page (close)
 
     def submit(self, page: Path) -> Future:
         if page not in self._futures:
@@ -68,8 +70,33 @@ class Execution:
         return {page: self.submit(page) for page in pages}
 
     def close(self, cancel: bool = False) -> None:
-        """Wait for the pages that are running; with ``cancel``, start none of those still waiting."""
-        self._pool.shutdown(wait=True, cancel_futures=cancel)
+        """Wait for the pages that are running; with ``cancel``, start none of those still waiting.
+
+        Interrupted (Ctrl-C), it starts no other page, stops the running ones' kernels, and
+        raises ``KeyboardInterrupt`` once their threads have ended: jupyter_client starts each
+        kernel in a session of its own, so the terminal's Ctrl-C never reaches it, and the
+        build would wait for every running page to end. A kernel's ranks exit with it (they
+        watch their stdin: ``fsdp_guide._rank``).
+        """
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=cancel)
+        except KeyboardInterrupt:
+            self._stop_running_pages()
+            raise
+
+    def _stop_running_pages(self, within: float = 60) -> None:
+        import psutil
+
+        self._interrupted.set()  # no page starts again, or goes on to its next cell (_execute, before_cell)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        running = [future for future in self._futures.values() if not future.done()]
+        deadline = time.monotonic() + within
+        while running and time.monotonic() < deadline:
+            for child in psutil.Process().children():  # the kernels nbclient started for this build's pages
+                with contextlib.suppress(psutil.Error):
+                    if "ipykernel_launcher" in child.cmdline():
+                        child.kill()
+            running = list(wait(running, timeout=0.2).not_done)
 
     def __enter__(self) -> Execution:
         return self
@@ -94,13 +121,22 @@ class Execution:
         # cause was found: a rank tearing its group down while a peer was still setting it
         # up; fsdp_guide._rank.wait_for_every_rank.) Only a crash of the kernel process
         # itself is executed once more (tests/conftest.py, KERNEL_CRASH).
+        def interruptible(before_cell):
+            def hook(**kwargs):
+                if self._interrupted.is_set():
+                    raise KeyboardInterrupt(f"{page}: the build was interrupted")
+                return before_cell(**kwargs)
+            return hook
+
         for attempt in range(2):
+            if self._interrupted.is_set():
+                raise KeyboardInterrupt(f"{page}: the build was interrupted")
             with self._machine.page() as before_cell:
                 try:
                     result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
-                                                 allow_errors=False, on_cell_execute=before_cell)
+                                                 allow_errors=False, on_cell_execute=interruptible(before_cell))
                 except DeadKernelError:  # the intermittent kernel crash (tests/conftest.py, KERNEL_CRASH)
-                    if attempt:
+                    if attempt or self._interrupted.is_set():  # killed by close(): no second attempt
                         raise
                     continue
             break
