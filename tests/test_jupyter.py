@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import re
 import runpy
@@ -78,7 +79,8 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     assert ignored, f"git would track {in_repository}"
 
 
-LINK = re.compile(r'\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?(?: "(?P<written>[^"]+)")?\)')
+LINK = re.compile(r'\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?'
+                  r'(?: "(?P<written>[^"]+?) fsdp:[0-9a-f]{8}")?\)')  # a made link's title: the reference, a digest
 ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?:(?P<title>[^`<]*?)\s*<)?(?P<name>[^`<>]+)>?`")
 
 
@@ -232,13 +234,13 @@ def test_a_link_whose_text_the_reader_edited_saves_as_the_reference_with_that_te
 
     opened = _open_edit_save(_contents_manager(root), "tutorials/page.py", edit)
     assert opened[0].count("[An odd tip]") == 5 and "[My tips]" in opened[0] and "[odd term]" in opened[0], opened
-    link = re.search(r'\]\((\S+) "\{ref\}`odd-tip`"\)', opened[0])[1]
+    link, title = re.search(r'\]\((\S+) "(\{ref\}`odd-tip` fsdp:[0-9a-f]{8})"\)', opened[0]).groups()
     expected = ("# %% [markdown]\n# # A page\n#\n"
                 "# A {ref}`the odd [1] tip <odd-tip>`; {ref}`New words <odd-tip>`; {func}`pkg.launch() <pkg.launch>`;"
                 " {ref}`odd-tip` again.\n"
                 "# See {doc}`the tips page <../docs/tips>`.\n#\n# | a {term}`an odd term <odd term>` | b |\n# |---|---|\n"
                 "#\n# ## Heading with {ref}`a heading's <odd-tip>`\n"
-                f'#\n# > [the `odd` tip]({link} "{{ref}}`odd-tip`") and [a < b]({link} "{{ref}}`odd-tip`")\n')
+                f'#\n# > [the `odd` tip]({link} "{title}") and [a < b]({link} "{title}")\n')
     assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{expected}"
 
 
@@ -262,6 +264,28 @@ def test_links_turn_back_after_a_restart_of_the_server_and_when_copied_into_anot
     assert (root / name).read_text() == f"# ---\n{HEADER}# ---\n\n{page}"
     _open_edit_save(first, "tutorials/other.py", lambda markdown: f"{markdown}\n\nCopied: {link}")
     assert (root / "tutorials" / "other.py").read_text().endswith("# # Other\n#\n# Copied: {ref}`odd-tip`\n")
+
+
+def test_a_link_served_before_the_files_changed_and_the_server_restarted_still_turns_back(tmp_path):
+    # The browser holds links made from the files as they were; since then docs/tips.rst gained lines above
+    # the tip (a git pull) and its title changed, and the server restarted: the links must still turn back.
+    page = "# %% [markdown]\n# # A page\n#\n# A {ref}`odd-tip`, a {ref}`named one <odd-tip>`, {func}`pkg.launch`.\n"
+    root = _site(tmp_path, {"tutorials/page.py": page})
+    name = "tutorials/page.py"
+    served = asyncio.run(_contents_manager(root).get(name, content=True, type="notebook"))
+    assert "../docs/tips.rst#line=" in _markdown(served)[0]
+    rst = root / "docs" / "tips.rst"
+    rst.write_text("Intro\n=====\n\nA paragraph.\n\n" + rst.read_text().replace("An odd tip\n----------",
+                                                                                   "An odder tip\n------------"))
+    assert "line=" in _markdown(served)[0] and "An odder tip" not in _markdown(served)[0]  # the stale links
+    restarted = _contents_manager(root)
+    asyncio.run(restarted.save({"type": "notebook", "content": copy.deepcopy(served["content"])}, name))
+    assert (root / name).read_text() == f"# ---\n{HEADER}# ---\n\n{page}"
+    # and a link whose text the reader edited after the restart keeps that text as the reference's own
+    cells = served["content"]["cells"]
+    cells[0]["source"] = _markdown(served)[0].replace("[An odd tip]", "[the tip]")
+    asyncio.run(_contents_manager(root).save({"type": "notebook", "content": served["content"]}, name))
+    assert "# A {ref}`the tip <odd-tip>`, a {ref}`named one <odd-tip>`, {func}`pkg.launch`." in (root / name).read_text()
 
 
 # --- JupyterLab itself, as `nox -s lab` starts it, driven in Chromium ---------------------

@@ -15,8 +15,11 @@ Sphinx reads them:
 - when it is saved, :func:`from_jupyter` turns every such link back into the reference
   its title holds, in edited cells too, so a save leaves the ``.py`` as it was. A link
   whose text the reader changed becomes the reference with that text as its own; only
-  the links the server made are turned back (it remembers them): a reader's own link
-  stays as written, whatever its title looks like.
+  the links the server made are turned back: a reader's own link stays as written,
+  whatever its title looks like. Each made link carries what it takes in its title, the
+  reference as written and a digest of the text it was made with (``fsdp:<digest>``), so
+  it turns back whatever happened since it was served: the server restarted, the files
+  it links to changed (their lines moved), the cell copied into another page.
 
 Written by hand: neither jupytext nor jupyterlab-myst resolves references across files,
 and Sphinx's own resolution needs a build of the whole site.
@@ -25,6 +28,7 @@ and Sphinx's own resolution needs a build of the whole site.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import posixpath
 import re
@@ -54,10 +58,13 @@ RST_MEMBERS = re.compile(r"^\s+:members:\s+(?P<names>.+)$")
 # space or parenthesis to end it); its title is in double quotes, \" and \\ escaped.
 LINK = re.compile(r'\[(?P<text>(?:\\.|\[(?:\\.|[^][\\])*\]|[^][\\])*)\]'
                   r'\((?P<url>[^\s()<>"\\]+) "(?P<title>(?:\\.|[^"\\])*)"\)', re.S)
-# The links a server made, on every page it served: (url, title as in the Markdown) ->
-# (the reference as written, the texts its links had, on one line). Remembered, not recomputed at save
-# time: a docs/*.rst changed meanwhile (its lines shifted) would make other urls.
-Made = dict[tuple[str, str], tuple[str, set[str]]]
+# A made link's title, unescaped: the reference as written, and the digest of the link's text as made.
+MADE = re.compile(r"(?P<written>.+) fsdp:(?P<digest>[0-9a-f]{8})", re.S)
+
+
+def _digest(written: str, text: str) -> str:
+    """What a made link's title records of its text (on one line), to tell an edited text from the one made."""
+    return hashlib.sha256(f"{written}\0{' '.join(text.split())}".encode()).hexdigest()[:8]
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +151,12 @@ def find_targets(root: Path) -> dict[str, Target]:
     return targets
 
 
-def _link(page: str, target: Target, written: str) -> tuple[str, str]:
-    """The url and the title of a Markdown link from ``page`` to ``target``: the title, the reference as written."""
+def _link(page: str, target: Target, written: str, text: str) -> tuple[str, str]:
+    """The url and the title of a Markdown link from ``page`` to ``target`` with ``text``: the title, the reference
+    as written and the digest of the text, escaped for Markdown's double quotes."""
     url = quote(posixpath.relpath(target.path, posixpath.dirname(page) or "."))  # JupyterLab decodes "%20" and the like
-    return url + ("#" + target.anchor if target.anchor else ""), re.sub(r'(["\\])', r"\\\1", written)
+    title = f"{written} fsdp:{_digest(written, text)}"
+    return url + ("#" + target.anchor if target.anchor else ""), re.sub(r'(["\\])', r"\\\1", title)
 
 
 def _api_name(role: str, name: str) -> str:
@@ -168,16 +177,16 @@ def _reference(role: str, title: str | None, name: str, page: str) -> tuple[str,
     return "py:" + name.lstrip(".!~").removesuffix("()"), f"`{title}`" if title else f"`{_api_name(role, name)}`"
 
 
-def to_jupyter(markdown: str, page: str, targets: dict[str, Target], made: Made | None = None) -> str:
-    """A markdown cell of ``page`` with its references to other pages made into links, each noted in ``made``.
+def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
+    """A markdown cell of ``page`` with its references to other pages made into links.
 
     >>> targets = {"tip-x": Target("docs/fsdp_tips.rst", "A [1] tip", "line=10"),
     ...            "here": Target("tutorials/a.py", "Here", "cell-id=here"),
     ...            "py:fsdp_guide.launch": Target("docs/my api.rst", "fsdp_guide.launch", "line=350")}
     >>> to_jupyter("See {ref}`tip-x` and {ref}`here`.", "tutorials/a.py", targets)
-    'See [A \\\\[1\\\\] tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x`") and {ref}`here`.'
+    'See [A \\\\[1\\\\] tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x` fsdp:025e43f8") and {ref}`here`.'
     >>> to_jupyter("{func}`fsdp_guide.launch`", "tutorials/a.py", targets)
-    '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch`")'
+    '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch` fsdp:4225302a")'
     """
     def rewrite(match: re.Match) -> str:
         titled = TITLED.match(match["body"])
@@ -188,12 +197,10 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target], made: Made 
             return match[0]  # within the page (jupyterlab-myst links it), or not found: as written
         if match["role"] in PLAIN:  # text, where a bracket would end the link's: escaped
             text = re.sub(r"([][\\])", r"\\\1", text or target.title)
-        url, title = _link(page, target, match[0])
+        url, title = _link(page, target, match[0], text)
         link = f'[{text}]({url} "{title}")'
         if not LINK.fullmatch(link):
             return match[0]  # one from_jupyter would not find (a lone bracket in an API name's code): as written
-        if made is not None:
-            made.setdefault((url, title), (match[0], set()))[1].add(" ".join(text.split()))
         return link
 
     return ROLE.sub(rewrite, markdown)
@@ -215,27 +222,26 @@ def _with_text(written: str, text: str) -> str | None:
     return f"{{{role}}}`{title} <{name}>`"
 
 
-def from_jupyter(markdown: str, made: Made) -> str:
-    """A markdown cell with each link :func:`to_jupyter` made (noted in ``made``) turned back into its reference.
+def from_jupyter(markdown: str) -> str:
+    """A markdown cell with each link :func:`to_jupyter` made turned back into its reference.
 
     The reference is as written, or, where the reader changed the link's text and a
     reference can show it, with that text as its own. Any other link stays as it is.
 
-    >>> made = {}
     >>> cell = to_jupyter("See {ref}`tip-x` or {ref}`tip-x`.", "tutorials/a.py",
-    ...                   {"tip-x": Target("docs/fsdp_tips.rst", "A tip", "line=10")}, made)
-    >>> from_jupyter("In [0, 2) " + cell.replace("[A tip]", "[this tip]", 1), made)
+    ...                   {"tip-x": Target("docs/fsdp_tips.rst", "A tip", "line=10")})
+    >>> from_jupyter("In [0, 2) " + cell.replace("[A tip]", "[this tip]", 1))
     'In [0, 2) See {ref}`this tip <tip-x>` or {ref}`tip-x`.'
-    >>> from_jupyter('[a site](https://a.b "{ref}`tip-x`")', made)
+    >>> from_jupyter('[a site](https://a.b "{ref}`tip-x`")')
     '[a site](https://a.b "{ref}`tip-x`")'
     """
     def rewrite(match: re.Match) -> str:
-        if (found := made.get((match["url"], match["title"]))) is None:
+        made = MADE.fullmatch(re.sub(r'\\(["\\])', r"\1", match["title"]))
+        if made is None or not ROLE.fullmatch(made["written"]):
             return match[0]  # a link of the reader's own, whatever its title looks like
-        written, texts = found
-        if " ".join(match["text"].split()) in texts:  # unchanged, or only spread over other lines
-            return written
-        return _with_text(written, match["text"]) or match[0]
+        if _digest(made["written"], match["text"]) == made["digest"]:  # unchanged, or only spread over other lines
+            return made["written"]
+        return _with_text(made["written"], match["text"]) or match[0]
 
     return LINK.sub(rewrite, markdown)
 
@@ -265,13 +271,6 @@ def _contents_manager_class():
     class ContentsManager(build_async_jupytext_contents_manager_class(AsyncLargeFileManager)):
         """jupytext's contents manager; notebooks open through :func:`to_jupyter` and save through :func:`from_jupyter`."""
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            # Every page's links in one: a cell copied to another page (or a page saved
-            # under another name) keeps links this server made, and they turn back too.
-            self._made: Made = {}
-            self._served: set[str] = set()  # the pages whose links are in it
-
         async def get(self, path, content=True, type=None, format=None, **kwargs):
             model = await super().get(path, content=content, type=type, format=format, **kwargs)
             if model["type"] == "notebook" and content:
@@ -290,23 +289,16 @@ def _contents_manager_class():
             for cell in notebook["cells"]:
                 if cell["cell_type"] == "markdown":
                     source = _text(cell["source"])
-                    cell["source"] = to_jupyter(source, page, targets, self._made)
+                    cell["source"] = to_jupyter(source, page, targets)
                     if label := TARGET_LINE.search(source):
                         cell["id"] = label["label"]  # what links from other pages open (see _py_targets)
-            self._served.add(path.strip("/"))
 
         async def save(self, model, path=""):
             file = Path(self.root_dir, path.strip("/")).resolve()
             if model["type"] == "notebook" and _site_root(file):
-                if path.strip("/") not in self._served and file.is_file():
-                    # opened from another server (this one restarted since): the links it makes of the file now
-                    try:
-                        await self.get(path, content=True, type="notebook")
-                    except Exception:  # a save must not fail for the links
-                        log.exception("fsdp_guide: could not read %s for its links", path)
                 for cell in model["content"]["cells"]:
                     if cell["cell_type"] == "markdown":
-                        cell["source"] = from_jupyter(_text(cell["source"]), self._made)
+                        cell["source"] = from_jupyter(_text(cell["source"]))
             return await super().save(model, path)
 
     return ContentsManager
