@@ -735,14 +735,20 @@ def _seeded(seed):
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def _save_seeded(directory, seed, go=None):
-    """Save step 2 of a model made from ``seed``; its weights, and the save's path or error."""
+def _save_seeded(directory, seed, go=None, in_background=False):
+    """Save step 2 of a model made from ``seed`` (with async_save: ``in_background``); its weights, and the save's
+    path or error. Saved in the background, the same step is then saved again: the first save's claim has ended."""
     from fsdp_guide import checkpoint
 
     model, opt = _seeded(seed)
     _WaitsForFile.go = go or ""
+    writer = _WaitsForFile if go else None
     try:
-        saved = str(checkpoint.save(directory, 2, model, opt, storage_writer=_WaitsForFile if go else None))
+        if in_background:
+            saved = str(checkpoint.async_save(directory, 2, model, opt, storage_writer=writer).wait())
+            checkpoint.async_save(directory, 2, model, opt).wait()
+        else:
+            saved = str(checkpoint.save(directory, 2, model, opt, storage_writer=writer))
     except CheckpointError as error:
         saved = f"CheckpointError: {error}"
     return _weights(model), saved
@@ -756,12 +762,13 @@ def _load_latest(directory):
     return _weights(model)
 
 
-def test_two_runs_saving_one_step_into_one_directory_never_publish_each_others_weights(tmp_path):
+@pytest.mark.parametrize("in_background", [False, True], ids=["save", "async_save"])
+def test_two_runs_saving_one_step_into_one_directory_never_publish_each_others_weights(tmp_path, in_background):
     # Run A (seed 0) makes step 2's partial directory and is still writing; run B (seed 1) saves step 2 there.
     # B used to delete A's partial directory and write into the same path: A then published B's weights.
     directory, go = tmp_path / "ckpt", tmp_path / "go"
     first: list = []
-    a = threading.Thread(target=lambda: first.append(launch(_save_seeded, str(directory), 0, str(go),
+    a = threading.Thread(target=lambda: first.append(launch(_save_seeded, str(directory), 0, str(go), in_background,
                                                             world_size=2, output="none", timeout=180)))
     a.start()
     try:
