@@ -96,22 +96,13 @@ def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
-# An intermittent crash of the notebook *kernel* process (libzmq aborts with
-# "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)"), seen in about 1 of 10
-# full builds with ipykernel 7.4: the build is retried once for that crash alone, so a
-# real failure (a cell error, a warning, a second crash) still fails the test.
-KERNEL_CRASH = "Assertion failed: pfd.revents & POLLIN"
-
-
 @pytest.fixture(scope="session")
 def site(tmp_path_factory, execution_cache):
     """The site built once per test run, with -W, showing the executions above; test_site and test_browser read it."""
-    for attempt in range(2):
-        out = tmp_path_factory.mktemp("site")
-        # The notebooks' outputs come from the execution above, through the cache.
-        build = sphinx("html", out, "-j", "auto", "-D", "nb_execution_mode=cache",
-                       "-D", f"nb_execution_cache_path={execution_cache}")
-        if build.returncode == 0 or KERNEL_CRASH not in build.stdout + build.stderr:
-            break
+    out = tmp_path_factory.mktemp("site")
+    # The notebooks' outputs come from the execution above, through the cache: the build starts no kernel
+    # (a page that failed there is executed again, and fails the build too).
+    build = sphinx("html", out, "-j", "auto", "-D", "nb_execution_mode=cache",
+                   "-D", f"nb_execution_cache_path={execution_cache}")
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
     return out / "html"

@@ -120,7 +120,9 @@ class Execution:
         # connectFullMesh failed ... Connection closed by peer", was retried here until its
         # cause was found: a rank tearing its group down while a peer was still setting it
         # up; fsdp_guide._rank.wait_for_every_rank.) Only a crash of the kernel process
-        # itself is executed once more (tests/conftest.py, KERNEL_CRASH).
+        # itself is executed once more: libzmq aborting it with "Assertion failed: pfd.revents &
+        # POLLIN (src/signaler.cpp:238)", seen in about 1 of 10 full builds with ipykernel 7.4
+        # (2026-11-29), its cause not found. Not understood, so not a fix: it stays until it is.
         def interruptible(before_cell):
             def hook(**kwargs):
                 if self._interrupted.is_set():
@@ -135,7 +137,7 @@ class Execution:
                 try:
                     result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
                                                  allow_errors=False, on_cell_execute=interruptible(before_cell))
-                except DeadKernelError:  # the intermittent kernel crash (tests/conftest.py, KERNEL_CRASH)
+                except DeadKernelError:  # the intermittent kernel crash above
                     if attempt or self._interrupted.is_set():  # killed by close(): no second attempt
                         raise
                     continue
