@@ -464,7 +464,8 @@ def test_a_metadata_that_points_outside_the_checkpoint_is_refused_before_anythin
     assert message.startswith(f"{metadata_file} was refused: it points at {crafted_path!r}, which is not a file")
 
 
-@pytest.mark.parametrize("crafted_path", ["__0_0\0.distcp", "x" * 4000, "é" * 200], ids=["nul", "4000-chars", "400-bytes"])
+@pytest.mark.parametrize("crafted_path", ["__0_0\0.distcp", "x" * 4000, "é" * 200, "__0_0\ud800.distcp"],
+                         ids=["nul", "4000-chars", "400-bytes", "lone-surrogate"])
 def test_a_metadata_naming_a_file_no_file_system_can_hold_is_refused_naming_the_metadata(tmp_path, crafted_path):
     import dataclasses
 

@@ -30,6 +30,8 @@ the checkpoint and the mismatch before DCP's own would.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -339,8 +341,8 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
-    _on_rank0(lambda: _make_partial(final, partial, step), f"{final} was not saved")  # rank 0 looks and makes it
     try:
+        _on_rank0(lambda: _make_partial(final, partial, step), f"{final} was not saved")  # rank 0 looks and makes it
         state = _model_and_optimizer(model, optimizer)
         for name, obj in stateful.items():  # Stateful objects: DCP calls their state_dict() itself
             state[_key(name, rank if _differs_between_ranks(obj) else None)] = obj
@@ -363,28 +365,62 @@ def _make_partial(final: Path, partial: Path, step: int) -> None:
     directory finds the partial directory locked and is refused, instead of deleting it and
     writing its own files into the same path (the run that published would then publish the
     other's weights). flock, not a lock file: a process that dies holding it lets go of it.
+    The look and the claim happen under a lock on the directory itself, so two saves cannot
+    both find a crashed save's partial directory unclaimed and each delete what the other made.
     """
-    for path in (final, partial, _aside(final)):
-        if path.exists() and not _is_ours(path, step):
-            raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
-                                  f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
-                                  "into another directory")
-    if partial.exists():  # ours (checked above): left by a crash during an earlier save, or another run's, writing
-        _refuse_if_claimed(partial, final)
-        shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with _locked_directory(partial.parent):
+        for path in (final, partial, _aside(final)):
+            if path.exists() and not _is_ours(path, step):
+                raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
+                                      f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
+                                      "into another directory")
+        if partial.exists():  # ours (checked above): left by a crash during an earlier save, or another run's, writing
+            _refuse_if_claimed(partial, final)
+            shutil.rmtree(partial)  # what cannot be deleted is said as it is
         partial.mkdir()
-    except FileExistsError:  # another run made it between the two lines above
-        raise CheckpointError(f"{final} was not saved: another save of step {step} into {partial.parent} "
-                              "began at the same moment; give each run a checkpoint directory of its own") from None
-    fd = os.open(partial / _MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # the file is new, in a directory this call made: nobody else holds it
-    _claims[partial] = fd
-    os.write(fd, _marker_text(step).encode())
+        fd = os.open(partial / _MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            claimed = _flock(fd, fcntl.LOCK_EX)  # the file is new, in a directory this call made: nobody holds it
+            os.write(fd, _marker_text(step).encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        if claimed:
+            _claims[partial] = fd
+        else:
+            os.close(fd)
 
 
 _claims: dict[Path, int] = {}  # rank 0: partial directory -> its marker's open, locked descriptor
+# What flock raises on a file system without it (some FUSE and Lustre mounts): saves go on, unclaimed.
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL}
+
+
+def _flock(fd: int, flags: int) -> bool:
+    """flock, or False where the file system has none (once, a warning says what that leaves out)."""
+    try:
+        fcntl.flock(fd, flags)
+        return True
+    except BlockingIOError:
+        raise
+    except OSError as error:
+        if error.errno not in _NO_FLOCK:
+            raise
+        warnings.warn("the checkpoint directory's file system does not support flock: two runs saving one step "
+                      "into it are not kept apart; give each run a directory of its own", stacklevel=2)
+        return False
+
+
+@contextlib.contextmanager
+def _locked_directory(directory: Path):
+    """Held while a save looks at the directory and claims its step: one save at a time, for an instant."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _refuse_if_claimed(partial: Path, final: Path) -> None:
@@ -394,7 +430,7 @@ def _refuse_if_claimed(partial: Path, final: Path) -> None:
     except FileNotFoundError:
         return  # a crash before the marker was written: nobody's claim
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _lock_holder(os.fstat(fd))
         raise CheckpointError(f"{final} was not saved: {holder or 'another process'} is saving the same step into "
@@ -411,10 +447,11 @@ def _lock_holder(stat_result) -> str | None:
         locks = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return None
-    inode = f":{stat_result.st_ino}"
+    # "<major>:<minor>:<inode>", the device's numbers in hex (fs/locks.c, lock_get_status)
+    where = f"{os.major(stat_result.st_dev):02x}:{os.minor(stat_result.st_dev):02x}:{stat_result.st_ino}"
     for line in locks:
         fields = line.split()
-        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].endswith(inode):
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where:
             pid = fields[4]
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -667,7 +704,11 @@ def _not_dcp_metadata(metadata) -> str | None:
             return f"it points at {_shown(name)}, which is not a file of the checkpoint's own directory"
         # A NUL byte or a name longer than a file system takes would reach the OS as a raw ValueError or
         # OSError; DCP names its files __<rank>_<n>.distcp, far shorter than any limit.
-        if "\0" in name or len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+        try:
+            encoded = os.fsencode(name)
+        except UnicodeEncodeError:  # a lone surrogate no file system encoding can write
+            encoded = b"\0"
+        if b"\0" in encoded or len(encoded) > _NAME_MAX:
             return f"it points at {_shown(name)}, which no file can be named (a NUL byte, or over {_NAME_MAX} bytes)"
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (info.offset, info.length)):
             return f"an entry of {name!r} has offset {info.offset!r} and length {info.length!r}"
