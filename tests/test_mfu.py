@@ -102,7 +102,7 @@ def test_each_part_gets_its_own_datasheet_peak(name, tflops):
 
 
 @pytest.mark.parametrize("name", ["NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H100 CNX", "NVIDIA H200 NVX",
-                                  "NVIDIA A100X", "NVIDIA B200A"])
+                                  "NVIDIA H200 PCIe", "NVIDIA A100X", "NVIDIA B200A"])
 def test_a_variant_never_falls_through_to_another_parts_peak(name):
     with pytest.raises(ValueError, match="no dense bf16 peak known"):
         peak_flops(name)

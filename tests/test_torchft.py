@@ -93,8 +93,9 @@ def _usage_error(argv, capsys) -> str:
 
 @pytest.mark.parametrize(("flags", "error"), [
     (["--after-rejoin", "0"], "expected --after-rejoin 1 or more (got 0)"),
-    (["--rejoin-after", "-1"], "--rejoin-after and --step-seconds 0 or more (got -1, 0.1)"),
-    (["--timeout", "0"], "--timeout above 0 (got 0)"),
+    (["--rejoin-after", "-1"], "--rejoin-after and --step-seconds 0 or more, finite (got -1, 0.1)"),
+    (["--step-seconds", "nan"], "--rejoin-after and --step-seconds 0 or more, finite (got 0, nan)"),
+    (["--timeout", "0"], "--timeout above 0, finite (got 0)"),
 ])
 def test_the_driver_answers_impossible_settings_with_a_usage_error(flags, error, tmp_path, capsys):
     assert error in _usage_error(["--out", str(tmp_path), *flags], capsys)

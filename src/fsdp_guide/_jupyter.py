@@ -14,12 +14,14 @@ Sphinx reads them:
   ``(label)=`` targets, stay as they are: jupyterlab-myst links those itself.
 - when it is saved, :func:`from_jupyter` turns every such link back into the reference
   its title holds, in edited cells too, so a save leaves the ``.py`` as it was. A link
-  whose text the reader changed becomes the reference with that text as its own; only
-  the links the server made are turned back: a reader's own link stays as written,
-  whatever its title looks like. Each made link carries what it takes in its title, the
+  whose text the reader changed becomes the reference with that text as its own. Only
+  the links the server made are turned back: each carries what it takes in its title, the
   reference as written and a digest of the text it was made with (``fsdp:<digest>``), so
-  it turns back whatever happened since it was served: the server restarted, the files
-  it links to changed (their lines moved), the cell copied into another page.
+  it turns back whatever happened since it was served (the server restarted, the files it
+  links to changed and their lines moved, the cell was copied into another page). Its
+  url is not looked at, for that reason: a made link whose url the reader changed turns
+  back too. A reader's own link, without the digest, stays as written, whatever its
+  title looks like.
 
 Written by hand: neither jupytext nor jupyterlab-myst resolves references across files,
 and Sphinx's own resolution needs a build of the whole site.

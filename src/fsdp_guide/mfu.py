@@ -61,7 +61,7 @@ def _part(device_name: str) -> str | None:
     if family == "B200":
         return family if not words else None
     variant = {(): "SXM", ("NVL",): "NVL", ("PCIE",): "PCIe"}.get(tuple(words))
-    return f"{family} {variant}" if variant else None
+    return f"{family} {variant}" if variant and f"{family} {variant}" in PEAK_BF16_DENSE else None
 
 
 def peak_flops(device_name: str) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -367,9 +368,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: not a directory; create it first")
     if args.groups < 2 or not 0 <= args.kill_at < MAX_STEPS:
         parser.error(f"expected --groups 2 or more and --kill-at 0 to {MAX_STEPS - 1}")
-    if args.after_rejoin < 1 or args.rejoin_after < 0 or args.step_seconds < 0 or not args.timeout > 0:
+    if args.after_rejoin < 1 or not (0 <= args.rejoin_after < math.inf and 0 <= args.step_seconds < math.inf
+                                     and 0 < args.timeout < math.inf):  # written so that NaN fails each too
         parser.error(f"expected --after-rejoin 1 or more (got {args.after_rejoin}), --rejoin-after and --step-seconds "
-                     f"0 or more (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0 "
+                     f"0 or more, finite (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0, finite "
                      f"(got {args.timeout:g})")
     if not args.worker and (previous := _previous_run(args.out)):
         parser.error(f"--out {args.out} holds a previous run's files ({', '.join(previous[:3])}"
