@@ -85,6 +85,8 @@ def test_a_resume_that_would_change_the_run_is_refused_before_any_rank_starts(sa
     assert last.endswith("leave them as they were, or start afresh without --resume") and not (tmp_path / "s.json").exists()
     with pytest.raises(LaunchError, match=r"ValueError: seed=3 \(the checkpoint's: 0\): .* without resume"):
         run(checkpoint_dir=str(saved_at_k), resume="latest", seed=3)  # the same check, in a notebook's terms
+    with pytest.raises(LaunchError, match=rf"ValueError: steps=3: .* is at step {K}, past the end of that run"):
+        run(checkpoint_dir=str(saved_at_k), resume="latest", steps=K - 1, warmup=1)  # it would train nothing
 
 
 def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_from_the_newest_one(straight, tmp_path, capfd):

@@ -370,18 +370,33 @@ class RunSettings:
 
 
 def _saved_settings(path: Path) -> dict | None:
-    """The settings the checkpoint at ``path`` was saved with; None for one saved before they were."""
+    """The settings the checkpoint at ``path`` was saved with, and its step (``"step"``); None for one saved
+    before the settings were. Raises CheckpointError if they cannot be read."""
     from fsdp_guide import checkpoint
 
     saved = checkpoint._saved_value(path, _SETTINGS)
-    return None if saved is None else json.loads(saved)
+    if saved is None:
+        return None
+    try:
+        settings = json.loads(saved)
+        if not isinstance(settings, dict):
+            raise TypeError(f"a JSON {type(settings).__name__}")
+    except (TypeError, ValueError) as error:
+        raise checkpoint.CheckpointError(f"{path}: its saved settings cannot be read ({error}): it is damaged, or "
+                                         "was not saved by this recipe") from error
+    return {**settings, "step": checkpoint._saved_value(path, "step")}
 
 
 def _resume_problem(saved: dict, values: dict, path: Path, cli: bool) -> str | None:
     """What of the run the checkpoint at ``path`` continues the settings ``values`` change, in one line; None if nothing."""
     name, given = _naming(values, cli)
-    changed = [field for field in _SAME_RUN if field in saved and saved[field] != values[field]]
+    # the repeating data's period only makes the data when that is the data
+    same_run = [f for f in _SAME_RUN if f != "simulated_size_in_batches" or values["data"] == "repeating"]
+    changed = [field for field in same_run if field in saved and saved[field] != values[field]]
     if not changed:
+        if isinstance(saved.get("step"), int) and saved["step"] > values["steps"]:
+            return (f"{given('steps')}: {path} is at step {saved['step']}, past the end of that run; expected "
+                    f"{name('steps')} {saved['step']} or more")
         return None
     what = ", ".join(f"{given(field)} (the checkpoint's: {saved[field]})" for field in changed)
     return (f"{what}: {path} continues a run with other settings, and a resume continues that run; leave "
