@@ -70,7 +70,7 @@ def executed(request, tmp_path_factory):
     """Every notebook page, executed at most once per test run."""
     pages = Executed(tmp_path_factory.mktemp("jupyter_cache"), request.config.stash.get(WANTED, []))
     yield pages
-    pages.execution.close(cancel=True)  # pages no test asked for yet are not started
+    pages.execution.stop()  # pages no test asked for are not started, or not waited for (after a Ctrl-C too)
 
 
 @pytest.fixture(scope="session")

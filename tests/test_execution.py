@@ -153,12 +153,18 @@ except KeyboardInterrupt:
 
 _RANKS_THAT_SLEEP = """# %%
 import os
-open("kernel-{name}", "w").write(str(os.getpid()))
+def mark(name, pid):  # written whole, then renamed: the test never reads half a pid
+    open(name + ".tmp", "w").write(str(pid))
+    os.replace(name + ".tmp", name)
+
+mark("kernel-{name}", os.getpid())
 from fsdp_guide import launch
 
 def sleeper(folder):
     import os, time
-    open(f"{{folder}}/rank-{name}-{{os.environ['RANK']}}", "w").write(str(os.getpid()))
+    path = f"{{folder}}/rank-{name}-{{os.environ['RANK']}}"
+    open(path + ".tmp", "w").write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
     time.sleep(600)
 
 launch(sleeper, os.getcwd(), world_size=2, output="none")
@@ -187,7 +193,6 @@ def test_ctrl_c_stops_the_running_pages_kernels_and_ranks_at_once_and_starts_no_
         while not all(path.exists() for path in ranks):  # both pages' ranks are up, sleeping for 600 s
             assert time.monotonic() < deadline and build.poll() is None, build.stdout.read()
             time.sleep(0.1)
-        time.sleep(0.5)  # the rank files are written before the pids are read: let the writes finish
         pids = [int(path.read_text()) for path in ranks]
         pids += [int((tmp_path / f"kernel-{name}").read_text()) for name in ("first", "second")]
         build.send_signal(signal.SIGINT)  # as Ctrl-C in the terminal
@@ -197,6 +202,12 @@ def test_ctrl_c_stops_the_running_pages_kernels_and_ranks_at_once_and_starts_no_
     assert build.returncode == 130 and "interrupted: ['queued.py']" in out, out  # the third page never started
     assert not (tmp_path / "kernel-queued").exists()
     deadline = time.monotonic() + 30  # the ranks notice their kernel is gone (their stdin closes) and exit
-    while (alive := [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]):
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while alive := [pid for pid in pids if running(pid)]:
         assert time.monotonic() < deadline, f"left running: {alive}"
         time.sleep(0.1)

@@ -81,10 +81,11 @@ class Execution:
         try:
             self._pool.shutdown(wait=True, cancel_futures=cancel)
         except KeyboardInterrupt:
-            self._stop_running_pages()
+            self.stop()
             raise
 
-    def _stop_running_pages(self, within: float = 60) -> None:
+    def stop(self, within: float = 60) -> None:
+        """Start no other page and end the running ones now: their kernels are killed (their ranks follow)."""
         import psutil
 
         self._interrupted.set()  # no page starts again, or goes on to its next cell (_execute, before_cell)
