@@ -139,7 +139,9 @@ raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection cl
 
 
 _INTERRUPTED_BUILD = """
-import sys, pathlib
+import signal, sys, pathlib
+# As in a terminal: a test run started in the background (nohup, `&`) ignores SIGINT, and its children inherit that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {ext!r})
 import execution
 pages = [pathlib.Path(p) for p in sys.argv[1:]]
