@@ -158,11 +158,15 @@ def docs(session: nox.Session) -> None:
     arguments after `--` go to sphinx-build (`-D execution_workers=1`: one page at a time).
     """
     install(session)
+    fresh = []
     if "--cached" not in session.posargs:
         shutil.rmtree("_build/.jupyter_cache", ignore_errors=True)  # conf.py's nb_execution_cache_path
+        # -E: every page read again, so every tutorial executes; otherwise Sphinx reads only the
+        # pages changed since the last build, and a change in src/ would leave stale outputs.
+        fresh = ["-E"]
     # Cache mode, even when every page executes: docs/_ext/execution.py executes two pages
     # at a time into the cache before Sphinx reads them (myst-nb's "force" executes one by one).
-    session.run(*SPHINX, *(arg for arg in session.posargs if arg != "--cached"), ".", "_build/html")
+    session.run(*SPHINX, *fresh, *(arg for arg in session.posargs if arg != "--cached"), ".", "_build/html")
     session.log("open _build/html/index.html, or: python -m http.server -b 127.0.0.1 -d _build/html 8000")
 
 
