@@ -126,6 +126,25 @@ def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_on
     assert [page.stem for page in order] == ["new_page", "compile", "communication", "quickstart"]
 
 
+
+def test_a_page_whose_kernel_dies_of_a_signal_fails_once_and_shows_where_each_thread_was(tmp_path, capfd):
+    # The kernel process aborted as libzmq's assertion does (SIGABRT): the page is not executed
+    # again, it fails naming itself, and faulthandler's stacks reach the build's stderr
+    # (not the notebook's pipe, which a dead kernel no longer forwards).
+    dies = _cells(tmp_path, "dies", (False, """open("attempts", "a").write("x")
+import signal, threading
+threading.Thread(target=time.sleep, args=(60,), name="a_thread_of_the_page", daemon=True).start()
+def in_the_cell_that_aborts():
+    os.kill(os.getpid(), signal.SIGABRT)
+in_the_cell_that_aborts()"""))
+    with execution.Execution(tmp_path / "cache") as run:
+        with pytest.raises(execution.PageFailed, match=r"dies\.py: its kernel process died"):
+            run.submit(dies).result()
+    assert (tmp_path / "attempts").read_text() == "x"
+    stderr = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in stderr
+    assert 'in in_the_cell_that_aborts' in stderr and stderr.count("Thread 0x") >= 2  # every thread, the page's too
+
 def test_a_page_whose_rendezvous_failed_in_gloo_fails_at_once_without_a_retry(tmp_path):
     # connectFullMesh's failure was retried until its cause was found and fixed (a rank
     # tearing its group down while a peer was still joining): a page that fails with it now

@@ -377,17 +377,16 @@ def _open_run_and_save(page, url: str, token: str) -> None:
     page.locator(".jp-NotebookPanel").wait_for(timeout=60_000)  # a notebook, not the text editor
     _check_the_references_render(page)
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)  # kernel ready
-    # A kernel started moments ago may drop the first request (seen in a fresh clone): the
-    # prompt shows [*] as soon as a cell is queued, so wait for the first cell's count.
-    for attempt in range(3):
-        page.get_by_role("menuitem", name="Run").click()
-        page.get_by_text("Run All Cells", exact=True).click()
-        try:
-            page.wait_for_function(FIRST_CELL_RAN, timeout=60_000)
-            break
-        except Exception:
-            if attempt == 2:
-                raise
+    # Run All, once. The item runs the current notebook's cells and is disabled (Lumino's
+    # lm-mod-disabled, on which a click does nothing) while no notebook is current, so the
+    # click waits for it enabled. (A retry of the click here, for a first request said to be
+    # dropped by a new kernel, is gone: in 2026-12-04's runs, busy ones too, the first
+    # click always ran; a click that does not run the cells now fails, with the server's log.)
+    page.get_by_role("menuitem", name="Run").click()
+    run_all = page.locator("li.lm-Menu-item[data-command='runmenu:run-all']:not(.lm-mod-disabled)")
+    run_all.wait_for(timeout=30_000)
+    run_all.click()
+    page.wait_for_function(FIRST_CELL_RAN, timeout=120_000)
     page.wait_for_function(EVERY_CELL_RAN, timeout=180_000)  # each prompt shows its count, none [ ] or [*]
     page.keyboard.press("Control+s")
 

@@ -120,10 +120,10 @@ class Execution:
         # A page is executed once. (A failure that two launches at once showed, "Gloo
         # connectFullMesh failed ... Connection closed by peer", was retried here until its
         # cause was found: a rank tearing its group down while a peer was still setting it
-        # up; fsdp_guide._rank.wait_for_every_rank.) Only a crash of the kernel process
-        # itself is executed once more: libzmq aborting it with "Assertion failed: pfd.revents &
-        # POLLIN (src/signaler.cpp:238)", seen in about 1 of 10 full builds with ipykernel 7.4
-        # (2026-11-29), its cause not found. Not understood, so not a fix: it stays until it is.
+        # up; fsdp_guide._rank.wait_for_every_rank. A crash of the kernel process itself,
+        # libzmq aborting it with "Assertion failed: pfd.revents & POLLIN", seen on
+        # 2026-11-29, was retried too, its cause not found; it is not retried now, and if it
+        # comes back, the kernel's faulthandler shows where each of its threads was.)
         def interruptible(before_cell):
             def hook(**kwargs):
                 if self._interrupted.is_set():
@@ -131,24 +131,34 @@ class Execution:
                 return before_cell(**kwargs)
             return hook
 
-        for attempt in range(2):
-            if self._interrupted.is_set():
-                raise KeyboardInterrupt(f"{page}: the build was interrupted")
-            with self._machine.page() as before_cell:
-                try:
-                    result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
-                                                 allow_errors=False, on_cell_execute=interruptible(before_cell))
-                except DeadKernelError:  # the intermittent kernel crash above
-                    if attempt or self._interrupted.is_set():  # killed by close(): no second attempt
-                        raise
-                    continue
-            break
+        if self._interrupted.is_set():
+            raise KeyboardInterrupt(f"{page}: the build was interrupted")
+        with self._machine.page() as before_cell:
+            try:
+                result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
+                                             allow_errors=False, on_cell_execute=interruptible(before_cell),
+                                             extra_arguments=[KERNEL_FAULTHANDLER])
+            except DeadKernelError as error:
+                if self._interrupted.is_set():  # killed by stop()
+                    raise
+                raise PageFailed(f"{page}: its kernel process died ({error}); where each of its threads "
+                                 "was is in the build's error output, above (faulthandler)") from error
         if result.err:  # nbclient's report: the cell's source, then its traceback, without the terminal's colours
             raise PageFailed(f"{page}: {ANSI_COLOUR.sub('', str(result.err))}")
         with self._cache_lock:
             self.cache.cache_notebook_bundle(
                 CacheBundleIn(result.nb, uri=str(page), data={"execution_seconds": result.time}), overwrite=True)
         return result.nb
+
+
+# The kernel's faulthandler, enabled as the kernel starts (ipykernel's exec_lines run before the
+# first cell, without a prompt or an output), writes to the stderr the kernel was started with:
+# ipykernel points file descriptor 2 at a pipe it forwards to the notebook, which a dying
+# kernel no longer reads, so a native crash's stacks (a SIGSEGV, or libzmq's SIGABRT) would be
+# lost there. The build's own stderr is where a reader, or CI's log, sees them.
+KERNEL_FAULTHANDLER = ("--IPKernelApp.exec_lines=[\"import faulthandler, sys; faulthandler.enable("
+                       "getattr(sys.stderr, '_original_stdstream_copy', None) or sys.__stderr__, all_threads=True); "
+                       "del faulthandler, sys\"]")
 
 
 class _Machine:
