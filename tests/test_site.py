@@ -116,6 +116,15 @@ def test_errors_are_found_in_output_lines_as_class_and_message():
     assert messages("{'FutureWarning: NO_SHARD is deprecated. (on ranks 0, 1)'}") == [
         ("FutureWarning", "NO_SHARD is deprecated.")]
     assert messages("loss 0.25, gradient error vs one process: 1e-7") == []
+    # dynamo's class named exactly Unsupported, printed without its module
+    assert messages("fullgraph=True -> Unsupported: Attempted to call function marked as skipped") == [
+        ("Unsupported", "Attempted to call function marked as skipped")]
+    # each message whole: its own closing brackets and quotes kept, a repr's around it cut
+    assert messages("AssertionError: got {torch.bfloat16, torch.float32}") == [
+        ("AssertionError", "got {torch.bfloat16, torch.float32}")]
+    assert messages("['ValueError: size: torch.Size([96])', 'x']") == [("ValueError", "size: torch.Size([96])")]
+    assert messages("RuntimeError: got DeviceMesh((dp=2), 'cpu', stride=(2,))") == [
+        ("RuntimeError", "got DeviceMesh((dp=2), 'cpu', stride=(2,))")]
 
 
 def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_message(site):
@@ -315,3 +324,4 @@ def test_every_link_of_the_fsdp2_map_lands_on_an_executed_cell_whose_code_uses_t
         end = _cell_end(html, cell + 1)
         code = htmllib.unescape(re.sub(r"<[^>]+>", "", html[cell:end]))
         assert pattern(name) in code, (name, page)
+        assert 'class="cell_output' in html[cell:end], (name, page, "the cell shows no output")

@@ -21,9 +21,10 @@ from typing import NamedTuple
 from docutils import nodes
 
 # An exception or warning class (possibly dotted: torch._dynamo.exc.Unsupported), an
-# optional "(details)" and the message. Not inside a longer word or a dotted name.
-MESSAGE = re.compile(r"(?<![\w.])((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Warning|Expired|Unsupported|Failed))"
-                     r"(?: \([^)]*\))?: (\S.*)")
+# optional "(details)" and the message. Not inside a longer word or a dotted name. A class
+# is a capitalised name ending in one of the suffixes, or dynamo's exactly ``Unsupported``.
+MESSAGE = re.compile(r"(?<![\w.])((?:[a-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Expired|Unsupported|Failed)"
+                     r"|Unsupported))(?: \([^)]*\))?: (\S.*)")
 
 
 class Found(NamedTuple):
@@ -34,21 +35,36 @@ class Found(NamedTuple):
 
 
 def messages(text: str) -> list[tuple[str, str]]:
-    """The (class, message) pairs of an output's text, in order, without repeats.
+    """The (class, message) pairs of an output's text, in order, without repeats: each message whole.
 
     >>> messages("step 1\\nRuntimeError: FSDP does not support deepcopy. Please use state dict\\n")
     [('RuntimeError', 'FSDP does not support deepcopy. Please use state dict')]
     >>> messages("rank 1 raised torch.distributed.DistBackendError: Connection closed by peer")
     [('torch.distributed.DistBackendError', 'Connection closed by peer')]
+    >>> messages("caught: {'AssertionError: got {torch.bfloat16, torch.float32}'}")  # printed in a set's repr
+    [('AssertionError', 'got {torch.bfloat16, torch.float32}')]
+    >>> messages("torch._dynamo.exc.Unsupported: Attempted to call function marked as skipped")
+    [('torch._dynamo.exc.Unsupported', 'Attempted to call function marked as skipped')]
     """
     found = []
     for match in MESSAGE.finditer(text):
-        message = match.group(2).strip().rstrip("'\"},")  # printed inside a set's or a dict's repr
+        message = _outside_its_quotes(match.group(2).strip(), text[:match.start(1)])
         message = re.sub(r"\s*\(on ranks? [\d, ]+\)?$", "", message)  # the launcher's summary of warnings
-        pair = (match.group(1), message.rstrip("'\"}),"))
+        pair = (match.group(1), message)
         if pair not in found:
             found.append(pair)
     return found
+
+
+def _outside_its_quotes(message: str, before: str) -> str:
+    """The message without the rest of the repr it was printed in. Printed in a quoted string (a
+    list's, a set's or a dict's repr), it ends at the first such quote: a repr quotes a string
+    with a quote the string does not contain (it switches to the other). A message not in
+    quotes is kept whole: its own brackets and quotes are part of it."""
+    quote = before[-1:]
+    if quote in ("'", '"') and quote in message:
+        return message[:message.index(quote)]
+    return message
 
 
 INDEX_PAGE = "docs/errors"
@@ -56,6 +72,9 @@ INDEX_PAGE = "docs/errors"
 # A distinctive part of each message -> the fix in one line, with a reference to where it
 # is executed (reStructuredText). The first key found in a message is its fix.
 FIXES = {
+    "_foreach_norm.Scalar got mixed torch.Tensor and DTensor": "Gradient clipping over DTensors and plain tensors "
+        "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
+        ":ref:`fsdp2-ignored-params-clipping`, :ref:`tp-clipping`.",
     "got mixed torch.Tensor and DTensor": "A method other than ``forward`` meets sharded parameters: "
         ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
         "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
@@ -70,6 +89,8 @@ FIXES = {
         "run it on GPUs: :ref:`tp-context-parallel`.",
     "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
         "op: :ref:`tip-no-sharding-strategy`.",
+    "Attempted to call function marked as skipped": "Under ``fullgraph=True``, dynamo met FSDP2's hooks (wrapped in "
+        "``torch._dynamo.disable``): compile each block after ``fully_shard``, not the root: :ref:`compile-where`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "
         ":ref:`beyond-ema`.",
     "Cannot access accelerator device": "``CPUOffloadPolicy(pin_memory=False)`` where there is no accelerator: "
@@ -78,13 +99,17 @@ FIXES = {
         ":ref:`set_force_sum_reduction_for_comms <fsdp2-fsdpmodule-set-force-sum-reduction-for-comms>`.",
     "uniform original parameter dtype": "One dtype among a unit's trainable parameters: "
         ":ref:`tip-lora-dtypes` (three fixes executed in :ref:`lora-dtypes`).",
-    "got BFloat16 and Float": "A bfloat16 output into a float32 unit: ``output_dtype=torch.float32`` on the first "
-        "unit's policy, :ref:`tip-mixed-policies-boundary`.",
-    "got Float and BFloat16": "A float32 input into a bfloat16 unit: keep ``cast_forward_inputs=True`` (the "
-        "default), :ref:`tip-mixed-policies-boundary`.",
+    "got BFloat16 and Float": "Two dtypes met in one operation: find the bfloat16 operand. Shown here: a bfloat16 "
+        "output into a float32 unit, fixed by ``output_dtype=torch.float32`` on the first unit's policy "
+        "(:ref:`tip-mixed-policies-boundary`); an input, buffer or parameter outside FSDP's policy does the same.",
+    "got Float and BFloat16": "Two dtypes met in one operation: find the float32 operand. Shown here: a float32 "
+        "input into a bfloat16 unit, fixed by keeping ``cast_forward_inputs=True`` (the default, "
+        ":ref:`tip-mixed-policies-boundary`); a buffer or parameter outside FSDP's policy does the same.",
     "already managed by another FSDP group": "Tied weights go in one unit: ``fully_shard([embedding, output])``, "
         ":ref:`tip-tied-weights-one-unit`.",
-    "is invalid for input of size": "Heads and KV heads must each divide by the TP degree: :ref:`tip-tp-gqa-heads`.",
+    "is invalid for input of size": "A ``view`` or ``reshape`` to a shape the tensor does not have (torch's "
+        "generic message): check the shape against the tensor's size on this rank. Shown here under TP: head "
+        "counts that do not divide by the TP degree (:ref:`tip-tp-gqa-heads`).",
     "Use `set_gradient_divide_factor` instead": "Rename the call to ``set_gradient_divide_factor``: "
         ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
     "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 on a (world size, 1) mesh of replicate and "

@@ -35,7 +35,7 @@ MAP = {
     "fully_shard": Entry("2.9", "Shards a module's parameters as DTensors and gathers them around its forward and backward.", "quickstart"),
     "fully_shard(module=)": Entry("2.9", "The module, or a list of modules whose parameters form one unit (one all-gather, one reduce-scatter).", "quickstart"),
     "fully_shard(mesh=)": Entry("2.9", "The data-parallel device mesh: 1-D shards, 2-D replicates over dim 0 and shards over dim 1 (HSDP).", "tensor_parallel"),
-    "fully_shard(reshard_after_forward=)": Entry("2.9", "Free the gathered parameters after forward (True), keep them for backward (False), or reshard to an int-sized group.", "communication"),
+    "fully_shard(reshard_after_forward=)": Entry("2.9", "Free the gathered parameters after forward (True) or keep them for backward (False); an int reshards to groups of that size instead (not executed on these pages).", "communication"),
     "fully_shard(shard_placement_fn=)": Entry("2.9", "Per parameter, the dim to shard on (Shard(dim)) instead of dim 0.", page="fsdp2_controls"),
     "fully_shard(mp_policy=)": Entry("2.9", "The unit's MixedPrecisionPolicy.", "mixed_precision"),
     "fully_shard(offload_policy=)": Entry("2.9", "OffloadPolicy() (none) or CPUOffloadPolicy(): sharded state kept on the CPU.", page="memory"),
