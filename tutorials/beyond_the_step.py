@@ -47,8 +47,6 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # {func}`fsdp_guide.precision.record_dtypes`; `held` is the parameter bytes a rank holds,
 # from {func}`fsdp_guide.memory.measure`, in units of *P*, the whole model's parameter
 # bytes.
-#
-# (fsdp2-fsdpmodule-reshard)=
 
 # %%
 import torch.distributed as dist
@@ -58,6 +56,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 from fsdp_guide.memory import measure
 from fsdp_guide.precision import record_dtypes
@@ -94,11 +93,6 @@ def held(model):
     return measure(model).params / whole_bytes(model)
 
 
-def reshard_all(model):
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
 # %% [markdown]
 # (beyond-eval)=
 # ## Evaluation under `no_grad`
@@ -106,8 +100,16 @@ def reshard_all(model):
 # Three evaluation forwards in a row, after `model.eval()` and under `torch.no_grad()`,
 # with FSDP2's default (`reshard_after_forward=None`: `True` for the blocks, `False` for
 # the root) and with `reshard_after_forward=False` everywhere:
+#
+# (fsdp2-fsdpmodule-reshard)=
 
 # %%
+def reshard_all(model):
+    for module in model.modules():  # reshard() does not recurse: each FSDP module frees its own
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def evaluation_forwards(reshard_after_forward):
     device = fsdp_guide.device()
     kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
@@ -472,13 +474,13 @@ train_with_ema(one, one_ema, torch.device("cpu"))  # cpu-only: the one-process r
 (exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
 
 
-def largest_difference(full, reference):
-    return max((full[name] - t).abs().max().item() for name, t in reference.state_dict().items())
+def apart(full, reference):
+    return largest_difference((full[name], t) for name, t in reference.state_dict().items())
 
 
 print(f"collectives in {STEPS} EMA updates: {ema_collectives}; EMA model per rank: {per_rank:.2f} P")
-print(f"trained model vs one process's: largest difference {largest_difference(trained, one):.1e}")
-print(f"exported EMA vs one process's:  largest difference {largest_difference(exported, one_ema):.1e}")
+print(f"trained model vs one process's: largest difference {apart(trained, one):.1e}")
+print(f"exported EMA vs one process's:  largest difference {apart(exported, one_ema):.1e}")
 
 import tempfile
 from pathlib import Path

@@ -56,12 +56,13 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #
 # The ranks talk over the loopback interface, so the kernel's count of bytes sent on `lo`
 # is the traffic of all ranks together, TCP/IP headers and acknowledgements included
-# (`lo` carries packets of up to its MTU, 64 KiB by default on Linux, so these are a small
-# part of the count). Rank 0 reads the counter, then a barrier lets every rank start one
-# collective of *S* = 4 MiB, and after a second barrier (every rank has then received, so
-# every rank has sent, its part) rank 0 reads it again. No rank can send before rank 0's
-# first read: they wait for rank 0 in the barrier that follows it. The barriers' own few
-# bytes are measured the same way around nothing, and subtracted. The counter is the whole
+# (`lo` carries packets of up to its MTU, printed below from `/sys/class/net/lo/mtu`, so
+# these are a small part of the count). Rank 0 reads the counter, then a barrier lets
+# every rank start one collective of *S* = 4 MiB, and after a second barrier (every rank has then received, so
+# every rank has sent, its part) rank 0 reads it again. No rank can start the collective
+# before rank 0's first read: they wait for rank 0 in the barrier that follows it (their
+# own part of that barrier they may send earlier, a few bytes). The barriers' own bytes
+# are measured the same way around nothing, and subtracted. The counter is the whole
 # machine's, so nothing else may send meanwhile: the site's build runs the cells that read
 # it (tagged `alone`) while no other page's cell runs.
 
@@ -72,6 +73,7 @@ import torch.distributed as dist
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 S = 4 * 2**20  # bytes of the full tensor: 1M float32
 
@@ -83,7 +85,7 @@ def loopback_bytes():
 def sent_around(fn):
     """Bytes on lo from rank 0's first read to its second: fn() and the barriers around it."""
     dist.barrier()  # the previous traffic is over
-    before = loopback_bytes()  # no rank sends before this: all wait for rank 0 in the next barrier
+    before = loopback_bytes()  # no rank starts fn before this: all wait for rank 0 in the next barrier
     dist.barrier()
     fn()
     dist.barrier()  # every rank has received its part, so every rank has sent its part
@@ -122,6 +124,7 @@ def one_collective_each():
 
 
 RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}  # x (N - 1) S in all: the optimal algorithms
+print(f"lo's MTU: {int(Path('/sys/class/net/lo/mtu').read_text()) // 1024} KiB")
 print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
 for world in (2, 4):
     measured_bytes = launch(one_collective_each, world_size=world, backend="gloo", output="none")[0]
@@ -481,7 +484,7 @@ def with_comms(setting, reference):
     mine = [r.to(device).chunk(dist.get_world_size())[rank] for r in reference]
     equals = [min(range(len(mine)), key=lambda j: (p.grad.to_local() - mine[j]).abs().max().item())
               for p in model.parameters()]
-    error = max((p.grad.to_local() - mine[j]).abs().max().item() for p, j in zip(model.parameters(), equals))
+    error = largest_difference((p.grad.to_local(), mine[j]) for p, j in zip(model.parameters(), equals))
     totals = {}
     for kind, group, nbytes in calls:
         n, total = totals.get((kind, group), (0, 0))
@@ -507,9 +510,10 @@ for setting, (totals, equals, error) in launch(every_comm, reference, world_size
 # first), silently: a new gradient in the parameters' dtype is a view of the
 # reduce-scatter's output (`torch.as_strided(reduce_output, ...)` in `foreach_reduce`,
 # `_fsdp_collectives.py`), so the output must be a fresh buffer each time. The all-gather's
-# output is copied into the parameters; reusing it happened to survive here, where gloo's
-# collectives finish before they return, but on GPUs FSDP's note on overlapping the next
-# copy-in (`_fsdp_param_group.py`) expects each all-gather output in different memory. With
+# output is copied into the parameters; no setting here reuses it (`RecordedAllGather`
+# allocates a new tensor every time), so this page does not show what reuse would do
+# there. On GPUs, FSDP's note on overlapping the next copy-in (`_fsdp_param_group.py`)
+# expects each all-gather output in different memory. With
 # `set_separate_reduce_scatter_group()` the reduce-scatters run on a process group of their
 # own, created by FSDP (`group_desc="fsdp_reduce_scatter"`), over the same ranks. Per the
 # method's docstring, one NCCL communicator runs one collective at a time, and a second one
@@ -641,8 +645,12 @@ glue("forwards_kept_second", kept[1], display=False)
 #
 # `set_all_reduce_hook(hook)` calls `hook(output)` with each unit's flat reduce-scatter
 # output (the all-reduce's under HSDP). For float32 and bfloat16 the collective has
-# already averaged it over FSDP's group; any division FSDP still does (float16, or forced
-# sum reduction) comes after the hook. The hook must change `output` in place: the
+# already averaged it over FSDP's group. Where FSDP divides by hand instead (float16, or
+# forced sum reduction: `_get_gradient_divide_factors` in torch's `_fsdp_collectives.py`),
+# `foreach_reduce` divides by a pre-factor before the reduce-scatter and by the rest after
+# the hook (for float16, about √N each way, against overflow and underflow, torch's
+# comment says; forced sum reduction in float32 divides after the hook only), so a
+# float16 hook sees a partly divided sum. The hook must change `output` in place: the
 # gradient shards are views of it. It is set on each unit (it does not recurse), and it is
 # for a reduction over a group FSDP does not manage. Below, 4
 # ranks as 2 groups of 2: FSDP shards over each group of 2 (`mesh["shard"]`), and the hook
@@ -678,8 +686,8 @@ def replicas_by_hand(hook):
 reference4 = launch(one_process_gradients, 4, world_size=1, output="none")[0]
 for hook in (False, True):
     ranks = launch(replicas_by_hand, hook, world_size=4, output="none")
-    error = max((g - r).abs().max().item() for _, grads in ranks for g, r in zip(grads, reference4))
-    apart = max((a - b).abs().max().item() for a, b in zip(ranks[0][1], ranks[2][1]))
+    error = largest_difference((g, r) for _, grads in ranks for g, r in zip(grads, reference4))
+    apart = largest_difference(zip(ranks[0][1], ranks[2][1]))
     print(f"hook: {hook!s:5} elements it reduced per call (rank 0): {ranks[0][0] or 'none'}; "
           f"replica groups' gradients differ by {apart:.1e}; max |gradient - one process| = {error:.1e}")
 
@@ -722,8 +730,8 @@ def summed_gradients(old_name):
 
 (warned, old), (_, new) = (launch(summed_gradients, old_name, world_size=2, output="none")[0] for old_name in (True, False))
 print("set_reduce_scatter_divide_factor(1.0) warned:", warned)
-print(f"max |old name - new name| = {max((a - b).abs().max().item() for a, b in zip(old, new)):.1e}; "
-      f"max |gradient - 2 x one process's mean| = {max((a - 2 * r).abs().max().item() for a, r in zip(new, reference)):.1e}")
+print(f"max |old name - new name| = {largest_difference(zip(old, new)):.1e}; "
+      f"max |gradient - 2 x one process's mean| = {largest_difference((a, 2 * r) for a, r in zip(new, reference)):.1e}")
 
 
 # %% [markdown]

@@ -70,6 +70,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -220,7 +221,7 @@ print(f"backend: {backend}")
 print(f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
       f"{'AG+RS':>6} {'compiled runs':>14}")
 for where, (losses, params, graphs, skipped, collectives, runs) in results.items():
-    difference = max((params[name] - p).abs().max().item() for name, p in eager_params.items())
+    difference = largest_difference((params[name], p) for name, p in eager_params.items())
     print(f"{where:32} {' '.join(f'{x:.6f}' for x in losses):>30} {difference:16.1e} "
           f"{len(graphs):>6} {str(graphs):>10} {collectives:>6} {runs:>14}")
     for reason in skipped:
@@ -421,11 +422,56 @@ for event, graphs in launch(recompilations, output="none")[0]:
 # - `reshard_after_forward` changes nothing in the graph: FSDP's resharding happens in its
 #   hooks, outside it.
 # - A new sequence length recompiles once, with that dimension made dynamic (symbolic);
-#   later lengths reuse the dynamic graph. To avoid the first static graph, compile with
-#   `dynamic=True` (every dimension symbolic, batch included), or mark the dimension with
-#   `torch._dynamo.mark_dynamic` on the block's input where the model's forward makes it
-#   (marking the token batch does not reach a graph that starts inside the blocks); or
-#   pad batches to a few fixed lengths.
+#   later lengths reuse the dynamic graph. torch's two ways to start dynamic are
+#   `dynamic=True` (every dimension symbolic, batch included) and
+#   `torch._dynamo.mark_dynamic` on the tensor a compiled frame receives (marking the
+#   token batch does not reach a graph that starts inside the blocks). Both, run on the
+#   same lengths (the mark made by a small eager module around each compiled block,
+#   standing in for a line in the model's forward):
+
+# %%
+class MarkSequenceDynamic(torch.nn.Module):
+    """Calls the block after marking its input's sequence dimension dynamic, eagerly, outside the compiled frame."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        torch._dynamo.mark_dynamic(x, 1)
+        return self.block(x)
+
+
+def graphs_over_lengths(remedy):
+    torch._dynamo.reset()
+    log = CompileLog("aot_eager")
+    model = shard(build_model())
+    for i, block in enumerate(model.blocks):
+        block.compile(backend=log, dynamic=True if remedy == "dynamic=True" else None)
+        if remedy == "mark_dynamic":
+            model.blocks[i] = MarkSequenceDynamic(block)
+    counts = []
+    for tokens in (32, 16, 24, 8):
+        model(*batch(0, tokens))[1].backward()
+        counts.append(len(log.graphs))
+    return counts
+
+
+def every_remedy():
+    return {remedy: graphs_over_lengths(remedy) for remedy in ("none", "dynamic=True", "mark_dynamic")}
+
+
+for remedy, counts in launch(every_remedy, output="none")[0].items():
+    print(f"{remedy:13} graphs after steps on 32, 16, 24, 8 tokens: {counts}")
+
+# %% [markdown]
+# Neither saves a graph on these FSDP-sharded blocks: `dynamic=True` compiles more graphs,
+# not fewer, and the mark leaves the count as it was. (The frame dynamo compiles begins
+# inside the block, after FSDP's pre-forward hook, which it does not trace; why the mark
+# does not take, and why `dynamic=True` makes its extra graphs, this page does not
+# establish: `TORCH_LOGS=recompiles`, below, is the tool to ask.) What the counts do
+# show: without either, one recompilation at the first new length, then reuse. To have
+# none, pad batches to one length, or a few (each compiles once, within `recompile_limit`).
 #
 # (compile-logs)=
 # ## What dynamo reports: `TORCH_LOGS` and `explain`
@@ -540,7 +586,7 @@ def checkpointed(order):
     with saved_for_backward() as saved:
         _, loss = model(*batch(0))
     loss.backward()
-    return losses, params, log.graphs, saved.held_at_exit
+    return losses, params, log.graphs, saved.held_at_exit, saved.kinds
 
 
 def every_order():
@@ -550,10 +596,15 @@ def every_order():
 runs = launch(every_order, output="none")[0]
 _, reference, *_ = runs["no checkpointing, eager"]
 print(f"{'':26} {'graphs (linears)':>17} {'saved, KiB':>11} {'params vs no checkpointing':>27}")
-for order, (losses, params, graphs, saved) in runs.items():
-    difference = max((params[name] - p).abs().max().item() for name, p in reference.items())
+for order, (losses, params, graphs, saved, _) in runs.items():
+    difference = largest_difference((params[name], p) for name, p in reference.items())
     print(f"{order:26} {len(graphs):>6} {str(graphs):>10} {saved / 1024:11.0f} {difference:27.1e}")
-print(f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB")
+print(f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB, "
+      f"a {str(torch.get_rng_state().dtype).removeprefix('torch.')} tensor of {torch.get_rng_state().numel()}")
+print(f"each block's input on a rank: {[2, CONFIG.block_size, CONFIG.n_embd]} (2 sequences, as `batch` gives)")
+for order in ("checkpointing, eager", "checkpoint, then compile"):
+    kinds = ", ".join(f"{n} x {dtype} {list(shape)}" for (dtype, shape), n in sorted(runs[order][4].items()))
+    print(f"saved for backward, {order}: {kinds}")
 
 from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
@@ -569,13 +620,15 @@ glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkp
 #   dynamo traces the wrapper's `torch.utils.checkpoint` call as one higher-order
 #   operator (the block's linears sit in a subgraph, so the top level counts none), and
 #   AOTAutograd's partitioner recomputes the checkpointed region in the compiled
-#   backward. The partitioner keeps only the block's input; the extra {glue:text}`compile_ac_extra_kib:.0f` KiB over eager
-#   checkpointing is a snapshot of the CPU generator's state per block (its size is
-#   printed under the table), saved so that the recomputed attention, an operator with a
-#   dropout argument, replays the same random stream. Eager checkpointing keeps its RNG
-#   state too, but in a local variable of `_checkpoint_without_reentrant_generator`
-#   (`torch/utils/checkpoint.py`), not as a saved tensor, so `saved_tensors_hooks` do not
-#   see it.
+#   backward. The saved tensors, listed by dtype and shape under the table, show what the
+#   compiled backward keeps beyond eager checkpointing: the blocks' gathered weights
+#   (whose memory FSDP frees after the forward and gathers again for the backward, so
+#   they count 0 bytes at the end of the forward), and two `uint8` tensors the size of
+#   the CPU generator's state, one per block: the extra {glue:text}`compile_ac_extra_kib:.0f` KiB. They are saved so
+#   that the recomputed attention, an operator with a dropout argument, replays the same
+#   random stream. Eager checkpointing keeps its RNG state too, but in a local variable of
+#   `_checkpoint_without_reentrant_generator` (`torch/utils/checkpoint.py`), not as a
+#   saved tensor, so `saved_tensors_hooks` do not see it.
 # - **Compile, then checkpoint**: the wrapper is eager and calls the compiled block twice,
 #   in the forward and again in the backward's recomputation; the block's graph is the
 #   same as without checkpointing. It saves what eager checkpointing saves.
@@ -660,8 +713,8 @@ print(f"{'left unsharded after backward':34} {len(eager['unsharded']):>15} {len(
       f"   {', '.join(compiled['unsharded'])}")
 for reason in compiled["break reasons"]:
     print(f"compiled autograd's graph breaks: {reason}")
-blocks = max((compiled["grads"][name] - g).abs().max().item() for name, g in eager["grads"].items()
-             if name not in ROOT_PARAMS)
+blocks = largest_difference((compiled["grads"][name], g) for name, g in eager["grads"].items()
+                            if name not in ROOT_PARAMS)
 print(f"block parameters' gradients vs eager: {blocks:.1e}")
 for name in ROOT_PARAMS:
     mean = sum(rank[1]["grads"][name] for rank in ranks) / len(ranks)  # what a reduce-scatter would average
@@ -707,54 +760,83 @@ for name in ROOT_PARAMS:
 # The optimizer step can be compiled on its own: `torch.compile(optimizer.step)`. With
 # FSDP2 its parameters, gradients and AdamW's moments are DTensors. `foreach=True` is
 # AdamW's default for DTensors on GPUs (`_default_to_fused_or_foreach` in
-# `torch/optim/optimizer.py`; on the CPU the default is a loop over parameters), so the CPU
-# compiles the update a GPU run would. Three steps on the one-block GPT above, eager and
-# compiled, each step profiled:
+# `torch/optim/optimizer.py`; on the CPU the default is a loop over parameters), and is
+# set here. It is not the whole of what a GPU run compiles: when every parameter is on a
+# GPU and the optimizer has no state yet, dynamo sets the group's `capturable=True`
+# (`OptimizerVariable._set_capturable`, `torch/_dynamo/variables/optimizer.py`), and
+# AdamW's capturable branch keeps the step count on the device; on the CPU it stays
+# `False`. Three steps on the one-block GPT above, eager and compiled, each step profiled
+# for every collective c10d runs, of any kind (`collectives_in`; beside it, the same count
+# around one all-reduce, to show it sees one):
 
 # %%
-def optimizer_steps(compiled):
+COLLECTIVE_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")  # eager c10d, and the functional form graphs use
+
+
+def collectives_in(fn):
+    """Run `fn` under the profiler; count every collective by its op's name, not only FSDP's two."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return Counter(event.name for event in profile.events() if event.name.startswith(COLLECTIVE_OPS))
+
+
+def one_all_reduce():
+    import torch.distributed as dist
+
+    return collectives_in(lambda: dist.all_reduce(torch.ones(1, device=fsdp_guide.device())))
+
+
+def optimizer_steps(compiled, backend="aot_eager"):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    log = CompileLog("aot_eager")
+    log = CompileLog(backend)
     model = shard(build_model(ONE_BLOCK))  # the graph's size grows with the number of parameters
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     step = torch.compile(optimizer.step, backend=log) if compiled else optimizer.step
     ran = Counter()
     for i in range(STEPS):
         model(*batch(i))[1].backward()
-        ran += what_ran(step)
+        ran += collectives_in(step)
         optimizer.zero_grad()
     params = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
-    return (params, [inputs["DTensor"] for inputs in log.inputs], log.runs, sum(ran.values()),
-            sum(torch._dynamo.utils.counters["graph_break"].values()))
+    capturable = [group["capturable"] for group in optimizer.param_groups]
+    return (params, [inputs["DTensor"] for inputs in log.inputs], log.runs, dict(ran),
+            sum(torch._dynamo.utils.counters["graph_break"].values()), capturable)
 
 
 def both_optimizer_steps():
-    return optimizer_steps(compiled=False), optimizer_steps(compiled=True)
+    return (optimizer_steps(compiled=False), optimizer_steps(compiled=True),
+            optimizer_steps(compiled=True, backend="eager"), one_all_reduce())
 
 
-(eager_params, *_), (params, inputs, runs, collectives, breaks) = launch(both_optimizer_steps, output="none")[0]
+(eager_params, *_), (params, inputs, runs, collectives, breaks, capturable), (dynamo_only, *_), control = launch(
+    both_optimizer_steps, output="none")[0]
 print(f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters")
-print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; collectives in the steps: {collectives}")
-difference = max((params[name] - p).abs().max().item() for name, p in eager_params.items())
+print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; capturable: {capturable}")
+print(f"  collectives in the compiled steps: {collectives or 'none'} (around one all-reduce: {dict(control)})")
+difference = largest_difference((params[name], p) for name, p in eager_params.items())
 print(f"  parameters after {STEPS} steps vs eager AdamW: max |difference| {difference:.1e}")
+print(f"  the same with backend='eager' (dynamo's graph run by torch's own kernels, no AOTAutograd): "
+      f"{largest_difference((dynamo_only[name], p) for name, p in eager_params.items()):.1e}")
 
 # %% [markdown]
 # - **It compiles**, into one graph that takes DTensors as inputs, one per parameter:
 #   AOTAutograd traces through tensor subclasses to the tensors inside
 #   (`torch/_functorch/_aot_autograd/subclass_utils.py`), here each rank's shard, and an
-#   elementwise update on `Shard(0)` needs no communication (no collective ran in the
-#   compiled steps). Each rank updates its own shard, as in eager.
+#   elementwise update on `Shard(0)` needs no communication: no collective of any kind ran
+#   in the compiled steps, where the same count finds the all-reduce beside them. Each
+#   rank updates its own shard, as in eager.
 # - **The graph breaks are torch's own**: `_use_grad_for_differentiable` in
 #   `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` around the update so that
 #   AOTAutograd sees it under `no_grad` (the comment there explains the allocation it
 #   saves). Only the update becomes a graph.
-# - **The numbers are not eager's bit for bit**: the compiled update takes AdamW's paths for
-#   compiling (`torch.compiler.is_compiling()` branches: `_get_value` in `optimizer.py` keeps
-#   the step count a tensor, and dynamo decomposes some ops,
-#   `enable_dynamo_decompositions` in `torch/_dynamo/config.py`), which round differently;
-#   the difference above is what that amounts to after 3 steps. Check a compiled step
-#   against an eager one to a tolerance, not bit for bit.
+# - **The numbers are not eager's bit for bit**, and the last line separates where the
+#   difference comes from: it is there with `backend='eager'` too, where dynamo's graph runs
+#   on torch's own kernels without AOTAutograd. So it comes from the graph dynamo traces,
+#   which takes AdamW's paths for compiling (its `torch.compiler.is_compiling()` branches:
+#   `_get_value` in `optimizer.py`, for one, keeps the step count a tensor), not from
+#   AOTAutograd or a backend's kernels. Check a compiled step against an eager one to a
+#   tolerance, not bit for bit.
 #
 # (compile-gpu)=
 # ## What to expect on GPUs (not run here)

@@ -26,8 +26,9 @@
 #   arrive, torch's flight recorder, its analyser (`torchfrtrace`) and the Python stack it
 #   records for each collective, and `py-spy dump --native`; and, for the hang whose ranks
 #   wait far from where they parted, which of these tools find the cause and which do not;
-# - a fourth that only torchrun shows: collectives issued in the order of a `set`, which
-#   the notebook's forked ranks agree on and torchrun's new interpreters do not;
+# - a fault that only torchrun shows, wrong sums with no error rather than a hang:
+#   collectives issued in the order of a `set`, which the notebook's forked ranks agree on
+#   and torchrun's new interpreters do not;
 # - what changes on GPUs (NCCL's watchdog and its settings), from torch's source;
 # - the fix for each, checked, and a symptom → tool → fix table.
 #
@@ -102,10 +103,12 @@ def user_frames(stack, fn):
 # The evaluation set is split across ranks, and one rank gets one batch more. Every
 # forward of an FSDP model all-gathers its units' parameters, so the rank with the extra
 # batch waits in an all-gather that the other rank, already summing the results in an
-# `all_reduce`, never joins. Nothing errors; both wait until the {term}`collective timeout`
-# (`default_pg_timeout` for gloo, printed below; 5 minutes under `launch`, its
-# `collective_timeout`). {func}`fsdp_guide.launch` stops them after `timeout` seconds, and
-# its error shows where each rank was:
+# `all_reduce`, never joins. Nothing errors. Left alone, both would wait until the
+# {term}`collective timeout` (`default_pg_timeout` for gloo, printed below; 5 minutes
+# under `launch`, its `collective_timeout`); here {func}`fsdp_guide.launch` stops them
+# first, after its `timeout` seconds (the argument below), and its error shows where each
+# rank was. (The collective timeout's own error is not shown on this page: waiting for it
+# would take minutes.)
 
 # %%
 def evaluate(batches_on_rank_1, monitored=None, dumps=None):
@@ -609,10 +612,10 @@ for rank, (to_mean, to_own, own) in enumerate(launch(train_every_unit_everywhere
 # outside: on Linux it reads the process's memory with `process_vm_readv`, which needs the
 # permission to trace it, and it pauses the process (attaching with `ptrace`) while it
 # reads, unless told `--nonblocking` ("Don't pause the python process", its help, printed
-# below; `process_vm_readv` is named in the installed `py-spy` binary's strings). With
-# `--native` it prints the C and C++ frames too, and then it pauses the process: the two
-# options cannot be combined (asked for both, the installed py-spy 0.4.3 exits with "Can't
-# get native stack traces with the --nonblocking option"). Its help on the two options:
+# below; `process_vm_readv` is named in the installed `py-spy` binary, as the last line
+# below checks). With `--native` it prints the C and C++ frames too, and then it pauses
+# the process: the two options cannot be combined (asked for both, the installed py-spy
+# refuses, below). Its help on the two options, its version, and that refusal:
 
 # %%
 def find_py_spy():
@@ -627,6 +630,11 @@ def no_colours(text):
 help_text = no_colours(subprocess.run([find_py_spy(), "dump", "--help"], capture_output=True, text=True).stdout)
 print(*[" ".join(line.split()) for line in help_text.splitlines() if "--native" in line or "--nonblocking" in line],
       sep="\n")
+print(subprocess.run([find_py_spy(), "--version"], capture_output=True, text=True).stdout.strip())
+both = subprocess.run([find_py_spy(), "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
+                      capture_output=True, text=True)  # refused before it attaches to anything
+print(f"asked for both (exit status {both.returncode}):", no_colours(both.stdout + both.stderr).strip())
+print("process_vm_readv named in the binary:", b"process_vm_readv" in Path(find_py_spy()).read_bytes())
 
 # %% [markdown]
 # (debugging-hangs-py-spy)=

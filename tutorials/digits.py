@@ -67,6 +67,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import fsdp_guide
 from fsdp_guide import launch, shard
+from fsdp_guide.compare import largest_difference
 
 
 class Net(nn.Module):
@@ -188,7 +189,7 @@ final = fsdp1[-1]
 print(f"FSDP1 final: Test set: Average loss: {final['test_loss']:.4f}, Accuracy: "
       f"{final['correct']}/{final['total']} ({100 * final['correct'] / final['total']:.2f}%)")
 print("largest |train loss FSDP1 - FSDP2| over the epochs: "
-      f"{max(abs(a['train_loss'] - b['train_loss']) for a, b in zip(fsdp1, fsdp2)):.1e}")
+      f"{largest_difference((a['train_loss'], b['train_loss']) for a, b in zip(fsdp1, fsdp2)):.1e}")
 
 # %% mystnb={"image": {"alt": "Two panels over training epochs: train and test loss for FSDP1 and FSDP2 falling together, and test accuracy rising to about 97 percent for both."}}
 import matplotlib.pyplot as plt

@@ -104,6 +104,7 @@ print(sorted(f.name for f in path.iterdir()))
 
 # %%
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.memory import host_peak_rise  # VmHWM, and RssAnon sampled every millisecond
 
 
@@ -255,7 +256,7 @@ for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
     print(f"{step:4}  {a:.6f}  {b:.6f}")
 relative = [abs(a - b) / b for a, b in zip(sharded_losses, single_losses)]
 print(f"relative difference at the first step: {relative[0]:.0e}; "
-      f"largest relative difference: {max(relative):.0e}")
+      f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}")
 
 # %% [markdown]
 # The same losses, to fp32 rounding: about one part in a million at the first step (a mean

@@ -54,6 +54,7 @@ import torch.nn as nn
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 WIDTH, VOCAB, LAYERS, BATCH = 32, 64, 3, 8
 
@@ -98,7 +99,7 @@ def loss_of(model, batch):
 #
 # - by default, each unit gathers its parameters when its forward begins;
 # - `set_modules_to_forward_prefetch([next unit])` on each unit issues the next unit's
-#   all-gather right after its own, meant to let it run on a GPU while this unit computes;
+#   all-gather right after its own;
 # - `unshard(async_op=True)` issues a unit's all-gather by hand and returns an
 #   `UnshardHandle`; `handle.wait()` waits for it. Called before the forward (here, before
 #   the batch is moved to the device), the first unit's gather no longer waits for the step.
@@ -139,14 +140,24 @@ for how, order in ORDERS.items():
     print(f"{how:24} {order}")
 
 # %% [markdown]
-# `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued. By default every
-# `AG`*i* follows its own `F`*i*: a unit waits for its parameters when its turn comes.
-# With forward prefetching each unit issues the next one's gather before the next forward
-# begins (`AG1` before `F1`). On a GPU that is meant to let the gather run on its own
-# stream beside unit 0's compute; what it saves is not measured here, where gloo's
-# collectives run on the same CPU cores as the compute. With `unshard(async_op=True)`,
-# `AG0` is issued before the forward begins at all, and unit 0's forward does not gather
-# again.
+# `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued, both on the host.
+# By default every `AG`*i* follows its own `F`*i*. With forward prefetching each unit
+# issues the next one's gather before the next forward begins (`AG1` before `F1`). With
+# `unshard(async_op=True)`, `AG0` is issued before the forward begins at all, and unit
+# 0's forward does not gather again.
+#
+# This is the order of issue, not overlap, which this page does not measure: here gloo's
+# collectives run on the same CPU cores as the compute. What to expect on a GPU, from
+# torch's source rather than a run: the default already overlaps, because the host runs
+# ahead of the device's kernels and issues unit 1's gather (on its own stream) while unit
+# 0's kernels still run. `set_modules_to_forward_prefetch`'s docstring says so: a list of
+# the next unit alone "gives the same all-gather overlap behavior as the default overlap
+# behavior, except the prefetched all-gather is issued earlier from the CPU"; a list of
+# two or more overlaps more, with more memory reserved. Issuing earlier pays when the host
+# would otherwise reach the next unit late, because a unit blocks it until the device
+# catches up (a `.item()` or `.tolist()` on a device result): torchtitan's `apply_fsdp`
+# prefetches explicitly only with expert parallelism, "as D2H syncs in EP could
+# interfere with implicit prefetching in FSDP".
 #
 # Backward prefetching (`set_modules_to_backward_prefetch`) is measured on the
 # {ref}`communication page <tutorial-communication>`, one and two units ahead.
@@ -183,7 +194,7 @@ def one_process_gradients():
 reference = launch(one_process_gradients, world_size=1, output="none")[0]
 for setting in (True, False):
     gathers, grads = launch(gradients, setting, world_size=2, output="none")[0]
-    error = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+    error = largest_difference(zip(grads, reference))
     print(f"set_unshard_in_backward({setting!s:5}) on the embedding: {gathers} all-gathers in the step, "
           f"max |gradient - one process| = {error:.1e}")
 
@@ -268,7 +279,7 @@ def train_through_a_failure(recovery, sharded=True):
     if sharded:
         model = shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    caught, sharded_after = [], None
+    caught, sharded_after, not_finite_from = [], None, None
     for step, batch in enumerate(batches()):
         batch = (my_half(batch) if sharded else batch).to(device)
         try:
@@ -283,8 +294,10 @@ def train_through_a_failure(recovery, sharded=True):
             if sharded and sharded_after is None:
                 sharded_after = all(isinstance(p, dt.DTensor) for p in model.parameters())
         optimizer.zero_grad()
-    weights = [p.full_tensor() if isinstance(p, dt.DTensor) else p.detach() for p in model.parameters()]
-    return caught, sharded_after, [w.cpu() for w in weights]
+        weights = [p.full_tensor() if isinstance(p, dt.DTensor) else p.detach() for p in model.parameters()]
+        if not_finite_from is None and not all(torch.isfinite(w).all() for w in weights):
+            not_finite_from = step  # the first step after which some weight is inf or NaN
+    return caught, sharded_after, not_finite_from, [w.cpu() for w in weights]
 
 
 def stale_after_reset():
@@ -297,15 +310,16 @@ def stale_after_reset():
     return left_behind(model)
 
 
-one_process = launch(train_through_a_failure, "skip", False, world_size=1, output="none")[0][2]
+one_process = launch(train_through_a_failure, "skip", False, world_size=1, output="none")[0][3]
 print("after reset_iter_state(): parameters sharded, gathered gradients left:",
       launch(stale_after_reset, world_size=2, output="none")[0])
 for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_stale_gradients"):
     try:
-        caught, sharded, weights = launch(train_through_a_failure, recovery, world_size=2, output="none")[0]
-        error = max((w - r).abs().max().item() for w, r in zip(weights, one_process))
-        print(f"{recovery:42} caught {caught}; then sharded: {sharded}; "
-              f"max |weights - one process| after 4 steps = {error:.1e}")
+        caught, sharded, not_finite_from, weights = launch(train_through_a_failure, recovery, world_size=2,
+                                                           output="none")[0]
+        error = largest_difference(zip(weights, one_process))
+        print(f"{recovery:42} caught {caught}; then sharded: {sharded}; weights not finite after step: "
+              f"{not_finite_from}; max |weights - one process| after 4 steps = {error:.1e}")
     except fsdp_guide.LaunchError as failure:
         print(f"{recovery:42} {str(failure).splitlines()[0][:100]}")
 
@@ -314,13 +328,17 @@ for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_sta
 # process trains. `reset_iter_state()` puts every unit back in its sharded state, as its
 # docstring promises ("reshards every parameter group, and clears iteration trackers"),
 # but on torch 2.13 the gathered parameters keep the gradients the failed backward wrote
-# into them: the next backward adds its own to them, and the `inf` reaches the weights.
-# The docstring says "the failed iteration's gradients are lost"; torch 2.15's
-# `FSDPParamGroup._reset_iter_state` sets each gathered parameter's `grad` to `None`, and
-# 2.13's does not (read in both releases' `_fsdp_param_group.py`). Gathering each unit,
-# dropping its gradients and freeing it again (`drop_stale_gradients`, one all-gather per
-# unit) makes the following steps equal one process's on 2.13; where torch drops them
-# itself (2.15, per the source above) it finds none to drop.
+# into them: the next backward adds its own to them, and the `inf` reaches the weights in
+# step 2 (the output's "weights not finite after step: 2"). From then on every
+# activation is not finite, so step 3's gradient is refused too: that is the second
+# exception, and the difference from one process is NaN. The docstring says "the failed
+# iteration's gradients are lost"; torch 2.15's `FSDPParamGroup._reset_iter_state` sets
+# each gathered parameter's `grad` to `None`, and 2.13's does not (read in both releases'
+# `_fsdp_param_group.py`, and run on each: `tests/test_sharp_edges.py`, which `.ci/run`
+# runs on the pinned torch and on the newest, finds 2 gradients left on 2.13 and none on
+# 2.15). Gathering each unit, dropping its gradients and freeing it again
+# (`drop_stale_gradients`, one all-gather per unit) makes the following steps equal one
+# process's on 2.13; where torch drops them itself it finds none to drop.
 #
 # The exception must reach every rank: had only one rank refused its gradient, the
 # others would have gone on to the next reduce-scatter alone, and the ranks would hang or
@@ -385,14 +403,13 @@ def moe_step(shifts, unused_params, reference):
     model.set_reduce_scatter_unused_params(unused_params)  # every unit below the root too
     x = rows_of(rank, shifts).to(device)
     model(x).square().mean().backward()
-    missing, error = [], 0.0
+    missing, pairs = [], []
     for name, p in model.named_parameters():
         if p.grad is None:
             missing.append(name)
         else:  # this rank's shard of the gradient: its chunk of dim 0
-            mine = reference[name].to(device).chunk(dist.get_world_size())[rank]
-            error = max(error, (p.grad.to_local() - mine).abs().max().item())
-    return missing, error
+            pairs.append((p.grad.to_local(), reference[name].to(device).chunk(dist.get_world_size())[rank]))
+    return missing, largest_difference(pairs)
 
 
 for case, shifts in SHIFTS.items():
@@ -485,7 +502,7 @@ def train_experts(split_rows, sharded=True):
 _, one = launch(train_experts, False, False, world_size=1, output="none")[0]
 for split_rows in (False, True):
     ranks = launch(train_experts, split_rows, world_size=2, output="none")
-    error = max((ranks[0][1][name] - one[name]).abs().max().item() for name in one)
+    error = largest_difference((ranks[0][1][name], one[name]) for name in one)
     how = "Shard(1) for the experts' weight" if split_rows else "none (dim 0 for all)"
     print(f"shard_placement_fn: {how}; max |weights - one process| after 3 steps = {error:.1e}")
     for rank, (held, _) in enumerate(ranks):
@@ -626,7 +643,7 @@ _, alone = launch(train_with_an_ignored_scale, False, False, world_size=1, outpu
 for reduce_it in (False, True):
     (kinds, rank0), (_, rank1) = launch(train_with_an_ignored_scale, reduce_it, world_size=2, output="none")
     apart = (rank0["scale"] - rank1["scale"]).abs().max().item()
-    error = max((rank0[name] - alone[name]).abs().max().item() for name in alone)
+    error = largest_difference((rank0[name], alone[name]) for name in alone)
     print(f"scale's gradient all-reduced: {reduce_it!s:5} types {sorted(kinds)}; the two ranks' scales differ "
           f"by {apart:.1e}; max |weights - one process| = {error:.1e}")
 
@@ -635,6 +652,61 @@ for reduce_it in (False, True):
 # `all_reduce` each rank's scale follows its own batches and the ranks drift apart; the
 # sharded weights, which FSDP reduced, stayed in step. With it, both ranks hold the same
 # scale, and every weight equals one process's.
+#
+# The reduction is not all it leaves to you. `fully_shard`'s docstring says ignored
+# parameters "will not be sharded, nor moved to the device during init": build them on
+# the rank's device, as above (on this CPU run there is nothing to move, so it shows no
+# difference here). And a plain tensor beside DTensors breaks what takes every parameter
+# at once, such as gradient clipping:
+#
+# (fsdp2-ignored-params-clipping)=
+
+# %%
+def clip_with_an_ignored_scale(sharded=True):
+    import torch.distributed as dist
+    import torch.distributed.tensor as dt
+    from torch.distributed.fsdp import fully_shard
+
+    device = fsdp_guide.device()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 4)).to(device)
+    model.register_parameter("scale", nn.Parameter(torch.ones(4, device=device)))
+    if sharded:
+        fully_shard(model, ignored_params={model.scale})
+    ranks = range(dist.get_rank(), dist.get_rank() + 1) if sharded else range(2)
+    losses = [(model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(r)).to(device))
+               * model.scale).square().mean() for r in ranks]
+    (sum(losses) / len(losses)).backward()
+    if not sharded:
+        return "one process", torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    dist.all_reduce(model.scale.grad, op=dist.ReduceOp.AVG)
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        whole = "runs"
+    except RuntimeError as error:
+        whole = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    # one norm per kind, combined as the norm of norms; then each group scaled by the same factor
+    groups = [[p for p in model.parameters() if isinstance(p, dt.DTensor)],
+              [p for p in model.parameters() if not isinstance(p, dt.DTensor)]]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, dt.DTensor) else n for n in norms]))
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, 1.0, total)
+    return whole, total.item()
+
+
+_, one_norm = launch(clip_with_an_ignored_scale, False, world_size=1, output="none")[0]
+whole, total = launch(clip_with_an_ignored_scale, world_size=2, output="none")[0]
+print(f"clip_grad_norm_ over every parameter: {whole}")
+print(f"clipped in two groups (DTensors, plain): total norm {total:.7f}; one process's {one_norm:.7f}")
+
+# %% [markdown]
+# `clip_grad_norm_` takes one norm over every gradient with one foreach operation, and
+# DTensor refuses plain tensors among its operands. Grouping the parameters, a norm per
+# group, combined, and each group scaled by it, gives one process's norm. (The package's
+# `fsdp_guide.recipes.replicas.apply` clips over `model.parameters()` in one call: fine for
+# its models, which FSDP shards whole, and it would fail the same way on one with ignored
+# parameters.)
 #
 # (fsdp2-controls-tips)=
 # ## What this showed, and the tips behind it

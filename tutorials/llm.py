@@ -179,6 +179,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.recipes.train_llm import train
 
 scratch = tempfile.TemporaryDirectory(prefix="llm-")  # deleted, with what the page wrote, when the kernel exits
@@ -390,7 +391,7 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 for world_size in (4, 1):
     other = launch(train, dataclasses.replace(config, resume=str(halves / "step-00000020")),
                    world_size=world_size, output="none")[0]
-    difference = max(abs(a - b) for a, b in zip(other["losses"], straight["losses"][20:]))
+    difference = largest_difference(zip(other["losses"], straight["losses"][20:]))
     print(f"saved on 2, resumed on {world_size}: max |loss - straight run| over steps 21-40 = {difference:.1e}")
 
 # %% [markdown]

@@ -113,6 +113,7 @@ print(sorted(f.name for f in path.iterdir()))
 
 # %%
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 
 def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, train_norms=False):
@@ -529,7 +530,7 @@ for _ in range(STEPS):
 print("step  2 ranks      1 process")
 for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
     print(f"{step:4}  {a:.6f}  {b:.6f}")
-print(f"largest relative difference: {max(abs(a - b) / b for a, b in zip(sharded_losses, single_losses)):.0e}")
+print(f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}")
 
 # %% [markdown]
 # The same losses to fp32 rounding: the base is frozen, the adapters move the same way on

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 WIDTH, STEPS = 32, 6
 
@@ -141,7 +142,7 @@ losses = launch(both_apis, output="none")[0]
 print(f"{'step':>4}  {'FSDP1':>10}  {'FSDP2':>10}")
 for step, (a, b) in enumerate(zip(losses["fsdp1"], losses["fsdp2"])):
     print(f"{step:4}  {a:10.6f}  {b:10.6f}")
-difference = max(abs(a - b) for a, b in zip(losses["fsdp1"], losses["fsdp2"]))
+difference = largest_difference(zip(losses["fsdp1"], losses["fsdp2"]))
 print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 
 # %% [markdown]
@@ -217,7 +218,7 @@ print(f"saved under '0.fc.weight': model state {names['model']}, optimizer state
       f"saved keys with '_fsdp_wrapped_module': {names['wrapped']}")
 for with_optimizer in (True, False):
     fsdp2_next = launch(fsdp2_loads_and_continues, CHECKPOINT, with_optimizer, output="none")[0]
-    difference = max(abs(a - b) for a, b in zip(fsdp1_next, fsdp2_next))
+    difference = largest_difference(zip(fsdp1_next, fsdp2_next))
     loaded = "model and optimizer" if with_optimizer else "model only"
     print(f"steps {STEPS}-{2 * STEPS - 1}, FSDP2 from FSDP1's checkpoint, {loaded:19}: "
           f"max |loss - FSDP1's own continuation| = {difference:.1e}")

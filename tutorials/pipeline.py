@@ -125,9 +125,8 @@ def loss_fn(logits, targets):
 # micro-batches and runs their forwards and backwards in its order.
 #
 # To see that order, the stage below notes when each forward and backward chunk starts and
-# ends (after a device synchronise, so that on a GPU the time is the kernels', not their
-# launch), and what the stage holds when the chunk is done: its parameters and gradients,
-# counted from the live tensors by {func}`fsdp_guide.memory.measure` (gathered parameters
+# ends, after a device synchronise, and what the stage holds when the chunk is done: its
+# parameters and gradients, counted from the live tensors by {func}`fsdp_guide.memory.measure` (gathered parameters
 # beside the shards, and the whole-size gradients FSDP2 accumulates while gradient sync is
 # off):
 
@@ -178,6 +177,7 @@ class TimedStage(PipelineStage):
 # %%
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.collectives import count_collectives
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
@@ -255,8 +255,8 @@ def mean_loss(ranks):
 
 def grad_gap(ranks):
     """The largest difference from one process, relative to that parameter's largest gradient."""
-    return max((r["grads"][name] - reference_grads[r["stage"]][name]).abs().max().item()
-               / reference_grads[r["stage"]][name].abs().max().item() for r in ranks for name in r["grads"])
+    return largest_difference(((r["grads"][name], reference_grads[r["stage"]][name]) for r in ranks
+                               for name in r["grads"]), relative=True)
 
 
 print(f"one process: loss {reference_loss:.7f}")
@@ -373,8 +373,16 @@ for (schedule, reshard, m), ranks in runs.items():
 # other page's cell runs. So these runs are 2 ranks, one per stage, without `dp`, on a
 # larger GPT so that computing dominates each micro-batch. Each rank records its chunks in
 # three steps after the first; the table gives the three steps' mean time, and each
-# stage's idle fraction of the three together, since one step's varies by a few
-# hundredths from the next's:
+# stage's idle fraction of the three together, since one step's varies from the next's
+# (the last column: the largest minus the smallest of the three steps' mean idle
+# fractions).
+#
+# What a span measures: on the CPU a kernel runs when it is called, so a chunk's span is
+# its compute (and the synchronise adds nothing). On a GPU, as expectation rather than a
+# run: the same synchronise would also wait for the sends the schedule posts without
+# waiting (`_step_microbatches` in `torch/distributed/pipelining/schedules.py`), so a span
+# would include communication; timing the compute alone there takes CUDA events recorded
+# on the compute stream around each chunk.
 
 # %% tags=["alone"]
 import os
@@ -490,12 +498,13 @@ for key in [("GPipe", 4), ("1F1B", 4)]:
 # - **GPipe** runs every forward, then every backward; **1F1B**, after as many forwards as
 #   there are stages from it to the last, alternates one backward and one forward. Its
 #   steady state frees each micro-batch's activations as soon as it can (the "alive"
-#   column above). Its bubble in theory is GPipe's (cited above), and the measured idle
-#   fractions of the two are close.
+#   column above). Its bubble in theory is GPipe's (cited above): what 1F1B saves is
+#   memory, not idle time.
 # - **What the formula leaves out**: the time of each message, the work between chunks
 #   (the last stage computes its loss outside them, drawn as dots), and stages of
 #   different speeds, which make the faster stage wait more and the slower less. That is
-#   why each measured idle fraction is near the formula, not on it, above or below.
+#   why the measured idle fractions are not the formula's, and differ from it above or
+#   below.
 #
 # Schedules with several stages per rank (`ScheduleInterleaved1F1B`) and those that split
 # each backward into its input and weight gradients (the zero-bubble ones) shrink the

@@ -51,6 +51,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp_guide
 from fsdp_guide import launch, summon_full_params
+from fsdp_guide.compare import largest_difference
 
 
 def make_model():
@@ -578,8 +579,8 @@ alone = launch(train_with_row_max_norm, "one process", world_size=1, output="non
 for how in ("on the DTensor", "to_local()", "register_sharding"):
     try:
         weights = launch(train_with_row_max_norm, how, world_size=2, output="none")[0]
-        error = max((w - a).abs().max().item() for w, a in zip(weights, alone))
-        largest = max(w.norm(dim=1).max().item() for w in weights)
+        error = largest_difference(zip(weights, alone))
+        largest = torch.stack([w.norm(dim=1).max() for w in weights]).max().item()  # a NaN shows
         print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
     except fsdp_guide.LaunchError as failure:  # every rank raised it: the one that exited first is chance
         print(f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}")

@@ -127,6 +127,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 
 def my_slice(x):
@@ -199,7 +200,7 @@ print(f"rows of each {GLOBAL_BATCH}-sample batch: "
 
 # %%
 def max_abs_difference(a, b):
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+    return largest_difference(zip(a, b, strict=True))  # a NaN anywhere shows as NaN (Python's max would skip it)
 
 
 diff2 = max_abs_difference(rank0["losses"], baseline)

@@ -59,6 +59,7 @@ import torch.nn as nn
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 
 VOCAB, DIM, DEPTH = 32, 16, 3
 
@@ -183,7 +184,7 @@ print("after the context:", fsdp2[0]["dtensor_after"],
 
 # %%
 def max_difference(weights):
-    return max((weights[n] - reference[n]).abs().max().item() for n in reference)
+    return largest_difference((weights[n], reference[n]) for n in reference)
 
 
 for rank, result in enumerate(fsdp2):
@@ -311,7 +312,7 @@ def single_process():
 
 same_objects, sharded_losses = launch(init_then_train, world_size=2, output="none")[0]
 single_losses = launch(single_process, world_size=2, output="none")[0]  # rank 0's, alone
-gap = max(abs(a - b) for a, b in zip(sharded_losses, single_losses, strict=True))
+gap = largest_difference(zip(sharded_losses, single_losses, strict=True))
 print("the optimizer built before the context holds the model's parameters after it:", same_objects)
 print(f"loss {single_losses[0]:.4f} -> {single_losses[-1]:.4f} in {STEPS} steps; "
       f"max |sharded - single| = {gap:.1e}")

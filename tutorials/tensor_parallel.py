@@ -63,6 +63,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -126,8 +127,6 @@ for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output=
 # parallelism, the norms and the residual stream between sub-layers are split along the
 # sequence instead of repeated on both ranks of a TP group.
 #
-# (fsdp2-fully-shard-mesh)=
-
 # %%
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -195,6 +194,8 @@ def my_rows(mesh, step=0):
 # `DTensor` sharded over `tp`; `fully_shard` over `dp` then shards what each rank holds
 # again, along dim 0. {func}`fsdp_guide.describe_sharding` shows the result on each rank,
 # for block 0 and the root's parameters:
+#
+# (fsdp2-fully-shard-mesh)=
 
 # %%
 from fsdp_guide import describe_sharding
@@ -202,7 +203,7 @@ from fsdp_guide.describe import ShardingTable
 
 
 def what_each_rank_holds():
-    table = describe_sharding(parallelize(build_model(), make_mesh()))
+    table = describe_sharding(parallelize(build_model(), mesh=make_mesh()))  # fully_shard(..., mesh=mesh["dp"])
     return ShardingTable(row for row in table if not row.name.startswith("blocks.1"))
 
 
@@ -341,9 +342,11 @@ glue("tp_saved_nosp", setups[NO_SP][3], display=False)
 #   sub-layers, forward and backward: {glue:text}`tp_nosp_reduces` all-reduces). The table counts full-size buffers,
 #   not bytes on the wire: with a ring algorithm a rank sends (n-1)/n of the buffer for an
 #   all-gather or a reduce-scatter and twice that for an all-reduce (the factors NCCL's
-#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so the {glue:text}`tp_nosp_reduces` all-reduces of
+#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so with a ring the {glue:text}`tp_nosp_reduces` all-reduces of
 #   {glue:text}`tp_nosp_reduced:.2f` *P* carry what {glue:text}`tp_nosp_reduces` reduce-scatters and
-#   {glue:text}`tp_nosp_reduces` all-gathers of {glue:text}`tp_nosp_reduced:.2f` *P* carry. Sequence
+#   {glue:text}`tp_nosp_reduces` all-gathers of {glue:text}`tp_nosp_reduced:.2f` *P* carry. That is the
+#   ring's arithmetic, an expectation for NCCL on GPUs, not this run's: gloo's reduce-scatter
+#   moves as much as an all-reduce (measured on the {ref}`communication page <tutorial-communication>`). Sequence
 #   parallelism adds two all-gathers here: out of the last block in the forward, and of
 #   the gradient at the first block's input in the backward (the embeddings and final
 #   norm are outside the plan). What it saves is activation memory, the norms' inputs and
@@ -472,15 +475,15 @@ def train_one_process(steps=3):
     return losses, full_parameters(model)
 
 
-def largest_difference(params, reference):
-    return max((params[name] - p).abs().max().item() for name, p in reference.items())
+def apart(params, reference):
+    return largest_difference((params[name], p) for name, p in reference.items())
 
 
 one_losses, one_params = train_one_process()
 losses_2d, params_2d = launch(train_2d, world_size=4, output="none")[0]
 print("one process  losses", [f"{x:.6f}" for x in one_losses])
 print("FSDP x TP    losses", [f"{x:.6f}" for x in losses_2d])
-print(f"parameters after 3 steps: largest difference {largest_difference(params_2d, one_params):.1e}")
+print(f"parameters after 3 steps: largest difference {apart(params_2d, one_params):.1e}")
 
 # %% [markdown]
 # The same losses and parameters up to float32 rounding: the matmuls are split into
@@ -512,7 +515,7 @@ def batch_checks():
 
 wrong_losses, wrong_params = launch(train_2d, 3, my_quarter, world_size=4, output="none")[0]
 print("different batches in a TP group: losses", [f"{x:.6f}" for x in wrong_losses], "(no error raised)")
-print(f"parameters after 3 steps: largest difference {largest_difference(wrong_params, one_params):.1e}")
+print(f"parameters after 3 steps: largest difference {apart(wrong_params, one_params):.1e}")
 print("same batch across each TP group:", launch(batch_checks, world_size=4, output="none")[0])
 
 # %% [markdown]
@@ -685,7 +688,7 @@ def one_process_small(batches):
 for name, roles in ROLES.items():
     reference = one_process_small(2 if name.endswith("TP over y") else 4)  # here, in the notebook: one process
     placements, weights = launch(train_on_named_dims, roles, world_size=4, output="none")[0]
-    error = max((weights[p] - reference[p]).abs().max().item() for p in reference)
+    error = largest_difference((weights[p], reference[p]) for p in reference)
     print(f"{name}: {roles}\n  0.weight  {placements['0.weight']}\n  2.weight  {placements['2.weight']}\n"
           f"  max |weights - one process| after 2 steps = {error:.1e}")
 
@@ -856,7 +859,7 @@ print(f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, byt
 results = launch(every_output_plan, world_size=4, output="none")[0]
 for name, (untied, tied, held, full, rows, loss, grads) in results.items():
     cells = {kind: f"{n} {nbytes}" for _, kind, n, nbytes in rows}
-    difference = max((grads[n] - p.grad).abs().max().item() for n, p in one.named_parameters())
+    difference = largest_difference((grads[n], p.grad) for n, p in one.named_parameters())
     print(f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
           f" {loss:10.7f} {difference:21.1e}" + (f"  (untied by the plans, tied again: {tied})" if untied else ""))
 
@@ -1022,7 +1025,7 @@ for call, error in errors.items():
     print(f"{call} on every parameter: {error}")
 print(f"one process total norm {one_norm:.7f}; across meshes {total:.7f}")
 print(f"clipped gradients vs one process's: largest difference "
-      f"{max((clipped[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()):.1e}")
+      f"{largest_difference((clipped[n], p.grad) for n, p in reference.named_parameters()):.1e}")
 
 # %% [markdown]
 # torch's `clip_grad_norm_` stacks the per-parameter norms into one tensor, and DTensor
@@ -1076,7 +1079,7 @@ torch.optim.AdamW(reference.parameters(), lr=1e-2).step()  # one process: clippe
 print("TP alone, parameter types:", kinds)
 for call, error in errors.items():
     print(f"{call:25} {error}")
-difference = largest_difference(params, full_parameters(reference))
+difference = apart(params, full_parameters(reference))
 print(f"under implicit_replication(): total norm {total:.7f} (one process {one_norm:.7f}); after clipping and the "
       f"step, parameters vs one process's: largest difference {difference:.1e}")
 

@@ -215,7 +215,15 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 # - **Gathered state dict** (`get_model_state_dict` with `full_state_dict=True,
 #   cpu_offload=True`, the export route of {ref}`tutorial-finetune-hf`): rank 0 holds the
 #   whole model in fp32 before the first message, more than the model's size above.
-#   `cpu_offload=True` keeps it in host memory, one parameter at a time on the device.
+#   With `cpu_offload=True`, `get_model_state_dict` gathers for rank 0 alone
+#   (`ranks_only=(0,)` in `_maybe_full_or_cpu_state_dict`, `torch/distributed/checkpoint/state_dict.py`),
+#   and `_iterate_state_dict` (`torch/distributed/_state_dict_utils.py`) moves each
+#   gathered parameter to the CPU before it gathers the next: the whole model is in host
+#   memory, one parameter at a time on the device. (On this CPU run the two are the same
+#   memory.) The other ranks gather every parameter too, and drop each one: in torch's code
+#   an empty state dict is all they keep, and a peak of one gathered parameter is what that
+#   code suggests. Rank 1's peak on this path is in the table; where it exceeds one
+#   parameter, what else it held is not established here.
 #   Gathered on the GPU instead, it would sit beside the weights of an engine sharing that
 #   GPU (a colocated RL trainer): the model twice on one device.
 # - **Per parameter**: each `full_tensor()` all-gathers one parameter among the trainer's
@@ -250,8 +258,9 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 # (weight-sync-tips)=
 # ## The tips behind this
 #
-# - {ref}`tip-weight-sync`: gather one parameter at a time, send in buckets, never the
-#   whole state dict beside a colocated engine.
+# - {ref}`tip-weight-sync`: gather and send one parameter at a time, never the whole
+#   state dict beside a colocated engine; buckets cost rank 0 their buffer, for fewer
+#   messages.
 # - {ref}`tip-export-every-rank-writes`: writing weights out to disk instead, from every rank.
 
 # %% tags=["remove-input"]

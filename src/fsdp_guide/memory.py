@@ -10,6 +10,7 @@ tensors a rank actually holds, so the two can be compared.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from dataclasses import dataclass
@@ -229,11 +230,13 @@ class _SavedBytes:
     def __init__(self):
         self.nbytes = 0
         self.held_at_exit = 0
+        self.kinds: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()  # (dtype, shape) -> count
         self._storages = _Storages()
         self._saved: list[torch.Tensor] = []  # only while the block runs
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         self.nbytes += self._storages.bytes([t])
+        self.kinds[str(t.dtype).removeprefix("torch."), tuple(t.shape)] += 1
         self._saved.append(t)
         return t
 
@@ -249,7 +252,8 @@ def saved_for_backward():
     """A context manager counting the bytes autograd saves for backward (activations, and weights).
 
     ``nbytes`` counts each tensor when it is saved; ``held_at_exit`` counts the same
-    tensors' memory still allocated when the block ends. Around a forward under FSDP
+    tensors' memory still allocated when the block ends; ``kinds`` counts the saved
+    tensors by dtype and shape. Around a forward under FSDP
     the two differ by the gathered weights: autograd saves them, then FSDP frees their
     memory after the forward (and gathers them again in backward), so ``held_at_exit``
     is what the forward leaves for backward. Distinct storages count once, at their
@@ -265,6 +269,8 @@ def saved_for_backward():
     ...     loss = layer(torch.ones(32, 1000)).sum()
     >>> saved.nbytes, saved.held_at_exit  # the input (32 x 1000 float32), kept to compute the weight's gradient
     (128000, 128000)
+    >>> dict(saved.kinds)
+    {('float32', (32, 1000)): 1}
     """
     counter = _SavedBytes()
     try:
