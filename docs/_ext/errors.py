@@ -74,7 +74,7 @@ INDEX_PAGE = "docs/errors"
 FIXES = {
     "_foreach_norm.Scalar got mixed torch.Tensor and DTensor": "Gradient clipping over DTensors and plain tensors "
         "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
-        ":ref:`fsdp2-ignored-params-clipping`, :ref:`tp-clipping`.",
+        ":ref:`clipping beside ignored parameters <fsdp2-ignored-params-clipping>`, :ref:`tp-clipping`.",
     "got mixed torch.Tensor and DTensor": "A method other than ``forward`` meets sharded parameters: "
         ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
         "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
