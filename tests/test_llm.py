@@ -8,7 +8,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest

@@ -94,7 +94,7 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from fsdp_guide.devices import device as rank_device
 
