@@ -183,9 +183,7 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert f"rank 1 raised before its collective number {parted}: _ALLGATHER_BASE of [136]" in text
     # the prose quotes the numbers (glued); what it claims of them: the analyser's mismatch (from 1) is
     # DETAIL's (from 0), asserted just below, one past where the recorder's table shows the ranks parting
-    glued = {out["metadata"]["scrapbook"]["name"]: out["data"]["application/papermill.record/text/plain"]
-             for cell in executed["debugging_hangs"].cells for out in cell.get("outputs", [])
-             if "scrapbook" in out.get("metadata", {})}  # each glued value, as its text
+    glued = _glued(executed["debugging_hangs"])  # each glued value, as its text
     assert glued.keys() >= {"hang1_mismatch", "hang2_detail_mismatch", "hang2_detail_passed", "hang2_mismatch",
                             "hang2_matched", "hang2_parted"}
     assert glued["hang1_mismatch"] == rank0[0] and glued["hang2_parted"] == glued["hang2_detail_mismatch"] == str(parted)
