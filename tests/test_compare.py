@@ -28,6 +28,9 @@ def test_numbers_infinities_and_the_relative_form():
     assert largest_difference([(torch.tensor([float("inf")]), torch.tensor([1.0]))]) == math.inf
     assert math.isnan(largest_difference([(torch.tensor([float("inf")]), torch.tensor([float("inf")]))]))
     assert largest_difference([(torch.ones(2, dtype=torch.bfloat16), torch.ones(2))]) == 0.0
+    # against a reference of zeros: a match is 0, a difference infinite (never NaN, which would read as broken)
+    assert largest_difference([(torch.zeros(3), torch.zeros(3))], relative=True) == 0.0
+    assert largest_difference([(torch.ones(3), torch.zeros(3))], relative=True) == math.inf
 
 
 def test_pairs_of_other_shapes_and_no_pairs_are_refused():

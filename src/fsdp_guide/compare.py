@@ -18,7 +18,8 @@ def largest_difference(pairs: Iterable[tuple], relative: bool = False) -> float:
     """The largest ``|a - b|`` over pairs of tensors (or numbers), as a float: NaN if any pair's is.
 
     With ``relative``, each pair's largest difference is divided by the largest ``|b|``
-    (``b`` is the reference). Pairs must have the same shape: broadcasting one against the
+    (``b`` is the reference; against a reference of zeros, a difference is infinite and a
+    match is 0). Pairs must have the same shape: broadcasting one against the
     other would compare something else. Tensors on another device are compared on
     ``a``'s; a DTensor is compared whole (``full_tensor``); Python numbers in float64.
     Equal infinities differ by NaN (``inf - inf``): a result that is not finite is not
@@ -44,8 +45,8 @@ def largest_difference(pairs: Iterable[tuple], relative: bool = False) -> float:
                              "compare tensors of one shape (each parameter with its own reference)")
         b = b.to(device=a.device, dtype=torch.promote_types(a.dtype, b.dtype))
         gap = (a.to(b.dtype) - b).abs().max() if a.numel() else torch.zeros((), dtype=b.dtype, device=a.device)
-        if relative:
-            gap = gap / b.abs().max()
+        if relative:  # an exact match is 0 even against a reference of zeros (0 / 0 would be NaN)
+            gap = torch.where(gap == 0, gap, gap / b.abs().max())
         per_pair.append(gap.double().cpu())
     if not per_pair:
         raise ValueError("no pairs to compare: an empty comparison would say nothing differs")

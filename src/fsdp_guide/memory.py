@@ -252,13 +252,13 @@ def saved_for_backward():
     """A context manager counting the bytes autograd saves for backward (activations, and weights).
 
     ``nbytes`` counts each tensor when it is saved; ``held_at_exit`` counts the same
-    tensors' memory still allocated when the block ends; ``kinds`` counts the saved
-    tensors by dtype and shape. Around a forward under FSDP
+    tensors' memory still allocated when the block ends. Around a forward under FSDP
     the two differ by the gathered weights: autograd saves them, then FSDP frees their
     memory after the forward (and gathers them again in backward), so ``held_at_exit``
     is what the forward leaves for backward. Distinct storages count once, at their
     real size: torchao's float8 tensors count one byte per element, though they report
-    their original dtype.
+    their original dtype. ``kinds`` counts the saved tensors by dtype and shape, each
+    time one is saved.
 
     Example:
 
