@@ -31,6 +31,7 @@ def test_numbers_infinities_and_the_relative_form():
     # against a reference of zeros: a match is 0, a difference infinite (never NaN, which would read as broken)
     assert largest_difference([(torch.zeros(3), torch.zeros(3))], relative=True) == 0.0
     assert largest_difference([(torch.ones(3), torch.zeros(3))], relative=True) == math.inf
+    assert largest_difference([(torch.ones(0), torch.ones(0))], relative=True) == 0.0  # an empty parameter
 
 
 def test_pairs_of_other_shapes_and_no_pairs_are_refused():

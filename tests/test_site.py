@@ -125,6 +125,11 @@ def test_errors_are_found_in_output_lines_as_class_and_message():
     assert messages("['ValueError: size: torch.Size([96])', 'x']") == [("ValueError", "size: torch.Size([96])")]
     assert messages("RuntimeError: got DeviceMesh((dp=2), 'cpu', stride=(2,))") == [
         ("RuntimeError", "got DeviceMesh((dp=2), 'cpu', stride=(2,))")]
+    # in a repr after other text, with an escaped quote, or two in one repr; an apostrophe before is no quote
+    assert messages("['rank 1: ValueError: bad thing']") == [("ValueError", "bad thing")]
+    assert messages("['ValueError: it\\'s bad']") == [("ValueError", "it's bad")]
+    assert messages("{'UserWarning: a', 'FutureWarning: b'}") == [("UserWarning", "a"), ("FutureWarning", "b")]
+    assert messages("rank 1's error: RuntimeError: got 'x'") == [("RuntimeError", "got 'x'")]
 
 
 def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_message(site):

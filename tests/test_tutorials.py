@@ -517,7 +517,7 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         assert own > 1e-3 and mean < 1e-7  # this rank's own gradient; the average is eager's
     # the compiled optimizer step: one graph on DTensors, run every step, no collectives, close to eager
     assert "compiled optimizer.step: 1 graph(s), with [14] DTensor inputs, for 14 parameters" in text
-    assert "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text  # the CPU's branch
+    assert "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text  # the real group's flag: set on GPUs only
     # no collective of any kind, counted by a count that sees an all-reduce when one runs
     assert "collectives in the compiled steps: none (around one all-reduce: {'c10d::allreduce_': 1})" in text
     difference = float(text.split("parameters after 3 steps vs eager AdamW: max |difference| ")[1].split()[0])
@@ -964,8 +964,10 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
         assert "types ['DTensor', 'Parameter']" in line  # the ignored scale is not sharded
     # clipping over DTensors and the plain scale at once is refused; in two groups it is one process's norm
     assert "clip_grad_norm_ over every parameter: RuntimeError: aten._foreach_norm.Scalar got mixed torch.Tensor and DTensor" in text
-    total, one = map(float, re.search(r"total norm (\S+); one process's (\S+)\n", text).groups())
-    assert total == pytest.approx(one, rel=1e-6)  # a NaN fails here too
+    total, one, apart = map(float, re.search(r"total norm (\S+); one process's (\S+); clipped gradients vs one "
+                                             r"process's: (\S+)\n", text).groups())
+    assert total == pytest.approx(one, rel=1e-6) and total > 0.1  # the clip (max_norm 0.1) scaled the gradients
+    assert apart < 1e-6  # and they are one process's clipped gradients; a NaN fails here too
     apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in ignored.items()}
     error = {k: float(v.rsplit("=", 1)[1]) for k, v in ignored.items()}
     assert apart["False"] > 1e-4 and error["False"] > 1e-4  # FSDP did not reduce it

@@ -649,8 +649,8 @@ glue("forwards_kept_second", kept[1], display=False)
 # forced sum reduction: `_get_gradient_divide_factors` in torch's `_fsdp_collectives.py`),
 # `foreach_reduce` divides by a pre-factor before the reduce-scatter and by the rest after
 # the hook (for float16, about √N each way, against overflow and underflow, torch's
-# comment says; forced sum reduction in float32 divides after the hook only), so a
-# float16 hook sees a partly divided sum. The hook must change `output` in place: the
+# comment says: for N = 2 all of it before; forced sum reduction in float32 divides after
+# the hook only), so a float16 hook on more than 2 ranks sees a partly divided sum. The hook must change `output` in place: the
 # gradient shards are views of it. It is set on each unit (it does not recurse), and it is
 # for a reduction over a group FSDP does not manage. Below, 4
 # ranks as 2 groups of 2: FSDP shards over each group of 2 (`mesh["shard"]`), and the hook

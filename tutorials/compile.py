@@ -470,8 +470,8 @@ for remedy, counts in launch(every_remedy, output="none")[0].items():
 # inside the block, after FSDP's pre-forward hook, which it does not trace; why the mark
 # does not take, and why `dynamic=True` makes its extra graphs, this page does not
 # establish: `TORCH_LOGS=recompiles`, below, is the tool to ask.) What the counts do
-# show: without either, one recompilation at the first new length, then reuse. To have
-# none, pad batches to one length, or a few (each compiles once, within `recompile_limit`).
+# show: without either, one recompilation at the first new length, then reuse of its
+# dynamic graph for every other length. To have none, pad batches to one length.
 #
 # (compile-logs)=
 # ## What dynamo reports: `TORCH_LOGS` and `explain`
@@ -761,13 +761,14 @@ for name in ROOT_PARAMS:
 # FSDP2 its parameters, gradients and AdamW's moments are DTensors. `foreach=True` is
 # AdamW's default for DTensors on GPUs (`_default_to_fused_or_foreach` in
 # `torch/optim/optimizer.py`; on the CPU the default is a loop over parameters), and is
-# set here. It is not the whole of what a GPU run compiles: when every parameter is on a
-# GPU and the optimizer has no state yet, dynamo sets the group's `capturable=True`
-# (`OptimizerVariable._set_capturable`, `torch/_dynamo/variables/optimizer.py`), and
-# AdamW's capturable branch keeps the step count on the device; on the CPU it stays
-# `False`. Three steps on the one-block GPT above, eager and compiled, each step profiled
-# for every collective c10d runs, of any kind (`collectives_in`; beside it, the same count
-# around one all-reduce, to show it sees one):
+# set here. Dynamo traces every param group with `capturable=True`, on any device
+# (`OptimizerVariable._set_capturable`, `torch/_dynamo/variables/optimizer.py`, and "Note
+# [torch.compile x capturable]" in `optimizer.py`), so the CPU traces AdamW's capturable
+# branch as a GPU run does; only on a GPU does it also set the real group's flag (the
+# value printed below is that one). Three steps on the one-block GPT above, eager and
+# compiled, each step profiled for every collective c10d runs, of any kind
+# (`collectives_in`; beside it, the same count around one all-reduce, to show it sees
+# one):
 
 # %%
 COLLECTIVE_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")  # eager c10d, and the functional form graphs use
@@ -833,8 +834,9 @@ print(f"  the same with backend='eager' (dynamo's graph run by torch's own kerne
 # - **The numbers are not eager's bit for bit**, and the last line separates where the
 #   difference comes from: it is there with `backend='eager'` too, where dynamo's graph runs
 #   on torch's own kernels without AOTAutograd. So it comes from the graph dynamo traces,
-#   which takes AdamW's paths for compiling (its `torch.compiler.is_compiling()` branches:
-#   `_get_value` in `optimizer.py`, for one, keeps the step count a tensor), not from
+#   which takes AdamW's paths for compiling (the capturable branch above, and its
+#   `torch.compiler.is_compiling()` branches: `_get_value` in `optimizer.py`, for one,
+#   keeps the step count a tensor), not from
 #   AOTAutograd or a backend's kernels. Check a compiled step against an eager one to a
 #   tolerance, not bit for bit.
 #

@@ -363,10 +363,9 @@ print(f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the
 # %% [markdown]
 # With a router that has learned nothing yet, the busiest expert gets several times the
 # tokens of the idlest, over only 128 tokens (much of that spread is chance); the ranks, 4
-# experts each, differ less. Nothing here is timed; what to expect where compute is the
-# cost (a GPU run, not measured here) is that the busiest rank sets the step's time, since
-# an all-to-all ends on a rank only once every rank has sent to it, so the others wait for
-# it at the next one. Ranks 0 and 1 send expert 3 no token, so its
+# experts each, differ less. Nothing here is timed. On a GPU run (not measured here), one
+# would expect the busiest rank to set the step's time: an all-to-all ends on a rank only
+# once every rank has sent to it, so the others wait for it at the next one. Ranks 0 and 1 send expert 3 no token, so its
 # copy on rank 0 computes on an empty run, and its gradient there is zeros; FSDP's
 # reduce-scatter over `edp` adds rank 2's copy's, and the step above matched one process
 # with it. Nothing had to be special-cased.

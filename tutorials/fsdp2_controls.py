@@ -140,7 +140,8 @@ for how, order in ORDERS.items():
     print(f"{how:24} {order}")
 
 # %% [markdown]
-# `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued, both on the host.
+# `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued (both as the host
+# records them).
 # By default every `AG`*i* follows its own `F`*i*. With forward prefetching each unit
 # issues the next one's gather before the next forward begins (`AG1` before `F1`). With
 # `unshard(async_op=True)`, `AG0` is issued before the forward begins at all, and unit
@@ -678,10 +679,11 @@ def clip_with_an_ignored_scale(sharded=True):
                * model.scale).square().mean() for r in ranks]
     (sum(losses) / len(losses)).backward()
     if not sharded:
-        return "one process", torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        return "one process", total.item(), {name: p.grad.cpu() for name, p in model.named_parameters()}
     dist.all_reduce(model.scale.grad, op=dist.ReduceOp.AVG)
     try:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         whole = "runs"
     except RuntimeError as error:
         whole = f"{type(error).__name__}: {str(error).splitlines()[0]}"
@@ -691,19 +693,24 @@ def clip_with_an_ignored_scale(sharded=True):
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, dt.DTensor) else n for n in norms]))
     for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, 1.0, total)
-    return whole, total.item()
+        torch.nn.utils.clip_grads_with_norm_(group, MAX_NORM, total)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, dt.DTensor) else p.grad).cpu()
+             for name, p in model.named_parameters()}
+    return whole, total.item(), grads
 
 
-_, one_norm = launch(clip_with_an_ignored_scale, False, world_size=1, output="none")[0]
-whole, total = launch(clip_with_an_ignored_scale, world_size=2, output="none")[0]
+MAX_NORM = 0.1  # below the gradients' norm: the clip scales them
+_, one_norm, one_grads = launch(clip_with_an_ignored_scale, False, world_size=1, output="none")[0]
+whole, total, grads = launch(clip_with_an_ignored_scale, world_size=2, output="none")[0]
 print(f"clip_grad_norm_ over every parameter: {whole}")
-print(f"clipped in two groups (DTensors, plain): total norm {total:.7f}; one process's {one_norm:.7f}")
+print(f"clipped in two groups (DTensors, plain): total norm {total:.7f}; one process's {one_norm:.7f}; "
+      f"clipped gradients vs one process's: {largest_difference((grads[n], g) for n, g in one_grads.items()):.1e}")
 
 # %% [markdown]
 # `clip_grad_norm_` takes one norm over every gradient with one foreach operation, and
 # DTensor refuses plain tensors among its operands. Grouping the parameters, a norm per
-# group, combined, and each group scaled by it, gives one process's norm. (The package's
+# group, combined, and each group scaled by it, gives one process's norm and one process's
+# clipped gradients. (The package's
 # `fsdp_guide.recipes.replicas.apply` clips over `model.parameters()` in one call: fine for
 # its models, which FSDP shards whole, and it would fail the same way on one with ignored
 # parameters.)

@@ -45,10 +45,17 @@ def messages(text: str) -> list[tuple[str, str]]:
     [('AssertionError', 'got {torch.bfloat16, torch.float32}')]
     >>> messages("torch._dynamo.exc.Unsupported: Attempted to call function marked as skipped")
     [('torch._dynamo.exc.Unsupported', 'Attempted to call function marked as skipped')]
+    >>> messages("{'UserWarning: a', 'FutureWarning: b (on ranks 0, 1)'}")  # two in one repr, each whole
+    [('UserWarning', 'a'), ('FutureWarning', 'b')]
     """
     found = []
-    for match in MESSAGE.finditer(text):
-        message = _outside_its_quotes(match.group(2).strip(), text[:match.start(1)])
+    at = 0
+    while match := MESSAGE.search(text, at):
+        at = match.end()
+        line_start = text.rfind("\n", 0, match.start(1)) + 1
+        message, cut = _outside_its_quotes(match.group(2).strip(), text[line_start:match.start(1)])
+        if cut is not None:  # the rest of the repr may hold more messages: look there too
+            at = match.start(2) + cut + 1
         message = re.sub(r"\s*\(on ranks? [\d, ]+\)?$", "", message)  # the launcher's summary of warnings
         pair = (match.group(1), message)
         if pair not in found:
@@ -56,15 +63,29 @@ def messages(text: str) -> list[tuple[str, str]]:
     return found
 
 
-def _outside_its_quotes(message: str, before: str) -> str:
-    """The message without the rest of the repr it was printed in. Printed in a quoted string (a
-    list's, a set's or a dict's repr), it ends at the first such quote: a repr quotes a string
-    with a quote the string does not contain (it switches to the other). A message not in
-    quotes is kept whole: its own brackets and quotes are part of it."""
-    quote = before[-1:]
-    if quote in ("'", '"') and quote in message:
-        return message[:message.index(quote)]
-    return message
+def _unescaped(text: str, quote: str) -> list[int]:
+    """Where ``quote`` occurs in ``text`` not escaped by a backslash (as a repr escapes it)."""
+    return [i for i, c in enumerate(text) if c == quote and not (i and text[i - 1] == "\\")]
+
+
+def _outside_its_quotes(message: str, before: str) -> tuple[str, int | None]:
+    """The message without the rest of the repr it was printed in, and where it was cut (None if not).
+
+    ``before`` is its line up to the exception's class. A message printed in a quoted string
+    (a list's, a set's or a dict's repr) is inside an open quote there (an odd number of
+    them), and ends at the first unescaped such quote: a repr quotes a string with a quote
+    it does not contain, or escapes it. A message not in quotes is kept whole: its own
+    brackets and quotes are part of it."""
+    open_quotes = [(_unescaped(before, q)[-1], q) for q in ("'", '"') if len(_unescaped(before, q)) % 2]
+    # a repr's opening quote follows a bracket, a comma, a colon or a space ("rank 1's" is no quote)
+    open_quotes = [(i, q) for i, q in open_quotes if i == 0 or before[i - 1] in "[{(,: "]
+    if not open_quotes:
+        return message, None
+    quote = max(open_quotes)[1]  # the innermost: the one opened last
+    ends = _unescaped(message, quote)
+    if not ends:
+        return message, None
+    return message[:ends[0]].replace("\\" + quote, quote), ends[0]
 
 
 INDEX_PAGE = "docs/errors"

@@ -45,7 +45,7 @@ def largest_difference(pairs: Iterable[tuple], relative: bool = False) -> float:
                              "compare tensors of one shape (each parameter with its own reference)")
         b = b.to(device=a.device, dtype=torch.promote_types(a.dtype, b.dtype))
         gap = (a.to(b.dtype) - b).abs().max() if a.numel() else torch.zeros((), dtype=b.dtype, device=a.device)
-        if relative:  # an exact match is 0 even against a reference of zeros (0 / 0 would be NaN)
+        if relative and b.numel():  # an exact match is 0 even against a reference of zeros (0 / 0 would be NaN)
             gap = torch.where(gap == 0, gap, gap / b.abs().max())
         per_pair.append(gap.double().cpu())
     if not per_pair:
