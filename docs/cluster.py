@@ -27,6 +27,9 @@
 # - a SLURM script, with restarts when a rank dies;
 # - hybrid sharding (HSDP) on a 2 x 2 mesh: shard within a node, replicate across nodes,
 #   executed.
+# - the messages a launch fails with (a script started without `torchrun`, a port in use, a
+#   rank that never arrives, a backend missing for a device, a mesh of the wrong size), each
+#   reproduced, and `torchrun`'s `ChildFailedError` read for the rank that caused it.
 #
 # **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
@@ -219,17 +222,204 @@ print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 # That this is data-parallel training, up to float rounding:
 
 # %%
+from fsdp_guide.compare import largest_difference
+
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 sum(F.mse_loss(model(x), y) for x, y in map(batch, range(4))).div(4).backward()  # the 4 ranks' batches at once
 optimizer.step()
-difference = max((a - b).abs().max().item() for a, b in zip(ranks[0]["weights"], model.parameters()))
+difference = largest_difference(zip(ranks[0]["weights"], model.parameters()))  # a NaN shows as NaN
 print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight difference| = {difference:.1e}")
 
 # %% [markdown]
 # With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
 # builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the
 # number of GPUs per node.
+#
+# (cluster-launch-errors)=
+# ## When the launch itself fails: the messages, reproduced
+#
+# The commonest messages in reports of FSDP runs come before FSDP does anything: the
+# processes cannot find each other, or the process group has no backend for a tensor.
+# Each cell makes one such mistake on purpose, on this machine, and prints what Python
+# prints (`traceback.format_exception_only`); the {ref}`errors-index` links here.
+#
+# A torchrun script started with `python`, and a collective before `init_process_group`:
+
+# %%
+import os
+import subprocess
+import sys
+import traceback
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+without_torchrun = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+
+
+def last_words(code: str) -> str:
+    """What a fresh Python started without torchrun's variables says last, running ``code``."""
+    run = subprocess.run([sys.executable, "-c", code], env=without_torchrun, capture_output=True, text=True)
+    return run.stderr.strip().splitlines()[-1]
+
+
+print("python train.py ->", last_words("import torch.distributed as dist; dist.init_process_group()"))
+print("a collective first ->", last_words("import torch, torch.distributed as dist; dist.all_reduce(torch.ones(1))"))
+
+# %% [markdown]
+# `init_process_group()` reads the rank, the world size and the address of rank 0's store
+# from the variables `torchrun` sets; started with `python`, none is set. Start the script
+# with `torchrun --nproc-per-node=N train.py` (or, in a notebook, {func}`fsdp_guide.launch`),
+# and call `init_process_group` before any collective (`fully_shard` and
+# `init_device_mesh` call it for you when the variables are there).
+#
+# Under `torchrun`, the last thing printed when a rank fails is `torchrun`'s own summary,
+# `ChildFailedError`, and it is not the error. Here rank 1 of a two-rank script is killed
+# with `SIGKILL`, as the kernel's out-of-memory killer or a scheduler kills a process:
+
+# %%
+import tempfile
+
+from fsdp_guide.isolation import loopback_only  # torchrun's stores listen on every interface: keep them in here
+
+KILLED = """
+import os, signal
+import torch, torch.distributed as dist
+
+dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+dist.destroy_process_group()
+"""
+with tempfile.TemporaryDirectory() as folder:
+    with open(os.path.join(folder, "train_killed_on_rank_1.py"), "w") as script:
+        script.write(KILLED)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "train_killed_on_rank_1.py"]
+    run = subprocess.run(loopback_only(torchrun), env=without_torchrun, capture_output=True, text=True,
+                         cwd=folder, timeout=120)
+lines = run.stderr.splitlines()
+print(*(line for line in lines if line.startswith("[rank") and "Error: " in line), sep="\n")  # the ranks' last words
+summary = next(i for i, line in enumerate(lines) if line.startswith("torch.distributed.elastic"))
+print(*lines[summary:], sep="\n")
+print("torchrun's exit status:", run.returncode)
+
+# %% [markdown]
+# The box names the root cause, rank 1, and how it ended: exit code -9, `Signal 9
+# (SIGKILL)`, with no traceback, since a killed process writes none. Rank 0 printed the
+# only Python error, `Connection closed by peer`: a consequence, its peer gone in the middle
+# of the barrier. Read the box for the rank that failed first, then that rank's own lines
+# (prefixed `[rank1]:`) for its error; a rank that raised prints its traceback there. A
+# `SIGKILL` on a cluster is expected to come from outside the process (the kernel's
+# out-of-memory killer, seen in `dmesg`, or the scheduler's limits), not from torch.
+#
+# Two jobs on one `MASTER_PORT`, and a job whose other ranks never arrive (a node that did
+# not start, a wrong address or `--nnodes`, a firewall):
+
+# %%
+STORES = """
+import traceback
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+
+def failure(attempt):
+    try:
+        attempt()
+    except Exception as error:
+        return "".join(traceback.format_exception_only(error)).strip()
+    raise AssertionError("expected an error")
+
+
+first_job = TCPStore("127.0.0.1", 29500, is_master=True, wait_for_workers=False)
+print("a second job on port 29500 ->", failure(lambda: TCPStore("127.0.0.1", 29500, is_master=True)))
+print("rank 1 never comes ->", failure(lambda: TCPStore(
+    "127.0.0.1", 29501, world_size=2, is_master=True, timeout=timedelta(seconds=1))))
+print("no store at MASTER_ADDR:MASTER_PORT ->", failure(lambda: TCPStore(
+    "127.0.0.1", 29502, is_master=False, timeout=timedelta(seconds=1))))
+"""
+run = subprocess.run(loopback_only([sys.executable, "-c", STORES]), capture_output=True, text=True, timeout=60)
+print(run.stdout or run.stderr)
+
+# %% [markdown]
+# `init_process_group` meets the other ranks through a `TCPStore` at `MASTER_ADDR:MASTER_PORT`:
+# a server on rank 0 and clients on the others, or under `torchrun` clients of the store
+# its agent serves (`_create_c10d_store` in `torch/distributed/rendezvous.py`). A port
+# another job holds is refused at once: on one machine, `torchrun --standalone` picks a
+# free port; on a cluster, give each job its own. The other two wait for the timeout (1 s
+# here; `init_process_group(timeout=...)`, by default 30 minutes, 10 for NCCL:
+# `_get_default_timeout` in `torch/distributed/distributed_c10d.py`): the server for ranks
+# that never connect, a client for a store no one serves at that address.
+# Check that every node started, with the same `--nnodes` and endpoint, and that each can
+# reach `MASTER_ADDR` (the error names the address it tried).
+#
+# The backend: a script written for GPUs on a torch built without NCCL (the CPU wheel this
+# site runs with), and a process group without a backend for CPU tensors:
+
+# %%
+import warnings
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+
+def failure(attempt) -> str:
+    """The message ``attempt()`` raises, as Python prints it."""
+    try:
+        attempt()
+    except Exception as error:
+        return "".join(traceback.format_exception_only(error)).strip()
+    raise AssertionError("expected an error")
+
+
+def backend_errors():
+    said = []
+    if not dist.is_nccl_available():  # the CPU wheel; a CUDA build has NCCL
+        with warnings.catch_warnings():  # and a warning that NCCL has no default timeout here
+            warnings.simplefilter("ignore")
+            said.append(failure(lambda: dist.new_group(backend="nccl")))
+    # A group with a backend for CUDA tensors only, as init_process_group("nccl") makes,
+    # and a DTensor whose shards are on the CPU (CPU offload, or a state dict moved there).
+    cuda_only = dist.new_group(backend="cuda:gloo")
+    cpu_shards = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(cuda_only, "cpu"), [Shard(0)])
+    said.append(failure(cpu_shards.full_tensor))
+    # The launch's own group has a backend for every device its tensors are on.
+    default = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(dist.group.WORLD, "cpu"), [Shard(0)])
+    said.append(f"on the group of {dist.get_backend_config()!r}: full_tensor() = {default.full_tensor().tolist()}")
+    return said
+
+
+print(*launch(backend_errors, output="none")[0], sep="\n")
+
+# %% [markdown]
+# `init_process_group` gives a group a backend per device type, from its `backend`
+# string (`BackendConfig` in `torch/distributed/distributed_c10d.py`): `"nccl"` alone
+# serves CUDA tensors only, and so does `init_process_group()` with no backend on a GPU
+# machine (it picks the accelerator's backend alone), so any collective on a CPU tensor
+# fails as above. With FSDP2 that is a CPU DTensor's collective: a `full_tensor()` of
+# shards moved to the CPU, or `clip_grad_norm_` over gradients that `CPUOffloadPolicy`
+# keeps on the CPU, whose norm is all-reduced there (expected on GPUs from the same code
+# path; not run here). Give every device its backend, and NCCL only where there is CUDA:
+#
+# ```python
+# dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+# ```
+#
+# And a mesh whose shape does not multiply to the world size (here `(2, 4)` on the 4
+# ranks of the HSDP cell, a node count typed wrong):
+
+# %%
+def wrong_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return failure(lambda: init_device_mesh(fsdp_guide.device().type, (2, 4), mesh_dim_names=("replicate", "shard")))
+
+
+print(launch(wrong_mesh, world_size=4, output="none")[0])
+
+# %% [markdown]
+# The mesh's shape is (nodes, ranks per node) for HSDP, and its product must be the
+# world size `torchrun` started: `WORLD_SIZE`, `--nnodes` times `--nproc-per-node`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

@@ -130,6 +130,15 @@ def test_errors_are_found_in_output_lines_as_class_and_message():
     assert messages("['ValueError: it\\'s bad']") == [("ValueError", "it's bad")]
     assert messages("{'UserWarning: a', 'FutureWarning: b'}") == [("UserWarning", "a"), ("FutureWarning", "b")]
     assert messages("rank 1's error: RuntimeError: got 'x'") == [("RuntimeError", "got 'x'")]
+    # torchrun's summary: the message is the first line of its box
+    assert messages("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\nrun.py FAILED\n---") == [
+        ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "run.py FAILED")]
+    # a message ending with a colon is whole with its indented lines, as load_state_dict prints them
+    assert messages("RuntimeError: Error(s) in loading state_dict for FSDPLinear:\n\tsize mismatch for weight: a.\n"
+                    "\tsize mismatch for bias: b.\nloaded 0 of 2") == [
+        ("RuntimeError", "Error(s) in loading state_dict for FSDPLinear: size mismatch for weight: a. "
+                         "size mismatch for bias: b.")]
+    assert messages("ValueError: expected one of:\nnext line") == [("ValueError", "expected one of:")]
 
 
 def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_message(site):
@@ -156,12 +165,33 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
             cell = page.rfind("<div", 0, at + 1)
             assert CELL.search(page[cell:at + 200]), (href, "not a cell")
             end = _cell_end(page, at)
-            shown = " ".join(htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end])).split())
+            shown = htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end]))
+            shown = " ".join(re.sub(r"={5,}", " ", shown).split())  # a summary box's rule (torchrun's) is no word
             assert printed in shown, (href, printed)
         messages.append(printed)
     for reproduced in ("FSDP does not support deepcopy", "Cannot use ReduceOp.PREMUL_SUM with Gloo",
-                       "already managed by another FSDP group", "does not have a sharding strategy registered"):
+                       "already managed by another FSDP group", "does not have a sharding strategy registered",
+                       *REPORTED):
         assert any(reproduced in m for m in messages), reproduced
+
+
+# Messages users of FSDP report most in the trackers (pytorch, torchtitan, accelerate,
+# transformers, trl, peft, verl), each reproduced on the page it belongs to.
+REPORTED = (
+    "ChildFailedError: train_killed_on_rank_1.py FAILED",
+    "environment variable RANK expected, but not set", "Default process group has not been initialized",
+    "Connection closed by peer", "EADDRINUSE", "waiting for clients. 1/2 clients joined",
+    "The client socket has timed out", "Distributed package doesn't have NCCL built in",
+    "No backend type associated with device type cpu", "Mesh should not be bigger than default world size",
+    "FSDP parameters should be materialized from meta device", "Cannot copy out of meta tensor",
+    "Must flatten tensors with uniform dtype", "Must flatten tensors with uniform `requires_grad`",
+    "Cannot flatten integer dtype tensors", "should only be called on the root FSDP instance",
+    "FSDP needs a non-CPU accelerator device", "FSDP is switching to use `NO_SHARD`",
+    "'weight' must be 2-D", "are out of bounds for storage of size 0",
+    "element 0 of tensors does not require grad", "None of the inputs have requires_grad=True",
+    "aten.copy_.default got mixed torch.Tensor and DTensor", "size mismatch for 0.weight: copying a param with shape",
+    "Missing key in checkpoint state_dict", "Size mismatch between saved", "Unexpected key(s) in state_dict",
+)
 
 
 def test_quickstart_page_shows_executed_rank_output_and_the_check(site):

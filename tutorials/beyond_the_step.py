@@ -251,11 +251,14 @@ results = launch(evaluate_both_ways, output="none")
 for name, (loss, examples, _) in results[0].items():
     batches = [r[name][2] for r in results]
     print(f"{name:28} loss {loss:.6f} over {examples} examples, batches per rank {batches}")
+glue("bts_padded_examples", results[0]["DistributedSampler (pads)"][1], display=False)
+glue("bts_exact_examples", results[0]["every example once"][1], display=False)
 
 # %% [markdown]
-# `DistributedSampler` evaluated 10 examples, one of them twice, and its loss differs from
-# one process's; splitting without padding counts each of the 9 once and gives one
-# process's loss (to the float32 rounding of the sums), though rank 1 had one batch fewer.
+# `DistributedSampler` evaluated {glue:text}`bts_padded_examples` examples, one of them twice, and its loss differs from
+# one process's; splitting without padding counts each of the {glue:text}`bts_exact_examples` once and gives one
+# process's loss (to the float32 rounding of the sums), though one rank had a batch fewer
+# (the batches per rank, printed).
 # The empty batch ran through PyTorch's own attention (`scaled_dot_product_attention`) here;
 # with an attention kernel that rejects zero rows, run one real row instead, with its loss
 # and count multiplied by zero.
@@ -310,11 +313,13 @@ for keep in (False, True):
     name = "kept gathered (reshard_after_forward=False)" if keep else "resharded after each forward"
     print(f"{name:44} {count:11} {count / NEW_TOKENS:13.2f} {during:9.2f} {str(same):>22}")
 glue("bts_generation_kept_held", results[0][True][2], display=False)
+glue("bts_generation_gathers", results[0][False][1], display=False)
+glue("bts_new_tokens", NEW_TOKENS, display=False)
 
 # %% [markdown]
 # Resharding after each forward, the first forward gathers all 3 units and each later one
-# the 2 blocks again (the root stays gathered, as in evaluation): 13 all-gathers for 6
-# tokens, 2 for every forward after the first, though each input is one token longer than
+# the 2 blocks again (the root stays gathered, as in evaluation): {glue:text}`bts_generation_gathers` all-gathers for {glue:text}`bts_new_tokens`
+# tokens, 3 + 2 per forward after the first, though each input is one token longer than
 # the last (FSDP gathers per unit run, whatever the input). Kept gathered, the 3 units are
 # gathered once and the rank holds the whole model beside its shard ({glue:text}`bts_generation_kept_held:.1f` *P*) while it generates. What the
 # gathers cost in time is not measured here (CPU ranks on one machine). On GPUs each
@@ -328,12 +333,12 @@ glue("bts_generation_kept_held", results[0][True][2], display=False)
 # token while another continues hangs in the next all-gather. Hugging Face's `generate`
 # has `synced_gpus=True` for this (finished ranks keep running forwards until all are done,
 # at one small all-reduce per token: `GenerationMixin._has_unfinished_sequences` in
-# `transformers/generation/utils.py`); transformers 5.24 turns it on by itself only under
-# DeepSpeed ZeRO-3, for FSDP1, or for models its own FSDP integration sharded
-# (`GenerationMixin.generate`, and `is_fsdp_managed_module` in
-# `transformers/distributed/fsdp.py`), so pass it for a model you sharded with
-# `fully_shard`. Here every rank generates exactly
-# `NEW_TOKENS`.
+# `transformers/generation/utils.py`); transformers 5.24 turns it on by itself with more than
+# one rank under DeepSpeed ZeRO-3 or for a model FSDP manages: `is_fsdp_managed_module` in
+# `transformers/distributed/fsdp.py` looks for the `_is_fsdp_managed_module` flag, which
+# torch's `fully_shard` sets on every module it manages (`torch/distributed/fsdp/_fully_shard/_fully_shard.py`),
+# and for FSDP1's wrapper. Passing it yourself costs nothing and does not depend on that
+# flag. Here every rank generates exactly `NEW_TOKENS`.
 #
 # `generate` needed nothing from FSDP because it calls the model itself (`self(...)`), so
 # FSDP's pre-forward and post-forward hooks run. A method that uses a unit's parameters
@@ -498,9 +503,8 @@ print(f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.
 # %% [markdown]
 # The EMA updates ran no collective. The EMA model
 # holds half of the model per rank, parameters only, and after 8 steps equals the EMA one
-# process computes as closely as the trained models agree with each other (their float32
-# rounding, carried through 8 AdamW steps): an elementwise rule on shards is the same rule
-# on the whole. The export is a plain state dict, with the tied
+# process computes as closely as the trained models agree with each other (the two
+# differences printed above): an elementwise rule on shards is the same rule on the whole. The export is a plain state dict, with the tied
 # head under both names, which a plain `GPT` loads with no missing or unexpected key.
 #
 # Two cautions. While a unit is gathered, `parameters()` gives its whole plain tensors, not

@@ -297,6 +297,38 @@ def meta_then_summon():
     return gather(model)
 
 
+# %% [markdown]
+# (deterministic-init-meta-errors)=
+# Two steps of fix 4 are easy to miss, and each has its message: a forward before
+# `to_empty` (the shards are still on `meta`, with no data), and `.to(device)` in place of
+# `to_empty` (`.to` copies, and there is nothing to copy from):
+
+# %%
+import traceback
+
+
+def meta_mistakes():
+    said = []
+    for mistake in ("forward before to_empty", "to() instead of to_empty"):
+        with torch.device("meta"):
+            model = make_model()
+        try:
+            if mistake == "forward before to_empty":
+                shard(model)
+                model(torch.ones(1, model[0].in_features, device=fsdp_guide.device()))
+            else:
+                model.to(fsdp_guide.device())
+        except (RuntimeError, NotImplementedError) as error:
+            said.append(f"{mistake}: " + "".join(traceback.format_exception_only(error)).strip())
+    return said
+
+
+print(*launch(meta_mistakes, world_size=2, output="none")[0], sep="\n")
+
+# %% [markdown]
+# Both are fixed by fix 4's order: `to_empty(device=...)` allocates the shards (uninitialised
+# memory), then the initialisation fills them.
+
 # %%
 FIXES = {
     "1. init before sharding": init_before_sharding,
@@ -312,10 +344,11 @@ for name, fix in FIXES.items():
 
 # %% [markdown]
 # All four are exact: same seed, same order of random draws, on the same kind of device,
-# same numbers. The bug's version (initialising shards with per-shard random ops) cannot
-# be made exact on CPU: each rank would need the part of the random stream that falls on
-# its rows, which is what DTensor's coordinated RNG is written to provide on CUDA meshes,
-# and does not on a CPU mesh.
+# same numbers. The bug's version (initialising shards with per-shard random ops) is not
+# exact here: each rank draws from its own generator as if its rows were the whole tensor.
+# On CUDA meshes DTensor's RNG gives each shard its own part of one Philox stream
+# (`OffsetBasedRNGTracker` in `torch/distributed/tensor/_random.py`), so the shards differ;
+# whether they then equal one process's draw is not checked here (no GPU run).
 #
 # The table's last two columns are what each method needs by construction, not
 # measurements: this page only checks the weights. "One full unit" assumes one unit per

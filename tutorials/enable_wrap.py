@@ -116,8 +116,9 @@ for name, kind, shape, held in launch(fsdp2_units, world_size=2, output="none")[
 # (`ModuleWrapPolicy`), or by size (`size_based_auto_wrap_policy` wraps a subtree once it
 # holds at least `min_num_params` parameters not already in a unit). `fully_shard` takes
 # no policy; {func}`fsdp_guide.auto_wrap` asks torch's policy code which modules to
-# shard, so it chooses what FSDP1 chooses, then calls `fully_shard` on them bottom-up and
-# on the root.
+# shard, so it chooses what FSDP1 chooses (except a module that shares a parameter with one
+# outside it, a tied embedding, which stays in the unit around both), then calls
+# `fully_shard` on them bottom-up and on the root.
 #
 # (fsdp2-fsdpmodule)=
 
@@ -189,7 +190,7 @@ for policy_name in POLICIES:
 # storages reachable from the modules' `parameters()` on each rank (a shard counts its
 # local storage), right after each block is built, building a 16-block model three ways;
 # the table shows the largest count on rank 0. This is not the process's memory peak (a
-# `fully_shard` call briefly holds a block twice, and the allocator may keep freed
+# `fully_shard` call briefly holds a block and this rank's shard of it, and the allocator may keep freed
 # memory). Each block is built directly on the rank's device, whose memory is the one that
 # runs out:
 
@@ -285,7 +286,7 @@ glue("wrap_as_you_build", measured["wrap as you build"][0][0] / baseline, displa
 # nothing refers to it any more: `FSDPParam._init_sharded_param`
 # (`torch/distributed/fsdp/_fully_shard/_fsdp_param.py`) copies the rank's rows into a new shard
 # and lets the original "be freed normally when its ref count reaches 0", as its comment says.
-# (While `fully_shard` copies a block into its shard, that block briefly exists twice; the counts
+# (While `fully_shard` copies a block into its shard, the block and its shard briefly exist together; the counts
 # above are taken between blocks.) On the `meta` device nothing is allocated until `to_empty`,
 # which allocates only the shards: 1/world_size. But `to_empty` leaves the memory uninitialised,
 # and initialising *after* sharding is where the
@@ -304,7 +305,7 @@ assert measured["meta device, shard, to_empty"][0][0] == full_model // 2
 # - `enable_wrap` gives every `wrap`-ed unit the same FSDP parameters, FSDP1 or FSDP2,
 #   with per-call overrides: {ref}`tip-enable-wrap`.
 # - FSDP2 has no `auto_wrap_policy`; `fsdp_guide.auto_wrap` chooses the same units
-#   FSDP1 does: {ref}`tip-auto-wrap-fsdp2`.
+#   FSDP1 does, but for tied parameters: {ref}`tip-auto-wrap-fsdp2`.
 # - Wrapping as you build (or building on `meta`) keeps the whole model from ever
 #   existing on one rank: {ref}`tip-wrap-as-you-build`.
 #

@@ -160,8 +160,8 @@ glue("sliced_resident", min(sliced[0][0], sliced[1][0]), display=False)
 # Read the private part first: it is memory the rank allocated, which nothing else can use
 # and which the kernel cannot drop under pressure, as it can clean file pages (sampled every
 # millisecond, so a lower bound on the peak). When every rank reads, each builds the whole
-# fp32 model ({glue:text}`every_rank_private:.1f` model sizes or more, on *each* rank: N copies on a machine of N ranks; here converting the bf16 file to fp32
-# forces that copy) before sharding frees all but its half. With
+# fp32 model ({glue:text}`every_rank_private:.1f` model sizes or more, on *each* rank: N copies on a machine of N ranks)
+# before sharding frees all but its half. With
 # {func}`fsdp_guide.hf.from_pretrained`, rank 0's full copy is the file itself: safetensors
 # maps it rather than copying it, so it shows in the resident total only ({glue:text}`rank0_mapped:.1f` model
 # sizes more than the private part; the bf16 file is 0.5), as file pages the kernel shares and can drop. Rank 1 receives the
@@ -169,8 +169,8 @@ glue("sliced_resident", min(sliced[0][0], sliced[1][0]), display=False)
 # (its extra over its shard, {glue:text}`rank1_extra:.1f` model sizes in this run: a tensor, never the model, though
 # it varies from run to run, and a busy machine's sampling can miss it; `_broadcast_state_dict` and `_broadcast_tensors` in
 # `torch/distributed/_state_dict_utils.py`). Reading its own slices, each rank's private
-# memory is its shard; the resident, {glue:text}`sliced_resident:.1f` here, shows that the pages mapped around those
-# slices come to most of the file.
+# memory is its shard; the resident, {glue:text}`sliced_resident:.1f` here, is more than that private
+# part: the pages of the file mapped around those slices.
 
 # %% mystnb={"image": {"alt": "Grouped bars of the peak memory rise per rank while loading, in model sizes, private part and all resident memory, for the three ways of loading: every rank reads, rank 0 reads and broadcasts, each rank reads its slices."}}
 import matplotlib.pyplot as plt
@@ -193,9 +193,8 @@ fig.tight_layout()
 # or on a slow shared file system that N ranks reading at once would crowd; it costs one
 # broadcast of the model, and each rank briefly holds the largest single tensor whole.
 # `read="sharded"` when every machine sees the files (a shared file system) and the model
-# is large: no broadcast, and each rank allocates only its slices. Never let every rank
-# build the full model: it is the N-copies-per-machine peak that kills large fine-tuning
-# jobs before their first step.
+# is large: no broadcast, and each rank allocates only its slices. Avoid letting every rank
+# build the full model: its peak is N copies per machine, before the first step.
 #
 # (finetune-hf-check)=
 # ## Fine-tune, and check against one process
@@ -259,9 +258,11 @@ print(f"relative difference at the first step: {relative[0]:.0e}; "
       f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}")
 
 # %% [markdown]
-# The same losses, to fp32 rounding: about one part in a million at the first step (a mean
-# of two means against one mean), grown by Adam's steps, which divide each gradient by its
-# own running size. Sharding split the work, not the arithmetic.
+# The same losses, to fp32 rounding (the relative differences printed above: the first
+# step's, and the largest over the steps). Where the rounding comes from is not separated
+# here: the sharded run averages two half-batch losses where one process takes one mean,
+# and its matrix products see half as many rows. Sharding split the work, not the
+# arithmetic.
 #
 # (finetune-hf-export)=
 # ## Weights out: a directory `from_pretrained` loads
@@ -285,6 +286,7 @@ with safe_open(tuned / "model.safetensors", framework="pt") as f:
 names = set(pretrained.state_dict())  # the model's own names: the tied pair under both
 print(f"{len(written)} tensors written for the {len(names)} names of the state dict; the tied pair: "
       + ", ".join(f"{name} {'written' if name in written else 'not written'}" for name in tied_pair))
+assert pair, "neither name of the tied pair was written"
 print("each written equals the output layer the ranks trained:",
       all(torch.equal(t, trained_output_layer) for t in pair.values()),
       f"({sum(t.nbytes for t in pair.values()) / 2**20:.0f} MiB of the file's "
@@ -359,23 +361,23 @@ print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tok
       "| logits equal the sharded model's:", torch.equal(logits, sharded_logits))
 
 # %% [markdown]
-# Gathering costs rank 0 more than the model, on any number of ranks: the full state dict
+# Gathering costs rank 0 more than the model, on 2 ranks and on 4: the full state dict
 # on its CPU, and more while it is written. Written by every rank, each rank's peak is
-# about twice its shard, so with 2 ranks it is no better, and with 4 it is about half of
-# gathering's.
+# a multiple of its shard (the table: rank 0's and the others' against the shard of 1/2 or
+# 1/4 model), so with 2 ranks it is no better than gathering, and with 4 it is lower.
 #
-# Why twice the shard: each rank's file is serialized in memory before it is written
-# (`safetensors.torch.save` in `_write_files_from_queue`,
-# `torch/distributed/checkpoint/filesystem.py`), and a shard whose storage is larger than
-# its bytes is copied first (`_SerialCpuLoader`, same file). FSDP2 pads uneven shards: the
-# intermediate size (`hidden_size * 8 // 3` in `save_llama` above) is odd, so rank 1's rows
-# of the gate and up projections are padded. Rank 0 then consolidates, reading the shard
-# files back one full tensor at a time (`_process_output_file` in
+# What goes into that peak, from the source, not separated here: each rank's file is
+# serialized in memory before it is written (`safetensors.torch.save` in
+# `_write_files_from_queue`, `torch/distributed/checkpoint/filesystem.py`), a shard whose
+# storage is larger than its bytes is copied first (`_SerialCpuLoader`, same file; FSDP2
+# pads the last rank's rows of an uneven dimension, and the intermediate size,
+# `hidden_size * 8 // 3` in `save_llama` above, is odd), and rank 0 then consolidates,
+# reading the shard files back one full tensor at a time (`_process_output_file` in
 # `torch/distributed/checkpoint/_consolidate_hf_safetensors.py`).
 #
 # The private part is sampled and misses short peaks; nothing here is read through a
-# memory map, so the resident peak is the one to read. On a model this small the seconds
-# are mostly fixed costs, and on 2 cores 4 ranks share them. The directory holds the
+# memory map, so the resident peak is the one to read. The seconds are not a measure of
+# throughput: the model is small, and on 2 cores 4 ranks share them. The directory holds the
 # standard files (DCP's per-rank files are deleted once consolidated), the tied pair was
 # written once, and `transformers` loads it to the same logits.
 #

@@ -68,10 +68,8 @@ print(f"torch {torch.__version__}, torchao {torchao.__version__}, Python {sys.ve
 # The model is three 128x128 Linears. FP32 shards it as it is; BF16 adds FSDP2's
 # `MixedPrecisionPolicy` (compute in bfloat16, reduce gradients in float32); FP8 uses
 # {func}`fsdp_guide.fp8.float8_fully_shard`: torchao's `convert_to_float8_training` with
-# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (converted afterwards, on
-# DTensor weights, it fails with "aten.mm.default got mixed torch.Tensor and DTensor", an
-# error of the matmul, in the forward, as the comment in `float8_fully_shard`
-# (`src/fsdp_guide/fp8.py`) records; not run on this page), and torchao's
+# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (the other order is not run on
+# this page), and torchao's
 # `precompute_float8_dynamic_scale_for_fsdp` after every optimizer step. FP8 + BF16
 # combines the last two.
 
@@ -251,7 +249,7 @@ for where, counts in launch(amax_collectives, output="none")[0].items():
 
 # %% [markdown]
 # Without the precomputed scales, every all-gather of a float8 weight first all-reduces
-# its amax (a 4-byte float32 `max`): one per weight in forward and again in backward.
+# its amax (a float32 `max`, the dtype above): one per weight in forward and again in backward.
 # With them, the step has none, and one all-reduce after the optimizer step covers all
 # weights. Call it after *every* step: `precompute_float8_dynamic_scale_for_fsdp` stores
 # each scale on the weight's local tensor (`_precomputed_scale`), and the next all-gathers
@@ -365,6 +363,7 @@ def all_setups():
 
 
 measured = launch(all_setups, output="none")[0]
+off_by = []
 num_params = sum(p.numel() for p in make_model().parameters())
 print(f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
       f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}")
@@ -374,6 +373,8 @@ for name, (mode, optimizer_class, stored) in SETUPS.items():
                         master_weights=optimizer_class is MasterWeightAdamW)
     print(f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
           f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}")
+    off_by.append(got.total - expected.total)
+print("measured - estimated, bytes, each set-up:", off_by)
 master, bf16_states = (measured[name][0].total / (num_params / 2) for name in ("fp8, master-weight AdamW", "bf16, AdamW"))
 glue("fp8_master_bytes", master, display=False)  # model-state bytes per parameter, as the table's column
 glue("fp8_bf16_bytes", bf16_states, display=False)
@@ -383,7 +384,7 @@ glue("fp8_master_ratio", master / bf16_states, display=False)
 # With FSDP storing float32 shards *and* an optimizer keeping float32 masters, FP8 holds
 # {glue:text}`fp8_master_bytes:.0f` bytes of model states per parameter where the BF16 run holds {glue:text}`fp8_bf16_bytes:.0f`: the FP32 weights
 # are there twice, once as FSDP's shard and once as the optimizer's master. The measured
-# bytes are exactly what `estimate` predicts for that pair of settings. What this
+# bytes are exactly what `estimate` predicts for that pair of settings (0 bytes apart, the line under the table). What this
 # reproduces of MS-AMP's report is the cause, a second float32 copy of the weights, not its
 # numbers: their 34 GB against 28 GB (1.21) is the whole GPU memory of t5-3b with MS-AMP's
 # own FP8 optimizer against BF16, activations and buffers included, while
@@ -400,7 +401,7 @@ glue("fp8_master_ratio", master / bf16_states, display=False)
 #   `fully_shard`), so FSDP keeps 2 bytes per parameter and its gradients are bfloat16
 #   too. This is ZeRO's accounting (2 + 2 + 12 bytes).
 #
-# All four train (the last column is the loss after 3 steps); only the memory differs.
+# All four take their 3 steps (the last column is the loss after them); what differs is the memory.
 #
 # ## Gradient accumulation with FP8
 #
@@ -446,9 +447,10 @@ print("reduce-scatters in backward:", ", ".join(f"{run}: {n}" for run, n in redu
 # Accumulation works with FP8: nothing raises, and the gradients are reduced once per step,
 # as many reduce-scatters for two micro-batches as for one batch (the counts above). But it
 # is not equal to the large batch: with dynamic scaling each micro-batch computes its own
-# scales for its inputs and output gradients, so it rounds differently. The difference is
-# about as large as FP8's own error against FP32 for this small model (the first and third
-# lines), the same kind of difference, not a bug; FP32 accumulation is equal up to rounding.
+# scales for its inputs and output gradients, which is expected to round differently (not
+# separated here: fixed scales would separate it). The difference is of the order of FP8's
+# own error against FP32 for this small model (the second and third lines), not a bug; FP32
+# accumulation is equal up to rounding (the first).
 #
 # (fp8-tips)=
 # ## The tips behind this

@@ -134,9 +134,12 @@ def one_step(model, x, y):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     loss = F.mse_loss(model(x), y)  # after the step
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    sent = {kind: sum(n for op, n in counts.items() if key in op)
-            for kind, key in (("all-gather", "allgather"), ("reduce-scatter", "reduce_scatter"),
-                              ("all-reduce", "allreduce"))}
+    kinds = {"all-gather": ("allgather", "all_gather"), "reduce-scatter": ("reduce_scatter",),
+             "all-reduce": ("allreduce", "all_reduce")}  # c10d's names and the functional ones
+    sent = {kind: sum(n for op, n in counts.items() if any(name in op for name in names))
+            for kind, names in kinds.items()}
+    unclassified = [op for op in counts if not any(name in op for name in sum(kinds.values(), ()))]
+    assert not unclassified, f"a collective this table does not name: {unclassified}"
     return loss, sent
 
 
@@ -185,8 +188,11 @@ glue("full_shard_all_gathers", collectives["fsdp2", "FULL_SHARD"]["all-gather"],
 #   myst-nb's `glue`, which JupyterLab does not render; read it in the table).
 # - `SHARD_GRAD_OP` (ZeRO-2) keeps them gathered from forward to backward: one
 #   all-gather per unit instead of two, for more memory during the step.
-# - `NO_SHARD` is DDP: a full copy, gradients all-reduced. (FSDP2 has no such mode;
-#   `shard` gives it a `(replicate, shard)` mesh with shards of one rank.) For FSDP1's
+# - `NO_SHARD` is DDP: a full copy, gradients all-reduced. (`shard` gives FSDP2 a
+#   `(replicate, shard)` mesh with shards of one rank. torch 2.13's `fully_shard` also has a
+#   replicate-only mode, `dp_mesh_dims=DataParallelMeshDims(replicate=...)`, for parameters
+#   that are DTensors on that mesh already: `_get_mesh_info_from_named_dims` in
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_init.py`; not used here.) For FSDP1's
 #   `NO_SHARD`, torch prints the `FutureWarning` shown with the fsdp1 rows: it deprecates
 #   that strategy and recommends `DistributedDataParallel` instead (raised in
 #   `_init_core_state`, `torch/distributed/fsdp/_init_utils.py`).
@@ -198,7 +204,7 @@ glue("full_shard_all_gathers", collectives["fsdp2", "FULL_SHARD"]["all-gather"],
 # The loss after a step is the same for all of them: they trade memory for
 # communication, and do not change the mathematics.
 #
-# The `UserWarning`s printed with the fsdp2 rows (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
+# The `UserWarning`s printed with the table (the collectives are counted with it; the hook's with both APIs) come from `CommDebugMode`, not from the model. On
 # entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
 # in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
 # module's output through an identity autograd function (`BackwardHook` in

@@ -400,6 +400,76 @@ for world_size in (4, 1):
 # so they are restored only on the same number of ranks (nothing here draws random numbers
 # after initialisation).
 #
+# (llm-load-errors)=
+# ## Loading a state dict the wrong way
+#
+# Each way below of putting saved weights into a sharded model is a common mistake, made on
+# purpose on a small model, with its message; the last two load a DCP checkpoint into a
+# model that is not the one saved. The right ways follow them:
+
+# %%
+import traceback
+
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+
+def sharded(width=8, layers=1):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def loading_mistakes(folder):
+    model = sharded().to(fsdp_guide.device())
+    full = {name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()}  # a torch.save'd file
+    local = {name: tensor.to_local() for name, tensor in model.state_dict().items()}  # each rank's own shards
+    dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
+
+    def outcome(attempt):
+        try:
+            attempt()
+        except CheckpointException as error:  # a BaseException, not an Exception: name it
+            # it gathers every rank's failure; this rank's own says what went wrong
+            return "".join(traceback.format_exception_only(error.failures[dist.get_rank()][0])).strip()
+        except Exception as error:
+            return "".join(traceback.format_exception_only(error)).strip()
+        return "loaded"
+
+    return {
+        "load_state_dict(full state dict)": outcome(lambda: sharded().load_state_dict(full)),
+        "load_state_dict(this rank's shards)": outcome(lambda: sharded().load_state_dict(local)),
+        "dcp.load into a deeper model": outcome(
+            lambda: dcp.load({"model": sharded(layers=2).state_dict()}, checkpoint_id=folder)),
+        "dcp.load into a wider model": outcome(
+            lambda: dcp.load({"model": sharded(width=16).state_dict()}, checkpoint_id=folder)),
+        "set_model_state_dict(full state dict)": outcome(lambda: set_model_state_dict(
+            sharded(), full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))),
+        "dcp.load into the same model": outcome(
+            lambda: dcp.load({"model": sharded().state_dict()}, checkpoint_id=folder)),
+    }
+
+
+for way, result in launch(loading_mistakes, str(workdir / "small"), world_size=2, output="none")[0].items():
+    print(f"{way}:\n    {result}")
+
+# %% [markdown]
+# A sharded model's state dict holds `DTensor`s: `load_state_dict` copies each saved
+# tensor into one (`Module._load_from_state_dict`), and a plain full tensor cannot be
+# copied into a DTensor, while one rank's shards have the wrong (global) shape. Load full
+# weights with `set_model_state_dict(..., full_state_dict=True)` (with
+# `broadcast_from_rank0=True`, only rank 0 needs them), and sharded ones with DCP, which
+# reshards. DCP loads what the state dict it is given asks for: a key the checkpoint lacks,
+# or a global shape that differs, fails on every rank (`create_default_local_load_plan`
+# in `torch/distributed/checkpoint/default_planner.py`), and the `CheckpointException`
+# carries each rank's failure in `failures` (it derives from `BaseException`,
+# `torch/distributed/checkpoint/api.py`, so `except Exception` does not catch it). Load into the model the checkpoint was saved from, and change
+# it after loading; `DefaultLoadPlanner(allow_partial_load=True)` skips missing keys on purpose.
+#
 # ## One file for inference
 #
 # `export="model.pt"` gathers the full state dict on rank 0

@@ -151,6 +151,116 @@ print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 # and AdamW is pointwise, so it does not matter that FSDP1 steps flat slices and FSDP2
 # blocks of rows ({ref}`tip-pointwise-optimizers` says when it does).
 #
+# (migration-fsdp1-errors)=
+# ## FSDP1's messages, and what each means
+#
+# FSDP1 flattens each unit's parameters into one `FlatParameter`, and most of its
+# commonest errors are about what cannot go into one flat tensor. Each mistake below is
+# made on purpose on 2 ranks, with its message and the FSDP1 fix beside it:
+
+# %%
+import traceback
+import warnings
+
+
+class WithPacked(nn.Module):
+    """The model and a frozen 4-bit weight packed two to a byte (uint8), as bitsandbytes stores one."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed = nn.Parameter(torch.zeros(WIDTH * WIDTH // 2, dtype=torch.uint8), requires_grad=False)
+        self.model = make_model()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def outcome(attempt) -> str:
+    """What ``attempt()`` raises, as Python prints it, or "ok"."""
+    try:
+        attempt()
+    except Exception as error:
+        return "".join(traceback.format_exception_only(error)).strip()
+    return "ok"
+
+
+def fsdp1_mistakes():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    device = fsdp_guide.device()
+    one_unit = dict(device_id=device)  # no wrap policy: the whole model is one FlatParameter
+    per_block = dict(device_id=device, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+    def bf16_block(**options):
+        model = make_model()
+        model[1].to(torch.bfloat16)
+        return FSDP(model, **options)
+
+    def frozen_block(**options):
+        model = make_model()
+        model[1].requires_grad_(False)
+        return FSDP(model, **options)
+
+    def packed(ignore=False, **options):
+        model = WithPacked()
+        return FSDP(model, **options, ignored_states=[model.packed] if ignore else None)
+
+    def fsdp2_one_unit():  # the frozen block and the uint8 parameter in one fully_shard unit
+        from torch.distributed.fsdp import fully_shard
+
+        model = WithPacked()
+        model.model[1].requires_grad_(False)
+        fully_shard(model)
+        model(torch.ones(2, WIDTH, device=device)).sum().backward()
+
+    def clip(on_root):
+        model = FSDP(make_model(), **per_block)
+        model(torch.ones(2, WIDTH, device=device)).sum().backward()
+        (model if on_root else model.module[0]).clip_grad_norm_(1.0)
+
+    rows = [
+        ("a bfloat16 block in the unit", outcome(lambda: bf16_block(**one_unit)),
+         "the block a unit of its own", outcome(lambda: bf16_block(**per_block))),
+        ("a frozen block in the unit", outcome(lambda: frozen_block(**one_unit, use_orig_params=False)),
+         "use_orig_params=True", outcome(lambda: frozen_block(**one_unit, use_orig_params=True))),
+        ("a uint8 parameter first", outcome(lambda: packed(**one_unit)),
+         "ignored_states=[it]", outcome(lambda: packed(**one_unit, ignore=True))),
+        ("clip_grad_norm_ on an inner unit", outcome(lambda: clip(on_root=False)),
+         "on the root", outcome(lambda: clip(on_root=True))),
+    ]
+    rows.append(("FSDP2: a frozen block and a uint8 parameter in one unit, a step", outcome(fsdp2_one_unit), "", ""))
+    if device.type == "cpu":  # without device_id FSDP1 computes on the current accelerator, and there is none
+        rows.append(("no device_id on a CPU-only machine", outcome(lambda: FSDP(make_model())),
+                     "device_id=torch.device('cpu')", outcome(lambda: FSDP(make_model(), device_id=device))))
+    with warnings.catch_warnings(record=True) as caught:  # a group of one rank, as a one-GPU run has
+        warnings.simplefilter("always")
+        FSDP(make_model(), process_group=dist.new_group([dist.get_rank()]), device_id=device)
+    rows.append(("a process group of 1 rank", *(f"{w.category.__name__}: {w.message}" for w in caught
+                                                 if "NO_SHARD" in str(w.message)), "", ""))
+    return rows
+
+
+for mistake, message, fix, after in launch(fsdp1_mistakes, output="none")[0]:
+    print(f"{mistake}:\n    {message}")
+    if fix:
+        print(f"  with {fix}: {after}")
+
+# %% [markdown]
+# A `FlatParameter` has one dtype and one `requires_grad` (`_validate_tensors_to_flatten`
+# in `torch/distributed/fsdp/_flat_param.py`), and only floating-point tensors go in, so
+# LoRA's frozen base beside trainable adapters, fp32 adapters in a bf16 model, or a
+# quantised base in one unit are refused. `use_orig_params=True` lets frozen and trainable
+# parameters share a unit. A clip computes the norm over every unit, so only the root can.
+# With one rank FSDP1 has nothing to shard and says it switches to `NO_SHARD`: test
+# sharding on 2 ranks or more.
+#
+# FSDP2 keeps each parameter a `DTensor` of its own, so frozen and trainable parameters
+# share a unit, and a frozen uint8 parameter is sharded as it is (the FSDP2 line); what remains is that a
+# unit's *trainable* parameters share one dtype ({ref}`lora-dtypes` executes it), and
+# `torch.nn.utils.clip_grad_norm_` over the model's parameters replaces the root's
+# `clip_grad_norm_`.
+#
 # (migration-checkpoint)=
 # ## Carrying an FSDP1 checkpoint over
 #

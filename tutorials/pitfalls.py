@@ -520,7 +520,55 @@ glue("fsdp2_all_gathers", max(n for (api, _, _), n in all_gathers.items() if api
 # in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
 # module's output through an identity autograd function (`BackwardHook` in
 # `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
-# and warns, and the hook warns that it fires where no input of the module requires grad.
+# and warns. With an input that needs no gradient (not this cell's), the hook also warns
+# that it fires with respect to the module's outputs (`BackwardHook` takes that branch
+# when no input requires grad); {ref}`cluster`'s HSDP cell shows it.
+#
+# (pitfalls-reentrant-frozen-input)=
+# The cell above makes its input require a gradient, because the reentrant implementation
+# needs one: it records a graph only when an input of the checkpointed call requires
+# grad. When every block is checkpointed and nothing before them trains (a frozen
+# embedding under LoRA, or a plain input), the loss has no graph at all:
+
+# %%
+import traceback
+import warnings
+
+
+def checkpointed_blocks_on_a_frozen_input(impl):
+    device = fsdp_guide.device()
+    model = make_blocks().to(device)
+    for i, block in enumerate(model):
+        model[i] = fully_shard(checkpoint_wrapper(block, checkpoint_impl=impl))
+    fully_shard(model)
+    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(device)  # needs no grad
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model(x).square().mean().backward()
+            outcome = f"trained: {sum(p.grad is not None for p in model.parameters())} gradients"
+        except RuntimeError as error:
+            outcome = "".join(traceback.format_exception_only(error)).strip()
+    return outcome, sorted({f"{w.category.__name__}: {w.message}" for w in caught if "requires_grad" in str(w.message)})
+
+
+def both_implementations():
+    return {impl.name.lower(): checkpointed_blocks_on_a_frozen_input(impl) for impl in CheckpointImpl}
+
+
+for impl, (outcome, said) in launch(both_implementations, output="none")[0].items():
+    print(f"{impl}:", *said, outcome, sep="\n    ")
+
+# %% [markdown]
+# The reentrant implementation warns that no input requires grad, and the backward then
+# finds a loss with no graph. The non-reentrant one (`use_reentrant=False`, which torch
+# recommends: `torch.utils.checkpoint.checkpoint` still falls back to the reentrant one,
+# with a warning, when it is not passed) records the parameters' graph whatever the input.
+# transformers 5.24's `activation_checkpointing_enable()` (the new name of
+# `gradient_checkpointing_enable`, which it deprecates) does both by default: it passes
+# `use_reentrant=False` and, for a model that takes `input_ids` or carries PEFT adapters,
+# calls `enable_input_require_grads()`, which makes the embedding's output require grad
+# (`PreTrainedModel._activation_checkpointing_enable` in `transformers/modeling_utils.py`).
 
 # %% [markdown]
 # ## 7. Code on DTensors with no sharding strategy

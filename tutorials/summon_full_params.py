@@ -243,6 +243,47 @@ print(f"FSDP1 init equals single process exactly: {exact}")
 assert exact
 
 # %% [markdown]
+# (summon-outside-forward)=
+# The context is also what a call that skips the root's `forward` needs: `generate`, an
+# evaluation helper, or a submodule called directly. Outside the root's forward, FSDP1
+# has resharded, and a parameter in the root unit (here the embedding) is a view into
+# storage it freed (`use_orig_params=False`), or a 1-D slice of the flat shard
+# (`use_orig_params=True`):
+
+# %%
+import traceback
+
+
+def embed_outside_forward():
+    device = fsdp_guide.device()
+    tokens = torch.arange(4, device=device).view(1, 4)
+    said = {}
+    for use_orig_params in (False, True):
+        torch.manual_seed(0)
+        model = FSDP(TinyLM(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
+                     use_orig_params=use_orig_params)
+        model(tokens).sum().backward()  # a training step's forward and backward: every unit resharded
+        try:
+            out = model.module.embed(tokens)  # the embedding, called as generate() would, not through FSDP's forward
+            said[f"use_orig_params={use_orig_params}"] = f"ran: {tuple(out.shape)}"
+        except RuntimeError as error:
+            said[f"use_orig_params={use_orig_params}"] = "".join(traceback.format_exception_only(error)).strip()
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):  # the root unit gathered
+            said[f"use_orig_params={use_orig_params}, in summon_full_params"] = tuple(
+                model.module.embed(tokens).shape)
+    return said
+
+
+for case, result in launch(embed_outside_forward, world_size=2, output="none")[0].items():
+    print(f"{case}: {result}")
+
+# %% [markdown]
+# Run such calls inside `summon_full_params` (with `recurse=False` only the root unit
+# is gathered, and the blocks gather themselves when their own forward runs). FSDP2's
+# answer for a method other than `forward` is `register_fsdp_forward_method`
+# ({ref}`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`).
+
+# %% [markdown]
 # ## Training goes on from the new weights
 #
 # `summon_full_params` writes into the shards FSDP2 trains, in place, and puts

@@ -26,6 +26,14 @@ from docutils import nodes
 MESSAGE = re.compile(r"(?<![\w.])((?:[a-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Expired|Unsupported|Failed)"
                      r"|Unsupported))(?: \([^)]*\))?: (\S.*)")
 
+# A class whose message starts on the line after a rule of "=", as torchrun's
+# ``ChildFailedError`` prints its summary box; the message is the box's first line.
+BOXED = re.compile(r"(?<![\w.])((?:[a-z_]\w*\.)*[A-Z]\w*Error): *\n=+\n(\S.*)")
+
+# The indented lines that follow a message ending with a colon: its details, as
+# ``load_state_dict`` prints each mismatch on a line of its own, after a tab.
+INDENTED = re.compile(r"(?:\n[ \t]+\S[^\n]*)+")
+
 
 class Found(NamedTuple):
     kind: str  # the exception or warning class, as printed
@@ -47,6 +55,10 @@ def messages(text: str) -> list[tuple[str, str]]:
     [('torch._dynamo.exc.Unsupported', 'Attempted to call function marked as skipped')]
     >>> messages("{'UserWarning: a', 'FutureWarning: b (on ranks 0, 1)'}")  # two in one repr, each whole
     [('UserWarning', 'a'), ('FutureWarning', 'b')]
+    >>> messages("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \\n=====\\ntrain.py FAILED\\n")
+    [('torch.distributed.elastic.multiprocessing.errors.ChildFailedError', 'train.py FAILED')]
+    >>> messages("RuntimeError: Error(s) in loading state_dict for Linear:\\n\\tsize mismatch for weight: x.\\nnext")
+    [('RuntimeError', 'Error(s) in loading state_dict for Linear: size mismatch for weight: x.')]
     """
     found = []
     at = 0
@@ -56,9 +68,16 @@ def messages(text: str) -> list[tuple[str, str]]:
         message, cut = _outside_its_quotes(match.group(2).strip(), text[line_start:match.start(1)])
         if cut is not None:  # the rest of the repr may hold more messages: look there too
             at = match.start(2) + cut + 1
+        elif message.endswith(":") and (details := INDENTED.match(text, match.end())):
+            # "Error(s) in loading state_dict for Linear:" says what only its indented lines name
+            message = " ".join([message, *details.group(0).split()])
+            at = details.end()
         message = re.sub(r"\s*\(on ranks? [\d, ]+\)?$", "", message)  # the launcher's summary of warnings
         pair = (match.group(1), message)
         if pair not in found:
+            found.append(pair)
+    for match in BOXED.finditer(text):
+        if (pair := (match.group(1), match.group(2).strip())) not in found:
             found.append(pair)
     return found
 
@@ -93,6 +112,69 @@ INDEX_PAGE = "docs/errors"
 # A distinctive part of each message -> the fix in one line, with a reference to where it
 # is executed (reStructuredText). The first key found in a message is its fix.
 FIXES = {
+    # loading weights into a sharded model (before "got mixed ...", which this message contains)
+    "While copying the parameter named": "A full state dict given to ``load_state_dict`` of a sharded model (its "
+        "parameters are DTensors): ``set_model_state_dict(model, full, options=StateDictOptions("
+        "full_state_dict=True))``, :ref:`llm-load-errors`.",
+    "_orig_mod.": "A checkpoint saved through ``torch.compile(module)``'s wrapper: compile in place with "
+        "``module.compile()``, or drop the ``_orig_mod.`` from the names: :ref:`compile-names`.",
+    "size mismatch for": "Weights of other shapes: one rank's shards (load sharded checkpoints with DCP, which "
+        "reshards) or another model's (load into the model they were saved from): :ref:`llm-load-errors`.",
+    "Missing key in checkpoint state_dict": "The model asks DCP for a key the checkpoint lacks: load into the model "
+        "it was saved from, then change it (or ``DefaultLoadPlanner(allow_partial_load=True)``): "
+        ":ref:`llm-load-errors`.",
+    "Size mismatch between saved": "The model's global shape differs from the checkpoint's: load into the model it "
+        "was saved from, then change it: :ref:`llm-load-errors`.",
+    # starting the ranks
+    "environment variable RANK expected, but not set": "A torchrun script started with ``python``: start it with "
+        "``torchrun --nproc-per-node=N`` (from a notebook, ``fsdp_guide.launch``): :ref:`cluster-launch-errors`.",
+    "Default process group has not been initialized": "A collective before ``init_process_group`` (or a script not "
+        "started by torchrun): :ref:`cluster-launch-errors`.",
+    ".py FAILED": "torchrun's summary, not the error: find the root-cause rank in the box, then that rank's own "
+        "lines above it: :ref:`cluster-launch-errors`.",
+    "Connection closed by peer": "Another rank exited in the middle of a collective: this is a consequence; find "
+        "the rank that failed first (torchrun's root cause): :ref:`cluster-launch-errors`.",
+    "EADDRINUSE": "Another job holds ``MASTER_PORT``: a port of its own for each job, or ``torchrun --standalone`` "
+        "on one machine: :ref:`cluster-launch-errors`.",
+    "waiting for clients": "Rank 0 waited for ranks that never connected: every node started, with the same "
+        "``--nnodes`` and endpoint, and able to reach it: :ref:`cluster-launch-errors`.",
+    "while trying to connect to": "No store answers at ``MASTER_ADDR:MASTER_PORT``: rank 0 not started, or the "
+        "address wrong or unreachable: :ref:`cluster-launch-errors`.",
+    "doesn't have NCCL built in": "A torch without NCCL (a CPU build): ``gloo``, and ``\"cpu:gloo,cuda:nccl\"`` "
+        "only where CUDA is: :ref:`cluster-launch-errors`.",
+    "No backend type associated with device type cpu": "A collective on CPU tensors (CPU offload, ``full_tensor()`` "
+        "of CPU shards) in a group without a CPU backend (``\"nccl\"``, or no backend on a GPU machine): "
+        "``init_process_group(\"cpu:gloo,cuda:nccl\")``, :ref:`cluster-launch-errors`.",
+    "Mesh should not be bigger than default world size": "A mesh shape whose product is not the world size: "
+        "(nodes, ranks per node) for ``WORLD_SIZE`` ranks, :ref:`cluster-launch-errors`.",
+    # models built on the meta device
+    "should be materialized from meta device": "``to_empty(device=...)``, then initialise, before the first forward: "
+        ":ref:`deterministic-init-meta-errors`.",
+    "Cannot copy out of meta tensor": "``to_empty(device=...)``, not ``.to(device)``, for a model on ``meta``: "
+        ":ref:`deterministic-init-meta-errors`.",
+    # FSDP1's FlatParameter
+    "Must flatten tensors with uniform dtype": "FSDP1 flattens a unit into one dtype: the odd module a unit of its "
+        "own (or FSDP2, which asks it only of trainable parameters): :ref:`migration-fsdp1-errors`.",
+    "Must flatten tensors with uniform `requires_grad`": "Frozen and trainable parameters in one FSDP1 unit: "
+        "``use_orig_params=True`` (or FSDP2): :ref:`migration-fsdp1-errors`.",
+    "Cannot flatten integer dtype tensors": "A quantised (integer) parameter in an FSDP1 unit: "
+        "``ignored_states=[it]``, or FSDP2: :ref:`migration-fsdp1-errors`.",
+    "should only be called on the root FSDP instance": "Call ``clip_grad_norm_`` on the root FSDP1 module (FSDP2: "
+        "``torch.nn.utils.clip_grad_norm_``): :ref:`migration-fsdp1-errors`.",
+    "FSDP needs a non-CPU accelerator device": "FSDP1 on CPU ranks: ``device_id=torch.device(\"cpu\")`` with gloo: "
+        ":ref:`migration-fsdp1-errors`.",
+    "switching to use `NO_SHARD`": "One rank has nothing to shard: test sharding on 2 ranks or more, "
+        ":ref:`migration-fsdp1-errors`.",
+    "'weight' must be 2-D": "An FSDP1 submodule called outside the root's forward (``generate``, a helper): run it "
+        "inside ``summon_full_params(model, recurse=False)``, :ref:`summon-outside-forward`.",
+    "out of bounds for storage of size 0": "An FSDP1 parameter used outside the root's forward, its storage freed: "
+        "run the call inside ``summon_full_params(model, recurse=False)``, :ref:`summon-outside-forward`.",
+    # activation checkpointing
+    "element 0 of tensors does not require grad": "Reentrant activation checkpointing where no input requires "
+        "grad (a frozen embedding): ``use_reentrant=False``, or ``enable_input_require_grads()``: "
+        ":ref:`pitfalls-reentrant-frozen-input`.",
+    "None of the inputs have requires_grad=True": "Reentrant activation checkpointing records no graph: "
+        "``use_reentrant=False``, :ref:`pitfalls-reentrant-frozen-input`.",
     "_foreach_norm.Scalar got mixed torch.Tensor and DTensor": "Gradient clipping over DTensors and plain tensors "
         "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
         ":ref:`clipping beside ignored parameters <fsdp2-ignored-params-clipping>`, :ref:`tp-clipping`.",
