@@ -512,7 +512,7 @@ for split_rows in (False, True):
 # %% [markdown]
 # By default rank 0 holds experts 0 and 1, rank 1 expert 2: twice the bytes on rank 0 (the
 # router's 3 rows split 2 and 1 the same way). With `Shard(1)` each rank holds rows 0-15
-# or 16-31 of all three experts, the same bytes of the experts' weight on both (6144), and the training is the same as one
+# or 16-31 of all three experts, the same bytes of the experts' weight on both (the bytes above), and the training is the same as one
 # process's either way. Sharding along dim 1 needs that dimension to divide evenly by the
 # number of ranks it is sharded over: FSDP pads only dim 0, and `fully_shard` refuses an
 # uneven split of another ("FSDP does not support uneven sharding on dim 1",
@@ -650,8 +650,8 @@ for reduce_it in (False, True):
 
 # %% [markdown]
 # The sharded weights are DTensors and the ignored scale a plain `Parameter`. Without the
-# `all_reduce` each rank's scale follows its own batches and the ranks drift apart; the
-# sharded weights, which FSDP reduced, stayed in step. With it, both ranks hold the same
+# `all_reduce` each rank's scale follows its own batches and the ranks drift apart (the
+# sharded weights are one DTensor across the ranks, reduced by FSDP, and cannot). With it, both ranks hold the same
 # scale, and every weight equals one process's.
 #
 # The reduction is not all it leaves to you. `fully_shard`'s docstring says ignored

@@ -168,7 +168,7 @@ def train_fsdp2():
     local = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     losses = train_steps(model, device)
     rows = len(my_slice(torch.arange(GLOBAL_BATCH)))
-    placement = str(model.layers[0].weight.placements)
+    placement = sorted({str(p.placements) for p in model.parameters()})  # every parameter's
     return dict(full=full, local=local, losses=losses, rows=rows,
                 placement=placement)
 
@@ -183,7 +183,7 @@ fsdp2 = launch(train_fsdp2, world_size=2, output="rank0")
 
 # %%
 rank0, rank1 = fsdp2
-print(f"every parameter is a DTensor with placement {rank0['placement']}")
+print(f"the placements of the parameters, each a DTensor: {rank0['placement']}")
 header = ("parameter", "full shape", "rank 0 holds", "rank 1 holds")
 print(f"{header[0]:16} {header[1]:>10} {header[2]:>13} {header[3]:>13}")
 for name, full in rank0["full"].items():
@@ -209,8 +209,10 @@ print(f"FSDP2 on 2 ranks vs 1 process, {STEPS} steps: "
 assert diff2 <= 1e-5
 
 # %% [markdown]
-# The difference is rounding: the two ranks sum their gradients in a different order
-# than one process does.
+# The difference is float32 rounding: the sharded run's loss is the mean of the two ranks'
+# half-batch means, and its gradients are summed per rank and then across ranks, where one
+# process takes one mean and one sum over the whole batch; the additions come in another
+# order. (Which of the two makes the largest difference is not separated here.)
 #
 # ## The same with FSDP1
 #
@@ -282,8 +284,8 @@ fig.tight_layout()
 # - The optimizer was built after sharding, over the sharded parameters: {ref}`tip-optimizer-after-sharding`.
 # - Each rank trained on its own slice of each batch, and the loss matched one process on
 #   the whole batch: {ref}`tip-check-against-one-process`.
-# - Results were returned to the notebook and printed here, not printed by the ranks:
-#   {ref}`tip-print-from-parent`.
+# - The ranks printed only rank 0's progress; the results were returned to the notebook
+#   and printed here: {ref}`tip-print-from-parent`.
 #
 # How FSDP1 and FSDP2 shard (and why FSDP1's shards are flat) is explained in
 # {ref}`fsdp-how-it-works`.

@@ -34,8 +34,7 @@
 # namespaces) and `torchft`, which the test and docs environments install. torchrun's rendezvous store and torchft's manager listen on
 # every interface, so the page runs them in a network namespace of their own where only
 # loopback exists ({func}`fsdp_guide.isolation.loopback_only`); on a cluster they run as
-# they are. 2 to 4 processes on gloo at a time; about 50 seconds on 2 CPU cores ({ref}`measured <measured-times>`)
-# ({ref}`measured <measured-times>`). The training code is written to run unchanged with
+# they are. 2 to 4 processes on gloo at a time; about 50 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The training code is written to run unchanged with
 # one GPU per rank (NCCL inside a group, torchft's NCCL group across groups, each group on
 # GPUs of its own): each rank's device is {func}`fsdp_guide.device`'s. The tips it demonstrates are listed {ref}`at the end <rank-dies-tips>`.
 
@@ -125,7 +124,7 @@ for name, run in restarted.items():
         if line.startswith("[killed_rank]") or any(key in line for key in ("--resume auto", "resumed from")):
             print(line)
         elif said := re.search(r"Sending process \d+ closing signal \w+|failed \(exitcode: -?\d+\) local_rank: \d+", line):
-            print("torchrun:", said[0])  # its agent's log, interleaved with the ranks' output
+            print("torchrun:", said[0])  # its agent's log (stderr, printed after the ranks' stdout)
 
 # %% [markdown]
 # The first attempt found no checkpoint and started at step 1; rank 1 died (torchrun saw
@@ -314,10 +313,9 @@ for first, last_step, averaged, healing in segments(quorums):
 # average again. The table follows the final weights back step by step
 # ({func}`fsdp_guide.recipes.replicas.quorums`). The Lighthouse leaves out of a quorum a
 # group whose last heartbeat is older than the timeout (`quorum_compute`, below), so on a
-# busy machine two quorums can compute the same step (a CI run of this page had both
-# groups take step 0 alone; another had group 1 take steps 0 to 8 in quorums of its own,
-# then die before it had joined group 0's); the group whose copy is dropped receives the
-# other's state at its next quorum. The time it took, and
+# busy machine two quorums can compute the same step (both groups taking step 0 alone, or
+# one group taking several steps in quorums of its own before it joins the other's); the
+# group whose copy is dropped receives the other's state at its next quorum. The time it took, and
 # what each group lost:
 
 # %%
@@ -339,7 +337,9 @@ print(f"group 0: steps {g0[0]['step']} to {g0[-1]['step']}, every line from its 
 # it (torchft's split-brain rule, `quorum_compute` in its `src/lighthouse.rs`), and group
 # 1's manager, which runs in its rank 0, heartbeats until that process has gone and for
 # the heartbeat timeout after (1 s here, `heartbeat_timeout_ms`; torchrun stops rank 0 once
-# it sees rank 1 dead). With three groups or more, the survivors are a majority at once.
+# it sees rank 1 dead). With three groups or more, the survivors are a majority at once,
+# but the Lighthouse still holds a quorum that leaves out a group that heartbeats for up
+# to its join timeout (500 ms here, `join_timeout_ms`), so they are expected to pause too (not run here).
 # What the failure cost is elsewhere: for the steps group 0 took alone, the quorum averaged one group's rows instead of two, so the
 # model trained on half the data it would have seen, with the learning rate of the full
 # batch. The run is not the run without a failure, as torchrun's was; it is the run the

@@ -282,8 +282,11 @@ glue("sa_fsdp1_full_bytes", fsdp1_when["inside forward"][3], display=False)
 # full shape at all times, but it is a *view* into the unsharded flat parameter. Before the first
 # forward and after backward its storage is freed ({glue:text}`sa_fsdp1_freed_bytes` bytes):
 # reading or editing `layer.weight` there touches nothing real. Right after forward it still holds
-# the gathered values, because FSDP1 does not reshard the *root* unit after forward (backward
-# needs it at once); this model has only the root unit. The `FlatParameter` itself points at its
+# the gathered values, because FSDP1 does not *free* the root unit's gathered parameters after
+# forward (backward needs them at once: `_post_forward_reshard` in
+# `torch/distributed/fsdp/_runtime_utils.py` passes `free_unsharded_flat_param=False` for the
+# root); it still points the `FlatParameter` back at its shard, as the table shows. This model
+# has only the root unit. The `FlatParameter` itself points at its
 # {glue:text}`sa_flat_shard`-number shard ({glue:text}`sa_fsdp1_shard_bytes` bytes) outside the
 # computation and at the full {glue:text}`sa_flat_numel` numbers ({glue:text}`sa_fsdp1_full_bytes`
 # bytes) inside it, and its gradient is a flat shard too. To read or change weights outside
@@ -297,7 +300,8 @@ glue("sa_fsdp1_full_bytes", fsdp1_when["inside forward"][3], display=False)
 # - FSDP1's `FlatParameter` attributes are private and version-dependent; FSDP2's
 #   DTensor parameters are the public state: {ref}`tip-private-state`.
 # - Outside forward and backward, a module's weights are shards (FSDP2) or views whose
-#   storage is freed (FSDP1; the root unit keeps it from forward to backward):
+#   storage is freed (FSDP1); in both, the root unit's own parameters stay gathered from
+#   forward to backward:
 #   {ref}`tip-custom-init-summon`.
 
 # %% tags=["remove-input"]

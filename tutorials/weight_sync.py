@@ -238,9 +238,10 @@ print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l
 # The trainer's rank 1 gathers every parameter too (`full_tensor` is an all-gather, so
 # every rank of the mesh receives the whole parameter) and throws it away. Sending per
 # parameter or in buckets, its peak is one gathered parameter, or two when the next
-# all-gather starts before the previous result is freed. That depends on timing: gloo's
-# worker thread wakes the caller when a collective is done and lets go of its tensors just
-# after, so on a busy machine they can outlive the caller's `del`. Either way each rank
+# all-gather starts before the previous result is freed. Which of the two a run shows
+# depends on timing, its likely cause not separated here: gloo runs each collective on a
+# worker thread, which may still hold its tensors for a moment after the caller's `del`.
+# Either way each rank
 # holds a few parameters at most, never the model. An
 # engine with several ranks of its own would receive each rank's shard instead: the same
 # loop, with a slice taken before each message.
