@@ -239,7 +239,7 @@ print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight differ
 # (cluster-launch-errors)=
 # ## When the launch itself fails: the messages, reproduced
 #
-# The commonest messages in reports of FSDP runs come before FSDP does anything: the
+# Many of the messages in user reports of FSDP runs come before FSDP does anything: the
 # processes cannot find each other, or the process group has no backend for a tensor.
 # Each cell makes one such mistake on purpose, on this machine, and prints what Python
 # prints (`traceback.format_exception_only`); the {ref}`errors-index` links here.
@@ -283,9 +283,11 @@ from fsdp_guide.isolation import loopback_only  # torchrun's stores listen on ev
 
 KILLED = """
 import os, signal
+from datetime import timedelta
 import torch, torch.distributed as dist
 
-dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+dist.init_process_group(backend, timeout=timedelta(seconds=60))  # a rank left waiting gives up in a minute
 if dist.get_rank() == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 dist.barrier()

@@ -138,7 +138,11 @@ class CompileLog:
 
 # FSDP's collectives as c10d runs them, and the callback FSDP2's root queues for the end of
 # the backward (its record_function name in torch's _fsdp_state.py).
-EVENTS = {"c10d::_allgather_base_": "all-gathers", "c10d::_reduce_scatter_base_": "reduce-scatters",
+# Every all-gather and reduce-scatter counts, eager (c10d::) or traced into a graph (the functional ops).
+EVENTS = {"c10d::_allgather_base_": "all-gathers", "c10d::allgather_": "all-gathers",
+          "_c10d_functional::all_gather_into_tensor": "all-gathers",
+          "c10d::_reduce_scatter_base_": "reduce-scatters", "c10d::reduce_scatter_": "reduce-scatters",
+          "_c10d_functional::reduce_scatter_tensor": "reduce-scatters",
           "FSDP::root_post_backward_callback": "root's final callback"}
 
 
@@ -629,8 +633,11 @@ glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkp
 #   (whose memory FSDP frees after the forward and gathers again for the backward, so
 #   they count 0 bytes at the end of the forward), and two `uint8` tensors the size of
 #   the CPU generator's state, one per block: the extra {glue:text}`compile_ac_extra_kib:.0f` KiB. They are saved so
-#   that the recomputed attention, an operator with a dropout argument, replays the same
-#   random stream. Eager checkpointing keeps its RNG state too, but in a local variable of
+#   that the recomputed attention replays the same random stream: the partitioner's
+#   `functionalize_rng_ops` (`torch/_functorch/partitioners.py`) wraps every operator tagged
+#   `torch.Tag.nondeterministic_seeded`, which the CPU attention kernel
+#   (`aten._scaled_dot_product_flash_attention_for_cpu`) is, in `run_and_save_rng_state`,
+#   whose CPU form saves `torch.get_rng_state()` (`torch/_prims/rng_prims.py`). Eager checkpointing keeps its RNG state too, but in a local variable of
 #   `_checkpoint_without_reentrant_generator` (`torch/utils/checkpoint.py`), not as a
 #   saved tensor, so `saved_tensors_hooks` do not see it.
 # - **Compile, then checkpoint**: the wrapper is eager and calls the compiled block twice,

@@ -316,7 +316,7 @@ print(f"averaged: the experts' gradients against twice one process's: {twice:.1e
 # reduced: it is computed before any gradient is. The gradients are not:
 #
 # - **Averaged** (FSDP's default), the dense parameters are right and every expert's
-#   gradient is exactly twice the reference (the last line). A copy of an expert
+#   gradient is twice the reference, to float32's rounding (the last line). A copy of an expert
 #   receives the tokens of both ranks of its `ep` group, so its gradient already sums two
 #   ranks' losses; its unit then averages over `edp`, dividing by 2 where the data were
 #   split over 4. With no factor set, FSDP reduce-scatters with `ReduceOp.AVG` over the
@@ -335,8 +335,11 @@ print(f"averaged: the experts' gradients against twice one process's: {twice:.1e
 #   every unit, "We handle gradient scaling ourselves in the training loop with global
 #   token count").
 #
-# Training on with averaged experts would take steps twice too long for them, and only a
-# check of the gradients (or of the losses of the steps after) shows it.
+# Training on with averaged experts, SGD would take steps twice too long for them; Adam
+# divides each gradient by its own running size, so the doubling mostly cancels in its
+# update (`_single_tensor_adam` in `torch/optim/adam.py`; no step is run here) but still
+# inflates the global gradient norm that clipping and logging read. Only a check of the
+# gradients shows it.
 #
 # ## Where the tokens go
 #
@@ -362,7 +365,7 @@ print(f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the
 
 # %% [markdown]
 # With a router that has learned nothing yet, the busiest expert gets several times the
-# tokens of the idlest, over only 128 tokens (much of that spread is chance); the ranks, 4
+# tokens of the idlest, over only 128 tokens; the ranks, 4
 # experts each, differ less. Nothing here is timed. On a GPU run (not measured here), one
 # would expect the busiest rank to set the step's time: an all-to-all ends on a rank only
 # once every rank has sent to it, so the others wait for it at the next one. Ranks 0 and 1 send expert 3 no token, so its

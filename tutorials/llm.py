@@ -372,12 +372,12 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 
 # %% [markdown]
 # Both ways train exactly the straight run and publish both checkpoints. On the local
-# disk the write is short, and most of a save's time is what stays in the foreground (the
-# state dict, the check of which state differs between ranks, the copy to CPU memory, and
-# for the first save the checkpoint group's creation); the numbers vary from run to run.
+# disk the write is short, and what a save costs in the foreground is not broken down here
+# (the state dict, the copy to CPU memory and, for the first save, the checkpoint group's
+# creation happen there); the numbers vary from run to run.
 # With storage that takes half a second to write, a synchronous save stops training for
-# that half second and more; the asynchronous one at step 20 costs about what it did on the
-# local disk, as the write goes on in the background (the last two lines) while steps 21 to 40 train. The save at step 40 is the
+# that half second and more; the asynchronous one at step 20 stops it for a fraction of
+# that, as the write goes on in the background (the last two lines) while steps 21 to 40 train. The save at step 40 is the
 # run's last, and the run waits for its write before it ends.
 #
 # %% [markdown]
@@ -396,7 +396,8 @@ for world_size in (4, 1):
 
 # %% [markdown]
 # The losses continue as on 2 ranks, up to float rounding: the global batches are the same,
-# but 4 ranks sum the gradients in a different order than 2. The RNG states are per rank,
+# but the work is split differently (each rank's rows, and the sum across ranks; one rank
+# has none), so the float32 additions come in another order. The RNG states are per rank,
 # so they are restored only on the same number of ranks (nothing here draws random numbers
 # after initialisation).
 #

@@ -232,8 +232,9 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
     print("a rank raised", str(error).splitlines()[0].split(" raised ", 1)[1])
 
 # %% [markdown]
-# With the sum forced, a factor of 1 costs nothing, on NCCL as on gloo: the collective is
-# a plain `SUM` and there is nothing left to divide by. (Should gloo gain `PREMUL_SUM`, the
+# With the sum forced, a factor of 1 costs nothing: the collective is a plain `SUM` and
+# there is nothing left to divide by (`_div_if_needed` in `_fsdp_collectives.py` skips a
+# factor of 1, with no branch on the backend, so the same is expected on NCCL; not run here). (Should gloo gain `PREMUL_SUM`, the
 # cell above will print that it reduced without an error.) On HSDP the all-reduce between
 # replicas is a plain `SUM` in either case, so one factor divides the total over every
 # data-parallel rank once. `set_gradient_divide_factor` sets only its own module's unit
@@ -335,7 +336,8 @@ glue("accumulated_mean_error", relative_error(results[0]["micro-batch mean / mic
 # {func}`fsdp_guide.memory.measure` counts the gradient bytes rank 0 holds after each
 # micro-batch (the sharded `.grad`s, and what FSDP accumulates outside them, as the
 # unsharded gradients it keeps while sync is off).
-# These are what FSDP asks the backend to move, the same on gloo and NCCL; what crosses the
+# These are what FSDP asks the backend to move, which does not depend on the backend
+# (expected the same on NCCL; not run here); what crosses the
 # wire depends on the backend's algorithm (gloo's reduce-scatter moves as much as an
 # all-reduce: {ref}`tutorial-communication`).
 #

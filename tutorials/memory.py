@@ -170,7 +170,7 @@ glue("mem_in_step_4_fsdp2", params_ratio(4, "  in step", "fsdp2"), display=False
 # at rest it holds exactly what `FULL_SHARD` holds: 1/N of the parameters. From forward to
 # backward it keeps every unit's gathered parameters, and then holds the full parameters *and* its
 # shard of them: 1 + 1/N of ZeRO stage 2's figure ({glue:text}`mem_in_step_2:.1f` on 2 ranks;
-# {glue:text}`mem_in_step_4:.2f` on 4, {glue:text}`mem_in_step_4_fsdp2:.2f` with FSDP2's padding;
+# {glue:text}`mem_in_step_4:.2f` on 4 with FSDP1, {glue:text}`mem_in_step_4_fsdp2:.2f` with FSDP2's padding;
 # grads not yet produced). ZeRO's stage 2 has no such extra copy because its fp32 master weights
 # are part of the optimizer state (K); in FSDP the fp32 shard *is* the master copy (the
 # {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2 keeps no other, and what happens when the

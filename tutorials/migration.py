@@ -39,7 +39,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #
 # | `FullyShardedDataParallel(...)` (FSDP1) | `fully_shard(...)` (FSDP2) |
 # | --- | --- |
-# | `sharding_strategy=FULL_SHARD` | the default: `reshard_after_forward=True` on a 1-D mesh |
+# | `sharding_strategy=FULL_SHARD` | the default, `reshard_after_forward=None`: `True` for every unit but the root, which stays gathered from forward to backward (`FSDPState._lazy_init`); on a 1-D mesh |
 # | `sharding_strategy=SHARD_GRAD_OP` | `reshard_after_forward=False` |
 # | `sharding_strategy=NO_SHARD` (deprecated: FSDP1 raises a `FutureWarning` recommending `DistributedDataParallel`, `_init_core_state` in `torch/distributed/fsdp/_init_utils.py`) | plain DDP, as torch recommends; or a 2-D mesh `(world, 1)`, `("replicate", "shard")`: every rank holds everything, gradients all-reduced |
 # | `sharding_strategy=HYBRID_SHARD` | `mesh=init_device_mesh(..., (replicas, shard_size))`, a 2-D {term}`device mesh` ({ref}`cluster`) |
@@ -270,9 +270,11 @@ for mistake, message, fix, after in launch(fsdp1_mistakes, output="none")[0]:
 # `FutureWarning` appears in its output: `FSDP.state_dict_type` is being deprecated in
 # favour of `get_state_dict`/`set_state_dict` (`FullyShardedDataParallel.state_dict_type`
 # in `torch/distributed/fsdp/fully_sharded_data_parallel.py`), which the FSDP2 side uses.
-# The two `UserWarning`s after it come from torch's own FSDP1 sharded-state-dict code
-# (`torch/distributed/fsdp/_shard_utils.py` calling the internal `_get_pg_default_device`):
-# nothing in the user's code to change, one more reason to move to the new API.
+# The other warnings come from torch's own FSDP1 sharded-state-dict code: two
+# `UserWarning`s from `torch/distributed/fsdp/_shard_utils.py` calling the internal
+# `_get_pg_default_device`, and `FutureWarning`s that `ShardedTensor` is deprecated
+# (`torch/distributed/fsdp/_state_dict_utils.py`): nothing in the user's code to change,
+# one more reason to move to the new API.
 # Both dictionaries are keyed by the parameters' original names (`0.fc.weight`), not by
 # the FSDP1 module's own parameter names (`_fsdp_wrapped_module...`; both printed below,
 # from rank 0), so an FSDP2 model can read them: build it, ask `get_state_dict` for the

@@ -164,8 +164,9 @@ for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
 #   stored in float32 on the float32 shard. FSDP1 does the same.
 # - **Both**: the weights arrive already in bfloat16 (gathered in bfloat16: half the
 #   bytes) and autocast decides per operation. The `loss` column is the difference from
-#   "FSDP bf16 only": autocast runs `mse_loss` in float32 (on the CPU, as `cross_entropy`
-#   and torch's other losses on autocast's float32 list), where FSDP's policy alone left
+#   "FSDP bf16 only": autocast runs `mse_loss` in float32 (on the CPU it is on autocast's
+#   float32 list, with `cross_entropy` and others: "CPU Ops that can autocast to float32"
+#   in torch.amp's documentation), where FSDP's policy alone left
 #   it in bfloat16. `MixedPrecisionPolicy` casts parameters; it does not choose a dtype
 #   per operation, which is why it is usually combined with autocast.
 # - **float16** behaves the same way, with float16 in place of bfloat16.
@@ -217,7 +218,8 @@ print("torch.autocast's only bfloat16 check on CUDA:",
 # %% [markdown]
 # `torch.cuda.is_bf16_supported()` defaults to `including_emulation=True`: on a GPU below
 # compute capability 8.0 it returns True when a bfloat16 tensor can be created there
-# (`torch/cuda/__init__.py`, `_check_bf16_tensor_supported`), which any CUDA GPU allows.
+# (`torch/cuda/__init__.py`, `_check_bf16_tensor_supported`), which is expected to succeed
+# on any CUDA GPU (not run here).
 # `torch.autocast("cuda", dtype=torch.bfloat16)` raises only when that check is False
 # (`torch/amp/autocast_mode.py`, `autocast.__init__`), so on such a GPU it runs, and the
 # matmuls compute in bfloat16 without the hardware for it (emulated; not measured here, as
@@ -367,10 +369,14 @@ for name, (losses, zeros) in runs.items():
 # A skipped step must be skipped on *every* rank, or the ranks' weights diverge. A
 # rank holds only a shard of the gradients, so an overflow may be seen by one rank only.
 # With FSDP2's DTensor gradients, `torch.amp.GradScaler`'s check covers the whole
-# gradient: below, only rank 0's shard gets an infinity. Each rank then compares the full
+# gradient: below, only rank 0's shard gets an infinity (the scale starts at 1, so that
+# nothing else overflows: rank 1's own shards stay finite). Each rank then compares the full
 # parameters (`full_tensor()`, gathered from both ranks' shards) before and after
 # `scaler.step`, so "step skipped: True" means that neither rank's shard changed; and
-# each rank's scaler halved its scale.
+# each rank's scaler halved its scale. Rank 1 skipped a step its own gradients allowed:
+# DTensor reduces the scaler's found-inf flag across the ranks
+# (`found_inf_reduce_handler` in `torch/distributed/tensor/_dispatch.py`, registered for
+# `aten._amp_foreach_non_finite_check_and_unscale_`).
 
 
 # %%
@@ -378,20 +384,23 @@ def overflow_on_rank_0_only():
     device = fsdp_guide.device()
     model = shard_with_policy(Attentionish(), "fsdp2", torch.float16, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler(device.type)
+    # A scale of 1: the default 65536 would overflow float16 gradients on every rank by itself
+    scaler = torch.amp.GradScaler(device.type, init_scale=1.0)
     scaler.scale(model(torch.ones(2, 32, device=device)).float().sum()).backward()
     if dist.get_rank() == 0:
         next(model.parameters()).grad.to_local()[0, 0] = float("inf")
+    own_finite = all(p.grad.to_local().isfinite().all().item() for p in model.parameters())  # this rank's shards
     before = [p.full_tensor() for p in model.parameters()]
     scale_before = scaler.get_scale()
     scaler.step(optimizer)
     scaler.update()
     unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
-    return unchanged, scale_before, scaler.get_scale()
+    return own_finite, unchanged, scale_before, scaler.get_scale()
 
 
-for rank, (unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, output="none")):
-    print(f"rank {rank}: step skipped: {unchanged}, scale {old:.0f} -> {new:.0f}")
+for rank, (own_finite, unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, output="none")):
+    print(f"rank {rank}: its own gradient shards finite: {own_finite}; step skipped: {unchanged}, "
+          f"scale {old:g} -> {new:g}")
 
 # %% [markdown]
 # (mixed-precision-tips)=

@@ -502,9 +502,9 @@ for key in [("GPipe", 4), ("1F1B", 4)]:
 #   memory, not idle time.
 # - **What the formula leaves out**: the time of each message, the work between chunks
 #   (the last stage computes its loss outside them, drawn as dots), and stages of
-#   different speeds, which make the faster stage wait more and the slower less. That is
-#   why the measured idle fractions are not the formula's, and differ from it above or
-#   below.
+#   different speeds, which would make the faster stage wait more and the slower less.
+#   The measured idle fractions differ from the formula's, above or below; which of these
+#   makes the difference is not separated on this page.
 #
 # Schedules with several stages per rank (`ScheduleInterleaved1F1B`) and those that split
 # each backward into its input and weight gradients (the zero-bubble ones) shrink the

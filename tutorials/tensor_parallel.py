@@ -411,7 +411,7 @@ print(f"the 4 ranks' to_local() summed: largest difference {(summed - one_grad).
       f" (the gradient's largest entry: {one_grad.abs().max():.1e})")
 for what in ("step, left partial", "reducing once", "step, reduced"):
     print(f"{what:20} (dim, kind, n, bytes): {found[0][what] or 'no collective'}")
-glue("tp_partial_miss", min(misses), display=False)  # the rank whose to_local() comes closest
+glue("tp_partial_miss", torch.tensor(misses).min().item(), display=False)  # the closest rank's (torch's min keeps a NaN)
 glue("tp_grad_largest", one_grad.abs().max().item(), display=False)
 glue("tp_partial_params", found[0]["partial"], display=False)
 glue("tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False)  # (dim, kind, n, bytes)
