@@ -307,9 +307,11 @@ print("torchrun's exit status:", run.returncode)
 
 # %% [markdown]
 # The box names the root cause, rank 1, and how it ended: exit code -9, `Signal 9
-# (SIGKILL)`, with no traceback, since a killed process writes none. Rank 0 printed the
-# only Python error, `Connection closed by peer`: a consequence, its peer gone in the middle
-# of the barrier. Read the box for the rank that failed first, then that rank's own lines
+# (SIGKILL)`, with no traceback, since a killed process writes none. Any Python error
+# above the box is rank 0's, and a consequence: its peer went away in the middle of the
+# barrier, and gloo says so in the words of whichever it saw first (`Connection closed by
+# peer` or `reset by peer`), unless torchrun's `SIGTERM` stopped rank 0 before it noticed.
+# Read the box for the rank that failed first, then that rank's own lines
 # (prefixed `[rank1]:`) for its error; a rank that raised prints its traceback there. A
 # `SIGKILL` on a cluster is expected to come from outside the process (the kernel's
 # out-of-memory killer, seen in `dmesg`, or the scheduler's limits), not from torch.
@@ -374,6 +376,9 @@ def failure(attempt) -> str:
     raise AssertionError("expected an error")
 
 
+CPU = "cpu"  # cpu-only: the error below is about tensors on the CPU
+
+
 def backend_errors():
     said = []
     if not dist.is_nccl_available():  # the CPU wheel; a CUDA build has NCCL
@@ -383,10 +388,10 @@ def backend_errors():
     # A group with a backend for CUDA tensors only, as init_process_group("nccl") makes,
     # and a DTensor whose shards are on the CPU (CPU offload, or a state dict moved there).
     cuda_only = dist.new_group(backend="cuda:gloo")
-    cpu_shards = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(cuda_only, "cpu"), [Shard(0)])
+    cpu_shards = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(cuda_only, CPU), [Shard(0)])
     said.append(failure(cpu_shards.full_tensor))
     # The launch's own group has a backend for every device its tensors are on.
-    default = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(dist.group.WORLD, "cpu"), [Shard(0)])
+    default = DTensor.from_local(torch.ones(2), DeviceMesh.from_group(dist.group.WORLD, CPU), [Shard(0)])
     said.append(f"on the group of {dist.get_backend_config()!r}: full_tensor() = {default.full_tensor().tolist()}")
     return said
 

@@ -230,7 +230,7 @@ def fsdp1_mistakes():
          "on the root", outcome(lambda: clip(on_root=True))),
     ]
     rows.append(("FSDP2: a frozen block and a uint8 parameter in one unit, a step", outcome(fsdp2_one_unit), "", ""))
-    if device.type == "cpu":  # without device_id FSDP1 computes on the current accelerator, and there is none
+    if device.type == "cpu":  # cpu-only: FSDP1 without device_id computes on the current accelerator
         rows.append(("no device_id on a CPU-only machine", outcome(lambda: FSDP(make_model())),
                      "device_id=torch.device('cpu')", outcome(lambda: FSDP(make_model(), device_id=device))))
     with warnings.catch_warnings(record=True) as caught:  # a group of one rank, as a one-GPU run has

@@ -134,6 +134,8 @@ FIXES = {
         "lines above it: :ref:`cluster-launch-errors`.",
     "Connection closed by peer": "Another rank exited in the middle of a collective: this is a consequence; find "
         "the rank that failed first (torchrun's root cause): :ref:`cluster-launch-errors`.",
+    "Connection reset by peer": "Another rank exited in the middle of a collective: this is a consequence; find "
+        "the rank that failed first (torchrun's root cause): :ref:`cluster-launch-errors`.",
     "EADDRINUSE": "Another job holds ``MASTER_PORT``: a port of its own for each job, or ``torchrun --standalone`` "
         "on one machine: :ref:`cluster-launch-errors`.",
     "waiting for clients": "Rank 0 waited for ranks that never connected: every node started, with the same "
@@ -149,9 +151,9 @@ FIXES = {
         "(nodes, ranks per node) for ``WORLD_SIZE`` ranks, :ref:`cluster-launch-errors`.",
     # models built on the meta device
     "should be materialized from meta device": "``to_empty(device=...)``, then initialise, before the first forward: "
-        ":ref:`deterministic-init-meta-errors`.",
+        ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
     "Cannot copy out of meta tensor": "``to_empty(device=...)``, not ``.to(device)``, for a model on ``meta``: "
-        ":ref:`deterministic-init-meta-errors`.",
+        ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
     # FSDP1's FlatParameter
     "Must flatten tensors with uniform dtype": "FSDP1 flattens a unit into one dtype: the odd module a unit of its "
         "own (or FSDP2, which asks it only of trainable parameters): :ref:`migration-fsdp1-errors`.",
@@ -166,15 +168,15 @@ FIXES = {
     "switching to use `NO_SHARD`": "One rank has nothing to shard: test sharding on 2 ranks or more, "
         ":ref:`migration-fsdp1-errors`.",
     "'weight' must be 2-D": "An FSDP1 submodule called outside the root's forward (``generate``, a helper): run it "
-        "inside ``summon_full_params(model, recurse=False)``, :ref:`summon-outside-forward`.",
+        "inside ``summon_full_params(model, recurse=False)``, :ref:`calls outside the root's forward <summon-outside-forward>`.",
     "out of bounds for storage of size 0": "An FSDP1 parameter used outside the root's forward, its storage freed: "
-        "run the call inside ``summon_full_params(model, recurse=False)``, :ref:`summon-outside-forward`.",
+        "run the call inside ``summon_full_params(model, recurse=False)``, :ref:`calls outside the root's forward <summon-outside-forward>`.",
     # activation checkpointing
     "element 0 of tensors does not require grad": "Reentrant activation checkpointing where no input requires "
         "grad (a frozen embedding): ``use_reentrant=False``, or ``enable_input_require_grads()``: "
-        ":ref:`pitfalls-reentrant-frozen-input`.",
+        ":ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
     "None of the inputs have requires_grad=True": "Reentrant activation checkpointing records no graph: "
-        "``use_reentrant=False``, :ref:`pitfalls-reentrant-frozen-input`.",
+        "``use_reentrant=False``, :ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
     "_foreach_norm.Scalar got mixed torch.Tensor and DTensor": "Gradient clipping over DTensors and plain tensors "
         "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
         ":ref:`clipping beside ignored parameters <fsdp2-ignored-params-clipping>`, :ref:`tp-clipping`.",
