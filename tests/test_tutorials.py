@@ -235,8 +235,11 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
     # logged loss off too; the global count's within float32 rounding
     assert float(per_rank[-1]) > 0.1 and float(per_rank[-2]) != reference
     assert float(times_ranks[-1]) < 1e-6 and float(factor_one[-1]) < 1e-6
-    assert _glued(executed["loss_and_accumulation"]).keys() >= {"per_rank_error", "per_rank_logged",
-                                                                 "one_process_loss", "global_count_error"}
+    assert _glued(executed["loss_and_accumulation"]).keys() >= {
+        "per_rank_error", "per_rank_logged", "one_process_loss", "global_count_error",
+        "rank0_tokens", "rank1_tokens", "rank0_weight", "rank1_weight", "all_tokens"}
+    glued = _glued(executed["loss_and_accumulation"])  # the weights the prose gives follow from the counts
+    assert int(glued["rank0_weight"]) == 2 * int(glued["rank0_tokens"]) != int(glued["all_tokens"])
     assert float(times_ranks[-2]) == float(factor_one[-2]) == reference
     # gloo refuses FSDP's PREMUL_SUM; should it gain the op, the page says so and this fails on purpose
     assert "a rank raised RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo" in text
@@ -468,6 +471,7 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
                     "a step after torch._dynamo.reset()": "2x"}
     assert "torch.compile(block): blocks.0._orig_mod.ln_1.weight" in text
     assert "block.compile():      blocks.0.ln_1.weight" in text
+    assert "graph breaks, by reason: ['Call to `torch._dynamo.graph_break()`']" in text  # the optimizer's own
     # the wrapped block's checkpoint, loaded into an eager block: torch's own message names both sets of keys
     assert re.search(r'Missing key\(s\) in state_dict: "ln_1.weight".*\n\s*Unexpected key\(s\) in state_dict: '
                      r'"_orig_mod.ln_1.weight"', text)
@@ -844,7 +848,8 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert "got mixed torch.Tensor and DTensor" in text  # a full state dict into DTensor parameters
     assert ways["load_state_dict(full state dict)"].startswith("RuntimeError: Error(s) in loading state_dict")
     assert "size mismatch for 0.weight: copying a param with shape torch.Size([4, 8])" in text  # one rank's rows
-    assert ways["dcp.load into a deeper model"] == "RuntimeError: Missing key in checkpoint state_dict: model.1.weight."
+    assert ways["dcp.load into the model with a head added"] == (
+        "RuntimeError: Missing key in checkpoint state_dict: model.score.weight.")
     assert ways["dcp.load into a wider model"].startswith("ValueError: Size mismatch between saved torch.Size([8, 8])")
     assert ways["set_model_state_dict(full state dict)"] == ways["dcp.load into the same model"] == "loaded"
     # MFU: the recipe says why not on a CPU; torchtitan's published run, the right way and three wrong ones

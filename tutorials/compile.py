@@ -813,7 +813,8 @@ def optimizer_steps(compiled, backend="aot_eager"):
     params = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
     capturable = [group["capturable"] for group in optimizer.param_groups]
     return (params, [inputs["DTensor"] for inputs in log.inputs], log.runs, dict(ran),
-            sum(torch._dynamo.utils.counters["graph_break"].values()), capturable)
+            sum(torch._dynamo.utils.counters["graph_break"].values()), capturable,
+            sorted({reason.splitlines()[0] for reason in torch._dynamo.utils.counters["graph_break"]}))
 
 
 def both_optimizer_steps():
@@ -821,10 +822,11 @@ def both_optimizer_steps():
             optimizer_steps(compiled=True, backend="eager"), one_all_reduce())
 
 
-(eager_params, *_), (params, inputs, runs, collectives, breaks, capturable), (dynamo_only, *_), control = launch(
+(eager_params, *_), (params, inputs, runs, collectives, breaks, capturable, reasons), (dynamo_only, *_), control = launch(
     both_optimizer_steps, output="none")[0]
 print(f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters")
 print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; capturable: {capturable}")
+print(f"  graph breaks, by reason: {reasons}")
 print(f"  collectives in the compiled steps: {collectives or 'none'} (around one all-reduce: {dict(control)})")
 difference = largest_difference((params[name], p) for name, p in eager_params.items())
 print(f"  parameters after {STEPS} steps vs eager AdamW: max |difference| {difference:.1e}")
@@ -838,8 +840,9 @@ print(f"  the same with backend='eager' (dynamo's graph run by torch's own kerne
 #   elementwise update on `Shard(0)` needs no communication: no collective of any kind ran
 #   in the compiled steps, where the same count finds the all-reduce beside them. Each
 #   rank updates its own shard, as in eager.
-# - **The graph breaks are torch's own**: `_use_grad_for_differentiable` in
-#   `torch/optim/optimizer.py` calls `torch._dynamo.graph_break()` around the update so that
+# - **The graph break is torch's own**: its reason, printed, is a call to
+#   `torch._dynamo.graph_break()`, which `_use_grad_for_differentiable` in
+#   `torch/optim/optimizer.py` makes around the update (before it and after it) so that
 #   AOTAutograd sees it under `no_grad` (the comment there explains the allocation it
 #   saves). Only the update becomes a graph.
 # - **The numbers are not eager's bit for bit**, and the last line separates where the

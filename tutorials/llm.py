@@ -402,7 +402,7 @@ for world_size in (4, 1):
 # after initialisation).
 #
 # (llm-load-errors)=
-# ## Loading a state dict the wrong way
+# ## A `state_dict` or checkpoint loaded the wrong way: missing keys, other shapes
 #
 # Each way below of putting saved weights into a sharded model is a common mistake, made on
 # purpose on a small model, with its message; the last two load a DCP checkpoint into a
@@ -417,9 +417,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import fully_shard
 
 
-def sharded(width=8, layers=1):
+def sharded(width=8, head=False):
+    """A small sharded model; with ``head``, a scoring head added (as a reward model adds ``score``)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    model = nn.Sequential(nn.Linear(width, width))
+    if head:
+        model.add_module("score", nn.Linear(width, 1))
     for layer in model:
         fully_shard(layer)
     return fully_shard(model)
@@ -444,8 +447,8 @@ def loading_mistakes(folder):
     return {
         "load_state_dict(full state dict)": outcome(lambda: sharded().load_state_dict(full)),
         "load_state_dict(this rank's shards)": outcome(lambda: sharded().load_state_dict(local)),
-        "dcp.load into a deeper model": outcome(
-            lambda: dcp.load({"model": sharded(layers=2).state_dict()}, checkpoint_id=folder)),
+        "dcp.load into the model with a head added": outcome(
+            lambda: dcp.load({"model": sharded(head=True).state_dict()}, checkpoint_id=folder)),
         "dcp.load into a wider model": outcome(
             lambda: dcp.load({"model": sharded(width=16).state_dict()}, checkpoint_id=folder)),
         "set_model_state_dict(full state dict)": outcome(lambda: set_model_state_dict(

@@ -82,7 +82,8 @@ def summed_loss(model, tokens, targets):
 
 tokens, targets = global_batch()
 print("real tokens per row:", (targets != IGNORE).sum(1).tolist())
-print("real tokens per rank:", [int((t != IGNORE).sum()) for t in targets.chunk(2)])
+rank_tokens = [int((t != IGNORE).sum()) for t in targets.chunk(2)]
+print("real tokens per rank:", rank_tokens)
 
 # %% [markdown]
 # The reference is one process computing the mean loss over every real token of the global
@@ -205,6 +206,11 @@ from myst_nb import glue  # the figures the text quotes, from this run (JupyterL
 
 glue("per_rank_error", relative_error(results["per-rank mean"][1]), display=False)
 glue("per_rank_logged", results["per-rank mean"][0], display=False)
+glue("rank0_tokens", rank_tokens[0], display=False)  # the counts printed with the batch, and the weights they give
+glue("rank1_tokens", rank_tokens[1], display=False)
+glue("rank0_weight", 2 * rank_tokens[0], display=False)  # a mean of two means: 1 / (2 x the rank's count)
+glue("rank1_weight", 2 * rank_tokens[1], display=False)
+glue("all_tokens", sum(rank_tokens), display=False)
 glue("one_process_loss", reference_loss, display=False)
 glue("global_count_error", torch.tensor([relative_error(results[how][1]) for how in WAYS[1:]]).max().item(),
      display=False)  # torch's max keeps a NaN
@@ -245,8 +251,9 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # roles JupyterLab does not render: read them from the table there).
 #
 # The per-rank mean's gradient is {glue:text}`per_rank_error:.0%` away from one process's. FSDP averages the two
-# ranks' means, and a mean of means weighs each of rank 0's 75 tokens by 1/150 and each of
-# rank 1's 120 by 1/240, where one process weighs every token by 1/195. Its logged loss,
+# ranks' means, and a mean of means weighs each of rank 0's {glue:text}`rank0_tokens` tokens by
+# 1/{glue:text}`rank0_weight` and each of rank 1's {glue:text}`rank1_tokens` by 1/{glue:text}`rank1_weight`,
+# where one process weighs every token by 1/{glue:text}`all_tokens`. Its logged loss,
 # the mean of the ranks' means, is slightly off too ({glue:text}`per_rank_logged:.6f` against
 # {glue:text}`one_process_loss:.6f`). Divided by the global count, both ways of undoing FSDP's average
 # agree with one process to float32 rounding (errors up to {glue:text}`global_count_error:.0e` in the table): the
@@ -315,7 +322,7 @@ for how, (_, grads) in results[0].items():
 glue("accumulated_mean_error", relative_error(results[0]["micro-batch mean / micro-batches"][1]), display=False)
 
 # %% [markdown]
-# Four micro-batches of 31 to 63 tokens, weighted equally by the usual recipe: its
+# Four micro-batches of different token counts (printed above), weighted equally by the usual recipe: its
 # gradient is {glue:text}`accumulated_mean_error:.0%` away from one process's, further than the per-rank mean's
 # {glue:text}`per_rank_error:.0%` (this run's, glued from the tables). Counting
 # the step's tokens first gives one process's gradient again, to rounding.
