@@ -71,7 +71,7 @@
 # | `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME` | the network interface the collectives use (e.g. `ib0`, `eth0`); set them when a node has several and the default one cannot reach the others |
 # | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=INIT,NET`) | NCCL prints the interfaces, transports (InfiniBand, sockets) and rings it chose: the first thing to read when multi-node runs hang or are slow |
 # | `NCCL_IB_DISABLE=1`, `NCCL_IB_HCA` | turn InfiniBand off, or choose the adapters |
-# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | on by default: a failed or timed-out collective aborts the process instead of hanging it |
+# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | on by default (`ProcessGroupNCCL.hpp` in torch's installed headers): a failed or timed-out collective aborts the process instead of hanging it |
 # | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | checks that every rank calls the same collectives with matching shapes (slow; for debugging) |
 # | `OMP_NUM_THREADS` | CPU threads per rank; when it is unset and `--nproc-per-node` is more than 1, `torchrun` sets it to 1 and logs a warning saying so (`config_from_args` in `torch/distributed/run.py`); raise it to cores per rank for CPU work |
 #
@@ -199,6 +199,12 @@ for rank, r in enumerate(ranks):
     print(f"{rank:4}  {str(r['shard_group']):11}  {str(r['replicate_group']):15}  {r['placements']:34}  {r['local_shape']}")
 print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 
+from myst_nb import glue  # the counts the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+
+for name, op in (("hsdp_all_gathers", "_allgather_base_"), ("hsdp_reduce_scatters", "_reduce_scatter_base_"),
+                 ("hsdp_all_reduces", "allreduce_")):
+    glue(name, ranks[0]["collectives"].get(op, 0), display=False)
+
 # %% [markdown]
 # Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold halves of it, as do
 # ranks 2 and 3) and `Replicate()` across the replicate groups (ranks 0 and 2 hold the same
@@ -207,10 +213,12 @@ print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 # `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`): the all-gathers and the
 # reduce-scatters use `_all_gather_process_group` and `_reduce_scatter_process_group`,
 # the mesh's `shard` dimension, and the all-reduces `_all_reduce_process_group`, its
-# `replicate` dimension. So the 4 all-gathers (2 units, in forward and again in backward)
-# run inside the shard group of 2; each unit's gradients are reduce-scattered inside it (2)
-# and then all-reduced across the replicate group (2), so every rank ends with its shard of
-# the gradient averaged over all 4 ranks.
+# `replicate` dimension. So the {glue:text}`hsdp_all_gathers` all-gathers (2 units, in forward and again in backward)
+# run inside the shard group of 2; each unit's gradients are reduce-scattered inside it
+# ({glue:text}`hsdp_reduce_scatters`) and then all-reduced across the replicate group ({glue:text}`hsdp_all_reduces`),
+# so every rank ends with its shard of the gradient averaged over all 4 ranks. (The counts
+# are this run's, glued from the line above; JupyterLab does not render glue's roles: read
+# them there.)
 #
 # The `UserWarning`s printed with the table (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
 # entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`

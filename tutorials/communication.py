@@ -525,8 +525,10 @@ for setting, (totals, equals, error) in launch(every_comm, reference, world_size
 # FSDP keeps each reduce-scatter's input buffer until a later unit reclaims it. Before a
 # unit's reduce-scatter, once it holds `max_input_buffers` of them (1 by default), it makes
 # the compute stream wait for the oldest; the profiler marks each such wait
-# `FSDP::post_backward_rs_wait`. On gloo the collective has finished by then, so these
-# waits cost nothing here: the counts show where FSDP would wait on a GPU. Three controls
+# `FSDP::post_backward_rs_wait`. On gloo the collective has finished by then (the
+# reduce-scatter is issued without `async_op`, and `reduce_scatter_single` in
+# `torch/distributed/distributed_c10d.py` then waits for it), so these waits cost nothing
+# here: the counts show where FSDP is expected to wait on a GPU. Three controls
 # change that pipeline, counted with the markers over one backward (the first step, which
 # initialises FSDP, is not counted):
 #
@@ -704,8 +706,10 @@ for hook in (False, True):
 # `set_reduce_scatter_divide_factor` is the old name of `set_gradient_divide_factor`
 # ({ref}`tutorial-loss-and-accumulation` uses the new one): it warns and calls it. Both,
 # with a factor of 1 (a sum, not a mean, over the 2 ranks; for float32 and bfloat16 a
-# factor that is not the group's size asks for `ReduceOp.PREMUL_SUM`, which gloo refuses,
-# so `set_force_sum_reduction_for_comms` sums and divides separately):
+# factor that is not the group's size asks for `ReduceOp.PREMUL_SUM`,
+# `_get_gradient_divide_factors` in `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`,
+# which gloo refuses, {ref}`tutorial-loss-and-accumulation` shows the error; so
+# `set_force_sum_reduction_for_comms` sums and divides separately):
 #
 # (fsdp2-fsdpmodule-set-reduce-scatter-divide-factor)=
 

@@ -640,8 +640,9 @@ glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkp
 #   whose CPU form saves `torch.get_rng_state()` (`torch/_prims/rng_prims.py`). Eager checkpointing keeps its RNG state too, but in a local variable of
 #   `_checkpoint_without_reentrant_generator` (`torch/utils/checkpoint.py`), not as a
 #   saved tensor, so `saved_tensors_hooks` do not see it.
-# - **Compile, then checkpoint**: the wrapper is eager and calls the compiled block twice,
-#   in the forward and again in the backward's recomputation; the block's graph is the
+# - **Compile, then checkpoint**: the wrapper is eager and, as non-reentrant checkpointing
+#   does, runs the block it wraps (here the compiled one) in the forward and again in the
+#   backward's recomputation (`torch/utils/checkpoint.py`); the block's graph is the
 #   same as without checkpointing. It saves what eager checkpointing saves.
 # - Both train exactly as eager does with `aot_eager`. On GPUs, the first order is
 #   expected to be the one that lets inductor fuse the recomputation into the backward's

@@ -196,7 +196,7 @@ from myst_nb import glue  # the figures the text quotes, from this run (JupyterL
 
 glue("llm_final_loss", straight["losses"][39], display=False)  # step 40's, printed above
 
-# %% mystnb={"image": {"alt": "Loss of the byte-level GPT over 40 steps on 2 ranks, starting near the dotted line at ln 256 (a uniform guess over bytes) and falling to about 3."}}
+# %% mystnb={"image": {"alt": "Loss of the byte-level GPT over 40 steps on 2 ranks, starting near the dotted line at ln 256 (a uniform guess over bytes) and falling well below it."}}
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 3))

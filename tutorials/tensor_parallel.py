@@ -1087,9 +1087,10 @@ print(f"under implicit_replication(): total norm {total:.7f} (one process {one_n
 # Both calls fail on the mix (clipping on every device: `_get_total_norm` in
 # `torch/nn/utils/clip_grad.py` takes its `foreach` path wherever `_has_foreach_support` in
 # `torch/utils/_foreach_utils.py` allows it, CPU included); under `implicit_replication()` both run and give one process's norm,
-# and its parameters up to float32 rounding (Adam's first update, `exp_avg / sqrt(exp_avg_sq)`,
-# is about `lr` = 1e-2 per entry whatever the gradient's size, so the rounding of the
-# smallest gradients shows). That is also why the collectives table above passes
+# and its parameters up to float32 rounding (where in the parameters the largest difference
+# sits is not separated here; Adam's first update, `exp_avg / sqrt(exp_avg_sq)`, is about
+# `lr` per entry whatever the gradient's size, so a small gradient's rounding can show as
+# much as a large one's). That is also why the collectives table above passes
 # `foreach=False`.
 # `implicit_replication` checks nothing: a plain tensor that differs across the ranks
 # (a per-rank batch, a rank's partial sum) is taken as replicated all the same
