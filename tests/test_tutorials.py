@@ -140,7 +140,8 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
     assert _glued(executed["lora"]).keys() >= {
         "lora_loaded_mib", "lora_kept_mib", "lora_resharded_gathered", "lora_resharded_held", "lora_kept_gathered",
-        "lora_kept_held", "lora_replicated_held", "lora_adapter_file_kib", "lora_trainable", "lora_adapter_kib"}
+        "lora_kept_held", "lora_replicated_held", "lora_adapter_file_kib", "lora_trainable", "lora_adapter_kib",
+        "lora_resharded_gathers", "lora_reductions"}
 
 
 def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):

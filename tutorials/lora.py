@@ -331,8 +331,8 @@ print(f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) 
 
 # %% [markdown]
 # All four run the training step. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
-# base. With the norms trained, the first fix adds 16 units (one per adapter module: 2
-# projections × `A`, `B` × 4 layers), each one more all-gather per forward, and keeps the
+# base. With the norms trained, the first fix adds a unit per adapter module (2
+# projections × `A`, `B` × 4 layers: the units column), each one more all-gather per forward, and keeps the
 # memory of bf16; the second stores the base in fp32, about twice the model states; the
 # third is smallest and least precise. Choose the first by default; the second when
 # memory allows and the extra collectives matter (many small adapters, a slow network);
@@ -445,11 +445,13 @@ glue("lora_resharded_held", resharded["in forward"] / resharded["base"], display
 glue("lora_kept_gathered", kept["gathered"][0] / kept["base"], display=False)
 glue("lora_kept_held", kept["in forward"] / kept["base"], display=False)
 glue("lora_replicated_held", traffic["replicated"]["in forward"] / traffic["replicated"]["base"], display=False)
+glue("lora_resharded_gathers", resharded["gathers"] // MICRO, display=False)  # per micro-batch (the table: per step)
+glue("lora_reductions", resharded["reductions"], display=False)
 
 # %% [markdown]
 # Read it per micro-batch. Resharding after forward gathers the whole base twice per
 # micro-batch ({glue:text}`lora_resharded_gathered:.2f` base sizes, forward and backward; of each gathered buffer the rank
-# already held half), in 10 all-gathers (5 units, forward and backward), and holds the
+# already held half), in {glue:text}`lora_resharded_gathers` all-gathers (5 units, forward and backward), and holds the
 # least in forward ({glue:text}`lora_resharded_held:.2f`): its shards, the root (embedding and output layer) and one layer
 # gathered at a time. Keeping the base from forward to backward halves the traffic ({glue:text}`lora_kept_gathered:.2f`),
 # and holds the whole base gathered beside the shards when forward ends ({glue:text}`lora_kept_held:.2f`). Keeping it
@@ -458,7 +460,7 @@ glue("lora_replicated_held", traffic["replicated"]["in forward"] / traffic["repl
 # ({glue:text}`lora_replicated_held:.2f`: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
 # gathered; between micro-batches, once. The reductions column is the same in every mode by
 # the worker's construction (`set_requires_gradient_sync(last)` in each): it shows only that
-# FSDP honours the flag, 4 per optimizer step, one per unit that holds adapters (the 4
+# FSDP honours the flag, {glue:text}`lora_reductions` per optimizer step, one per unit that holds adapters (the 4
 # layers, not the root); the replicated mode's are all-reduces over the replicate
 # dimension, the others' reduce-scatters (`foreach_reduce` in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` copies instead of
