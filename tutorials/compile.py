@@ -637,7 +637,8 @@ glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkp
 #   `functionalize_rng_ops` (`torch/_functorch/partitioners.py`) wraps every operator tagged
 #   `torch.Tag.nondeterministic_seeded`, which the CPU attention kernel
 #   (`aten._scaled_dot_product_flash_attention_for_cpu`) is, in `run_and_save_rng_state`,
-#   whose CPU form saves `torch.get_rng_state()` (`torch/_prims/rng_prims.py`). Eager checkpointing keeps its RNG state too, but in a local variable of
+#   whose CPU form saves `torch.get_rng_state()` (`torch/_prims/rng_prims.py`). Eager
+#   checkpointing keeps its RNG state too, but in a local variable of
 #   `_checkpoint_without_reentrant_generator` (`torch/utils/checkpoint.py`), not as a
 #   saved tensor, so `saved_tensors_hooks` do not see it.
 # - **Compile, then checkpoint**: the wrapper is eager and, as non-reentrant checkpointing
@@ -823,8 +824,9 @@ def both_optimizer_steps():
             optimizer_steps(compiled=True, backend="eager"), one_all_reduce())
 
 
-(eager_params, *_), (params, inputs, runs, collectives, breaks, capturable, reasons), (dynamo_only, *_), control = launch(
-    both_optimizer_steps, output="none")[0]
+eager_run, compiled_run, (dynamo_only, *_), control = launch(both_optimizer_steps, output="none")[0]
+eager_params = eager_run[0]
+params, inputs, runs, collectives, breaks, capturable, reasons = compiled_run
 print(f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters")
 print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; capturable: {capturable}")
 print(f"  graph breaks, by reason: {reasons}")

@@ -384,7 +384,8 @@ glue("fp8_master_ratio", master / bf16_states, display=False)
 # With FSDP storing float32 shards *and* an optimizer keeping float32 masters, FP8 holds
 # {glue:text}`fp8_master_bytes:.0f` bytes of model states per parameter where the BF16 run holds {glue:text}`fp8_bf16_bytes:.0f`: the FP32 weights
 # are there twice, once as FSDP's shard and once as the optimizer's master. The measured
-# bytes are exactly what `estimate` predicts for that pair of settings (0 bytes apart, the line under the table). What this
+# bytes are exactly what `estimate` predicts for that pair of settings (0 bytes apart, the
+# line under the table). What this
 # reproduces of MS-AMP's report is the cause, a second float32 copy of the weights, not its
 # numbers: their 34 GB against 28 GB (1.21) is the whole GPU memory of t5-3b with MS-AMP's
 # own FP8 optimizer against BF16, activations and buffers included, while

@@ -471,8 +471,9 @@ for way, result in launch(loading_mistakes, str(workdir / "small"), world_size=2
 # or a global shape that differs, fails on every rank (`create_default_local_load_plan`
 # in `torch/distributed/checkpoint/default_planner.py`), and the `CheckpointException`
 # carries each rank's failure in `failures` (it derives from `BaseException`,
-# `torch/distributed/checkpoint/api.py`, so `except Exception` does not catch it). Load into the model the checkpoint was saved from, and change
-# it after loading; `DefaultLoadPlanner(allow_partial_load=True)` skips missing keys on purpose.
+# `torch/distributed/checkpoint/api.py`, so `except Exception` does not catch it). Load
+# into the model the checkpoint was saved from, and change it after loading;
+# `DefaultLoadPlanner(allow_partial_load=True)` skips missing keys on purpose.
 #
 # ## One file for inference
 #

@@ -396,8 +396,8 @@ for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
 # - **Muon on FSDP2 runs, on the DTensor gradients**, and lands close to DDP but not on
 #   it. Muon orthogonalises in bfloat16 (`grad.bfloat16()` in
 #   `_zeropower_via_newtonschulz`, `torch/optim/_muon.py`). An experiment (not a recipe)
-#   shows that bfloat16 rounding is all of the difference but float32 rounding: let `.bfloat16()` mean float32
-#   for one run.
+#   shows that bfloat16 rounding is all of the difference but float32 rounding: let
+#   `.bfloat16()` mean float32 for one run.
 
 # %%
 def muon_in_float32():

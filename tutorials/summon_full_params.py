@@ -245,8 +245,8 @@ assert exact
 # %% [markdown]
 # (summon-outside-forward)=
 # The context is also what a call that skips the root's `forward` needs: `generate`, an
-# evaluation helper, or a submodule called directly. Outside the root's forward, FSDP1
-# has resharded, and a parameter in the root unit (here the embedding) is a view into
+# evaluation helper, or a submodule called directly. After a training step (forward and
+# backward) FSDP1 has resharded every unit, and a parameter in the root unit (here the embedding) is a view into
 # storage it freed (`use_orig_params=False`), or a 1-D slice of the flat shard
 # (`use_orig_params=True`):
 
