@@ -70,6 +70,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fsdp_guide
 from fsdp_guide import launch
+from fsdp_guide.collectives import collective_kind
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 
@@ -136,21 +137,23 @@ class CompileLog:
         return run
 
 
-# FSDP's collectives as c10d runs them, and the callback FSDP2's root queues for the end of
-# the backward (its record_function name in torch's _fsdp_state.py).
-# Every all-gather and reduce-scatter counts, eager (c10d::) or traced into a graph (the functional ops).
-EVENTS = {"c10d::_allgather_base_": "all-gathers", "c10d::allgather_": "all-gathers",
-          "_c10d_functional::all_gather_into_tensor": "all-gathers",
-          "c10d::_reduce_scatter_base_": "reduce-scatters", "c10d::reduce_scatter_": "reduce-scatters",
-          "_c10d_functional::reduce_scatter_tensor": "reduce-scatters",
-          "FSDP::root_post_backward_callback": "root's final callback"}
+# FSDP's all-gathers and reduce-scatters, eager (c10d) or traced into a graph (functional),
+# and the callback FSDP2's root queues for the end of the backward (its record_function
+# name in torch's _fsdp_state.py).
+COUNTED = {"all-gather": "all-gathers", "reduce-scatter": "reduce-scatters"}
+ROOT_CALLBACK = "FSDP::root_post_backward_callback"
+EVENTS = (*COUNTED.values(), "root's final callback")
+
+
+def event_kind(name: str) -> str | None:
+    return "root's final callback" if name == ROOT_CALLBACK else COUNTED.get(collective_kind(name))
 
 
 def what_ran(fn):
     """Run `fn` under the profiler (which, unlike a dispatch mode, leaves compiled code running); count EVENTS."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()
-    return Counter(EVENTS[event.name] for event in profile.events() if event.name in EVENTS)
+    return Counter(kind for event in profile.events() if (kind := event_kind(event.name)))
 
 # %% [markdown]
 # (compile-backend)=
@@ -716,7 +719,7 @@ def eager_and_compiled_autograd():
 ranks = launch(eager_and_compiled_autograd, output="none")
 eager, compiled = ranks[0]
 print(f"{'':34} {'eager backward':>15} {'compiled autograd':>18}")
-for event in EVENTS.values():
+for event in EVENTS:
     print(f"{event:34} {eager['ran'].get(event, 0):>15} {compiled['ran'].get(event, 0):>18}")
 print(f"{'compiled autograd graphs':34} {'-':>15} {compiled['backward graphs']:>18}")
 print(f"{'graph breaks':34} {eager['graph breaks']:>15} {compiled['graph breaks']:>18}")

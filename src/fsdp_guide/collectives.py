@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a funct
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["count_collectives", "CollectiveCount"]
+__all__ = ["count_collectives", "collective_kind", "CollectiveCount"]
 
 # Operator name (without overload) -> (kind, index of the argument whose tensors are the
 # collective's full size): an all-gather's gathered output, a reduce-scatter's input,
@@ -45,6 +45,24 @@ _OPS = {
     "_c10d_functional::broadcast": ("broadcast", 0),
     "_c10d_functional::all_to_all_single": ("all-to-all", 0),
 }
+
+
+def collective_kind(operator: str) -> str | None:
+    """The kind of collective an operator runs, by its name as the profiler records it; None for any other.
+
+    Eager c10d operators (what FSDP calls) and the functional ones (what DTensor and
+    compiled graphs call) alike.
+
+    Example:
+
+    >>> from fsdp_guide.collectives import collective_kind
+    >>> collective_kind("c10d::_allgather_base_"), collective_kind("_c10d_functional::reduce_scatter_tensor")
+    ('all-gather', 'reduce-scatter')
+    >>> collective_kind("aten::mm") is None
+    True
+    """
+    kind = _OPS.get(operator)
+    return kind[0] if kind else None
 
 
 def _nbytes(value) -> int:
