@@ -429,7 +429,7 @@ def sharded(width=8, head=False):
 
 
 def loading_mistakes(folder):
-    model = sharded().to(fsdp_guide.device())
+    model = sharded()  # fully_shard puts it on the mesh's device: fsdp_guide.device()'s
     full = {name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()}  # a torch.save'd file
     local = {name: tensor.to_local() for name, tensor in model.state_dict().items()}  # each rank's own shards
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder)

@@ -132,10 +132,9 @@ FIXES = {
         "started by torchrun): :ref:`cluster-launch-errors`.",
     ".py FAILED": "torchrun's summary, not the error: find the root-cause rank in the box, then that rank's own "
         "lines above it: :ref:`cluster-launch-errors`.",
-    "Connection closed by peer": "Another rank exited in the middle of a collective: this is a consequence; find "
-        "the rank that failed first (torchrun's root cause): :ref:`cluster-launch-errors`.",
-    "Connection reset by peer": "Another rank exited in the middle of a collective: this is a consequence; find "
-        "the rank that failed first (torchrun's root cause): :ref:`cluster-launch-errors`.",
+    "by peer": "Another rank exited in the middle of a collective (gloo's \"Connection closed by peer\" or "
+        "\"reset by peer\"): this is a consequence; find the rank that failed first (torchrun's root cause): "
+        ":ref:`cluster-launch-errors`.",
     "EADDRINUSE": "Another job holds ``MASTER_PORT``: a port of its own for each job, or ``torchrun --standalone`` "
         "on one machine: :ref:`cluster-launch-errors`.",
     "waiting for clients": "Rank 0 waited for ranks that never connected: every node started, with the same "
