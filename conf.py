@@ -34,7 +34,15 @@ root_doc = "index"
 # noxfile.py, src/ and tests/ as notebooks.
 include_patterns = ["index.rst", "docs/**", "tutorials/*.py"]
 # The .ipynb files Jupyter pairs with the pages (jupytext.toml) are the reader's, not sources.
-exclude_patterns = ["_build", "docs/_ext", "docs/figures", "**/.ipynb_checkpoints", "**/__pycache__", "tutorials/*.ipynb", "docs/*.ipynb"]
+exclude_patterns = [
+    "_build",
+    "docs/_ext",
+    "docs/figures",
+    "**/.ipynb_checkpoints",
+    "**/__pycache__",
+    "tutorials/*.ipynb",
+    "docs/*.ipynb",
+]
 
 # Tutorials are jupytext py:percent notebooks, executed at build time.
 nb_custom_formats = {".py": ["jupytext.reads", {"fmt": "py:percent"}]}
@@ -50,7 +58,10 @@ myst_heading_anchors = 3
 nitpicky = True
 nitpick_ignore_regex = [
     # No intersphinx (the build is offline): names from the standard library and torch stay plain text.
-    ("py:class", r"(collections\.abc\.)?(Callable|Iterator|Iterable)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future|DeviceMesh"),
+    (
+        "py:class",
+        r"(collections\.abc\.)?(Callable|Iterator|Iterable)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future|DeviceMesh",
+    ),
 ]
 
 autodoc_member_order = "bysource"
@@ -137,8 +148,12 @@ def _signature_parameters_without_dl(app, pagename, templatename, context, doctr
 
     def fix(signature):
         markup = signature.group(0)
-        for old, new in (("<dl>", '<div class="sig-params">'), ("</dl>", "</div>"),
-                         ("<dd>", '<div class="sig-param">'), ("</dd>", "</div>")):
+        for old, new in (
+            ("<dl>", '<div class="sig-params">'),
+            ("</dl>", "</div>"),
+            ("<dd>", '<div class="sig-param">'),
+            ("</dd>", "</div>"),
+        ):
             markup = markup.replace(old, new)
         return markup
 

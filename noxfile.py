@@ -13,7 +13,8 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-# -j auto: Sphinx reads and writes the pages in a process per core (the notebooks execute before, docs/_ext/execution.py)
+# -j auto: Sphinx reads and writes the pages in a process per core (the notebooks execute before,
+# docs/_ext/execution.py)
 SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-j", "auto", "-b", "html"]
 
 
@@ -32,7 +33,10 @@ def uv_options(session: nox.Session) -> list[str]:
     would compile torch's modules from source each time it imports them."""
     if session.venv_backend != "uv":
         return []
-    return ["--compile-bytecode", *(f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split())]
+    return [
+        "--compile-bytecode",
+        *(f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split()),
+    ]
 
 
 def install_chromium(session: nox.Session) -> None:
@@ -47,9 +51,12 @@ def install_chromium(session: nox.Session) -> None:
 
 @nox.session(venv_backend="uv")
 def tests(session: nox.Session) -> None:
-    """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build, and the site in a browser."""
+    """Unit and multi-process tests, every tutorial as a notebook, the doctests, the site build and in a browser."""
     install(session, "jupyter")  # tests/test_jupyter.py: the pages as JupyterLab saves them
     install_chromium(session)
+    # The code's form first, in seconds: pyproject.toml's [tool.ruff] (tutorials/ruff.toml for the pages).
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
     session.run("pytest", "--durations=15", *session.posargs)  # CI's log names what to make faster
 
 
@@ -59,32 +66,47 @@ def tests(session: nox.Session) -> None:
 # Python float8 runs on 2.9, and it skips its compiled kernels (CUDA-only, built for 2.10).
 TORCH = {"oldest": ["torch==2.9.1", "torchao==0.16.0"], "newest": ["--upgrade", "torch", "torchao"]}
 # The package's own tests. Left out: the site (executing the pages, the built site, the
-# browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the pinned torch), the
-# GPU-run script (it executes the pages), the noxfile's own checks (nox is not installed there), and torchft's live recovery (torchft is the pages' library, not the
+# browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the
+# pinned torch), the GPU-run script (it executes the pages), the noxfile's own checks (nox is
+# not installed there), and torchft's live recovery (torchft is the pages' library, not the
 # package's; it passed on 2.9.1 and on 2.15 when added, and costs half a minute a session).
-SITE_TESTS = ["test_tutorials.py", "test_execution.py", "test_site.py", "test_browser.py", "test_device_generic.py",
-              "test_install.py", "test_gpu_run.py", "test_jupyter.py", "test_torchft.py", "test_noxfile.py"]
+SITE_TESTS = [
+    "test_tutorials.py",
+    "test_execution.py",
+    "test_site.py",
+    "test_browser.py",
+    "test_device_generic.py",
+    "test_install.py",
+    "test_gpu_run.py",
+    "test_jupyter.py",
+    "test_torchft.py",
+    "test_noxfile.py",
+]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's
 # fallback, warm launches off, what a fork shares: numpy's state, the hash seed, the Hugging Face modules) and its
 # waits (timeouts, Ctrl-C). They test the operating
 # system and the launcher, not torch, and take over a minute per session that CI's 30 do
 # not have; `nox -s tests` runs them.
-PROCESS_TESTS = ["test_the_parent_does_not_import_torch", "test_a_function_defined_in_a_scripts_main_is_shipped_by_value",
-                 "test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory",
-                 "test_interrupting_the_notebook_kernel_stops_every_rank",
-                 "test_a_launch_whose_torch_environment_changed_gets_a_server_of_that_environment",
-                 "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children",
-                 "test_a_hang_in_a_collective_ends_at_the_timeout",
-                 "test_a_timeout_names_the_ranks_still_running_and_stops_them",
-                 "test_a_timeout_shows_the_line_each_rank_is_stuck_on",
-                 "test_keyboard_interrupt_stops_every_rank", "test_warm_launches_can_be_turned_off",
-                 "test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing",
-                 "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once",
-                 "test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do",
-                 "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not",
-                 "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported",
-                 "test_a_notebook_kernel_that_launched_shuts_down_by_itself"]
+PROCESS_TESTS = [
+    "test_the_parent_does_not_import_torch",
+    "test_a_function_defined_in_a_scripts_main_is_shipped_by_value",
+    "test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory",
+    "test_interrupting_the_notebook_kernel_stops_every_rank",
+    "test_a_launch_whose_torch_environment_changed_gets_a_server_of_that_environment",
+    "test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children",
+    "test_a_hang_in_a_collective_ends_at_the_timeout",
+    "test_a_timeout_names_the_ranks_still_running_and_stops_them",
+    "test_a_timeout_shows_the_line_each_rank_is_stuck_on",
+    "test_keyboard_interrupt_stops_every_rank",
+    "test_warm_launches_can_be_turned_off",
+    "test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing",
+    "test_an_interrupt_while_the_warm_server_is_still_importing_ends_the_launch_at_once",
+    "test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do",
+    "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not",
+    "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported",
+    "test_a_notebook_kernel_that_launched_shuts_down_by_itself",
+]
 
 
 # What one torch session may need on disk: PyPI's torch is the CUDA build, about 3 GB of
@@ -102,9 +124,11 @@ def free_space_problem(folders: list[Path], needed: int, installed: bool) -> str
         existing = next(p for p in (folder, *folder.parents) if p.exists())
         free = shutil.disk_usage(existing).free
         if free < needed:
-            return (f"{existing} has {free / 1e9:.1f} GB free, and installing torch's CUDA wheels there needs about "
-                    f"{needed / 1e9:.0f} GB: free some (`uv cache prune` removes uv's unused archives, "
-                    "`uv cache clean` all of them; old environments in .nox/ can go) and run again")
+            return (
+                f"{existing} has {free / 1e9:.1f} GB free, and installing torch's CUDA wheels there needs about "
+                f"{needed / 1e9:.0f} GB: free some (`uv cache prune` removes uv's unused archives, "
+                "`uv cache clean` all of them; old environments in .nox/ can go) and run again"
+            )
     return None
 
 
@@ -113,8 +137,9 @@ def installed_torch(session: nox.Session) -> str | None:
     python = Path(session.virtualenv.location) / "bin" / "python"
     if not python.exists():
         return None
-    out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True
+    )
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
@@ -128,20 +153,39 @@ def uv_cache_dir() -> Path:
 def torch(session: nox.Session, release: str) -> None:
     """The package's tests on the oldest supported torch and on the newest the index serves."""
     # The pinned versions of everything else: constraints.txt without its torch and torchao.
-    pins = [line for line in Path("constraints.txt").read_text().splitlines()
-            if not line.startswith(("torch==", "torchao=="))]
+    pins = [
+        line
+        for line in Path("constraints.txt").read_text().splitlines()
+        if not line.startswith(("torch==", "torchao=="))
+    ]
     constraints = Path(session.create_tmp()) / "constraints-but-torch.txt"
     constraints.write_text("\n".join(pins) + "\n")
     wanted = TORCH[release][0].partition("==")[2]  # "" for newest: whatever the index serves now
     have = installed_torch(session)
-    problem = free_space_problem([uv_cache_dir(), Path(session.virtualenv.location)], TORCH_SESSION_BYTES,
-                                 installed=bool(have) and have.split("+")[0] == wanted)
+    problem = free_space_problem(
+        [uv_cache_dir(), Path(session.virtualenv.location)],
+        TORCH_SESSION_BYTES,
+        installed=bool(have) and have.split("+")[0] == wanted,
+    )
     if problem:
         session.error(problem)
     session.install("--compile-bytecode", *TORCH[release])
-    session.install("--compile-bytecode", "-c", str(constraints), "-e", ".[hf]", "peft", "pytest", "pytest-timeout", "psutil", "hypothesis",
-                    "scikit-learn")
-    session.run("python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)")
+    session.install(
+        "--compile-bytecode",
+        "-c",
+        str(constraints),
+        "-e",
+        ".[hf]",
+        "peft",
+        "pytest",
+        "pytest-timeout",
+        "psutil",
+        "hypothesis",
+        "scikit-learn",
+    )
+    session.run(
+        "python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)"
+    )
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
@@ -176,8 +220,13 @@ def docs(session: nox.Session) -> None:
 # makes a double-click open a .py page as a notebook (read there, never written); and
 # jupytext's contents manager with the pages' references to other pages made into links
 # JupyterLab follows (fsdp_guide._jupyter: rewritten on open, put back on save).
-LAB = ["--ServerApp.ip=127.0.0.1", "--ServerApp.root_dir=.", "--ServerApp.preferred_dir=tutorials",
-       "--LabApp.app_settings_dir=jupyter", "--ServerApp.contents_manager_class=fsdp_guide._jupyter.ContentsManager"]
+LAB = [
+    "--ServerApp.ip=127.0.0.1",
+    "--ServerApp.root_dir=.",
+    "--ServerApp.preferred_dir=tutorials",
+    "--LabApp.app_settings_dir=jupyter",
+    "--ServerApp.contents_manager_class=fsdp_guide._jupyter.ContentsManager",
+]
 
 
 @nox.session(venv_backend="uv")
@@ -190,7 +239,9 @@ def lab(session: nox.Session) -> None:
     Arguments after `--` go to `jupyter lab` (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
     session.install(*uv_options(session), "-c", "constraints.txt", "-e", ".[docs,jupyter]")
-    as_root = ["--allow-root"] if os.geteuid() == 0 else []  # containers often run as root; Jupyter refuses it otherwise
+    as_root = (
+        ["--allow-root"] if os.geteuid() == 0 else []
+    )  # containers often run as root; Jupyter refuses it otherwise
     session.run("jupyter", "lab", *LAB, *as_root, *session.posargs)
 
 
@@ -204,7 +255,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def gpu(session: nox.Session) -> None:
-    """Execute every page with the ranks on GPUs and the LLM recipe in bf16; record it in src/fsdp_guide/gpu_record.json.
+    """Execute every page with the ranks on GPUs and the LLM recipe in bf16; record it in src/fsdp_guide/gpu_record.json
 
     Needs a GPU: it refuses to run (exit status 2) where there is none. On the pinned
     environment pip installs torch==2.13.0 from PyPI, a CUDA build on Linux. On a machine

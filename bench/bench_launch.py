@@ -36,14 +36,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from isolation import loopback_only  # noqa: E402
 from results import recorded  # noqa: E402
 
-WORK = '''
+WORK = """
 import torch, torch.distributed as dist
 
 def all_reduce_once():
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
-'''
+"""
 
 SCRIPTS = {
     # The parent of a launch needs no torch: the worker imports it, on each rank.
@@ -61,14 +61,16 @@ SCRIPTS = {
             assert launch(all_reduce_once, world_size=2, output="none") == [2.0, 2.0]
         """
     ),
-    "torchrun": WORK + textwrap.dedent(
+    "torchrun": WORK
+    + textwrap.dedent(
         """
         dist.init_process_group("gloo")
         assert all_reduce_once() == 2.0
         dist.destroy_process_group()
         """
     ),
-    "mp.spawn": WORK + textwrap.dedent(
+    "mp.spawn": WORK
+    + textwrap.dedent(
         """
         import os
         import torch.multiprocessing as mp
@@ -94,8 +96,15 @@ def commands(tmp: Path) -> dict[str, list[str]]:
     return {
         "floor (2 x import torch.distributed)": ["sh", "-c", floor],
         "fsdp_guide.launch": [py, str(tmp / "launch.py")],
-        "torchrun --nproc-per-node=2": [py, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                                        "--master-addr=127.0.0.1", "--master-port=29522", str(tmp / "torchrun.py")],
+        "torchrun --nproc-per-node=2": [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            "--master-port=29522",
+            str(tmp / "torchrun.py"),
+        ],
         "torch.multiprocessing.spawn": [py, str(tmp / "mp.spawn.py")],
     }
 
@@ -115,8 +124,9 @@ def bench_launchers(repeat: int) -> None:
             for name, argv in cmds.items():
                 times[name].append(seconds(argv, cwd=tmp))
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    floor, ours, torchrun = (median[n] for n in ("floor (2 x import torch.distributed)", "fsdp_guide.launch",
-                                                 "torchrun --nproc-per-node=2"))
+    floor, ours, torchrun = (
+        median[n] for n in ("floor (2 x import torch.distributed)", "fsdp_guide.launch", "torchrun --nproc-per-node=2")
+    )
     print(f"\n2 ranks, one all-reduce, whole process (median of {repeat}):")
     print(f"{'':38} {'seconds':>8} {'x floor':>8}")
     for name, t in median.items():
@@ -171,33 +181,47 @@ def _warm_times(tmp: str, repeat: int, work: str, warm: str = "1", preload_dynam
 
     script = Path(tmp) / "warm.py"
     script.write_text(WARM)
-    out = subprocess.run(loopback_only([sys.executable, str(script), str(repeat + 1), work, preload_dynamo]),
-                         check=True, capture_output=True, text=True, cwd=tmp, env={**os.environ, "FSDP_GUIDE_WARM": warm})
+    out = subprocess.run(
+        loopback_only([sys.executable, str(script), str(repeat + 1), work, preload_dynamo]),
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env={**os.environ, "FSDP_GUIDE_WARM": warm},
+    )
     return json.loads(out.stdout.splitlines()[-1])
 
 
 def bench_warm(repeat: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: _warm_times(tmp, repeat, "all_reduce_once", warm)
-                   for name, warm in (("warm (the default)", "1"), ("cold (FSDP_GUIDE_WARM=0)", "0"))}
-        meta = {name: _warm_times(tmp, repeat, "build_on_meta_and_step", preload_dynamo=dynamo)
-                for name, dynamo in (("dynamo preloaded (the default)", "1"), ("dynamo not preloaded", "0"))}
+        results = {
+            name: _warm_times(tmp, repeat, "all_reduce_once", warm)
+            for name, warm in (("warm (the default)", "1"), ("cold (FSDP_GUIDE_WARM=0)", "0"))
+        }
+        meta = {
+            name: _warm_times(tmp, repeat, "build_on_meta_and_step", preload_dynamo=dynamo)
+            for name, dynamo in (("dynamo preloaded (the default)", "1"), ("dynamo not preloaded", "0"))
+        }
     print(f"\nlaunch inside one process, 2 ranks, one all-reduce, call to return (next: median of {repeat}):")
     print(f"{'':28} {'first':>8} {'next':>8}")
     for name, r in results.items():
         print(f"{name:28} {r['first']:8.2f} {r['next']:8.2f}")
     warm, cold = results["warm (the default)"], results["cold (FSDP_GUIDE_WARM=0)"]
     two = (warm["first"] + warm["next"]) / (cold["first"] + cold["next"])
-    print(f"warm next launch: {warm['next']:.2f} s (goal <= 0.3); warm first / cold first = "
-          f"{warm['first'] / cold['first']:.2f}; first two launches, warm / cold = {two:.2f} (goal: no slower)")
+    print(
+        f"warm next launch: {warm['next']:.2f} s (goal <= 0.3); warm first / cold first = "
+        f"{warm['first'] / cold['first']:.2f}; first two launches, warm / cold = {two:.2f} (goal: no slower)"
+    )
     print(f"\nwarm launches of a 3-layer model built on the meta device, sharded, one step (next: median of {repeat}):")
     print(f"{'':32} {'first':>8} {'next':>8}")
     for name, r in meta.items():
         print(f"{name:32} {r['first']:8.2f} {r['next']:8.2f}")
     on, off = meta["dynamo preloaded (the default)"], meta["dynamo not preloaded"]
     saved, cost = off["next"] - on["next"], on["first"] - off["first"]
-    print(f"preloading dynamo: each next launch {saved:.2f} s faster, the first {cost:.2f} s slower "
-          f"(repaid by the second launch: {cost < saved})")
+    print(
+        f"preloading dynamo: each next launch {saved:.2f} s faster, the first {cost:.2f} s slower "
+        f"(repaid by the second launch: {cost < saved})"
+    )
 
 
 def main() -> None:

@@ -50,8 +50,10 @@ def notebook_seconds(cache_path: Path) -> dict[str, float]:
     """Each notebook's execution time, as myst-nb recorded it in the jupyter-cache."""
     from jupyter_cache import get_cache
 
-    return {Path(record.uri).relative_to(ROOT).as_posix(): record.data.get("execution_seconds", float("nan"))
-            for record in get_cache(str(cache_path)).list_cache_records()}
+    return {
+        Path(record.uri).relative_to(ROOT).as_posix(): record.data.get("execution_seconds", float("nan"))
+        for record in get_cache(str(cache_path)).list_cache_records()
+    }
 
 
 def page_weight(html_dir: Path, page: str = "index.html") -> dict[str, int]:
@@ -77,9 +79,25 @@ def cold_build(out: Path, name: str, workers: int = 2) -> tuple[float, dict[str,
 def sphinx(out: Path, cache: str = "cache", doctrees: str = "doctrees") -> list[str]:
     # No -W: a warning (a missing record on the first --record run) does not make a timing wrong.
     # -j auto: Sphinx reads and writes on every core, as `nox -s docs` runs it (noxfile.SPHINX).
-    return [sys.executable, "-m", "sphinx", "--keep-going", "-n", "-q", "-j", "auto", "-b", "html",
-            "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={out / cache}",
-            "-d", str(out / doctrees), str(ROOT)]
+    return [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "--keep-going",
+        "-n",
+        "-q",
+        "-j",
+        "auto",
+        "-b",
+        "html",
+        "-D",
+        "nb_execution_mode=cache",
+        "-D",
+        f"nb_execution_cache_path={out / cache}",
+        "-d",
+        str(out / doctrees),
+        str(ROOT),
+    ]
 
 
 def verdict(value, goal):
@@ -97,8 +115,10 @@ def cold_builds(out: Path) -> dict[str, float]:
     """The cold build as `nox -s docs` runs it, and one notebook at a time; each notebook's time from the latter."""
     cold, _ = cold_build(out, "cold")
     serial, notebooks = cold_build(out, "serial", workers=1)
-    print(f"site build, cold (every notebook executed, two at a time): {cold:.1f} s   goal < {GOALS['cold']} s: "
-          f"{verdict(cold, GOALS['cold'])}")
+    print(
+        f"site build, cold (every notebook executed, two at a time): {cold:.1f} s   goal < {GOALS['cold']} s: "
+        f"{verdict(cold, GOALS['cold'])}"
+    )
     print(f"site build, cold, one notebook at a time: {serial:.1f} s   (two at a time: {cold / serial:.2f}x)")
     print_notebooks(notebooks)
     return notebooks
@@ -107,10 +127,12 @@ def cold_builds(out: Path) -> dict[str, float]:
 def record(out: Path) -> None:
     """The cold builds alone; each notebook's time kept and written into the tutorials' openings."""
     notebooks = cold_builds(out)
-    changed = record_page_times({Path(uri).stem: secs for uri, secs in notebooks.items()},
-                                "each notebook in a fresh kernel, in a cold site build executing one notebook at a "
-                                "time (sphinx-build -D execution_workers=1, empty execution and inductor caches, "
-                                "warm launches), nothing else running")
+    changed = record_page_times(
+        {Path(uri).stem: secs for uri, secs in notebooks.items()},
+        "each notebook in a fresh kernel, in a cold site build executing one notebook at a "
+        "time (sphinx-build -D execution_workers=1, empty execution and inductor caches, "
+        "warm launches), nothing else running",
+    )
     print(f"\nstated times rewritten in: {', '.join(changed) or 'none (all as recorded)'}")
 
 
@@ -125,17 +147,26 @@ def record_one(out: Path, page: str) -> None:
     notebook = jupytext.read(source)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor")  # the kernel inherits it
     start = time.perf_counter()
-    NotebookClient(notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(source.parent)}}
-                   ).execute()
+    NotebookClient(
+        notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(source.parent)}}
+    ).execute()
     took = time.perf_counter() - start
-    changed = record_page_time(page, took, "the notebook alone in a fresh kernel (nbclient, as myst-nb runs it), "
-                                           "empty inductor cache, warm launches, nothing else running")
-    line = (f"\nrecorded separately, {describe(machine())}:\n"
-            f"$ python bench/bench_site.py --record --page {page}\n"
-            f"  {source.relative_to(ROOT).as_posix():40} {took:7.1f} s   {verdict(took, GOALS['notebook'])}\n")
+    changed = record_page_time(
+        page,
+        took,
+        "the notebook alone in a fresh kernel (nbclient, as myst-nb runs it), "
+        "empty inductor cache, warm launches, nothing else running",
+    )
+    line = (
+        f"\nrecorded separately, {describe(machine())}:\n"
+        f"$ python bench/bench_site.py --record --page {page}\n"
+        f"  {source.relative_to(ROOT).as_posix():40} {took:7.1f} s   {verdict(took, GOALS['notebook'])}\n"
+    )
     print(line + f"stated time {'rewritten' if changed else 'unchanged'} in {page}")
     printout = RESULTS / "page_times.txt"  # after the whole build's printout, in place of the page's last one
-    earlier = re.compile(rf"\nrecorded separately, [^\n]*\n\$ python bench/bench_site.py --record --page {page}\n[^\n]*\n")
+    earlier = re.compile(
+        rf"\nrecorded separately, [^\n]*\n\$ python bench/bench_site.py --record --page {page}\n[^\n]*\n"
+    )
     printout.write_text(earlier.sub("", printout.read_text()) + line)
 
 
@@ -146,8 +177,10 @@ def measure_all(out: Path) -> None:
     shutil.rmtree(out / "doctrees-cold")
     from_cache = seconds(build[:-1] + [str(out / "html2")])
     weight = page_weight(out / "html-cold")
-    print(f"\n{'rebuild, nothing changed':40} {unchanged:7.1f} s   goal < {GOALS['unchanged']} s: "
-          f"{verdict(unchanged, GOALS['unchanged'])}")
+    print(
+        f"\n{'rebuild, nothing changed':40} {unchanged:7.1f} s   goal < {GOALS['unchanged']} s: "
+        f"{verdict(unchanged, GOALS['unchanged'])}"
+    )
     print(f"{'fresh build, notebooks from the cache':40} {from_cache:7.1f} s")
     print("\nlanding page weight (first visit):")
     for kind, nbytes in weight.items():
@@ -157,8 +190,11 @@ def measure_all(out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true",
-                        help="the cold build alone: keep each notebook's time and state it in the tutorials")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="the cold build alone: keep each notebook's time and state it in the tutorials",
+    )
     parser.add_argument("--page", help="with --record: execute and record this page (its file's stem) alone")
     args = parser.parse_args()
     if args.page and not args.record:

@@ -29,7 +29,9 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     with busy_loops(loops):
         code = subprocess.call(argv)
-    print(f"beside {loops} busy loops: {' '.join(argv)} exited {code} after {time.monotonic() - start:.0f} s", flush=True)
+    print(
+        f"beside {loops} busy loops: {' '.join(argv)} exited {code} after {time.monotonic() - start:.0f} s", flush=True
+    )
     return code
 
 

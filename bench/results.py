@@ -23,14 +23,18 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_TIMES = RESULTS / "page_times.json"
-PAGES = [*sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("*.py")),
-         Path(__file__).resolve().parent.parent / "docs" / "cluster.py"]  # every page that executes
+PAGES = [
+    *sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("*.py")),
+    Path(__file__).resolve().parent.parent / "docs" / "cluster.py",
+]  # every page that executes
 
 # "about 55 seconds on 2 CPU cores", possibly wrapped over comment lines of a py:percent
 # page, with the link to the recorded measurement this module adds after it.
 _GAP = r"\s+(?:#\s*)?"
-STATED = re.compile(rf"about{_GAP}(?:\d+{_GAP}seconds|a{_GAP}minute){_GAP}on{_GAP}\d+{_GAP}CPU{_GAP}cores"
-                    r"(?: \(\{ref\}`measured <measured-times>`\))?")
+STATED = re.compile(
+    rf"about{_GAP}(?:\d+{_GAP}seconds|a{_GAP}minute){_GAP}on{_GAP}\d+{_GAP}CPU{_GAP}cores"
+    r"(?: \(\{ref\}`measured <measured-times>`\))?"
+)
 
 
 def machine() -> dict[str, object]:
@@ -57,8 +61,10 @@ def machine() -> dict[str, object]:
 
 
 def describe(m: dict[str, object]) -> str:
-    return (f"{m['date']}: {m['cores']} CPU cores ({m['cpu']}), {m['memory_gib']} GiB, {m['system']}, "
-            f"Python {m['python']}, torch {m['torch']}")
+    return (
+        f"{m['date']}: {m['cores']} CPU cores ({m['cpu']}), {m['memory_gib']} GiB, {m['system']}, "
+        f"Python {m['python']}, torch {m['torch']}"
+    )
 
 
 @contextlib.contextmanager
@@ -94,8 +100,13 @@ def record_page_times(seconds: dict[str, float], conditions: str) -> list[str]:
     """
     m = machine()
     RESULTS.mkdir(exist_ok=True)
-    PAGE_TIMES.write_text(json.dumps({"machine": m, "conditions": conditions,
-                                      "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}}, indent=1) + "\n")
+    PAGE_TIMES.write_text(
+        json.dumps(
+            {"machine": m, "conditions": conditions, "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())}},
+            indent=1,
+        )
+        + "\n"
+    )
     return _state(seconds, m["cores"])
 
 
@@ -119,7 +130,7 @@ def _state(seconds: dict[str, float], cores: int) -> list[str]:
         if page.stem not in seconds:
             continue
         text = page.read_text()
-        new = STATED.sub(lambda _: stated(seconds[page.stem], cores), text, count=1)
+        new = STATED.sub(stated(seconds[page.stem], cores), text, count=1)
         if new != text:
             page.write_text(new)
             changed.append(page.stem)

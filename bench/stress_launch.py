@@ -1,4 +1,4 @@
-"""Warm launches in a loop, from two processes at once, beside another page's heaviest cells: does any rank die of a signal?
+"""Warm launches in a loop, from two processes at once, beside another page's heaviest cells: does a rank die by signal?
 
 A stress run, not a benchmark: it looks for the rare native crash of a rank (a SIGSEGV once
 in about 8,000 launches of the fsdp2_controls page's cells, two loops at once). Each loop
@@ -39,7 +39,7 @@ def _code_cells(page: Path) -> list[str]:
 
 
 def loop(page: Path, cells: list[int], launches: int, counter: Path, out: Path, worker: int) -> int:
-    """One loop process: the page's cells up to the last chosen one once, then the chosen ones until the launches are made."""
+    """One loop process: the page's cells up to the last chosen one once, then the chosen ones until enough launches."""
     import contextlib
     import io
 
@@ -50,7 +50,7 @@ def loop(page: Path, cells: list[int], launches: int, counter: Path, out: Path, 
     sources = _code_cells(page)
     namespace = {"__name__": "__stress__"}  # no module of that name: cloudpickle ships the functions by value
     with contextlib.redirect_stdout(io.StringIO()):
-        for source in sources[:max(cells) + 1]:
+        for source in sources[: max(cells) + 1]:
             exec(compile(source, f"{page.name}[cell]", "exec"), namespace)
     failures: dict[str, int] = {}
     crashes = 0
@@ -79,12 +79,19 @@ def loop(page: Path, cells: list[int], launches: int, counter: Path, out: Path, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--page", default="tutorials/fsdp2_controls.py", help="the page whose cells loop")
-    parser.add_argument("--cells", default="2,3", help="the code cells (from 0) that loop: the default is the "
-                        "page's profiler launches and its gradient launches")
+    parser.add_argument(
+        "--cells",
+        default="2,3",
+        help="the code cells (from 0) that loop: the default is the page's profiler launches and its gradient launches",
+    )
     parser.add_argument("--launches", type=int, default=5000, help="launches the loops make together")
     parser.add_argument("--loops", type=int, default=2, help="loop processes at once")
-    parser.add_argument("--beside", nargs="*", default=["compile", "llm"],
-                        help="pages run as scripts, one after another, for the whole run")
+    parser.add_argument(
+        "--beside",
+        nargs="*",
+        default=["compile", "llm"],
+        help="pages run as scripts, one after another, for the whole run",
+    )
     parser.add_argument("--out", type=Path, default=None, help="where crashes.txt goes (default: a new folder)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--counter", type=Path, default=None, help=argparse.SUPPRESS)
@@ -97,11 +104,29 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     counter = Path(tempfile.mkdtemp(prefix="counter-", dir=out))
     start = time.monotonic()
-    workers = [subprocess.Popen([sys.executable, __file__, "--page", args.page, "--cells", args.cells,
-                                 "--launches", str(args.launches), "--out", str(out), "--counter", str(counter),
-                                 "--worker", str(i)]) for i in range(args.loops)]
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--page",
+                args.page,
+                "--cells",
+                args.cells,
+                "--launches",
+                str(args.launches),
+                "--out",
+                str(out),
+                "--counter",
+                str(counter),
+                "--worker",
+                str(i),
+            ]
+        )
+        for i in range(args.loops)
+    ]
     beside_runs, beside_failed = 0, 0
-    beside = None
+    beside, name, log = None, None, None  # the page running beside the loops, and its log
     while any(w.poll() is None for w in workers):
         if args.beside and (beside is None or beside.poll() is not None):
             if beside is not None:
@@ -113,16 +138,19 @@ def main() -> int:
             script = ROOT / "tutorials" / f"{name}.py"
             log = out / f"beside-{beside_runs}-{name}.txt"
             with open(log, "w") as output:
-                beside = subprocess.Popen([sys.executable, str(script)], cwd=script.parent, stdout=output,
-                                          stderr=subprocess.STDOUT)
+                beside = subprocess.Popen(
+                    [sys.executable, str(script)], cwd=script.parent, stdout=output, stderr=subprocess.STDOUT
+                )
         time.sleep(0.5)
     if beside is not None:
         beside.terminate()
         beside.wait()
     codes = [w.wait() for w in workers]
     minutes = (time.monotonic() - start) / 60
-    print(f"{args.loops} loops of {args.page} cells {args.cells}: {minutes:.1f} min, beside {beside_runs} whole "
-          f"runs of {args.beside} ({beside_failed} failed); crashes, if any: {out / 'crashes.txt'}")
+    print(
+        f"{args.loops} loops of {args.page} cells {args.cells}: {minutes:.1f} min, beside {beside_runs} whole "
+        f"runs of {args.beside} ({beside_failed} failed); crashes, if any: {out / 'crashes.txt'}"
+    )
     return 1 if any(codes) else 0
 
 

@@ -187,7 +187,8 @@ def hsdp_step():
     return dict(
         shard_group=dist.get_process_group_ranks(mesh.get_group("shard")),
         replicate_group=dist.get_process_group_ranks(mesh.get_group("replicate")),
-        placements=str(weight.placements), local_shape=tuple(weight.to_local().shape),
+        placements=str(weight.placements),
+        local_shape=tuple(weight.to_local().shape),
         collectives={str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()},
         weights=[p.full_tensor().cpu() for p in model.parameters()],  # for the comparison below
     )
@@ -196,13 +197,18 @@ def hsdp_step():
 ranks = launch(hsdp_step, world_size=4, output="none")
 print(f"{'rank':4}  {'shard group':11}  {'replicate group':15}  {'model[0].weight':34}  local shape")
 for rank, r in enumerate(ranks):
-    print(f"{rank:4}  {str(r['shard_group']):11}  {str(r['replicate_group']):15}  {r['placements']:34}  {r['local_shape']}")
+    print(
+        f"{rank:4}  {str(r['shard_group']):11}  {str(r['replicate_group']):15}  {r['placements']:34}  {r['local_shape']}"
+    )
 print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 
 from myst_nb import glue  # the counts the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
-for name, op in (("hsdp_all_gathers", "_allgather_base_"), ("hsdp_reduce_scatters", "_reduce_scatter_base_"),
-                 ("hsdp_all_reduces", "allreduce_")):
+for name, op in (
+    ("hsdp_all_gathers", "_allgather_base_"),
+    ("hsdp_reduce_scatters", "_reduce_scatter_base_"),
+    ("hsdp_all_reduces", "allreduce_"),
+):
     glue(name, ranks[0]["collectives"].get(op, 0), display=False)
 
 # %% [markdown]
@@ -305,8 +311,9 @@ with tempfile.TemporaryDirectory() as folder:
     with open(os.path.join(folder, "train_killed_on_rank_1.py"), "w") as script:
         script.write(KILLED)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "train_killed_on_rank_1.py"]
-    run = subprocess.run(loopback_only(torchrun), env=without_torchrun, capture_output=True, text=True,
-                         cwd=folder, timeout=120)
+    run = subprocess.run(
+        loopback_only(torchrun), env=without_torchrun, capture_output=True, text=True, cwd=folder, timeout=120
+    )
 lines = run.stderr.splitlines()
 print(*(line for line in lines if line.startswith("[rank") and "Error: " in line), sep="\n")  # the ranks' last words
 summary = next(i for i, line in enumerate(lines) if line.startswith("torch.distributed.elastic"))
@@ -422,6 +429,7 @@ print(*launch(backend_errors, output="none")[0], sep="\n")
 #
 # And a mesh whose shape does not multiply to the world size (here `(2, 4)` on the 4
 # ranks of the HSDP cell, a node count typed wrong):
+
 
 # %%
 def wrong_mesh():

@@ -1,4 +1,4 @@
-"""Paths shared by the tests, and the one execution of every tutorial that both the notebook tests and the site build use."""
+"""Paths shared by the tests, and the one execution of every tutorial that the notebook tests and the site build use."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import sklearn  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
-NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))  # pages that execute code: the tutorials and the cluster page
+NOTEBOOKS = TUTORIALS + sorted(
+    (ROOT / "docs").glob("*.py")
+)  # pages that execute code: the tutorials and the cluster page
 
 
 # The pages are executed as the site build executes them (docs/_ext/execution.py): two
@@ -102,7 +104,8 @@ def site(tmp_path_factory, execution_cache):
     out = tmp_path_factory.mktemp("site")
     # The notebooks' outputs come from the execution above, through the cache: the build starts no kernel
     # (a page that failed there is executed again, and fails the build too).
-    build = sphinx("html", out, "-j", "auto", "-D", "nb_execution_mode=cache",
-                   "-D", f"nb_execution_cache_path={execution_cache}")
+    build = sphinx(
+        "html", out, "-j", "auto", "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}"
+    )
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
     return out / "html"

@@ -58,9 +58,12 @@ def gpu_or_exit() -> tuple[str, int, str, str]:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        print(f"nox -s gpu needs a GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
-              f"built with CUDA {torch.version.cuda}). Run it on a machine with one or more NVIDIA GPUs "
-              "and a CUDA build of torch; on a CPU, `nox -s tests` executes every page.", file=sys.stderr)
+        print(
+            f"nox -s gpu needs a GPU: torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda}). Run it on a machine with one or more NVIDIA GPUs "
+            "and a CUDA build of torch; on a CPU, `nox -s tests` executes every page.",
+            file=sys.stderr,
+        )
         raise SystemExit(NO_GPU)
     return torch.cuda.get_device_name(0), torch.cuda.device_count(), torch.__version__, str(torch.version.cuda)
 
@@ -75,7 +78,9 @@ def execute_page(page: Path, timeout: int) -> dict:
         start = time.perf_counter()
         try:
             notebook = jupytext.read(page)
-            nbclient.NotebookClient(notebook, timeout=timeout, resources={"metadata": {"path": str(page.parent)}}).execute()
+            nbclient.NotebookClient(
+                notebook, timeout=timeout, resources={"metadata": {"path": str(page.parent)}}
+            ).execute()
             result = {"status": "pass"}
         except Exception as error:  # noqa: BLE001  (the record says which page failed, and how)
             result = {"status": "fail", "error": (str(error).strip().splitlines() or [type(error).__name__])[-1][:300]}
@@ -96,11 +101,15 @@ def llm_bf16(gpus: int) -> dict:
     summary = launch(train, TrainConfig(steps=40, precision="bf16"), world_size=gpus, output="rank0")[0]
     os.environ["FSDP_GUIDE_DEVICE"] = "cuda"
     mfu = summary["mfu"]  # None where fsdp_guide.mfu knows no dense bf16 peak for this GPU
-    return {"ranks": gpus, "dtype": summary["dtype"], "tokens_per_s": round(summary["tokens_per_s"]),
-            "mfu": None if mfu is None else round(mfu, 4),
-            "peak_memory_mib": [round(mib, 1) for mib in summary["peak_memory_mib"]],
-            "peak_memory_is": summary["peak_memory_is"],
-            "loss_first_last": [round(summary["losses"][0], 4), round(summary["losses"][-1], 4)]}
+    return {
+        "ranks": gpus,
+        "dtype": summary["dtype"],
+        "tokens_per_s": round(summary["tokens_per_s"]),
+        "mfu": None if mfu is None else round(mfu, 4),
+        "peak_memory_mib": [round(mib, 1) for mib in summary["peak_memory_mib"]],
+        "peak_memory_is": summary["peak_memory_is"],
+        "loss_first_last": [round(summary["losses"][0], 4), round(summary["losses"][-1], 4)],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     name, count, torch_version, cuda_version = gpu_or_exit()
     pages = [p for p in PAGES if not args.pages or p.stem in args.pages]
     os.environ["FSDP_GUIDE_DEVICE"] = "cuda"  # ranks share GPUs where there are fewer GPUs than ranks: plan()
-    run = {"date": datetime.date.today().isoformat(), "gpu": name, "gpu_count": count, "torch": torch_version,
-           "cuda": cuda_version,
-           "mode": ("one GPU per rank (NCCL) where a launch has at most "
-                    f"{count} ranks; ranks sharing the {count} GPU(s) over gloo beyond that"),
-           "pages": {}}
+    run = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": name,
+        "gpu_count": count,
+        "torch": torch_version,
+        "cuda": cuda_version,
+        "mode": (
+            "one GPU per rank (NCCL) where a launch has at most "
+            f"{count} ranks; ranks sharing the {count} GPU(s) over gloo beyond that"
+        ),
+        "pages": {},
+    }
     for page in pages:
         run["pages"][page.stem] = result = execute_page(page, args.timeout)
-        print(f"{page.stem:20} {result['status']:4} {result['seconds']:7.1f} s  {result['where']}"
-              + (f"\n    {result['error']}" if "error" in result else ""), flush=True)
+        print(
+            f"{page.stem:20} {result['status']:4} {result['seconds']:7.1f} s  {result['where']}"
+            + (f"\n    {result['error']}" if "error" in result else ""),
+            flush=True,
+        )
     run["llm_bf16"] = llm_bf16(count)
     print("LLM recipe, bf16:", json.dumps(run["llm_bf16"]))
     record = json.loads(args.record.read_text()) if args.record.exists() else {"runs": []}

@@ -19,8 +19,16 @@ ARTIFACTS = ROOT / "test-artifacts"  # screenshots, kept after the run (git igno
 PHONE = {"width": 375, "height": 812}
 DESKTOP = {"width": 1280, "height": 900}
 # A closed network: without these, Chromium keeps trying Google's hosts in the background.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -57,7 +65,9 @@ def browser():
 
 
 def _pages(site) -> list[str]:
-    return sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_"))
+    return sorted(
+        p.relative_to(site).as_posix() for p in site.rglob("*.html") if not p.relative_to(site).parts[0].startswith("_")
+    )
 
 
 class _Watch:
@@ -108,8 +118,11 @@ def _visit(base_url: str, paths: list[str]) -> dict[str, dict]:
             watch.problems.clear()
             page.goto(base_url + path, wait_until="networkidle")
             problems = list(watch.problems)  # before axe injects its script
-            violations = [f"{path}: {v['id']} ({v['impact']}) {v['help']} at {[n['target'] for n in v['nodes'][:3]]}"
-                          for v in axe.run(page).response["violations"] if v["impact"] in ("serious", "critical")]
+            violations = [
+                f"{path}: {v['id']} ({v['impact']}) {v['help']} at {[n['target'] for n in v['nodes'][:3]]}"
+                for v in axe.run(page).response["violations"]
+                if v["impact"] in ("serious", "critical")
+            ]
             visits[path] = {"problems": problems, "violations": violations}
     return visits
 
@@ -149,10 +162,13 @@ def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, br
 def _search(page, base_url: str, words: str) -> None:
     """Sphinx's search page for ``words``, once it has listed every result (it adds them one by one, then says so)."""
     page.goto(base_url + f"search.html?q={words}")
-    page.wait_for_function("""() => {
+    page.wait_for_function(
+        """() => {
         const status = document.querySelector("#search-results p.search-summary");
         return status && /^(Search finished|Your search did not match)/.test(status.innerText);
-    }""", timeout=15_000)
+    }""",
+        timeout=15_000,
+    )
 
 
 def test_search_finds_summon_full_params_in_the_tips_and_the_tutorial(base_url, browser):
@@ -165,17 +181,21 @@ def test_search_finds_summon_full_params_in_the_tips_and_the_tutorial(base_url, 
 
 
 @pytest.mark.parametrize(("viewport", "per_row"), [(DESKTOP, 3), (PHONE, 1)], ids=["laptop", "phone"])
-def test_the_landing_page_shows_every_goal_and_every_page_that_executes_one_click_away(base_url, browser,
-                                                                                        viewport, per_row):
+def test_the_landing_page_shows_every_goal_and_every_page_that_executes_one_click_away(
+    base_url, browser, viewport, per_row
+):
     from conftest import NOTEBOOKS
 
     page = browser.new_page(viewport=viewport)
     page.goto(base_url + "index.html", wait_until="networkidle")
     cards = page.eval_on_selector_all(".goal-card", "cards => cards.map(c => c.getBoundingClientRect().top)")
-    links = page.eval_on_selector_all(".goal-card li > p > a:first-child", """links => links.map(a => {
+    links = page.eval_on_selector_all(
+        ".goal-card li > p > a:first-child",
+        """links => links.map(a => {
         const box = a.getBoundingClientRect();
         return [new URL(a.href).pathname.split("/").pop(), box.width > 0 && box.right <= window.innerWidth];
-    })""")
+    })""",
+    )
     page.close()
     assert len(cards) == 6 and len(set(round(top) for top in cards)) == 6 // per_row  # a map, not a column
     shown = {name.removesuffix(".html"): visible for name, visible in links}
@@ -187,13 +207,15 @@ def _indexed_errors(site) -> list[tuple[str, set[str]]]:
     import html
 
     index = (site / "docs" / "errors.html").read_text()
-    listed = index[index.index('<ul class="errors-index'):]
+    listed = index[index.index('<ul class="errors-index') :]
     found = []
-    for item in re.findall(r"<li>(.*?)</li>", listed[:listed.index("</ul>")], re.S):
+    for item in re.findall(r"<li>(.*?)</li>", listed[: listed.index("</ul>")], re.S):
         printed = html.unescape(re.sub(r"<[^>]+>", "", re.search(r"<code.*?</code>", item, re.S).group(0)))
         where = re.search(r'<p class="errors-where">(.*?)</p>', item, re.S).group(1)
-        pages = {urlparse(href).path.removeprefix("../") if href.startswith("../") else f"docs/{urlparse(href).path}"
-                 for href in re.findall(r'href="([^"]+)"', where)}
+        pages = {
+            urlparse(href).path.removeprefix("../") if href.startswith("../") else f"docs/{urlparse(href).path}"
+            for href in re.findall(r'href="([^"]+)"', where)
+        }
         found.append((printed.split(": ", 1)[1], pages))
     return found
 
@@ -219,8 +241,9 @@ def test_links_between_the_reference_tips_and_tutorials_land_on_existing_anchors
     targets = set()
     for source in ("docs/fsdp.html", "docs/fsdp_tips.html"):
         page.goto(base_url + source)
-        targets |= set(page.eval_on_selector_all(
-            "article a.reference.internal[href*='#']", "links => links.map(a => a.href)"))
+        targets |= set(
+            page.eval_on_selector_all("article a.reference.internal[href*='#']", "links => links.map(a => a.href)")
+        )
     wanted = re.compile(r"/(docs/fsdp|docs/fsdp_tips|tutorials/\w+)\.html#")
     targets = sorted(t for t in targets if wanted.search(t))
     assert len(targets) >= 20

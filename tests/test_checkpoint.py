@@ -118,11 +118,15 @@ def _save_steps(directory, steps, keep):
 
 
 def test_keep_holds_the_newest_checkpoints_up_to_this_step_and_never_deletes_a_later_one(tmp_path):
-    assert launch(_save_steps, str(tmp_path / "a"), [1, 2, 3, 4, 5], 2, world_size=2, output="none")[0] == \
-        ["step-00000004", "step-00000005"]
+    assert launch(_save_steps, str(tmp_path / "a"), [1, 2, 3, 4, 5], 2, world_size=2, output="none")[0] == [
+        "step-00000004",
+        "step-00000005",
+    ]
     (tmp_path / "b" / "step-00000009").mkdir(parents=True)  # another run's, further along
-    assert launch(_save_steps, str(tmp_path / "b"), [1, 2, 3], 1, world_size=1, output="none")[0] == \
-        ["step-00000003", "step-00000009"]
+    assert launch(_save_steps, str(tmp_path / "b"), [1, 2, 3], 1, world_size=1, output="none")[0] == [
+        "step-00000003",
+        "step-00000009",
+    ]
     with pytest.raises(LaunchError, match=r"keep=0: expected an int >= 1"):
         launch(_save_steps, str(tmp_path / "c"), [1], 0, world_size=1, output="none")
 
@@ -174,7 +178,10 @@ def test_a_crafted_metadata_file_is_refused_and_runs_nothing(tmp_path):
     crafted.mkdir()
     (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
     model = nn.Linear(4, 4)
-    with pytest.raises(CheckpointError, match=r"step-00000001/\.metadata was refused \((io|builtins)\.open is not .*nothing in it was run"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step-00000001/\.metadata was refused \((io|builtins)\.open is not .*nothing in it was run",
+    ):
         checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
     assert not marker.exists()
 
@@ -300,8 +307,9 @@ def _two_async_saves_then_load(directory):
 
 
 def test_an_async_save_returns_before_it_is_written_keeps_the_state_at_the_call_and_one_flies_at_a_time(tmp_path):
-    for returned_early, one_at_a_time, names, restored in launch(_two_async_saves_then_load, str(tmp_path),
-                                                                 world_size=2, output="none"):
+    for returned_early, one_at_a_time, names, restored in launch(
+        _two_async_saves_then_load, str(tmp_path), world_size=2, output="none"
+    ):
         assert returned_early and one_at_a_time
         assert names == ["step-00000001", "step-00000002"]  # published, nothing partial left
         assert restored  # step 1's values, though the parameters were zeroed while it was written
@@ -346,6 +354,7 @@ def _save_that_fails(directory, where, how):
     checkpoint.save(directory, 1, model, opt)
     rename = checkpoint.os.rename
     if where == "publish" and dist.get_rank() == 0:
+
         def cannot_rename(src, dst):  # DCP's own renames (its .metadata) still work
             if Path(dst).name == "step-00000002":
                 raise PermissionError(13, "Permission denied", str(dst))
@@ -370,8 +379,9 @@ def _save_that_fails(directory, where, how):
 def test_a_save_that_fails_on_one_rank_raises_on_every_rank_at_once_and_keeps_the_previous(tmp_path, where, how):
     # collective_timeout=60: a rank left waiting in a collective for one that raised (a synchronous save
     # whose publish failed on rank 0 did that) would fail with a gloo timeout, not rank 0's error.
-    raised = launch(_save_that_fails, str(tmp_path), where, how, world_size=2, output="none", timeout=50,
-                    collective_timeout=60)
+    raised = launch(
+        _save_that_fails, str(tmp_path), where, how, world_size=2, output="none", timeout=50, collective_timeout=60
+    )
     if where == "write":  # DCP gathers the write results: every rank learns of rank 1's failure
         assert all("No space left on device" in message for message in raised)
     else:  # rank 0's rename failed after every rank wrote: rank 0 tells the others
@@ -427,7 +437,7 @@ def test_a_metadata_dcp_cannot_use_never_falls_back_to_the_unchecked_rank_local_
 
 def _build_on(module: str, name: str) -> bytes:
     """A pickle whose only effect is BUILD on a class: ``setattr(module.name, 'evil', 1)``."""
-    return (b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"N}X\x04\x00\x00\x00evilK\x01s\x86b.")
+    return b"\x80\x04c" + f"{module}\n{name}\n".encode() + b"N}X\x04\x00\x00\x00evilK\x01s\x86b."
 
 
 @pytest.mark.parametrize("name", ["Metadata", "TensorStorageMetadata"])
@@ -441,8 +451,11 @@ def test_a_metadata_that_sets_attributes_on_an_allowed_class_is_refused_and_chan
     (crafted / ".metadata").write_bytes(_build_on(dcp_metadata.__name__, name))
     model = nn.Linear(4, 4)
     try:
-        with pytest.raises(CheckpointError, match=rf"^{crafted}/\.metadata was refused \(it sets attributes on "
-                                                  rf"<class '.*\.{name}'>"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^{crafted}/\.metadata was refused \(it sets attributes on "
+            rf"<class '.*\.{name}'>",
+        ):
             checkpoint.load(crafted, model, torch.optim.AdamW(model.parameters()))
         assert not hasattr(getattr(dcp_metadata, name), "evil")  # the class is as DCP defines it
     finally:
@@ -464,8 +477,11 @@ def test_a_metadata_that_points_outside_the_checkpoint_is_refused_before_anythin
     assert message.startswith(f"{metadata_file} was refused: it points at {crafted_path!r}, which is not a file")
 
 
-@pytest.mark.parametrize("crafted_path", ["__0_0\0.distcp", "x" * 4000, "é" * 200, "__0_0\ud800.distcp"],
-                         ids=["nul", "4000-chars", "400-bytes", "lone-surrogate"])
+@pytest.mark.parametrize(
+    "crafted_path",
+    ["__0_0\0.distcp", "x" * 4000, "é" * 200, "__0_0\ud800.distcp"],
+    ids=["nul", "4000-chars", "400-bytes", "lone-surrogate"],
+)
 def test_a_metadata_naming_a_file_no_file_system_can_hold_is_refused_naming_the_metadata(tmp_path, crafted_path):
     import dataclasses
 
@@ -480,9 +496,15 @@ def test_a_metadata_naming_a_file_no_file_system_can_hold_is_refused_naming_the_
     assert "which no file can be named (a NUL byte, or over 255 bytes)" in message and len(message) < 400
 
 
-@pytest.mark.parametrize("content, says", [(b"not a pickle", "cannot be read"), (pickle.dumps({"a": 1}), "holds a dict"),
-                                           (pickle.dumps({"a": 1})[:-3], "cannot be read")],
-                         ids=["garbage", "not-metadata", "truncated"])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"not a pickle", "cannot be read"),
+        (pickle.dumps({"a": 1}), "holds a dict"),
+        (pickle.dumps({"a": 1})[:-3], "cannot be read"),
+    ],
+    ids=["garbage", "not-metadata", "truncated"],
+)
 def test_every_refused_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, content, says):
     from fsdp_guide import checkpoint
 
@@ -513,9 +535,14 @@ class _FieldsOfItsOwn:
         return StorageMeta, (), {"evil": 1}
 
 
-@pytest.mark.parametrize("crafted, says", [(_SetsTheEnum, "it sets attributes on <_MEM_FORMAT_ENCODING"),
-                                           (_FieldsOfItsOwn, "it fills a StorageMeta with dict state that is not its")],
-                         ids=["enum-member", "not-its-fields"])
+@pytest.mark.parametrize(
+    "crafted, says",
+    [
+        (_SetsTheEnum, "it sets attributes on <_MEM_FORMAT_ENCODING"),
+        (_FieldsOfItsOwn, "it fills a StorageMeta with dict state that is not its"),
+    ],
+    ids=["enum-member", "not-its-fields"],
+)
 def test_a_metadata_that_sets_what_dcp_never_sets_is_refused_and_changes_nothing(tmp_path, crafted, says):
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
@@ -546,14 +573,18 @@ def _break_an_entry(saved: Path, how: str) -> None:
         metadata.state_dict_metadata["data@rankx"] = metadata.state_dict_metadata.pop("step")
     elif how == "transform":
         index = next(iter(metadata.storage_data))
-        metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index],
-                                                           transform_descriptors=["zstd"])
+        metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], transform_descriptors=["zstd"])
     metadata_file.write_bytes(pickle.dumps(metadata))
 
 
-@pytest.mark.parametrize("how, says", [("tensor-size", "its entry 'model.weight' is not a tensor's storage metadata"),
-                                       ("per-rank-key", "its entry 'data@rankx' is not one this package writes"),
-                                       ("transform", "is to be transformed (['zstd']) when read")])
+@pytest.mark.parametrize(
+    "how, says",
+    [
+        ("tensor-size", "its entry 'model.weight' is not a tensor's storage metadata"),
+        ("per-rank-key", "its entry 'data@rankx' is not one this package writes"),
+        ("transform", "is to be transformed (['zstd']) when read"),
+    ],
+)
 def test_metadata_entries_this_package_never_writes_are_refused_naming_the_file(tmp_path, how, says):
     [saved] = launch(_save_one, str(tmp_path), world_size=1, output="none")
     _break_an_entry(Path(saved), how)
@@ -573,7 +604,10 @@ def test_files_of_a_checkpoint_that_are_links_elsewhere_are_refused(tmp_path):
     (Path(first) / ".metadata").unlink()
     os.symlink(Path(elsewhere) / ".metadata", Path(first) / ".metadata")
     [message] = launch(_try_load, first, world_size=1, output="none")
-    assert message == f"{Path(first) / '.metadata'} was refused: it is a link, and DCP writes a plain file; nothing was read"
+    assert (
+        message
+        == f"{Path(first) / '.metadata'} was refused: it is a link, and DCP writes a plain file; nothing was read"
+    )
 
 
 def test_a_metadata_pickled_by_python_3_13_names_pathlib_local_and_is_read(tmp_path):
@@ -582,7 +616,9 @@ def test_a_metadata_pickled_by_python_3_13_names_pathlib_local_and_is_read(tmp_p
     from fsdp_guide import checkpoint
 
     # protocol 2: classes named as text (GLOBAL), so the module's name can be changed in place
-    data = pickle.dumps(Metadata({}, storage_data={}, storage_meta=StorageMeta(checkpoint_id=Path("/ckpt"))), protocol=2)
+    data = pickle.dumps(
+        Metadata({}, storage_data={}, storage_meta=StorageMeta(checkpoint_id=Path("/ckpt"))), protocol=2
+    )
     assert b"cpathlib\nPosixPath\n" in data
     (tmp_path / ".metadata").write_bytes(data.replace(b"cpathlib\n", b"cpathlib._local\n"))
     assert checkpoint._read_metadata(tmp_path).storage_meta.checkpoint_id == Path("/ckpt")
@@ -595,6 +631,7 @@ def _save_where_rank_0_cannot_make_the_directory(directory):
 
     model, opt = _model_and_optimizer()
     if dist.get_rank() == 0:
+
         def read_only(self, *args, **kwargs):
             raise PermissionError(13, "Permission denied", str(self))
 
@@ -607,10 +644,18 @@ def _save_where_rank_0_cannot_make_the_directory(directory):
 
 
 def test_a_save_whose_directory_rank_0_cannot_make_raises_on_every_rank_at_once(tmp_path):
-    raised = launch(_save_where_rank_0_cannot_make_the_directory, str(tmp_path / "ckpt"), world_size=2,
-                    output="none", timeout=50, collective_timeout=60)
+    raised = launch(
+        _save_where_rank_0_cannot_make_the_directory,
+        str(tmp_path / "ckpt"),
+        world_size=2,
+        output="none",
+        timeout=50,
+        collective_timeout=60,
+    )
     assert raised[0].startswith("PermissionError: [Errno 13] Permission denied")
-    assert raised[1].startswith("CheckpointError: ") and "was not saved: rank 0 failed with PermissionError" in raised[1]
+    assert (
+        raised[1].startswith("CheckpointError: ") and "was not saved: rank 0 failed with PermissionError" in raised[1]
+    )
 
 
 def _save_at_a_numpy_step(directory):
@@ -645,8 +690,9 @@ def test_only_this_package_s_checkpoints_are_counted_kept_replaced_or_deleted(tm
     (tmp_path / "step-9").mkdir()  # an empty folder, further along
     (tmp_path / "step-00000006").mkdir()
     (tmp_path / "step-00000006" / "notes.txt").write_text("mine")
-    for rank_outcome in launch(_save_beside_a_user_s_folders, str(tmp_path), [4, 5, 6], world_size=2,
-                               output="none", timeout=60):
+    for rank_outcome in launch(
+        _save_beside_a_user_s_folders, str(tmp_path), [4, 5, 6], world_size=2, output="none", timeout=60
+    ):
         saved, newest = rank_outcome
         assert saved[:2] == ["step-00000004", "step-00000005"]
         assert saved[2].startswith(f"{tmp_path / 'step-00000006'} exists and is not a checkpoint of fsdp_guide")
@@ -674,6 +720,7 @@ def _export_that_fails_on_rank_0(path):
 
     model, _ = _model_and_optimizer()
     if dist.get_rank() == 0:
+
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
@@ -687,8 +734,14 @@ def _export_that_fails_on_rank_0(path):
 
 def test_an_export_that_fails_on_rank_0_raises_on_every_rank_at_once_and_keeps_the_file(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"the previous export")
-    raised = launch(_export_that_fails_on_rank_0, str(tmp_path / "model.pt"), world_size=2, output="none", timeout=50,
-                    collective_timeout=60)
+    raised = launch(
+        _export_that_fails_on_rank_0,
+        str(tmp_path / "model.pt"),
+        world_size=2,
+        output="none",
+        timeout=50,
+        collective_timeout=60,
+    )
     assert raised[0] == "OSError: [Errno 28] No space left on device"
     assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with OSError" in raised[1]
     assert (tmp_path / "model.pt").read_bytes() == b"the previous export"
@@ -709,7 +762,9 @@ def _export(path):
 def test_an_export_to_a_path_that_cannot_be_a_file_is_refused_on_every_rank_before_the_gather(tmp_path, where):
     (tmp_path / "a-directory").mkdir()
     raised = launch(_export, str(tmp_path / where), world_size=2, output="none", timeout=50, collective_timeout=60)
-    assert raised[0] == f"ValueError: {tmp_path / where}: expected the path of a file to write, in a directory that exists"
+    assert (
+        raised[0] == f"ValueError: {tmp_path / where}: expected the path of a file to write, in a directory that exists"
+    )
     assert raised[1].startswith("CheckpointError: ") and "rank 0 failed with ValueError" in raised[1]
 
 
@@ -769,8 +824,11 @@ def test_two_runs_saving_one_step_into_one_directory_never_publish_each_others_w
     # B used to delete A's partial directory and write into the same path: A then published B's weights.
     directory, go = tmp_path / "ckpt", tmp_path / "go"
     first: list = []
-    a = threading.Thread(target=lambda: first.append(launch(_save_seeded, str(directory), 0, str(go), in_background,
-                                                            world_size=2, output="none", timeout=180)))
+    a = threading.Thread(
+        target=lambda: first.append(
+            launch(_save_seeded, str(directory), 0, str(go), in_background, world_size=2, output="none", timeout=180)
+        )
+    )
     a.start()
     try:
         partial = directory / ".partial-step-00000002"
@@ -820,6 +878,8 @@ def test_a_claim_left_by_a_crashed_save_does_not_block_the_next(tmp_path):
         launch(_save_then_die_holding_the_claim, str(directory), world_size=2, output="none", timeout=120)
     assert (directory / ".partial-step-00000002" / ".fsdp_guide-checkpoint").exists()  # left as the crash left it
     [(weights, saved), _] = launch(_save_seeded, str(directory), 1, world_size=2, output="none")
-    assert saved == str(directory / "step-00000002") and sorted(p.name for p in directory.iterdir()) == ["step-00000002"]
+    assert saved == str(directory / "step-00000002") and sorted(p.name for p in directory.iterdir()) == [
+        "step-00000002"
+    ]
     loaded = launch(_load_latest, str(directory), world_size=2, output="none")[0]
     assert all(torch.equal(x, y) for x, y in zip(loaded, weights, strict=True))

@@ -1,4 +1,7 @@
-"""fsdp_guide.collectives.count_collectives on gloo ranks: FSDP's and tensor parallelism's collectives, per mesh dimension, with their bytes (and record_dtypes', from the same table)."""
+"""fsdp_guide.collectives.count_collectives on gloo ranks.
+
+FSDP's and tensor parallelism's collectives, per mesh dimension, with their bytes (and record_dtypes', from the same
+table)."""
 
 from __future__ import annotations
 

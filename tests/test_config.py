@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from training import train
 
 from fsdp_guide import launch, shard
 from fsdp_guide.config import DEFAULTS, validate
 from fsdp_guide.precision import record_dtypes
-from training import train
 
 APIS = ("fsdp2", "fsdp1")
 
@@ -70,7 +70,9 @@ def _strategies(api, strategies, config):
     reference = _losses(Blocks(), sharded=False)
     results = {}
     for strategy in strategies:
-        model = shard(Blocks(), {"sharding_strategy": strategy, "mixed_precision": "FULL", "min_params": 200, **config}, api=api)
+        model = shard(
+            Blocks(), {"sharding_strategy": strategy, "mixed_precision": "FULL", "min_params": 200, **config}, api=api
+        )
         fraction = _local_fraction(model)
         losses = _losses(model, sharded=True)
         results[strategy] = (round(fraction, 3), max(abs(a - b) for a, b in zip(losses, reference)))
@@ -113,7 +115,9 @@ def test_shard_grad_op_keeps_fsdp2_parameters_gathered_between_forward_and_backw
 def _dtypes(api, mixed_precision, precision):
     model = shard(Blocks(), {"mixed_precision": mixed_precision, "precision": precision, "min_params": 200}, api=api)
     forward = []
-    first_linear = next(m for m in model.modules() if isinstance(m, nn.Linear))  # inside the unit, not the FSDP1 wrapper
+    first_linear = next(
+        m for m in model.modules() if isinstance(m, nn.Linear)
+    )  # inside the unit, not the FSDP1 wrapper
     first_linear.register_forward_pre_hook(lambda module, args: forward.append(module.weight.dtype))
     with record_dtypes() as dtypes:
         model(torch.ones(2, 16)).float().sum().backward()
@@ -165,8 +169,15 @@ def test_activation_checkpointing_goes_inside_each_unit_and_training_is_unchange
     def run():
         return [
             _activation_wrappers(api, {"activation_checkpointing": True}, False),
-            _activation_wrappers(api, {"activation_checkpointing": True, "activation_checkpointing_reentrant": True,
-                                       "activation_cpu_offload": True}, False),
+            _activation_wrappers(
+                api,
+                {
+                    "activation_checkpointing": True,
+                    "activation_checkpointing_reentrant": True,
+                    "activation_cpu_offload": True,
+                },
+                False,
+            ),
             _activation_wrappers(api, {"activation_checkpointing": True}, True),
         ]
 
@@ -175,7 +186,13 @@ def test_activation_checkpointing_goes_inside_each_unit_and_training_is_unchange
     # units in module order, the root first; fsdp_wrap_fn (found on .model) chose the head though it is below min_params
     assert every == [root, *blocks, ("Linear", ["NO_REENTRANT"])]
     assert offloaded == [root] + [("Sequential", ["offload", "REENTRANT"])] * 3 + [("Linear", ["offload", "REENTRANT"])]
-    assert first_only == [root, ("Sequential", ["NO_REENTRANT"]), ("Sequential", []), ("Sequential", []), ("Linear", [])]
+    assert first_only == [
+        root,
+        ("Sequential", ["NO_REENTRANT"]),
+        ("Sequential", []),
+        ("Sequential", []),
+        ("Linear", []),
+    ]
     assert max(error1, error2, error3) < 1e-6
 
 
@@ -184,8 +201,11 @@ def _offloaded_fsdp2():
 
     model = shard(Blocks(), {"cpu_offload": True, "min_params": 200, "mixed_precision": "FULL"})
     policy = model._get_fsdp_state()._fsdp_param_group.offload_policy
-    return type(policy).__name__, isinstance(policy, CPUOffloadPolicy), max(
-        abs(a - b) for a, b in zip(_losses(model, True), _losses(Blocks(), False)))
+    return (
+        type(policy).__name__,
+        isinstance(policy, CPUOffloadPolicy),
+        max(abs(a - b) for a, b in zip(_losses(model, True), _losses(Blocks(), False))),
+    )
 
 
 def test_cpu_offload_uses_fsdp2s_policy_and_trains_like_one_process():
@@ -204,16 +224,25 @@ def test_verbose_prints_the_plan_once_from_rank_0(api, capfd):
     assert "[rank1]" not in out and out.count("fsdp_config -> ") == 1
     assert "blocks.0                 Sequential              280  checkpoint" in out
     assert "(root)                   Blocks                   68" in out
-    assert ("MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)" if api == "fsdp2"
-            else "MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32, buffer_dtype=bfloat16)") in out
+    assert (
+        "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)"
+        if api == "fsdp2"
+        else "MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32, buffer_dtype=bfloat16)"
+    ) in out
 
 
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"sharding_stratgy": "FULL_SHARD"}, "unknown fsdp_config key 'sharding_stratgy'; did you mean 'sharding_strategy'?"),
+        (
+            {"sharding_stratgy": "FULL_SHARD"},
+            "unknown fsdp_config key 'sharding_stratgy'; did you mean 'sharding_strategy'?",
+        ),
         ({"zzz": 1}, "unknown fsdp_config key 'zzz'. Valid keys: sharding_strategy, min_params"),
-        ({"sharding_strategy": "FULL_SHRAD"}, "expected one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD; did you mean 'FULL_SHARD'?"),
+        (
+            {"sharding_strategy": "FULL_SHRAD"},
+            "expected one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD; did you mean 'FULL_SHARD'?",
+        ),
         ({"sharding_strategy": 3}, "fsdp_config['sharding_strategy'] = 3: expected one of FULL_SHARD"),
         ({"mixed_precision": "DEFALUT"}, "did you mean 'DEFAULT'?"),
         ({"mixed_precision": {"param_dtype": "bf61"}}, "fsdp_config['mixed_precision.param_dtype'] = 'bf61'"),
@@ -265,7 +294,10 @@ def test_combinations_that_cannot_work_are_clear_value_errors():
     assert "backward_prefetch='NONE' cannot be honoured by FSDP2" in errors["prefetch"]
     assert "MixedPrecisionPolicy has no buffer dtype" in errors["buffer"]
     assert "cpu_offload=True with api='fsdp1' needs the ranks on an accelerator" in errors["offload1"]
-    assert "fsdp_wrap_fn(Linear) returned {'reshard_after_forward': False}: it must return True or False" in errors["wrap_fn"]
+    assert (
+        "fsdp_wrap_fn(Linear) returned {'reshard_after_forward': False}: it must return True or False"
+        in errors["wrap_fn"]
+    )
     assert "api='fsdp3': expected 'fsdp2'" in errors["api"]
 
 
@@ -276,8 +308,10 @@ def test_hybrid_shard_on_one_rank_is_a_clear_error():
         except ValueError as err:
             return str(err)
 
-    assert "HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least 2 ranks" in launch(
-        run, world_size=1, output="none")[0]
+    assert (
+        "HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least 2 ranks"
+        in launch(run, world_size=1, output="none")[0]
+    )
 
 
 def test_shard_outside_a_process_group_says_how_to_start_one():
@@ -288,17 +322,30 @@ def test_shard_outside_a_process_group_says_how_to_start_one():
 # Anything at all, for validate; for shard, mostly valid dictionaries with at most one bad value,
 # so that the real sharding code runs for many combinations and every check is reached.
 _ANY = st.one_of(
-    st.booleans(), st.none(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+    st.booleans(),
+    st.none(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
     st.sampled_from(["FULL_SHRAD", "", "fp8", "bf16", "NONE", "DEFAULT"]),
-    st.dictionaries(st.sampled_from(["param_dtype", "reduce_dtype", "buffer_dtype", "x"]),
-                    st.sampled_from(["bf16", "fp16", "fp32", None, "f16", 3]), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["param_dtype", "reduce_dtype", "buffer_dtype", "x"]),
+        st.sampled_from(["bf16", "fp16", "fp32", None, "f16", 3]),
+        max_size=3,
+    ),
 )
 _CONFIGS = st.dictionaries(st.one_of(st.sampled_from(list(DEFAULTS)), st.text(max_size=12)), _ANY, max_size=6)
 _VALID = {
     "sharding_strategy": ["FULL_SHARD", "shard_grad_op", "NO_SHARD", "HYBRID_SHARD"],
     "min_params": [0, 100, 1e8],
     "cpu_offload": [False, True],
-    "mixed_precision": ["FULL", "DEFAULT", "pure", {"param_dtype": "bf16"}, {"param_dtype": "fp16", "reduce_dtype": "fp32"}],
+    "mixed_precision": [
+        "FULL",
+        "DEFAULT",
+        "pure",
+        {"param_dtype": "bf16"},
+        {"param_dtype": "fp16", "reduce_dtype": "fp32"},
+    ],
     "precision": ["auto", "bf16", "fp16", "fp32"],
     "backward_prefetch": ["BACKWARD_PRE", "BACKWARD_POST", None],
     "activation_checkpointing": [False, True],
@@ -370,7 +417,9 @@ def _buffer_dtype_in_forward(api):
 
 def test_fsdp1_casts_buffers_to_the_preset_dtype_and_fsdp2_keeps_them():
     assert launch(lambda: [_buffer_dtype_in_forward(api) for api in APIS], output="none")[0] == [
-        "torch.float32", "torch.bfloat16"]  # FSDP2's MixedPrecisionPolicy has no buffer dtype
+        "torch.float32",
+        "torch.bfloat16",
+    ]  # FSDP2's MixedPrecisionPolicy has no buffer dtype
 
 
 def _model_after_a_refused_config():
@@ -383,7 +432,8 @@ def _model_after_a_refused_config():
     except ValueError:
         pass
     return before == [name for name, _ in model.named_modules()] and not any(
-        isinstance(m, ActivationWrapper) for m in model.modules())
+        isinstance(m, ActivationWrapper) for m in model.modules()
+    )
 
 
 def test_a_refused_config_leaves_the_model_untouched():
@@ -421,11 +471,18 @@ def _replicas_after_shard(sync):
             model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
             rank0_init = [p.detach().clone() for p in model.parameters()]
             dist.broadcast_object_list(rank0_init, src=0)
-            config = {"sharding_strategy": strategy, "min_params": 50, "mixed_precision": "FULL",
-                      "data_parallel_shard_degree": 2, "sync_module_states": sync}
+            config = {
+                "sharding_strategy": strategy,
+                "min_params": 50,
+                "mixed_precision": "FULL",
+                "data_parallel_shard_degree": 2,
+                "sync_module_states": sync,
+            }
             sharded = shard(model, config, api=api)
-            local = b"".join(p.detach().to_local().numpy().tobytes() if hasattr(p, "to_local")
-                             else p.detach().numpy().tobytes() for p in sharded.parameters())
+            local = b"".join(
+                p.detach().to_local().numpy().tobytes() if hasattr(p, "to_local") else p.detach().numpy().tobytes()
+                for p in sharded.parameters()
+            )
             with summon_full_params(sharded, writeback=False):
                 full = [p.detach().clone() for p in sharded.parameters()]
             digests = [None] * dist.get_world_size()

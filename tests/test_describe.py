@@ -35,7 +35,18 @@ def test_fsdp2_rows_are_dtensor_shards():
     assert rows1[0] == ParamShard("0.weight", (3, 5), (1, 5), "Shard(dim=0) over mesh 2", "[2:3, :]", 20, "float32")
     assert [r.name for r in rows0] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert bytes0 == sum(r.local_bytes for r in rows0) == 4 * (10 + 2 + 3 + 1)
-    assert text0.splitlines()[0].split() == ["name", "full", "shape", "local", "shape", "placement", "holds", "local", "bytes", "dtype"]
+    assert text0.splitlines()[0].split() == [
+        "name",
+        "full",
+        "shape",
+        "local",
+        "shape",
+        "placement",
+        "holds",
+        "local",
+        "bytes",
+        "dtype",
+    ]
     assert html0.startswith("<table>") and "<td>0.weight</td>" in html0
 
 
@@ -71,8 +82,10 @@ def _describe_2d():
     fully_shard(model, mesh=mesh["dp"])
     rows = {row.name: row for row in describe_sharding(model)}
     # the held slices, read back out of the full parameter, are this rank's shard
-    held_is_local = {name: torch.equal(_take(p.full_tensor(), rows[name].holds), p.to_local())
-                     for name, p in model.named_parameters()}
+    held_is_local = {
+        name: torch.equal(_take(p.full_tensor(), rows[name].holds), p.to_local())
+        for name, p in model.named_parameters()
+    }
     return dist.get_rank(), rows, held_is_local
 
 

@@ -14,8 +14,16 @@ import fsdp_guide
 from fsdp_guide import _rank, devices, launch
 from fsdp_guide.launcher import launches
 
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RUN_ID",
-        devices.DEVICE_ENV, devices.SAME_GPUS_ENV)
+_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "TORCHELASTIC_RUN_ID",
+    devices.DEVICE_ENV,
+    devices.SAME_GPUS_ENV,
+)
 
 
 @pytest.fixture
@@ -35,8 +43,13 @@ def env(monkeypatch):
 
 def torchrun(rank: int, nodes: int, per_node: int) -> dict:
     """What torchrun --nnodes=nodes --nproc-per-node=per_node sets for global rank ``rank``."""
-    return dict(RANK=rank, WORLD_SIZE=nodes * per_node, LOCAL_RANK=rank % per_node, LOCAL_WORLD_SIZE=per_node,
-                TORCHELASTIC_RUN_ID="job")
+    return dict(
+        RANK=rank,
+        WORLD_SIZE=nodes * per_node,
+        LOCAL_RANK=rank % per_node,
+        LOCAL_WORLD_SIZE=per_node,
+        TORCHELASTIC_RUN_ID="job",
+    )
 
 
 @pytest.mark.parametrize("rank", range(8))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-
-import pytest
-from conftest import ROOT
+import re
+import tempfile
+from pathlib import Path
 
 import execution  # docs/_ext, put on sys.path by conftest
+import pytest
+from conftest import ROOT
 
 
 def _overlap(a, b) -> bool:
@@ -27,7 +29,7 @@ with open("cells.jsonl", "a") as log:
 """
     for index, (alone, body) in enumerate(cells):
         source += f"""
-# %%{' tags=["alone"]' if alone else ''}
+# %%{' tags=["alone"]' if alone else ""}
 start = time.time()
 open("running-{name}-{index}", "w").close()
 {body}
@@ -65,12 +67,13 @@ HANG = pytest.mark.timeout(300, method="thread")
 
 
 @HANG
-def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_the_rest_of_its_page_does_not(
-        tmp_path):
+def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_the_rest_of_its_page_does_not(tmp_path):
     waits = UNTIL_ANOTHER_PAGE_RUNS.format(name="measuring")
     measuring = _cells(tmp_path, "measuring", (False, waits), (True, "time.sleep(2)"), (False, waits))
-    others = [_cells(tmp_path, name, (False, "time.sleep(1)"), (False, "time.sleep(1)"))
-              for name in ("first", "second", "third", "fourth")]
+    others = [
+        _cells(tmp_path, name, (False, "time.sleep(1)"), (False, "time.sleep(1)"))
+        for name in ("first", "second", "third", "fourth")
+    ]
     with execution.Execution(tmp_path / "cache", workers=2) as run:
         futures = run.submit_all([measuring, *others])
     assert all(future.result().cells for future in futures.values())  # the with's end waited for them
@@ -89,8 +92,12 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
     for cell in (0, 2):
         assert any(_overlap(times["measuring", cell], span) for key, span in other_cells.items() if key[1] >= 0)
     # and the ordinary pages ran two at a time
-    assert any(_overlap(span, other) for (a, i), span in other_cells.items() for (b, j), other in other_cells.items()
-               if a < b and i >= 0 and j >= 0)
+    assert any(
+        _overlap(span, other)
+        for (a, i), span in other_cells.items()
+        for (b, j), other in other_cells.items()
+        if a < b and i >= 0 and j >= 0
+    )
 
 
 @HANG
@@ -120,37 +127,77 @@ def test_a_page_in_the_cache_is_not_executed_again_and_a_failing_page_says_what_
     assert _finished(tmp_path) == ["once"]  # the second run took it from the cache
 
 
+@HANG
+def test_the_build_names_each_page_as_it_starts_and_ends_a_failure_at_once_and_its_kernels_talk_over_unix_sockets(
+    tmp_path, capfd
+):
+    # The kernel's channels: Unix sockets. (ipykernel's own pipe for its subprocesses' output listens on 127.0.0.1.)
+    transport = "from ipykernel.kernelapp import IPKernelApp\nprint(IPKernelApp.instance().transport)"
+    ok = _cells(tmp_path, "ok", (False, transport))
+    failing = _cells(tmp_path, "failing", (False, "raise ValueError('the cell that fails')"))
+    lines = []
+    with execution.Execution(tmp_path / "cache", workers=1, report=lines.append) as run:
+        futures = run.submit_all([failing, ok])
+    assert futures[ok].result().cells[1].outputs[0].text == "ipc\n"
+    assert lines[:3] == [
+        "        failing: executing",
+        "[ 1/2] failing: failed: ValueError: the cell that fails",
+        "        ok: executing",
+    ]  # the failure named before the next page ran
+    assert re.fullmatch(r"\[ 2/2\] ok: executed in \d+\.\d s", lines[3]) and len(lines) == 4
+    lines.clear()
+    with execution.Execution(tmp_path / "cache", report=lines.append) as run:
+        run.submit(ok).result()
+    assert lines == ["[ 1/1] ok: from the cache"]
+    assert "without encryption" not in capfd.readouterr().err  # jupyter_client's TCP transport warned once per kernel
+    assert not list(Path(tempfile.gettempdir()).glob(f"fsdp-guide-kernels-*/{ok.stem}-1"))  # its sockets removed
+
+
 def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_one():
     pages = [ROOT / "tutorials" / f"{stem}.py" for stem in ("quickstart", "communication", "compile", "new_page")]
     order = execution.execution_order(pages, {"quickstart": 10.0, "communication": 20.0, "compile": 50.0})
     assert [page.stem for page in order] == ["new_page", "compile", "communication", "quickstart"]
 
 
-
 def test_a_page_whose_kernel_dies_of_a_signal_fails_once_and_shows_where_each_thread_was(tmp_path, capfd):
     # The kernel process aborted as libzmq's assertion does (SIGABRT): the page is not executed
     # again, it fails naming itself, and faulthandler's stacks reach the build's stderr
     # (not the notebook's pipe, which a dead kernel no longer forwards).
-    dies = _cells(tmp_path, "dies", (False, """open("attempts", "a").write("x")
+    dies = _cells(
+        tmp_path,
+        "dies",
+        (
+            False,
+            """open("attempts", "a").write("x")
 import signal, threading
 threading.Thread(target=time.sleep, args=(60,), name="a_thread_of_the_page", daemon=True).start()
 def in_the_cell_that_aborts():
     os.kill(os.getpid(), signal.SIGABRT)
-in_the_cell_that_aborts()"""))
+in_the_cell_that_aborts()""",
+        ),
+    )
     with execution.Execution(tmp_path / "cache") as run:
         with pytest.raises(execution.PageFailed, match=r"dies\.py: its kernel process died"):
             run.submit(dies).result()
     assert (tmp_path / "attempts").read_text() == "x"
     stderr = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in stderr
-    assert 'in in_the_cell_that_aborts' in stderr and stderr.count("Thread 0x") >= 2  # every thread, the page's too
+    assert "in in_the_cell_that_aborts" in stderr and stderr.count("Thread 0x") >= 2  # every thread, the page's too
+
 
 def test_a_page_whose_rendezvous_failed_in_gloo_fails_at_once_without_a_retry(tmp_path):
     # connectFullMesh's failure was retried until its cause was found and fixed (a rank
     # tearing its group down while a peer was still joining): a page that fails with it now
     # fails like any other, executed once.
-    always = _cells(tmp_path, "always", (False, """open("attempts", "a").write("x")
-raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")"""))
+    always = _cells(
+        tmp_path,
+        "always",
+        (
+            False,
+            """open("attempts", "a").write("x")
+raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")""",
+        ),
+    )
     with execution.Execution(tmp_path / "cache") as run:
         with pytest.raises(execution.PageFailed, match="connectFullMesh"):
             run.submit(always).result()
@@ -206,8 +253,9 @@ def test_ctrl_c_stops_the_running_pages_kernels_and_ranks_at_once_and_starts_no_
         pages.append(tmp_path / f"{name}.py")
         pages[-1].write_text(_RANKS_THAT_SLEEP.format(name=name))
     script = _INTERRUPTED_BUILD.format(ext=str(ROOT / "docs" / "_ext"), cache=str(tmp_path / "cache"))
-    build = subprocess.Popen([sys.executable, "-c", script, *map(str, pages)], stdout=subprocess.PIPE, text=True,
-                             cwd=tmp_path)
+    build = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, pages)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     try:
         ranks = [tmp_path / f"rank-{name}-{rank}" for name in ("first", "second") for rank in (0, 1)]
         deadline = time.monotonic() + 180
@@ -223,6 +271,7 @@ def test_ctrl_c_stops_the_running_pages_kernels_and_ranks_at_once_and_starts_no_
     assert build.returncode == 130 and "interrupted: ['queued.py']" in out, out  # the third page never started
     assert not (tmp_path / "kernel-queued").exists()
     deadline = time.monotonic() + 30  # the ranks notice their kernel is gone (their stdin closes) and exit
+
     def running(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

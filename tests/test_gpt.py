@@ -1,4 +1,4 @@
-"""The GPT under tensor parallelism: its attention and MLP shard by heads and columns, and compute what one process does."""
+"""The GPT under tensor parallelism: attention and MLP shard by heads and columns and compute what one process does."""
 
 from __future__ import annotations
 
@@ -41,8 +41,14 @@ def _parallel(dp: int):
 
     mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
     model = _model()
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.proj": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+    plan = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(),
+    }
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], plan)
         if dp > 1:
@@ -54,8 +60,10 @@ def _parallel(dp: int):
     mine = slice(mesh["dp"].get_local_rank() * rows, (mesh["dp"].get_local_rank() + 1) * rows)
     _, loss = model(tokens[mine], targets[mine])
     loss.backward()
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-             for name, p in model.named_parameters()}
+    grads = {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+        for name, p in model.named_parameters()
+    }
     total = loss.detach().clone()
     dist.all_reduce(total)
     return (total / dist.get_world_size()).item(), grads if dist.get_rank() == 0 else None

@@ -11,11 +11,11 @@ import json
 import subprocess
 import sys
 
+import gpu_run
 import pytest
 import torch
 from conftest import ROOT
 
-import gpu_run
 from fsdp_guide import devices
 from fsdp_guide.executed import executed_on
 
@@ -28,8 +28,9 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu():
 
 
 def test_nox_s_gpu_refuses_cleanly_without_a_gpu():
-    done = subprocess.run([sys.executable, "-m", "nox", "-s", "gpu", "--no-venv"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "nox", "-s", "gpu", "--no-venv"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "nox -s gpu needs a GPU" in output and "Traceback" not in output
@@ -55,8 +56,10 @@ def test_the_plan_for_n_gpus_is_what_the_device_rule_does_in_each_rank(monkeypat
 
 def test_a_page_is_executed_and_recorded_with_where_its_ranks_ran(tmp_path):
     page = tmp_path / "tiny.py"
-    page.write_text("# %%\nimport torch.distributed as dist\nfrom fsdp_guide import launch\n"
-                    "print(launch(dist.get_rank, world_size=2))\n")
+    page.write_text(
+        "# %%\nimport torch.distributed as dist\nfrom fsdp_guide import launch\n"
+        "print(launch(dist.get_rank, world_size=2))\n"
+    )
     result = gpu_run.execute_page(page, timeout=120)
     assert result["status"] == "pass"
     assert result["where"] == "2 ranks on cpu, cpu (CPU, gloo)"
@@ -69,12 +72,22 @@ def test_a_page_is_executed_and_recorded_with_where_its_ranks_ran(tmp_path):
 def test_a_recorded_gpu_run_turns_the_page_s_line_green(tmp_path):
     record = tmp_path / "gpu_record.json"
     assert "**On GPUs**: not verified" in str(executed_on("quickstart", record=record))
-    run = {"date": "2026-12-01", "gpu": "NVIDIA H200", "gpu_count": 1, "torch": "2.11.0+cu130", "cuda": "13.0",
-           "pages": {"quickstart": {"status": "pass", "where": "2 ranks on cuda:0, cuda:0 (sharing GPUs, gloo)"},
-                     "digits": {"status": "fail", "error": "RuntimeError: boom"}}}
+    run = {
+        "date": "2026-12-01",
+        "gpu": "NVIDIA H200",
+        "gpu_count": 1,
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "pages": {
+            "quickstart": {"status": "pass", "where": "2 ranks on cuda:0, cuda:0 (sharing GPUs, gloo)"},
+            "digits": {"status": "fail", "error": "RuntimeError: boom"},
+        },
+    }
     record.write_text(json.dumps({"runs": [run]}))
-    assert ("**On GPUs**: passed on 1 × NVIDIA H200 (torch 2.11.0+cu130, CUDA 13.0), 2026-12-01: "
-            "2 ranks on cuda:0, cuda:0 (sharing GPUs, gloo).") in str(executed_on("quickstart", record=record))
+    assert (
+        "**On GPUs**: passed on 1 × NVIDIA H200 (torch 2.11.0+cu130, CUDA 13.0), 2026-12-01: "
+        "2 ranks on cuda:0, cuda:0 (sharing GPUs, gloo)."
+    ) in str(executed_on("quickstart", record=record))
     assert "FAILED (RuntimeError: boom)" in str(executed_on("digits", record=record))
     assert "not verified" in str(executed_on("llm", record=record))
 
@@ -91,6 +104,9 @@ def test_no_text_claims_a_gpu_run_the_record_does_not_hold():
     readme = (ROOT / "README.md").read_text()
     assert ("No GPU run has been recorded yet" in readme) == (not runs)
     if not runs:  # then nothing may say the code ran on a GPU
-        pages = [p.read_text() for p in [ROOT / "index.rst", *(ROOT / "docs").glob("*.rst"), *(ROOT / "tutorials").glob("*.py")]]
+        pages = [
+            p.read_text()
+            for p in [ROOT / "index.rst", *(ROOT / "docs").glob("*.rst"), *(ROOT / "tutorials").glob("*.py")]
+        ]
         claims = ("runs on GPUs", "runs on NCCL", "unchanged, on GPUs", "NCCL on GPUs with the same code")
         assert not [c for text in pages for c in claims if c in text]

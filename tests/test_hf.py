@@ -16,8 +16,15 @@ TOKENS = torch.arange(24).reshape(3, 8) % 40
 
 
 def _llama(**sizes) -> LlamaForCausalLM:
-    config = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=True)
+    config = dict(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**{**config, **sizes}))
 
@@ -46,12 +53,17 @@ def _load_and_run(path, tokens, read, model_cls):
         logits = model(tokens.to(fsdp_guide.device())).logits.cpu()
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
-    return {"rank": dist.get_rank(), "logits": logits, "reads": len(reads), "local": local, "total": total,
-            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+    return {
+        "rank": dist.get_rank(),
+        "logits": logits,
+        "reads": len(reads),
+        "local": local,
+        "total": total,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    }
 
 
-@pytest.mark.parametrize("read, world_size", [("rank0", 1), ("rank0", 2), ("rank0", 4), ("sharded", 2),
-                                              ("sharded", 4)])
+@pytest.mark.parametrize("read, world_size", [("rank0", 1), ("rank0", 2), ("rank0", 4), ("sharded", 2), ("sharded", 4)])
 def test_the_sharded_model_computes_what_the_saved_one_does_with_either_read(saved, read, world_size):
     path, expected = saved
     model_cls = LlamaForCausalLM if world_size == 1 else None  # the concrete class, or the Auto class by default
@@ -104,8 +116,11 @@ def saved_41_rows(tmp_path_factory):
     return path, None
 
 
-@pytest.mark.parametrize("weights, write", [("saved", "rank0"), ("saved_41_rows", "rank0"), ("saved_41_rows", "sharded")],
-                         ids=["even-shards", "uneven-tied-shards", "uneven-tied-shards-written-by-every-rank"])
+@pytest.mark.parametrize(
+    "weights, write",
+    [("saved", "rank0"), ("saved_41_rows", "rank0"), ("saved_41_rows", "sharded")],
+    ids=["even-shards", "uneven-tied-shards", "uneven-tied-shards-written-by-every-rank"],
+)
 def test_fine_tuned_on_two_ranks_saves_what_one_process_trains(weights, write, tmp_path, request):
     path, _ = request.getfixturevalue(weights)
     tokens = torch.arange(32).reshape(4, 8) % 40  # 2 rows per rank, each the same length: mean of means = mean
@@ -150,8 +165,15 @@ def _tiny_round_trip(path, out, read, write="rank0"):
 
 @pytest.mark.parametrize("read, write", [("rank0", "rank0"), ("sharded", "sharded")])
 def test_parameters_with_fewer_rows_than_ranks_leave_empty_shards_that_still_work(tmp_path, read, write):
-    model = _llama(vocab_size=8, hidden_size=2, intermediate_size=2, num_attention_heads=1, num_key_value_heads=1,
-                   head_dim=2, num_hidden_layers=1)
+    model = _llama(
+        vocab_size=8,
+        hidden_size=2,
+        intermediate_size=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=2,
+        num_hidden_layers=1,
+    )
     model.save_pretrained(tmp_path / "tiny")
     with torch.no_grad():
         expected = model(TOKENS % 8).logits
@@ -197,6 +219,7 @@ def _export_sharded(path, out, full_disk_on_rank=None):
 
     model = from_pretrained(path)
     if dist.get_rank() == full_disk_on_rank:
+
         def full_disk(self, plan, planner):
             raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -205,7 +228,8 @@ def _export_sharded(path, out, full_disk_on_rank=None):
 
 
 def test_an_export_written_by_every_rank_replaces_the_gathered_one_keeps_the_users_files_and_survives_a_full_disk(
-        saved, tmp_path):
+    saved, tmp_path
+):
     path, _ = saved
     out = tmp_path / "out"
     mine = _user_files(out)
@@ -215,8 +239,18 @@ def test_an_export_written_by_every_rank_replaces_the_gathered_one_keeps_the_use
     assert files.items() >= mine.items()  # untouched
     # one consolidated file and its index; the gathered export's model.safetensors is gone, as are
     # DCP's per-rank files and the partial directory
-    assert sorted(set(files) - set(mine)) == _exported(out) == sorted(
-        ["config.json", "generation_config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"])
+    assert (
+        sorted(set(files) - set(mine))
+        == _exported(out)
+        == sorted(
+            [
+                "config.json",
+                "generation_config.json",
+                "model-00001-of-00001.safetensors",
+                "model.safetensors.index.json",
+            ]
+        )
+    )
     assert sorted(p.name for p in out.iterdir()) == sorted({*_exported(out), *(p.split("/")[0] for p in mine)})
     _assert_loads_as(out, _llama())
     with pytest.raises(LaunchError, match="No space left on device"):  # rank 1's write fails: every rank raises
@@ -234,11 +268,16 @@ def _save_with(write, adapters):
     save_pretrained(model, "unused", write=write)
 
 
-@pytest.mark.parametrize("write, adapters, error", [
-    ("gathered", False, "write='gathered': expected 'rank0' .* or 'sharded'"),
-    ("sharded", True, "write='sharded' writes a whole model; .* use write='rank0'")])
+@pytest.mark.parametrize(
+    "write, adapters, error",
+    [
+        ("gathered", False, "write='gathered': expected 'rank0' .* or 'sharded'"),
+        ("sharded", True, "write='sharded' writes a whole model; .* use write='rank0'"),
+    ],
+)
 def test_a_write_it_does_not_know_or_adapters_written_by_every_rank_are_refused_before_anything_is_written(
-        tmp_path, write, adapters, error):
+    tmp_path, write, adapters, error
+):
     with pytest.raises(LaunchError, match=error):
         launch(_save_with, write, adapters, world_size=2, output="none", timeout=120)
 
@@ -273,8 +312,11 @@ def _exported(out) -> list[str]:
     import json
 
     index = out / "model.safetensors.index.json"
-    weights = sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name] if index.exists() \
+    weights = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) + [index.name]
+        if index.exists()
         else ["model.safetensors"]
+    )
     return sorted(["config.json", "generation_config.json", *weights])
 
 
@@ -345,8 +387,9 @@ def test_an_export_through_a_symlink_or_into_missing_folders_writes_there_and_in
     target = tmp_path / "big-disk" / "model"
     mine = _user_files(target)
     (tmp_path / "link").symlink_to(target, target_is_directory=True)
-    launch(_export, path, [tmp_path / "link", tmp_path / "new" / "dirs" / "out"], world_size=2, output="none",
-           timeout=120)
+    launch(
+        _export, path, [tmp_path / "link", tmp_path / "new" / "dirs" / "out"], world_size=2, output="none", timeout=120
+    )
     assert (tmp_path / "link").is_symlink()  # still the user's link: the export went where it points
     assert _files(target).items() >= mine.items()
     for out in target, tmp_path / "new" / "dirs" / "out":
@@ -380,14 +423,27 @@ def _rewritten(path, out, change):
     return out
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda w: w.pop("model.norm.weight"), "missing \\['model.norm.weight'\\], unexpected \\[\\]"),
-    (lambda w: w.update(extra=torch.ones(2)), "missing \\[\\], unexpected \\['extra'\\]")], ids=["missing", "extra"])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda w: w.pop("model.norm.weight"), "missing \\['model.norm.weight'\\], unexpected \\[\\]"),
+        (lambda w: w.update(extra=torch.ones(2)), "missing \\[\\], unexpected \\['extra'\\]"),
+    ],
+    ids=["missing", "extra"],
+)
 def test_weights_that_do_not_match_the_model_are_an_error_on_every_rank_not_a_hang(saved, tmp_path, change, message):
     path, _ = saved
     with pytest.raises(LaunchError, match="do not match the model its config describes: " + message) as raised:
-        launch(_load_and_run, _rewritten(path, tmp_path / "broken", change), TOKENS, "rank0", None, world_size=2,
-               output="none", timeout=120)
+        launch(
+            _load_and_run,
+            _rewritten(path, tmp_path / "broken", change),
+            TOKENS,
+            "rank0",
+            None,
+            world_size=2,
+            output="none",
+            timeout=120,
+        )
     assert "KeyError" in str(raised.value)
 
 
@@ -403,25 +459,44 @@ def _errors(path, read):
 SHORT_NORM = "size mismatch between saved torch.Size([31]) and current: torch.Size([32]) for model.norm.weight"
 
 
-@pytest.mark.parametrize("read, name, value, mismatch", [
-    ("rank0", "model.norm.weight", torch.ones(31), SHORT_NORM),
-    ("sharded", "model.norm.weight", torch.ones(31), SHORT_NORM),
-    ("rank0", "model.embed_tokens.weight", torch.ones(40, 33),  # tied: saved once, for the output layer too
-     "size mismatch between saved torch.Size([40, 33]) and current: torch.Size([40, 32]) for "
-     "model.embed_tokens.weight"),
-    ("rank0", "model.layers.0.mlp.up_proj.weight", torch.ones(64, 32, dtype=torch.int64),
-     "dtype mismatch between saved I64 and current: torch.float32 for model.layers.0.mlp.up_proj.weight"),
-    ("sharded", "model.norm.weight", torch.ones(32, dtype=torch.bool),
-     "dtype mismatch between saved BOOL and current: torch.float32 for model.norm.weight")],
-    ids=["rank0-shape", "sharded-shape", "rank0-tied-shape", "rank0-int", "sharded-bool"])
-def test_a_weight_of_another_shape_or_dtype_is_the_same_named_error_on_every_rank_not_a_hang(saved, tmp_path, read,
-                                                                                             name, value, mismatch):
+@pytest.mark.parametrize(
+    "read, name, value, mismatch",
+    [
+        ("rank0", "model.norm.weight", torch.ones(31), SHORT_NORM),
+        ("sharded", "model.norm.weight", torch.ones(31), SHORT_NORM),
+        (
+            "rank0",
+            "model.embed_tokens.weight",
+            torch.ones(40, 33),  # tied: saved once, for the output layer too
+            "size mismatch between saved torch.Size([40, 33]) and current: torch.Size([40, 32]) for "
+            "model.embed_tokens.weight",
+        ),
+        (
+            "rank0",
+            "model.layers.0.mlp.up_proj.weight",
+            torch.ones(64, 32, dtype=torch.int64),
+            "dtype mismatch between saved I64 and current: torch.float32 for model.layers.0.mlp.up_proj.weight",
+        ),
+        (
+            "sharded",
+            "model.norm.weight",
+            torch.ones(32, dtype=torch.bool),
+            "dtype mismatch between saved BOOL and current: torch.float32 for model.norm.weight",
+        ),
+    ],
+    ids=["rank0-shape", "sharded-shape", "rank0-tied-shape", "rank0-int", "sharded-bool"],
+)
+def test_a_weight_of_another_shape_or_dtype_is_the_same_named_error_on_every_rank_not_a_hang(
+    saved, tmp_path, read, name, value, mismatch
+):
     path, _ = saved
     broken = _rewritten(path, tmp_path / "broken", lambda w: w.update({name: value}))
     errors = launch(_errors, broken, read, world_size=2, output="none", timeout=60)  # a rank left waiting: LaunchError
     assert errors[0] == errors[1]
-    assert errors[0].startswith(f"ValueError: the weights in {broken} do not match the model its config describes: "
-                                f"{mismatch} in model.safetensors")
+    assert errors[0].startswith(
+        f"ValueError: the weights in {broken} do not match the model its config describes: "
+        f"{mismatch} in model.safetensors"
+    )
 
 
 @pytest.mark.parametrize("read", ["rank0", "sharded"])
@@ -440,18 +515,23 @@ def test_a_truncated_file_or_an_index_naming_a_missing_shard_is_an_error_on_ever
     shard.unlink()
     errors = launch(_errors, split, read, world_size=2, output="none", timeout=60)
     assert errors[0] == errors[1]
-    assert errors[0].startswith(f"FileNotFoundError: {split / 'model.safetensors.index.json'} names ['{shard.name}'], "
-                                f"not in {split}")
+    assert errors[0].startswith(
+        f"FileNotFoundError: {split / 'model.safetensors.index.json'} names ['{shard.name}'], not in {split}"
+    )
 
 
-_DAMAGED_INDEXES = [(b'{"weight_map": {"a": ', "it is not JSON"), (b"[1, 2]", "it holds a JSON list, not an object"),
-                    (b'{"metadata": {}}', 'it has no "weight_map"'),
-                    (b'{"weight_map": ["model.safetensors"]}', 'its "weight_map" is not an object')]
+_DAMAGED_INDEXES = [
+    (b'{"weight_map": {"a": ', "it is not JSON"),
+    (b"[1, 2]", "it holds a JSON list, not an object"),
+    (b'{"metadata": {}}', 'it has no "weight_map"'),
+    (b'{"weight_map": ["model.safetensors"]}', 'its "weight_map" is not an object'),
+]
 
 
 @pytest.mark.parametrize(("content", "problem"), _DAMAGED_INDEXES, ids=["not-json", "a-list", "no-map", "map-a-list"])
 def test_a_damaged_index_is_named_by_a_load_and_refused_by_either_export_which_writes_nothing(
-        saved, tmp_path, content, problem):
+    saved, tmp_path, content, problem
+):
     path, _ = saved
     damaged = tmp_path / "damaged"
     shutil.copytree(path, damaged)
@@ -467,7 +547,8 @@ def test_a_damaged_index_is_named_by_a_load_and_refused_by_either_export_which_w
             launch(export, path, [out] if export is _export else out, world_size=2, output="none", timeout=120)
         assert "overwrites no file it did not write: move or delete this one" in str(raised.value)
         assert _files(out) == before and sorted(p.name for p in out.iterdir()) == sorted(
-            {name.split("/")[0] for name in before})  # nothing written, nothing partial left
+            {name.split("/")[0] for name in before}
+        )  # nothing written, nothing partial left
 
 
 def _unpicklable_error_on_rank_0():
@@ -546,23 +627,35 @@ def _lora_train(path, out, read, dtype, steps, tokens, variant):
     losses = _steps(model, torch.optim.AdamW(trainable, lr=1e-2), tokens, steps)
     save_pretrained(model, out)
     llama = model.base_model.model
-    return {"losses": losses, "trainable": sum(p.numel() for p in trainable),
-            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-            "tied": llama.lm_head.weight is llama.model.embed_tokens.weight}
+    return {
+        "losses": losses,
+        "trainable": sum(p.numel() for p in trainable),
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "tied": llama.lm_head.weight is llama.model.embed_tokens.weight,
+    }
 
 
-@pytest.mark.parametrize("read, dtype, world_size, variant", [
-    ("rank0", torch.float32, 2, {}), ("sharded", torch.float32, 4, {}), ("sharded", torch.float32, 2, {"dora": True}),
-    ("rank0", torch.bfloat16, 2, {}), ("sharded", torch.bfloat16, 2, {"train_norms": True})])
-def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(saved, tmp_path, read, dtype, world_size,
-                                                                             variant):
+@pytest.mark.parametrize(
+    "read, dtype, world_size, variant",
+    [
+        ("rank0", torch.float32, 2, {}),
+        ("sharded", torch.float32, 4, {}),
+        ("sharded", torch.float32, 2, {"dora": True}),
+        ("rank0", torch.bfloat16, 2, {}),
+        ("sharded", torch.bfloat16, 2, {"train_norms": True}),
+    ],
+)
+def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(
+    saved, tmp_path, read, dtype, world_size, variant
+):
     from peft import PeftModel, get_peft_model_state_dict
 
     path, _ = saved
     tokens = torch.arange(32).reshape(4, 8) % 40
-    ranks = launch(_lora_train, path, tmp_path / "adapter", read, dtype, 3, tokens, variant,
-                   world_size=world_size, output="none")
+    ranks = launch(
+        _lora_train, path, tmp_path / "adapter", read, dtype, 3, tokens, variant, world_size=world_size, output="none"
+    )
 
     torch.manual_seed(0)  # rank 0's seed
     single = _add_lora(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), **variant)
@@ -582,8 +675,11 @@ def test_lora_added_by_adapt_trains_like_one_process_and_saves_peft_adapters(sav
     assert ranks[0]["units"] == 2 + 1 + (8 if variant.get("train_norms") else 0)
     assert ranks[0]["tied"]
 
-    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["README.md", "adapter_config.json",
-                                                                         "adapter_model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     import safetensors.torch
 
     written = safetensors.torch.load_file(tmp_path / "adapter" / "adapter_model.safetensors")

@@ -56,7 +56,11 @@ def _install(source, venv, cwd) -> str:
         _run([uv, "venv", "-q", "--python", sys.executable, str(venv)], cwd=cwd)
         links = [f"--find-links={folder}" for folder in os.environ.get("PIP_FIND_LINKS", "").split()]
         # Bytecode now, as pip writes it: without it, each process would compile torch's modules as it imports them.
-        _run([uv, "pip", "install", "-q", "--python", python, "--compile-bytecode", *links, *pinned], cwd=cwd, timeout=900)
+        _run(
+            [uv, "pip", "install", "-q", "--python", python, "--compile-bytecode", *links, *pinned],
+            cwd=cwd,
+            timeout=900,
+        )
     else:
         _run([sys.executable, "-m", "venv", str(venv)], cwd=cwd)
         _run([python, "-m", "pip", "install", "-q", *pinned], cwd=cwd, timeout=900)
@@ -71,8 +75,14 @@ def test_the_package_alone_launches_trains_checkpoints_and_resumes(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
     python = _install(source, venv, tmp_path)  # the pinned torch (the CPU build here), and nothing from the extras
-    installed = _run([python, "-c", "import importlib.metadata as m, json; "
-                              "print(json.dumps([d.metadata['Name'] for d in m.distributions()]))"], cwd=tmp_path)
+    installed = _run(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m, json; print(json.dumps([d.metadata['Name'] for d in m.distributions()]))",
+        ],
+        cwd=tmp_path,
+    )
     names = {name.lower() for name in json.loads(installed)}
     assert "fsdp_guide" in names or "fsdp-guide" in names
     assert not names & {"matplotlib", "scikit-learn", "pytest", "torchao"}  # the extras stayed out
@@ -82,8 +92,20 @@ def test_the_package_alone_launches_trains_checkpoints_and_resumes(tmp_path):
     assert out[0] == "[([0, 1], 'cpu'), ([0, 1], 'cpu')]"
     assert str(venv) in out[1]  # the installed package, not the checkout
 
-    recipe = [python, "-m", "fsdp_guide.recipes.train_llm", "--nproc", "2", "--n-layer", "2", "--no-progress",
-              "--checkpoint-dir", "ckpt", "--checkpoint-every", "2"]
+    recipe = [
+        python,
+        "-m",
+        "fsdp_guide.recipes.train_llm",
+        "--nproc",
+        "2",
+        "--n-layer",
+        "2",
+        "--no-progress",
+        "--checkpoint-dir",
+        "ckpt",
+        "--checkpoint-every",
+        "2",
+    ]
     _run([*recipe, "--steps", "6", "--stop-at", "4", "--out", "first.json"], cwd=tmp_path)
     _run([*recipe, "--steps", "6", "--resume", "latest", "--out", "second.json"], cwd=tmp_path)
     first, second = (json.loads((tmp_path / f).read_text()) for f in ("first.json", "second.json"))

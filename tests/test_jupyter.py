@@ -1,4 +1,6 @@
-"""The pages as Jupyter opens and saves them: `nox -s lab`'s contents manager (jupytext's, with the links), the repository's jupytext.toml."""
+"""The pages as Jupyter opens and saves them.
+
+`nox -s lab`'s contents manager (jupytext's, with the links), and the repository's jupytext.toml."""
 
 from __future__ import annotations
 
@@ -50,10 +52,15 @@ async def _run_all_and_save(manager, name: str) -> dict:
     model = await manager.get(name, content=True, type="notebook")
     notebook = model["content"]
     spec = KernelSpecManager().get_kernel_spec("python3")
-    notebook["metadata"]["kernelspec"] = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
+    notebook["metadata"]["kernelspec"] = {
+        "display_name": spec.display_name,
+        "language": spec.language,
+        "name": "python3",
+    }
     notebook["metadata"]["language_info"] = {"name": "python", "version": platform.python_version()}
-    notebook["metadata"]["jupytext"]["text_representation"].update(jupytext_version=jupytext.__version__,
-                                                                   format_version="1.3")
+    notebook["metadata"]["jupytext"]["text_representation"].update(
+        jupytext_version=jupytext.__version__, format_version="1.3"
+    )
     for count, cell in enumerate(c for c in notebook["cells"] if c["cell_type"] == "code"):
         cell["execution_count"] = count + 1
         cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": f"output {count}\n"}]
@@ -79,8 +86,10 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     assert ignored, f"git would track {in_repository}"
 
 
-LINK = re.compile(r'\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?'
-                  r'(?: "(?P<written>[^"]+?) fsdp:[0-9a-f]{8}")?\)')  # a made link's title: the reference, a digest
+LINK = re.compile(
+    r"\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?"
+    r'(?: "(?P<written>[^"]+?) fsdp:[0-9a-f]{8}")?\)'
+)  # a made link's title: the reference, a digest
 ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?:(?P<title>[^`<]*?)\s*<)?(?P<name>[^`<>]+)>?`")
 
 
@@ -99,7 +108,7 @@ def _check_link(link: re.Match, root, page, manager) -> None:
         cells = {cell["id"]: cell["source"] for cell in other["content"]["cells"]}
         assert f"({role['name']})=" in cells.get(value, ""), f"{link[0]}: cell {value} does not hold the section"
     elif kind == "line":  # in a .rst page, counted from 0: the section's title, the API entry or the term
-        line = target.read_text().splitlines()[int(value):int(value) + 2]
+        line = target.read_text().splitlines()[int(value) : int(value) + 2]
         if role["role"] == "ref":
             assert re.fullmatch(r"([=\-~^])\1+", line[1].strip()), f"{link[0]}: line {value} is not a title"
             assert role["title"] or line[0].replace("``", "") == link["text"]  # Sphinx shows the title
@@ -108,7 +117,9 @@ def _check_link(link: re.Match, root, page, manager) -> None:
         else:  # an API name: its entry, or its class's for a member
             assert line[0].startswith(".. auto") and role["name"].startswith(line[0].split("::")[1].strip())
     else:  # a whole page, opened at its top
-        assert not link["fragment"] and role["role"] in ("ref", "doc"), f"{link[0]}: a fragment JupyterLab does not follow"
+        assert not link["fragment"] and role["role"] in ("ref", "doc"), (
+            f"{link[0]}: a fragment JupyterLab does not follow"
+        )
 
 
 @pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
@@ -191,12 +202,17 @@ def _open_edit_save(manager, name: str, edit=lambda markdown: markdown) -> list[
 def test_links_to_files_with_spaces_parentheses_or_percent_in_their_names_turn_back_into_their_references(tmp_path):
     from urllib.parse import unquote
 
-    page = ("# %% [markdown]\n# # A page\n#\n"
-            "# See {ref}`odd-tip`, {doc}`../docs/my tips (v2)`, {doc}`../docs/100% sure` and {ref}`other-section`.\n"
-            "# - {term}`odd term`, in a list\n")
+    page = (
+        "# %% [markdown]\n# # A page\n#\n"
+        "# See {ref}`odd-tip`, {doc}`../docs/my tips (v2)`, {doc}`../docs/100% sure` and {ref}`other-section`.\n"
+        "# - {term}`odd term`, in a list\n"
+    )
     other = "# %% [markdown]\n# # Another page\n\n# %% [markdown]\n# (other-section)=\n# ## A section\n"
-    root = _site(tmp_path / "my notes (v2)", {"tutorials/page.py": page, "tutorials/other page (1).py": other},
-                 rst="my tips (v2).rst")
+    root = _site(
+        tmp_path / "my notes (v2)",
+        {"tutorials/page.py": page, "tutorials/other page (1).py": other},
+        rst="my tips (v2).rst",
+    )
     (root / "docs" / "100% sure.rst").write_text("Sure\n====\n")
     opened = _open_edit_save(_contents_manager(tmp_path), "my notes (v2)/tutorials/page.py")
     links = re.findall(r'\]\((.+?) "\{', "".join(opened))
@@ -207,48 +223,67 @@ def test_links_to_files_with_spaces_parentheses_or_percent_in_their_names_turn_b
 
 
 def test_references_whose_text_has_brackets_quotes_or_backslashes_become_links_and_turn_back(tmp_path):
-    page = ('# %% [markdown]\n# # A page\n#\n'
-            '# {ref}`Step [1] of "the" odd\\tip <odd-tip>` and {func}`pkg.launch`; {ref}`odd [tip] <odd-tip>`.\n')
+    page = (
+        "# %% [markdown]\n# # A page\n#\n"
+        '# {ref}`Step [1] of "the" odd\\tip <odd-tip>` and {func}`pkg.launch`; {ref}`odd [tip] <odd-tip>`.\n'
+    )
     root = _site(tmp_path, {"tutorials/page.py": page})
     opened = _open_edit_save(_contents_manager(root), "tutorials/page.py")
-    assert opened[0].count('](../docs/tips.rst#line=') == 3, opened  # each one, a link
+    assert opened[0].count("](../docs/tips.rst#line=") == 3, opened  # each one, a link
     assert r"[Step \[1\] of" in opened[0]  # the brackets shown as written, not read as a link's
     assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{page}"
 
 
 def test_a_link_whose_text_the_reader_edited_saves_as_the_reference_with_that_text(tmp_path):
-    page = ("# %% [markdown]\n# # A page\n#\n"
-            "# A {ref}`odd-tip`; {ref}`Old words <odd-tip>`; {func}`~pkg.launch`; {ref}`odd-tip` again.\n"
-            "# See {doc}`../docs/tips`.\n#\n# | a {term}`odd term` | b |\n# |---|---|\n"
-            "#\n# ## Heading with {ref}`odd-tip`\n#\n# > {ref}`odd-tip` and {ref}`odd-tip`\n")
+    page = (
+        "# %% [markdown]\n# # A page\n#\n"
+        "# A {ref}`odd-tip`; {ref}`Old words <odd-tip>`; {func}`~pkg.launch`; {ref}`odd-tip` again.\n"
+        "# See {doc}`../docs/tips`.\n#\n# | a {term}`odd term` | b |\n# |---|---|\n"
+        "#\n# ## Heading with {ref}`odd-tip`\n#\n# > {ref}`odd-tip` and {ref}`odd-tip`\n"
+    )
     root = _site(tmp_path, {"tutorials/page.py": page})
 
     def edit(markdown: str) -> str:
-        texts = iter([r"[the odd \[1\] tip]", "[An odd\ntip]", "[a heading's]",  # brackets escaped; the second reflowed
-                      "[the `odd` tip]", "[a < b]"])  # texts no reference can have
+        texts = iter(
+            [
+                r"[the odd \[1\] tip]",
+                "[An odd\ntip]",
+                "[a heading's]",  # brackets escaped; the second reflowed
+                "[the `odd` tip]",
+                "[a < b]",
+            ]
+        )  # texts no reference can have
         markdown = re.sub(r"\[An odd tip\]", lambda _: next(texts), markdown)
-        for old, new in [("[Old words]", "[New words]"), ("[`launch()`]", "[`pkg.launch()`]"),
-                         ("[odd term]", "[an odd term]"), ("[My tips]", "[the tips\npage]")]:  # over two lines
+        for old, new in [
+            ("[Old words]", "[New words]"),
+            ("[`launch()`]", "[`pkg.launch()`]"),
+            ("[odd term]", "[an odd term]"),
+            ("[My tips]", "[the tips\npage]"),
+        ]:  # over two lines
             markdown = markdown.replace(old, new)
         return markdown
 
     opened = _open_edit_save(_contents_manager(root), "tutorials/page.py", edit)
     assert opened[0].count("[An odd tip]") == 5 and "[My tips]" in opened[0] and "[odd term]" in opened[0], opened
     link, title = re.search(r'\]\((\S+) "(\{ref\}`odd-tip` fsdp:[0-9a-f]{8})"\)', opened[0]).groups()
-    expected = ("# %% [markdown]\n# # A page\n#\n"
-                "# A {ref}`the odd [1] tip <odd-tip>`; {ref}`New words <odd-tip>`; {func}`pkg.launch() <pkg.launch>`;"
-                " {ref}`odd-tip` again.\n"
-                "# See {doc}`the tips page <../docs/tips>`.\n#\n# | a {term}`an odd term <odd term>` | b |\n# |---|---|\n"
-                "#\n# ## Heading with {ref}`a heading's <odd-tip>`\n"
-                f'#\n# > [the `odd` tip]({link} "{title}") and [a < b]({link} "{title}")\n')
+    expected = (
+        "# %% [markdown]\n# # A page\n#\n"
+        "# A {ref}`the odd [1] tip <odd-tip>`; {ref}`New words <odd-tip>`; {func}`pkg.launch() <pkg.launch>`;"
+        " {ref}`odd-tip` again.\n"
+        "# See {doc}`the tips page <../docs/tips>`.\n#\n# | a {term}`an odd term <odd term>` | b |\n# |---|---|\n"
+        "#\n# ## Heading with {ref}`a heading's <odd-tip>`\n"
+        f'#\n# > [the `odd` tip]({link} "{title}") and [a < b]({link} "{title}")\n'
+    )
     assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{expected}"
 
 
 def test_a_readers_own_link_whose_title_looks_like_a_reference_stays_as_written(tmp_path):
     page = "# %% [markdown]\n# # A page\n#\n# A {ref}`odd-tip`.\n"
     root = _site(tmp_path, {"tutorials/page.py": page})
-    own = ('\nMine: [see this](https://example.org "{ref}`odd-tip`"), '
-           '[near it](../docs/tips.rst#line=99 "{ref}`odd-tip`") and [x](y "{ref}`nowhere`").')
+    own = (
+        '\nMine: [see this](https://example.org "{ref}`odd-tip`"), '
+        '[near it](../docs/tips.rst#line=99 "{ref}`odd-tip`") and [x](y "{ref}`nowhere`").'
+    )
     _open_edit_save(_contents_manager(root), "tutorials/page.py", lambda markdown: markdown + own)
     assert (root / "tutorials" / "page.py").read_text() == f"# ---\n{HEADER}# ---\n\n{page}# {own.strip()}\n"
 
@@ -275,8 +310,10 @@ def test_a_link_served_before_the_files_changed_and_the_server_restarted_still_t
     served = asyncio.run(_contents_manager(root).get(name, content=True, type="notebook"))
     assert "../docs/tips.rst#line=" in _markdown(served)[0]
     rst = root / "docs" / "tips.rst"
-    rst.write_text("Intro\n=====\n\nA paragraph.\n\n" + rst.read_text().replace("An odd tip\n----------",
-                                                                                   "An odder tip\n------------"))
+    rst.write_text(
+        "Intro\n=====\n\nA paragraph.\n\n"
+        + rst.read_text().replace("An odd tip\n----------", "An odder tip\n------------")
+    )
     assert "line=" in _markdown(served)[0] and "An odder tip" not in _markdown(served)[0]  # the stale links
     restarted = _contents_manager(root)
     asyncio.run(restarted.save({"type": "notebook", "content": copy.deepcopy(served["content"])}, name))
@@ -285,7 +322,9 @@ def test_a_link_served_before_the_files_changed_and_the_server_restarted_still_t
     cells = served["content"]["cells"]
     cells[0]["source"] = _markdown(served)[0].replace("[An odd tip]", "[the tip]")
     asyncio.run(_contents_manager(root).save({"type": "notebook", "content": served["content"]}, name))
-    assert "# A {ref}`the tip <odd-tip>`, a {ref}`named one <odd-tip>`, {func}`pkg.launch`." in (root / name).read_text()
+    assert (
+        "# A {ref}`the tip <odd-tip>`, a {ref}`named one <odd-tip>`, {func}`pkg.launch`." in (root / name).read_text()
+    )
 
 
 # --- JupyterLab itself, as `nox -s lab` starts it, driven in Chromium ---------------------
@@ -311,15 +350,33 @@ def lab(tmp_path_factory):
 
     root = _repository_copy(tmp_path_factory.mktemp("repository"))
     port, token, home = _free_port(), secrets.token_hex(16), tmp_path_factory.mktemp("home")
-    options = [o.replace("--LabApp.app_settings_dir=jupyter", f"--LabApp.app_settings_dir={ROOT / 'jupyter'}")
-               for o in LAB]
-    env = dict(os.environ, HOME=str(home), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
+    options = [
+        o.replace("--LabApp.app_settings_dir=jupyter", f"--LabApp.app_settings_dir={ROOT / 'jupyter'}") for o in LAB
+    ]
+    env = dict(
+        os.environ,
+        HOME=str(home),
+        JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+        JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+    )
     log = home / "jupyterlab.log"  # a file, not a pipe: a pipe nobody reads fills up and stalls the server
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", *options, "--no-browser", f"--port={port}", "--port-retries=0",
-         f"--IdentityProvider.token={token}", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            *options,
+            "--no-browser",
+            f"--port={port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={token}",
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -329,7 +386,7 @@ def lab(tmp_path_factory):
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise AssertionError(f"JupyterLab did not start:\n{log.read_text()[-3000:]}")
+                raise AssertionError(f"JupyterLab did not start:\n{log.read_text()[-3000:]}") from None
             time.sleep(0.5)
     yield url, token, root, log
     server.terminate()
@@ -393,9 +450,8 @@ def _open_run_and_save(page, url: str, token: str) -> None:
 
 def _check_the_references_render(page) -> None:
     """quickstart.py as rendered: no MyST markup; an API name as code; a tip opens at its title; an in-page link."""
-    from playwright.sync_api import expect
-
     import jupytext
+    from playwright.sync_api import expect
 
     # every markdown cell of the page rendered (counted from the file: the notebook adds its cells as it loads)
     cells = sum(c.cell_type == "markdown" for c in jupytext.read(ROOT / "tutorials" / "quickstart.py").cells)
@@ -422,7 +478,9 @@ def test_jupyterlab_follows_a_link_to_a_section_of_another_tutorial(lab, browser
         link = page.locator(".myst a", has_text="The frozen base still travels")
         link.wait_for(timeout=60_000)
         link.click()  # lora.py opens, as a notebook (JupyterLab then scrolls to the cell, or near it: its own doing)
-        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="LoRA and frozen weights").wait_for(timeout=60_000)
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="LoRA and frozen weights").wait_for(
+            timeout=60_000
+        )
         assert page.get_by_role("tab", name="lora.py").get_attribute("aria-selected") == "true"
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "jupyterlab-link-failure.png"), full_page=True)

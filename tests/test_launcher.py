@@ -9,18 +9,18 @@ import subprocess
 import sys
 import textwrap
 import threading
-import types
 import time
+import types
 import uuid
 from pathlib import Path
 
 import psutil
 import pytest
+from isolation import linux_only, loopback_only
+from load import busy_loops
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.launcher import _TERMINATE_GRACE_S
-from isolation import linux_only, loopback_only
-from load import busy_loops
 
 
 def _processes_with(token: str) -> list[psutil.Process]:
@@ -151,7 +151,9 @@ def test_rank_output_is_streamed_with_a_rank_prefix(capfd):
 def test_output_can_be_limited_to_rank_0_or_silenced(capfd):
     launch(_chatty, world_size=2, output="rank0")
     out, err = capfd.readouterr()
-    assert out.splitlines() == ["[rank0] hello from rank 0"] and err.splitlines() == ["[rank0] warning on stderr from 0"]
+    assert out.splitlines() == ["[rank0] hello from rank 0"] and err.splitlines() == [
+        "[rank0] warning on stderr from 0"
+    ]
     launch(_chatty, world_size=2, output="none")
     assert capfd.readouterr() == ("", "")
 
@@ -183,21 +185,26 @@ def _warns():
 
     import torch.distributed as dist
 
-    warnings.warn("this API is going away", FutureWarning)
+    warnings.warn("this API is going away", FutureWarning, stacklevel=1)
     if dist.get_rank() == 1:
-        warnings.warn("only rank 1 says this")
+        warnings.warn("only rank 1 says this", stacklevel=1)
     return dist.get_rank()
 
 
 def test_warnings_of_ranks_whose_output_is_hidden_are_shown_once_by_the_parent(capfd, recwarn):
     assert launch(_warns, world_size=2, output="none") == [0, 1]
     shown = [(w.category, str(w.message)) for w in recwarn]
-    assert shown == [(FutureWarning, "this API is going away (on ranks 0, 1)"),
-                     (UserWarning, "only rank 1 says this (on rank 1)")]
+    assert shown == [
+        (FutureWarning, "this API is going away (on ranks 0, 1)"),
+        (UserWarning, "only rank 1 says this (on rank 1)"),
+    ]
     assert recwarn[0].filename.endswith("test_launcher.py")  # where the rank raised it
     recwarn.clear()
     launch(_warns, world_size=2, output="rank0")  # rank 0 printed its own; rank 1's come back
-    assert [str(w.message) for w in recwarn] == ["this API is going away (on rank 1)", "only rank 1 says this (on rank 1)"]
+    assert [str(w.message) for w in recwarn] == [
+        "this API is going away (on rank 1)",
+        "only rank 1 says this (on rank 1)",
+    ]
     assert "[rank0]" in capfd.readouterr().err
     recwarn.clear()
     launch(_warns, world_size=2, output="all")  # every rank printed its own
@@ -263,7 +270,9 @@ def test_under_torchrun_launch_runs_in_process_on_each_rank(tmp_path):
                 return (dist.get_rank(), dist.get_world_size(), os.getpid(), offset)
 
             (result,) = launch(worker, 5, world_size=2)
-            print(f"rank {result[0]} of {result[1]} pid_is_mine={result[2] == os.getpid()} offset={result[3]} initialised_after={dist.is_initialized()}")
+            rank, world, pid, offset = result
+            print(f"rank {rank} of {world} pid_is_mine={pid == os.getpid()} offset={offset} "
+                  f"initialised_after={dist.is_initialized()}")
             """
         )
     )
@@ -446,8 +455,12 @@ def _what_the_process_inherited(folder):
 
     path = Path(folder) / f"rank{dist.get_rank()}"
     path.write_text("checkpoint")
-    return {"mode": path.stat().st_mode & 0o777, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "nice": os.nice(0), "threads": torch.get_num_threads()}
+    return {
+        "mode": path.stat().st_mode & 0o777,
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "nice": os.nice(0),
+        "threads": torch.get_num_threads(),
+    }
 
 
 @pytest.fixture
@@ -465,8 +478,9 @@ def restored_process_state():
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
-def test_a_warm_rank_starts_with_the_umask_limits_and_nice_value_a_cold_one_would(tmp_path, monkeypatch,
-                                                                                  restored_process_state):
+def test_a_warm_rank_starts_with_the_umask_limits_and_nice_value_a_cold_one_would(
+    tmp_path, monkeypatch, restored_process_state
+):
     import resource
 
     launch(int, world_size=2, output="none")  # the server starts with this process's state as it is now
@@ -488,8 +502,9 @@ def test_omp_num_threads_0_gives_warm_and_cold_ranks_the_same_result(tmp_path, m
     for warm in ("1", "0"):
         monkeypatch.setenv("FSDP_GUIDE_WARM", warm)
         (tmp_path / warm).mkdir()
-        seen[warm] = [r["threads"] for r in launch(_what_the_process_inherited, str(tmp_path / warm), world_size=2,
-                                                   output="none")]
+        seen[warm] = [
+            r["threads"] for r in launch(_what_the_process_inherited, str(tmp_path / warm), world_size=2, output="none")
+        ]
     assert seen["1"] == seen["0"] and all(threads >= 1 for threads in seen["1"])
 
 
@@ -607,7 +622,8 @@ def test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing(
     """An impatient reader: Ctrl-C, then Ctrl-C again and again while launch stops the ranks."""
     token = f"fsdp-guide-test-{uuid.uuid4().hex}"
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import signal, subprocess, sys, time
         from fsdp_guide import launch
         def stubborn():
@@ -623,7 +639,8 @@ def test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing(
             held = error  # as Jupyter keeps the last exception
             print("caught:", error, flush=True)
             time.sleep(300)
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         run_dir = Path(parent.stdout.readline().split()[-1])
@@ -749,7 +766,7 @@ def _alive(pid: int) -> bool:
 
 
 def _take_the_number_when_it_is_free(folder: Path, seen: dict, stop: threading.Event) -> None:
-    """Wait for rank 1's number to be free, note whether rank 0 still ran then, and start a `setsid sleep` that gets it."""
+    """Wait for rank 1's number to be free, note whether rank 0 still ran then, and start a `setsid sleep` to take it"""
     while not (folder / "rank1.pid").exists() or not (folder / "rank0.pid").exists():
         if stop.wait(0.001):
             return
@@ -770,8 +787,7 @@ def _take_the_number_when_it_is_free(folder: Path, seen: dict, stop: threading.E
 
 @pytest.mark.skipif(not os.access(NS_LAST_PID, os.W_OK), reason="steering pids needs root (ns_last_pid)")
 @pytest.mark.parametrize("warm", ["1", "0"], ids=["warm", "cold"])
-def test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_the_launch(warm, tmp_path,
-                                                                                         monkeypatch):
+def test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_the_launch(warm, tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_GUIDE_WARM", warm)
     seen, stop = {}, threading.Event()
     thief = threading.Thread(target=_take_the_number_when_it_is_free, args=(tmp_path, seen, stop))
@@ -869,12 +885,17 @@ def test_world_size_must_be_a_positive_int(world_size):
 
 @pytest.mark.parametrize(
     ("option", "value", "match"),
-    [("backend", "mpi", "backend must be one of"), ("output", "rank1", "output must be one of"),
-     ("timeout", 0, "timeout must be a finite number"), ("timeout", "10", "timeout must be a finite number"),
-     ("timeout", float("inf"), "for no limit, pass None"), ("timeout", float("nan"), "timeout must be a finite"),
-     ("collective_timeout", None, "collective_timeout must be a finite number of seconds > 0, got None"),
-     ("collective_timeout", float("inf"), "collective_timeout must be a finite"),
-     ("collective_timeout", 1e12, "too long for torch's timedelta")],
+    [
+        ("backend", "mpi", "backend must be one of"),
+        ("output", "rank1", "output must be one of"),
+        ("timeout", 0, "timeout must be a finite number"),
+        ("timeout", "10", "timeout must be a finite number"),
+        ("timeout", float("inf"), "for no limit, pass None"),
+        ("timeout", float("nan"), "timeout must be a finite"),
+        ("collective_timeout", None, "collective_timeout must be a finite number of seconds > 0, got None"),
+        ("collective_timeout", float("inf"), "collective_timeout must be a finite"),
+        ("collective_timeout", 1e12, "too long for torch's timedelta"),
+    ],
 )
 def test_bad_options_are_rejected(option, value, match):
     with pytest.raises(ValueError, match=match):
@@ -967,7 +988,8 @@ def test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory(tmp_p
     """A notebook kernel killed (restart, OOM): the ranks, what they started, and the pickled function go."""
     token = f"fsdp-guide-test-{uuid.uuid4().hex}"
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import subprocess, sys, time
         from fsdp_guide import launch
         def work():
@@ -975,7 +997,8 @@ def test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory(tmp_p
             print("run directory", sys.argv[1], flush=True)  # a rank's argument: where its payload is
             time.sleep(300)
         launch(work, world_size=2, output="rank0")
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     run_dir = Path(parent.stdout.readline().split()[-1])
     deadline = time.monotonic() + 60
@@ -1070,7 +1093,6 @@ def _leave_traces():
     import random
 
     import torch
-    import torch.distributed as dist
 
     seed = torch.initial_seed()
     torch.manual_seed(5)
@@ -1085,8 +1107,13 @@ def _look_for_traces():
 
     import torch
 
-    return (os.getpid(), torch.initial_seed(), hasattr(json, "LEFT_BY_A_PREVIOUS_LAUNCH"),
-            "LEFT_BY_A_PREVIOUS_LAUNCH" in os.environ, random.random())
+    return (
+        os.getpid(),
+        torch.initial_seed(),
+        hasattr(json, "LEFT_BY_A_PREVIOUS_LAUNCH"),
+        "LEFT_BY_A_PREVIOUS_LAUNCH" in os.environ,
+        random.random(),
+    )
 
 
 def test_warm_ranks_are_fresh_processes_with_nothing_from_the_previous_launch():
@@ -1123,8 +1150,17 @@ def test_a_launch_whose_torch_environment_changed_gets_a_server_of_that_environm
     assert _warm._server_for == _warm._what_torch_would_be()
 
 
-@pytest.mark.parametrize("name", ["TORCHDYNAMO_FSDP_GUIDE_TEST", "TORCHINDUCTOR_FSDP_GUIDE_TEST", "FX_FSDP_GUIDE_TEST",
-                                  "SYMPY_FSDP_GUIDE_TEST", "HF_FSDP_GUIDE_TEST", "OPENBLAS_FSDP_GUIDE_TEST"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "TORCHDYNAMO_FSDP_GUIDE_TEST",
+        "TORCHINDUCTOR_FSDP_GUIDE_TEST",
+        "FX_FSDP_GUIDE_TEST",
+        "SYMPY_FSDP_GUIDE_TEST",
+        "HF_FSDP_GUIDE_TEST",
+        "OPENBLAS_FSDP_GUIDE_TEST",
+    ],
+)
 def test_any_variable_read_at_import_is_one_a_warm_server_must_share(monkeypatch, name):
     """What a launch compares with the server's (a change makes it start cold, as the next test shows
     end to end): every variable torch and the libraries it loads may read at import."""
@@ -1167,7 +1203,9 @@ def test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do(monkeypatch):
 
     from fsdp_guide.launcher import launches
 
-    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)  # a new server, started after transformers was imported
+    monkeypatch.setenv(
+        "TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex
+    )  # a new server, started after transformers was imported
     launch(len, [], world_size=2, output="none")
     draws = launch(_numpy_draw, world_size=2, output="none") + launch(_numpy_draw, world_size=2, output="none")
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
@@ -1210,7 +1248,8 @@ def test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported(mo
 def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_children(tmp_path):
     token = f"fsdp-guide-test-{uuid.uuid4().hex}"
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import subprocess, time
         from fsdp_guide import launch, _warm
         def work():
@@ -1219,7 +1258,8 @@ def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_
         launch(len, [], world_size=2)  # starts the server when it ends
         print(_warm.server_pids()[0], flush=True)
         launch(work, world_size=2)  # warm ranks
-    """))
+    """)
+    )
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     server = psutil.Process(int(parent.stdout.readline()))
     deadline = time.monotonic() + 60
@@ -1241,8 +1281,9 @@ def test_a_notebook_kernel_that_launched_shuts_down_by_itself():
 
     manager, client = start_new_kernel(kernel_name="python3")
     try:
-        reply = client.execute_interactive("from fsdp_guide import launch\nlaunch(len, [], world_size=2)\n"
-                                           "launch(len, [], world_size=2)", timeout=60)  # the server starts; both warm
+        reply = client.execute_interactive(
+            "from fsdp_guide import launch\nlaunch(len, [], world_size=2)\nlaunch(len, [], world_size=2)", timeout=60
+        )  # the server starts; both warm
         assert reply["content"]["status"] == "ok"
         kernel = manager.provisioner.process
     finally:

@@ -1,4 +1,4 @@
-"""The LLM recipe on real gloo ranks: exact resume, a crash during a save, resharding, bad checkpoints, export, two nodes."""
+"""The LLM recipe on real gloo ranks: exact resume, a crash in a save, resharding, bad checkpoints, export, 2 nodes."""
 
 from __future__ import annotations
 
@@ -12,17 +12,21 @@ import sys
 import psutil
 import pytest
 import torch
+from isolation import (
+    linux_only,
+    loopback_only,
+)  # torchrun's store listens on every interface: run it where only lo exists
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
 from fsdp_guide.launcher import _threads_per_rank
-from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
-from isolation import linux_only, loopback_only  # torchrun's store listens on every interface: run it where only lo exists
 from fsdp_guide.recipes.killed_rank import KilledWhileSaving
+from fsdp_guide.recipes.train_llm import TrainConfig, build_model, train
 
 K = 4  # steps between checkpoints
-SMALL = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2,
-                    log_every=K, progress=False)
+SMALL = TrainConfig(
+    n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=2 * K, warmup=2, log_every=K, progress=False
+)
 
 
 def run(world_size=2, **changes):
@@ -62,26 +66,58 @@ def test_resume_continues_bit_for_bit(saved_at_k, straight, tmp_path):
 
 def test_a_resume_applies_a_new_rate_schedule_and_decay_and_says_so(saved_at_k, capfd):
     # The checkpoint restored AdamW's groups and LambdaLR's base rate: --lr was ignored without a word.
-    resumed = launch(train, dataclasses.replace(SMALL, checkpoint_dir=str(saved_at_k), resume="latest", lr=1e-5,
-                                                steps=3 * K, weight_decay=0.0), world_size=2)[0]
+    resumed = launch(
+        train,
+        dataclasses.replace(
+            SMALL, checkpoint_dir=str(saved_at_k), resume="latest", lr=1e-5, steps=3 * K, weight_decay=0.0
+        ),
+        world_size=2,
+    )[0]
     out = capfd.readouterr().out
-    assert f"at step {K}; steps {3 * K} (the checkpoint's: {2 * K}); lr 1e-05 (the checkpoint's: 0.003); " \
-           "weight_decay 0.0 (the checkpoint's: 0.1)" in out
+    assert (
+        f"at step {K}; steps {3 * K} (the checkpoint's: {2 * K}); lr 1e-05 (the checkpoint's: 0.003); "
+        "weight_decay 0.0 (the checkpoint's: 0.1)" in out
+    )
     # exactly the rates of a run started with these settings, from step K + 1 on (the schedule alone decides them)
     fresh = run(lr=1e-5, steps=3 * K, weight_decay=0.0)
     assert resumed["lrs"] == fresh["lrs"][K:] and len(resumed["lrs"]) == 2 * K
 
 
 def test_a_resume_that_would_change_the_run_is_refused_before_any_rank_starts(saved_at_k, tmp_path):
-    command = [sys.executable, "-m", "fsdp_guide.recipes.train_llm", "--n-layer", "2", "--n-head", "2",
-               "--n-embd", "32", "--block-size", "32", "--batch-size", "8", "--seed", "3",
-               "--checkpoint-dir", str(saved_at_k), "--resume", "latest", "--out", str(tmp_path / "s.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_guide.recipes.train_llm",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--seed",
+        "3",
+        "--checkpoint-dir",
+        str(saved_at_k),
+        "--resume",
+        "latest",
+        "--out",
+        str(tmp_path / "s.json"),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == "" and "[rank" not in done.stderr, done.stderr
     last = done.stderr.splitlines()[-1]
-    assert last.startswith(f"{PROG}: error: --batch-size 8 (the checkpoint's: 4), --seed 3 (the checkpoint's: 0): "
-                           f"{saved_at_k / f'step-{K:08d}'} continues a run with other settings"), last
-    assert last.endswith("leave them as they were, or start afresh without --resume") and not (tmp_path / "s.json").exists()
+    assert last.startswith(
+        f"{PROG}: error: --batch-size 8 (the checkpoint's: 4), --seed 3 (the checkpoint's: 0): "
+        f"{saved_at_k / f'step-{K:08d}'} continues a run with other settings"
+    ), last
+    assert (
+        last.endswith("leave them as they were, or start afresh without --resume")
+        and not (tmp_path / "s.json").exists()
+    )
     with pytest.raises(LaunchError, match=r"ValueError: seed=3 \(the checkpoint's: 0\): .* without resume"):
         run(checkpoint_dir=str(saved_at_k), resume="latest", seed=3)  # the same check, in a notebook's terms
     with pytest.raises(LaunchError, match=rf"ValueError: steps=3: .* is at step {K}, past the end of that run"):
@@ -187,11 +223,15 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     missing = tmp_path / "nowhere"
     assert f"{missing}: no such checkpoint directory" in _resume_error(dataclasses.replace(SMALL, resume=str(missing)))
     assert "no complete checkpoint (step-N) to resume from" in _resume_error(
-        dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), resume="latest"))
+        dataclasses.replace(SMALL, checkpoint_dir=str(tmp_path), resume="latest")
+    )
 
     wider = dataclasses.replace(SMALL, n_embd=48, resume=str(latest(saved_at_k)))
-    with pytest.raises(LaunchError, match=rf"ValueError: n_embd=48 \(the checkpoint's: 32\): {latest(saved_at_k)} "
-                                          "continues a run with other settings"):  # the recipe's check, first
+    with pytest.raises(
+        LaunchError,
+        match=rf"ValueError: n_embd=48 \(the checkpoint's: 32\): {latest(saved_at_k)} "
+        "continues a run with other settings",
+    ):  # the recipe's check, first
         launch(train, wider, world_size=2, output="none")
     # what the checkpoint itself refuses, where the recipe's check has no saved settings to compare
     message = _resume_error(wider, _as_if_saved_without_settings)
@@ -199,7 +239,8 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     assert str(latest(saved_at_k)) in message
     fp16 = dataclasses.replace(SMALL, precision="fp16", resume=str(latest(saved_at_k)))  # fp16 needs a scaler
     assert "the checkpoint holds no 'scaler' state, which this run needs" in _resume_error(
-        fp16, _as_if_saved_without_settings)
+        fp16, _as_if_saved_without_settings
+    )
 
     corrupt = tmp_path / "corrupt"
     subprocess.run(["cp", "-r", str(latest(saved_at_k)), str(corrupt)], check=True)
@@ -209,7 +250,8 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     assert f"{corrupt}: its files could not be read" in message and "missing or damaged" in message
     (corrupt / ".metadata").unlink()
     assert "not a complete checkpoint (it has no .metadata file)" in _resume_error(
-        dataclasses.replace(SMALL, resume=str(corrupt)))
+        dataclasses.replace(SMALL, resume=str(corrupt))
+    )
 
 
 def test_the_consolidated_export_loads_into_the_plain_model_and_generates(tmp_path):
@@ -260,8 +302,23 @@ def test_sharded_initialisation_equals_one_process():
         assert all(torch.equal(weights[n], p) for n, p in expected.named_parameters())
 
 
-SMALL_FLAGS = ["--steps", str(K), "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-               "--batch-size", "4", "--warmup", "2", "--no-progress"]
+SMALL_FLAGS = [
+    "--steps",
+    str(K),
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "2",
+    "--no-progress",
+]
 
 
 def _torchrun_env() -> dict:
@@ -272,11 +329,24 @@ def _torchrun_env() -> dict:
 
 @linux_only
 def test_torchrun_on_one_machine_runs_the_same_training(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "fsdp_guide.recipes.train_llm",
+        *SMALL_FLAGS,
+        "--out",
+        str(tmp_path / "summary.json"),
+    ]
     done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=240, env=_torchrun_env())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "step    4 | loss" in done.stdout and "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in done.stdout
+    assert (
+        "step    4 | loss" in done.stdout
+        and "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in done.stdout
+    )
     assert "MFU not computed: on cpu, which has no dense bf16 peak" in done.stdout  # on a GPU it prints the MFU
     assert json.loads((tmp_path / "summary.json").read_text())["losses"] == run(steps=K)["losses"]
 
@@ -302,16 +372,40 @@ def _same(a, b) -> bool:
 
 
 @linux_only
-@pytest.mark.parametrize("how, at", [("--kill-after-step", K + 2), ("--kill-while-saving", 2 * K)],
-                         ids=["during-training", "during-a-save"])
+@pytest.mark.parametrize(
+    "how, at", [("--kill-after-step", K + 2), ("--kill-while-saving", 2 * K)], ids=["during-training", "during-a-save"]
+)
 def test_torchrun_restarts_the_workers_after_a_rank_is_killed_and_they_end_as_the_uninterrupted_run(
-        how, at, straight_run, tmp_path):
+    how, at, straight_run, tmp_path
+):
     losses, straight_dir = straight_run
     checkpoints = tmp_path / "checkpoints"
-    flags = ["--steps", str(2 * K), *SMALL_FLAGS[2:], "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
-             str(K), "--resume", "auto", "--out", str(tmp_path / "summary.json")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-               "-m", "fsdp_guide.recipes.killed_rank", how, str(at), *flags]
+    flags = [
+        "--steps",
+        str(2 * K),
+        *SMALL_FLAGS[2:],
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--checkpoint-every",
+        str(K),
+        "--resume",
+        "auto",
+        "--out",
+        str(tmp_path / "summary.json"),
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "fsdp_guide.recipes.killed_rank",
+        how,
+        str(at),
+        *flags,
+    ]
     # A store of its own for each attempt: with the shared one, a restarted rank read the killed
     # rank's address and failed in init_process_group in 2 runs of 3 on torch 2.13, 1 of 3 on 2.9.1
     # (fsdp_guide.launcher._restart_hazard)
@@ -324,7 +418,9 @@ def test_torchrun_restarts_the_workers_after_a_rank_is_killed_and_they_end_as_th
     assert f"no complete checkpoint in {checkpoints}: starting at step 1 (--resume auto)" in log
     assert "failed (exitcode: -9) local_rank: 1" in log  # SIGKILL, as torchrun's agent reports it
     assert f"resumed from {checkpoints / f'step-{K:08d}'} at step {K}" in log
-    killed, again = (float(log.split(f"[killed_rank] {what} at ")[1].split()[0]) for what in ("rank 1 killed", "training again"))
+    killed, again = (
+        float(log.split(f"[killed_rank] {what} at ")[1].split()[0]) for what in ("rank 1 killed", "training again")
+    )
     assert killed < again  # the restart's time, as the page measures it
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first_step"] == K + 1 and summary["losses"] == losses[K:]  # bit for bit
@@ -359,12 +455,26 @@ def test_bad_settings_are_refused_with_the_valid_choices():
 
 @linux_only
 def test_two_torchrun_nodes_train_together_and_match_one_node(tmp_path):
-    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-            "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29500", "--rdzv-id=two-nodes",
-            "-m", "fsdp_guide.recipes.train_llm", *SMALL_FLAGS, "--out", str(tmp_path / "summary.json")]
-    script = (f"{shlex.join(node)} > {tmp_path}/node0.log 2>&1 & a=$!; "
-              f"{shlex.join(node)} > {tmp_path}/node1.log 2>&1 & b=$!; "
-              "wait $a; ra=$?; wait $b; rb=$?; exit $((ra || rb))")
+    node = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29500",
+        "--rdzv-id=two-nodes",
+        "-m",
+        "fsdp_guide.recipes.train_llm",
+        *SMALL_FLAGS,
+        "--out",
+        str(tmp_path / "summary.json"),
+    ]
+    script = (
+        f"{shlex.join(node)} > {tmp_path}/node0.log 2>&1 & a=$!; "
+        f"{shlex.join(node)} > {tmp_path}/node1.log 2>&1 & b=$!; "
+        "wait $a; ra=$?; wait $b; rb=$?; exit $((ra || rb))"
+    )
     nodes = subprocess.run(loopback_only(["sh", "-c", script]), timeout=240, env=_torchrun_env())
     logs = "".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
     assert nodes.returncode == 0, logs
@@ -386,10 +496,11 @@ def test_gradient_accumulation_reduce_scatters_once_per_step():
         model = train_llm.build_model(config, torch.device("cpu"), torch.float32)
         optimizer, scheduler = train_llm.build_optimizer(model, config)
         with record_dtypes() as seen:
-            train_llm.train_step(model, optimizer, scheduler, None, train_llm.make_batches(config), config,
-                                 torch.device("cpu"))
+            train_llm.train_step(
+                model, optimizer, scheduler, None, train_llm.make_batches(config), config, torch.device("cpu")
+            )
         counts = {}
-        for (phase, kind), n in seen.count.items():
+        for (_phase, kind), n in seen.count.items():
             counts[kind] = counts.get(kind, 0) + n
         return counts
 
@@ -492,18 +603,22 @@ def _refused(argv: str, tmp_path, capsys) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("argv, begins", BAD_COMMANDS, ids=[argv for argv, _ in BAD_COMMANDS])
-def test_bad_commands_are_usage_errors_naming_the_option_before_any_rank_starts(argv, begins, tmp_path, capsys,
-                                                                                 launches_nothing):
+def test_bad_commands_are_usage_errors_naming_the_option_before_any_rank_starts(
+    argv, begins, tmp_path, capsys, launches_nothing
+):
     message, fill = _refused(argv, tmp_path, capsys)
     assert message.startswith(begins.format(**fill)), message
     assert launches_nothing == []  # no rank started
     assert list((tmp_path / "dir").iterdir()) == []  # nothing written: no checkpoint, export or summary
 
 
-@pytest.mark.parametrize("argv, begins", [("--batch-size 6", "--batch-size 6: does not split over the 4 ranks"),
-                                          ("--nproc 2", "--nproc 2: under torchrun")])
-def test_under_torchrun_its_world_size_is_the_number_of_ranks(argv, begins, tmp_path, capsys, monkeypatch,
-                                                              launches_nothing):
+@pytest.mark.parametrize(
+    "argv, begins",
+    [("--batch-size 6", "--batch-size 6: does not split over the 4 ranks"), ("--nproc 2", "--nproc 2: under torchrun")],
+)
+def test_under_torchrun_its_world_size_is_the_number_of_ranks(
+    argv, begins, tmp_path, capsys, monkeypatch, launches_nothing
+):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     message, _ = _refused(argv, tmp_path, capsys)
@@ -514,9 +629,29 @@ def test_under_torchrun_its_world_size_is_the_number_of_ranks(argv, begins, tmp_
 def test_good_commands_reach_launch(tmp_path, launches_nothing, monkeypatch):
     from fsdp_guide.recipes.train_llm import main
 
-    main(["--nproc", "4", "--batch-size", "8", "--checkpoint-dir", str(tmp_path / "new"), "--checkpoint-every", "2",
-          "--async-checkpoint", "--export", str(tmp_path / "model.pt"), "--out", str(tmp_path / "summary.json"),
-          "--clip", "inf", "--warmup", "0", "--lr", "1e-3"])
+    main(
+        [
+            "--nproc",
+            "4",
+            "--batch-size",
+            "8",
+            "--checkpoint-dir",
+            str(tmp_path / "new"),
+            "--checkpoint-every",
+            "2",
+            "--async-checkpoint",
+            "--export",
+            str(tmp_path / "model.pt"),
+            "--out",
+            str(tmp_path / "summary.json"),
+            "--clip",
+            "inf",
+            "--warmup",
+            "0",
+            "--lr",
+            "1e-3",
+        ]
+    )
     assert [call["world_size"] for call in launches_nothing] == [4]
     assert json.loads((tmp_path / "summary.json").read_text()) == {"losses": []}
     monkeypatch.setenv("RANK", "1")
@@ -547,17 +682,28 @@ def test_a_config_names_its_field_as_the_command_names_its_flag():
         TrainConfig(steps=40.0)
 
 
-@pytest.mark.parametrize(("argv", "error"), [
-    ([], "one of the arguments --kill-after-step --kill-while-saving is required"),
-    (["--kill-after-step"], "argument --kill-after-step: expected one argument"),
-    (["--kill-while-saving", "0"], "argument --kill-while-saving: expected a step number (1 or more), got '0'"),
-    (["--kill-after-step", "3", "--kill-while-saving", "4"], "not allowed with argument --kill-after-step"),
-    (["--kill-after-step", "3", "--steps", "4"], "TORCHELASTIC_RESTART_COUNT and RANK not set: run it under torchrun"),
-])
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        ([], "one of the arguments --kill-after-step --kill-while-saving is required"),
+        (["--kill-after-step"], "argument --kill-after-step: expected one argument"),
+        (["--kill-while-saving", "0"], "argument --kill-while-saving: expected a step number (1 or more), got '0'"),
+        (["--kill-after-step", "3", "--kill-while-saving", "4"], "not allowed with argument --kill-after-step"),
+        (
+            ["--kill-after-step", "3", "--steps", "4"],
+            "TORCHELASTIC_RESTART_COUNT and RANK not set: run it under torchrun",
+        ),
+    ],
+)
 def test_the_fault_injector_answers_a_bad_command_with_status_2_and_one_line(argv, error):
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "RANK")}
-    done = subprocess.run([sys.executable, "-m", "fsdp_guide.recipes.killed_rank", *argv], capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_guide.recipes.killed_rank", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2 and done.stdout == "", done.stderr
     last = done.stderr.splitlines()[-1]
     assert last.startswith("python -m fsdp_guide.recipes.killed_rank: error: ") and error in last, done.stderr

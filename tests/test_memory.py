@@ -25,7 +25,9 @@ PSI = 7.5e9  # the ZeRO paper's Figure 1: 7.5B parameters, 64 devices, fp16, mix
 def test_estimate_reproduces_the_zero_papers_figure_1(strategy, params, grads, optimizer):
     m = estimate(PSI, 64, strategy, param_dtype=torch.float16, optimizer="adam", master_weights=True)
     assert (m.params, m.grads, m.optimizer) == (params, grads, optimizer)
-    assert round(m.total / 1e9, 1) == {"DDP": 120.0, "NO_SHARD": 120.0, "SHARD_GRAD_OP": 16.6, "FULL_SHARD": 1.9}[strategy]
+    assert (
+        round(m.total / 1e9, 1) == {"DDP": 120.0, "NO_SHARD": 120.0, "SHARD_GRAD_OP": 16.6, "FULL_SHARD": 1.9}[strategy]
+    )
 
 
 def test_estimate_counts_dtypes_and_optimizers():
@@ -42,7 +44,10 @@ def test_estimate_counts_dtypes_and_optimizers():
         (dict(num_params=10, world_size=0, strategy="DDP"), "world_size=0: expected a positive int"),
         (dict(num_params=10, world_size=2, strategy="ZERO3"), "strategy='ZERO3': expected one of DDP, NO_SHARD"),
         (dict(num_params=10, world_size=2, strategy="DDP", optimizer="lion"), "optimizer='lion': expected one of adam"),
-        (dict(num_params=10, world_size=2, strategy="DDP", param_dtype="bf16"), "param_dtype='bf16': expected a torch dtype"),
+        (
+            dict(num_params=10, world_size=2, strategy="DDP", param_dtype="bf16"),
+            "param_dtype='bf16': expected a torch dtype",
+        ),
     ],
 )
 def test_estimate_rejects_bad_input_with_a_clear_message(kwargs, message):
@@ -91,8 +96,11 @@ def _measured_over_estimated():
             optimizer.step()
             predicted = estimate(n, world, strategy)
             at_rest = measure(model, optimizer)
-            ratios[(strategy, api)] = [at_rest.params / predicted.params, at_rest.grads / predicted.grads,
-                                       at_rest.optimizer / predicted.optimizer]
+            ratios[(strategy, api)] = [
+                at_rest.params / predicted.params,
+                at_rest.grads / predicted.grads,
+                at_rest.optimizer / predicted.optimizer,
+            ]
             if strategy == "SHARD_GRAD_OP":  # its full parameters exist from forward to backward
                 optimizer.zero_grad()
                 model(x)
@@ -140,9 +148,7 @@ def test_saved_for_backward_tells_the_weights_fsdp_frees_after_forward_from_what
 def _grads_held_while_accumulating(skip):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))

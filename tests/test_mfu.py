@@ -15,8 +15,15 @@ def _llama_3_1_8b():
     """Llama 3.1 8B's architecture (its config.json on the Hub), built on the meta device: shapes, no memory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
@@ -57,8 +64,11 @@ def test_the_three_classic_mistakes_each_give_another_number():
     model = _llama_3_1_8b()
     right = mfu(6_000, flops_per_token(model, n_layers=32, n_heads=32, head_dim=128, seq_len=8192), 989e12)
     sparse_peak = mfu(6_000, flops_per_token(model, n_layers=32, n_heads=32, head_dim=128, seq_len=8192), 1979e12)
-    a_ranks_shard = mfu(6_000, flops_per_token(matmul_parameters(model) // 8, n_layers=32, n_heads=32, head_dim=128,
-                                               seq_len=8192), 989e12)
+    a_ranks_shard = mfu(
+        6_000,
+        flops_per_token(matmul_parameters(model) // 8, n_layers=32, n_heads=32, head_dim=128, seq_len=8192),
+        989e12,
+    )
     no_attention = mfu(6_000, 6 * matmul_parameters(model), 989e12)
     assert sparse_peak == pytest.approx(right / 2, rel=0.01)
     assert a_ranks_shard < right / 3 and no_attention < right * 0.8
@@ -93,16 +103,36 @@ def test_a_sharded_model_counts_its_whole_parameters_once_with_the_tied_head():
 
 # The names torch.cuda.get_device_name() gives, and half the sparse figure of each part's datasheet
 # (mfu.PEAK_BF16_DENSE cites each): the NVL parts have a lower peak than the SXM ones they share a die with.
-@pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA B200", 2250)])
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100-PCIE-40GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA B200", 2250),
+    ],
+)
 def test_each_part_gets_its_own_datasheet_peak(name, tflops):
     assert peak_flops(name) == tflops * 1e12
 
 
-@pytest.mark.parametrize("name", ["NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H100 CNX", "NVIDIA H200 NVX",
-                                  "NVIDIA H200 PCIe", "NVIDIA A100X", "NVIDIA B200A"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA GH200 480GB",
+        "NVIDIA H800",
+        "NVIDIA H100 CNX",
+        "NVIDIA H200 NVX",
+        "NVIDIA H200 PCIe",
+        "NVIDIA A100X",
+        "NVIDIA B200A",
+    ],
+)
 def test_a_variant_never_falls_through_to_another_parts_peak(name):
     with pytest.raises(ValueError, match="no dense bf16 peak known"):
         peak_flops(name)

@@ -10,7 +10,6 @@ import nbformat
 import pytest
 from conftest import NOTEBOOKS, ROOT, TUTORIALS, sphinx
 
-
 # A cell's opening tag: myst-nb adds a class for each of the cell's tags (tag_alone, tag_remove-input).
 CELL = re.compile(r'<div class="cell(?: tag_[\w-]+)* docutils container"')
 
@@ -43,8 +42,14 @@ def _landing():
 
 def test_landing_page_maps_the_site(site):
     index = (site / "index.html").read_text()
-    for target in ("tutorials/quickstart.html", "docs/fsdp_tips.html", "docs/fsdp.html", "docs/tips_by_goal.html",
-                   "docs/errors.html", "docs/fsdp2_map.html"):
+    for target in (
+        "tutorials/quickstart.html",
+        "docs/fsdp_tips.html",
+        "docs/fsdp.html",
+        "docs/tips_by_goal.html",
+        "docs/errors.html",
+        "docs/fsdp2_map.html",
+    ):
         assert f'href="{target}' in index
     assert '<img alt="Two ranks and three units' in index  # the sharding diagram, before the map
 
@@ -94,13 +99,13 @@ def test_every_symptom_links_to_sections_of_executed_cells(site):
     symptoms = page.split('<section id="')[2:]  # the page's own section first
     assert len(symptoms) >= 8
     for symptom in symptoms:
-        name = symptom[:symptom.index('"')]
+        name = symptom[: symptom.index('"')]
         executed = 0
         for href in re.findall(r'href="(\.\./tutorials/\w+\.html|cluster\.html)#([\w-]+)"', symptom):
             target = (site / "docs" / href[0]).resolve().read_text()
             at = target.index(f'id="{href[1]}"')
             end = target.find("<section id=", at + 1)
-            assert 'class="cell_output' in target[at:end if end > 0 else None], (name, href)  # output, not prose
+            assert 'class="cell_output' in target[at : end if end > 0 else None], (name, href)  # output, not prose
             executed += 1
         assert executed, f"{name}: no link to an executed cell"
 
@@ -110,41 +115,53 @@ def test_errors_are_found_in_output_lines_as_class_and_message():
     from errors import messages
 
     assert messages("step 1\nRuntimeError: FSDP does not support deepcopy.\n") == [
-        ("RuntimeError", "FSDP does not support deepcopy.")]
+        ("RuntimeError", "FSDP does not support deepcopy.")
+    ]
     assert messages("rank 1 raised torch.distributed.DistBackendError: Connection closed by peer") == [
-        ("torch.distributed.DistBackendError", "Connection closed by peer")]
+        ("torch.distributed.DistBackendError", "Connection closed by peer")
+    ]
     assert messages("{'FutureWarning: NO_SHARD is deprecated. (on ranks 0, 1)'}") == [
-        ("FutureWarning", "NO_SHARD is deprecated.")]
+        ("FutureWarning", "NO_SHARD is deprecated.")
+    ]
     assert messages("loss 0.25, gradient error vs one process: 1e-7") == []
     # dynamo's class named exactly Unsupported, printed without its module
     assert messages("fullgraph=True -> Unsupported: Attempted to call function marked as skipped") == [
-        ("Unsupported", "Attempted to call function marked as skipped")]
+        ("Unsupported", "Attempted to call function marked as skipped")
+    ]
     # each message whole: its own closing brackets and quotes kept, a repr's around it cut
     assert messages("AssertionError: got {torch.bfloat16, torch.float32}") == [
-        ("AssertionError", "got {torch.bfloat16, torch.float32}")]
+        ("AssertionError", "got {torch.bfloat16, torch.float32}")
+    ]
     assert messages("['ValueError: size: torch.Size([96])', 'x']") == [("ValueError", "size: torch.Size([96])")]
     assert messages("RuntimeError: got DeviceMesh((dp=2), 'cpu', stride=(2,))") == [
-        ("RuntimeError", "got DeviceMesh((dp=2), 'cpu', stride=(2,))")]
+        ("RuntimeError", "got DeviceMesh((dp=2), 'cpu', stride=(2,))")
+    ]
     # in a repr after other text, with an escaped quote, or two in one repr; an apostrophe before is no quote
     assert messages("['rank 1: ValueError: bad thing']") == [("ValueError", "bad thing")]
     assert messages("['ValueError: it\\'s bad']") == [("ValueError", "it's bad")]
     assert messages("{'UserWarning: a', 'FutureWarning: b'}") == [("UserWarning", "a"), ("FutureWarning", "b")]
     assert messages("rank 1's error: RuntimeError: got 'x'") == [("RuntimeError", "got 'x'")]
     # torchrun's summary: the message is the first line of its box
-    assert messages("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\nrun.py FAILED\n---") == [
-        ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "run.py FAILED")]
+    assert messages(
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\nrun.py FAILED\n---"
+    ) == [("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "run.py FAILED")]
     # a message ending with a colon is whole with its indented lines, as load_state_dict prints them
-    assert messages("RuntimeError: Error(s) in loading state_dict for FSDPLinear:\n\tsize mismatch for weight: a.\n"
-                    "\tsize mismatch for bias: b.\nloaded 0 of 2") == [
-        ("RuntimeError", "Error(s) in loading state_dict for FSDPLinear: size mismatch for weight: a. "
-                         "size mismatch for bias: b.")]
+    assert messages(
+        "RuntimeError: Error(s) in loading state_dict for FSDPLinear:\n\tsize mismatch for weight: a.\n"
+        "\tsize mismatch for bias: b.\nloaded 0 of 2"
+    ) == [
+        (
+            "RuntimeError",
+            "Error(s) in loading state_dict for FSDPLinear: size mismatch for weight: a. size mismatch for bias: b.",
+        )
+    ]
     assert messages("ValueError: expected one of:\nnext line") == [("ValueError", "expected one of:")]
 
 
 def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_message(site):
     index = (site / "docs" / "errors.html").read_text()
-    listed = index[index.index('<ul class="errors-index'):]
-    items = re.findall(r"<li>(.*?)</li>", listed[:listed.index("</ul>")], re.S)
+    listed = index[index.index('<ul class="errors-index') :]
+    items = re.findall(r"<li>(.*?)</li>", listed[: listed.index("</ul>")], re.S)
     assert len(items) >= 20
     messages = []
     for item in items:
@@ -155,7 +172,10 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
         fix_links = re.findall(r'href="([^"#]*)#([\w-]+)"', fix)
         assert fix_links, (printed, "no fix, or a fix that links nowhere: add it to FIXES in docs/_ext/errors.py")
         for path, anchor in fix_links:
-            assert f'id="{anchor}"' in ((site / "docs" / path).resolve().read_text() if path else index), (printed, anchor)
+            assert f'id="{anchor}"' in ((site / "docs" / path).resolve().read_text() if path else index), (
+                printed,
+                anchor,
+            )
         hrefs = re.findall(r'href="([^"]+)"', where)
         assert hrefs, printed
         for href in hrefs:
@@ -163,15 +183,19 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
             page = (site / "docs" / path).resolve().read_text()
             at = page.index(f'id="{anchor}"')
             cell = page.rfind("<div", 0, at + 1)
-            assert CELL.search(page[cell:at + 200]), (href, "not a cell")
+            assert CELL.search(page[cell : at + 200]), (href, "not a cell")
             end = _cell_end(page, at)
             shown = htmllib.unescape(re.sub(r"<[^>]+>", "", page[cell:end]))
             shown = " ".join(re.sub(r"={5,}", " ", shown).split())  # a summary box's rule (torchrun's) is no word
             assert printed in shown, (href, printed)
         messages.append(printed)
-    for reproduced in ("FSDP does not support deepcopy", "Cannot use ReduceOp.PREMUL_SUM with Gloo",
-                       "already managed by another FSDP group", "does not have a sharding strategy registered",
-                       *REPORTED):
+    for reproduced in (
+        "FSDP does not support deepcopy",
+        "Cannot use ReduceOp.PREMUL_SUM with Gloo",
+        "already managed by another FSDP group",
+        "does not have a sharding strategy registered",
+        *REPORTED,
+    ):
         assert any(reproduced in m for m in messages), reproduced
 
 
@@ -179,18 +203,31 @@ def test_every_entry_of_the_errors_index_links_to_a_cell_whose_output_shows_its_
 # transformers, trl, peft, verl), each reproduced on the page it belongs to.
 REPORTED = (
     "ChildFailedError: train_killed_on_rank_1.py FAILED",
-    "environment variable RANK expected, but not set", "Default process group has not been initialized",
-    "EADDRINUSE", "waiting for clients. 1/2 clients joined",
-    "The client socket has timed out", "Distributed package doesn't have NCCL built in",
-    "No backend type associated with device type cpu", "Mesh should not be bigger than default world size",
-    "FSDP parameters should be materialized from meta device", "Cannot copy out of meta tensor",
-    "Must flatten tensors with uniform dtype", "Must flatten tensors with uniform `requires_grad`",
-    "Cannot flatten integer dtype tensors", "should only be called on the root FSDP instance",
-    "FSDP needs a non-CPU accelerator device", "FSDP is switching to use `NO_SHARD`",
-    "'weight' must be 2-D", "are out of bounds for storage of size 0",
-    "element 0 of tensors does not require grad", "None of the inputs have requires_grad=True",
-    "aten.copy_.default got mixed torch.Tensor and DTensor", "size mismatch for 0.weight: copying a param with shape",
-    "Missing key in checkpoint state_dict", "Size mismatch between saved", "Unexpected key(s) in state_dict",
+    "environment variable RANK expected, but not set",
+    "Default process group has not been initialized",
+    "EADDRINUSE",
+    "waiting for clients. 1/2 clients joined",
+    "The client socket has timed out",
+    "Distributed package doesn't have NCCL built in",
+    "No backend type associated with device type cpu",
+    "Mesh should not be bigger than default world size",
+    "FSDP parameters should be materialized from meta device",
+    "Cannot copy out of meta tensor",
+    "Must flatten tensors with uniform dtype",
+    "Must flatten tensors with uniform `requires_grad`",
+    "Cannot flatten integer dtype tensors",
+    "should only be called on the root FSDP instance",
+    "FSDP needs a non-CPU accelerator device",
+    "FSDP is switching to use `NO_SHARD`",
+    "'weight' must be 2-D",
+    "are out of bounds for storage of size 0",
+    "element 0 of tensors does not require grad",
+    "None of the inputs have requires_grad=True",
+    "aten.copy_.default got mixed torch.Tensor and DTensor",
+    "size mismatch for 0.weight: copying a param with shape",
+    "Missing key in checkpoint state_dict",
+    "Size mismatch between saved",
+    "Unexpected key(s) in state_dict",
 )
 
 
@@ -285,7 +322,9 @@ def test_every_tip_links_to_its_tutorial_and_back(site):
 def test_doctests_on_the_pages_pass_without_executing_the_notebooks_again(tmp_path, execution_cache):
     # The outputs from the pages' one execution: the prose's glued figures are read from them (with no
     # outputs, every {glue} role would warn, and -W fails the build).
-    run = sphinx("doctest", tmp_path, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}")
+    run = sphinx(
+        "doctest", tmp_path, "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}"
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     report = (tmp_path / "doctest" / "output.txt").read_text()
     assert re.search(r"\b[1-9]\d* tests\s+0 failures in tests", report), report
@@ -336,8 +375,11 @@ def test_the_readmes_launch_times_are_the_recorded_ones():
     warm_first, warm_next = re.search(r"^warm \(the default\)\s+([\d.]+)\s+([\d.]+)$", recorded, re.M).groups()
     cold_first, cold_next = re.search(r"^cold \(FSDP_GUIDE_WARM=0\)\s+([\d.]+)\s+([\d.]+)$", recorded, re.M).groups()
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert re.search(rf"returned in {warm_first} s the first time \([^)]*\) and {warm_next} s each time after it, "
-                     rf"against {cold_first} s and then {cold_next} s", readme)
+    assert re.search(
+        rf"returned in {warm_first} s the first time \([^)]*\) and {warm_next} s each time after it, "
+        rf"against {cold_first} s and then {cold_next} s",
+        readme,
+    )
 
 
 def test_every_link_of_the_fsdp2_map_lands_on_an_executed_cell_whose_code_uses_the_name(site):
@@ -354,8 +396,10 @@ def test_every_link_of_the_fsdp2_map_lands_on_an_executed_cell_whose_code_uses_t
         # The label is the cell's id, or an empty span at the cell's start when it has several.
         at = html.index(f'id="{label(name)}"')
         cell = _cell_start(html, at)
-        assert re.fullmatch(CELL.pattern + r' |<div [^>]*>\s*(<span id="[^"]+"></span>\s*)*<span ',
-                            html[cell:at]), (name, "the label is not on a cell")
+        assert re.fullmatch(CELL.pattern + r' |<div [^>]*>\s*(<span id="[^"]+"></span>\s*)*<span ', html[cell:at]), (
+            name,
+            "the label is not on a cell",
+        )
         end = _cell_end(html, cell + 1)
         code = htmllib.unescape(re.sub(r"<[^>]+>", "", html[cell:end]))
         assert pattern(name) in code, (name, page)

@@ -10,9 +10,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
+from training import my_slice, train
 
 from fsdp_guide import launch, summon_full_params
-from training import my_slice, train
 
 
 def _run(fn, *args):
@@ -32,7 +32,9 @@ def _fsdp2(model):
 
 
 def _fsdp1(model):
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"), use_orig_params=True)
+    return FSDP(
+        model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"), use_orig_params=True
+    )
 
 
 def _batch(step, n=8):
@@ -85,9 +87,14 @@ def _writeback_survives_training(writeback):
     unchanged = all(torch.equal(before_local[n], p.to_local()) for n, p in model.named_parameters())
     # Train on: the optimizer built before the context must update the edited weights.
     losses = train(model, optimizer, (_batch(step) for step in range(5)), sharded=True)
-    return {"inside": inside, "same_ids": before == after, "in_optimizer": same_objects_in_optimizer,
-            "unchanged": unchanged, "losses": losses,
-            "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
+    return {
+        "inside": inside,
+        "same_ids": before == after,
+        "in_optimizer": same_objects_in_optimizer,
+        "unchanged": unchanged,
+        "losses": losses,
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
 
 
 def test_fsdp2_writeback_survives_forward_backward_and_the_optimizer_step():
@@ -129,15 +136,26 @@ def _tied_weights():
     tied_after = model.head.weight is model.emb.weight and isinstance(model.emb.weight, DTensor)
     full_after = model.emb.weight.full_tensor()
     logits = model(torch.tensor([[1, 2, 3]]))
-    return {"tied_inside": tied_inside, "shape": shape_inside, "other": seen_through_other,
-            "tied_after": tied_after, "full_ok": torch.equal(full_after, torch.arange(40.0).reshape(10, 4)),
-            "logits_shape": tuple(logits.shape)}
+    return {
+        "tied_inside": tied_inside,
+        "shape": shape_inside,
+        "other": seen_through_other,
+        "tied_after": tied_after,
+        "full_ok": torch.equal(full_after, torch.arange(40.0).reshape(10, 4)),
+        "logits_shape": tuple(logits.shape),
+    }
 
 
 def test_tied_weights_stay_tied_inside_and_after():
     for r in _run(_tied_weights):
-        assert r == {"tied_inside": True, "shape": (10, 4), "other": 39.0, "tied_after": True,
-                     "full_ok": True, "logits_shape": (1, 3, 10)}
+        assert r == {
+            "tied_inside": True,
+            "shape": (10, 4),
+            "other": 39.0,
+            "tied_after": True,
+            "full_ok": True,
+            "logits_shape": (1, 3, 10),
+        }
 
 
 class _Nested(nn.Module):
@@ -161,9 +179,19 @@ def _nested_recurse(recurse):
 
 
 def test_nested_units_and_recurse_false():
-    full = {"inner.weight": "Parameter", "inner.bias": "Parameter", "outer.weight": "Parameter", "outer.bias": "Parameter"}
+    full = {
+        "inner.weight": "Parameter",
+        "inner.bias": "Parameter",
+        "outer.weight": "Parameter",
+        "outer.bias": "Parameter",
+    }
     assert _run(_nested_recurse, True) == [full, full]
-    own_only = {"inner.weight": "DTensor", "inner.bias": "DTensor", "outer.weight": "Parameter", "outer.bias": "Parameter"}
+    own_only = {
+        "inner.weight": "DTensor",
+        "inner.bias": "DTensor",
+        "outer.weight": "Parameter",
+        "outer.bias": "Parameter",
+    }
     assert _run(_nested_recurse, False) == [own_only, own_only]
 
 

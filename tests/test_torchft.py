@@ -1,5 +1,5 @@
-"""torchft's live recovery with FSDP2 inside each replica group (fsdp_guide.recipes.replicas), longer than the page's run:
-a group loses a rank and restarts slowly, the other keeps training, the group rejoins with the live state."""
+"""torchft's live recovery with FSDP2 inside each replica group (fsdp_guide.recipes.replicas), longer than the page's
+run: a group loses a rank and restarts slowly, the other keeps training, the group rejoins with the live state."""
 
 from __future__ import annotations
 
@@ -22,12 +22,25 @@ REJOIN_AFTER = 3
 
 @linux_only
 def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_equal_the_quorums_replay(tmp_path):
-    command = [sys.executable, "-m", "fsdp_guide.recipes.replicas", "--out", str(tmp_path), "--kill-at", str(KILL_AT),
-               "--after-rejoin", str(AFTER_REJOIN), "--rejoin-after", str(REJOIN_AFTER)]
+    command = [
+        sys.executable,
+        "-m",
+        "fsdp_guide.recipes.replicas",
+        "--out",
+        str(tmp_path),
+        "--kill-at",
+        str(KILL_AT),
+        "--after-rejoin",
+        str(AFTER_REJOIN),
+        "--rejoin-after",
+        str(REJOIN_AFTER),
+    ]
     done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300)
     logs = "\n".join(f"{p.name}:\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("group?.log")))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + logs
-    assert "failed (exitcode: -9) local_rank: 1" in (tmp_path / "group1.log").read_text()  # the SIGKILL, as torchrun saw it
+    assert (
+        "failed (exitcode: -9) local_rank: 1" in (tmp_path / "group1.log").read_text()
+    )  # the SIGKILL, as torchrun saw it
 
     steps = replicas.read_logs(tmp_path)
     made = replicas.quorums(steps)  # step -> (groups averaged, groups receiving) in the final weights' history
@@ -60,27 +73,45 @@ def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_e
 
 def _lines(group, *steps):
     """Rank 0's log of a group: (step, quorum id, participating, participants) per committed step."""
-    return [{"group": group, "rank": 0, "step": step, "quorum": quorum, "participating": participating,
-             "participants": participants, "committed": True} for step, quorum, participating, participants in steps]
+    return [
+        {
+            "group": group,
+            "rank": 0,
+            "step": step,
+            "quorum": quorum,
+            "participating": participating,
+            "participants": participants,
+            "committed": True,
+        }
+        for step, quorum, participating, participants in steps
+    ]
 
 
 def test_quorums_follow_the_final_weights_back_past_a_step_two_quorums_computed():
     # Both groups took step 0 alone (quorums 1 and 2: one formed while the other's heartbeat was
     # late); group 1 then received group 0's state at step 1, so its own step 0 is not in the weights.
-    logs = {(0, 0): _lines(0, (0, 1, True, 1), (1, 3, True, 1), (2, 3, True, 2)),
-            (1, 0): _lines(1, (0, 2, True, 1), (1, 3, False, 1), (2, 3, True, 2))}
+    logs = {
+        (0, 0): _lines(0, (0, 1, True, 1), (1, 3, True, 1), (2, 3, True, 2)),
+        (1, 0): _lines(1, (0, 2, True, 1), (1, 3, False, 1), (2, 3, True, 2)),
+    }
     assert replicas.quorums(logs) == {0: ([0], []), 1: ([0], [1]), 2: ([0, 1], [])}
     logs[(1, 0)][2]["participants"] = 1  # a divisor the replay would not use
-    with pytest.raises(ValueError, match=r"step 2: groups \[0, 1\] averaged their gradients, but the quorum divided "
-                                         r"by \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"step 2: groups \[0, 1\] averaged their gradients, but the quorum divided "
+        r"by \[1, 2\]",
+    ):
         replicas.quorums(logs)
 
 
 def test_quorums_refuse_groups_that_averaged_a_step_from_different_weights():
     # Both took step 0 alone, and both averaged step 1 without either receiving the other's state.
     logs = {(0, 0): _lines(0, (0, 1, True, 1), (1, 3, True, 2)), (1, 0): _lines(1, (0, 2, True, 1), (1, 3, True, 2))}
-    with pytest.raises(ValueError, match=r"step 1: groups \[0, 1\] averaged their gradients without having "
-                                         r"computed step 0 in one quorum"):
+    with pytest.raises(
+        ValueError,
+        match=r"step 1: groups \[0, 1\] averaged their gradients without having "
+        r"computed step 0 in one quorum",
+    ):
         replicas.quorums(logs)
 
 
@@ -91,12 +122,15 @@ def _usage_error(argv, capsys) -> str:
     return capsys.readouterr().err.splitlines()[-1]
 
 
-@pytest.mark.parametrize(("flags", "error"), [
-    (["--after-rejoin", "0"], "expected --after-rejoin 1 or more (got 0)"),
-    (["--rejoin-after", "-1"], "--rejoin-after and --step-seconds 0 or more, finite (got -1, 0.1)"),
-    (["--step-seconds", "nan"], "--rejoin-after and --step-seconds 0 or more, finite (got 0, nan)"),
-    (["--timeout", "0"], "--timeout above 0, finite (got 0)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--after-rejoin", "0"], "expected --after-rejoin 1 or more (got 0)"),
+        (["--rejoin-after", "-1"], "--rejoin-after and --step-seconds 0 or more, finite (got -1, 0.1)"),
+        (["--step-seconds", "nan"], "--rejoin-after and --step-seconds 0 or more, finite (got 0, nan)"),
+        (["--timeout", "0"], "--timeout above 0, finite (got 0)"),
+    ],
+)
 def test_the_driver_answers_impossible_settings_with_a_usage_error(flags, error, tmp_path, capsys):
     assert error in _usage_error(["--out", str(tmp_path), *flags], capsys)
 

@@ -22,13 +22,43 @@ def _text_outputs(notebook) -> str:
 def _glued(notebook) -> dict:
     """The values a page glued for its prose (``myst_nb.glue``), by name, as their text (the
     ``text/plain`` that myst-nb records under its own mime type)."""
-    return {out["metadata"]["scrapbook"]["name"]: out["data"]["application/papermill.record/text/plain"]
-            for cell in notebook.cells for out in cell.get("outputs", [])
-            if "scrapbook" in out.get("metadata", {})}
+    return {
+        out["metadata"]["scrapbook"]["name"]: out["data"]["application/papermill.record/text/plain"]
+        for cell in notebook.cells
+        for out in cell.get("outputs", [])
+        if "scrapbook" in out.get("metadata", {})
+    }
 
 
 def test_every_tutorial_is_tested():
-    assert [t.stem for t in TUTORIALS] == ["beyond_the_step", "communication", "compile", "debugging_hangs", "deterministic_init", "digits", "enable_wrap", "experts", "finetune_hf", "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "loss_and_accumulation", "memory", "migration", "mixed_precision", "pipeline", "pitfalls", "quickstart", "rank_dies", "state_attributes", "summon_full_params", "tensor_parallel", "weight_sync"]
+    assert [t.stem for t in TUTORIALS] == [
+        "beyond_the_step",
+        "communication",
+        "compile",
+        "debugging_hangs",
+        "deterministic_init",
+        "digits",
+        "enable_wrap",
+        "experts",
+        "finetune_hf",
+        "fp8",
+        "fsdp2_controls",
+        "fsdp_config",
+        "llm",
+        "lora",
+        "loss_and_accumulation",
+        "memory",
+        "migration",
+        "mixed_precision",
+        "pipeline",
+        "pitfalls",
+        "quickstart",
+        "rank_dies",
+        "state_attributes",
+        "summon_full_params",
+        "tensor_parallel",
+        "weight_sync",
+    ]
 
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
@@ -40,10 +70,15 @@ def test_tutorial_executes(tutorial, executed):
 
 def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_exactly(executed):
     text = _text_outputs(executed["finetune_hf"])
-    rows = {line[:28].strip(): line[28:].replace("/", " ").split() for line in text.splitlines()
-            if line.startswith(("every rank reads", "rank 0 reads", "each rank reads"))}
-    every, broadcast, sliced = (list(map(float, rows[k])) for k in
-                                ("every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices"))
+    rows = {
+        line[:28].strip(): line[28:].replace("/", " ").split()
+        for line in text.splitlines()
+        if line.startswith(("every rank reads", "rank 0 reads", "each rank reads"))
+    }
+    every, broadcast, sliced = (
+        list(map(float, rows[k]))
+        for k in ("every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices")
+    )
     # (rank 0 resident, rank 0 private, rank 1 resident, rank 1 private, shard kept), in model sizes
     assert every[1] >= 1.0 and every[3] >= 1.0  # a whole fp32 model allocated on each rank
     assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
@@ -55,7 +90,12 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert broadcast[0] - broadcast[1] >= 0.3
     assert broadcast[3] - broadcast[4] <= 0.5
     assert all(resident > private for resident, private in ((sliced[0], sliced[1]), (sliced[2], sliced[3])))
-    assert _glued(executed["finetune_hf"]).keys() >= {"every_rank_private", "rank0_mapped", "rank1_extra", "sliced_resident"}
+    assert _glued(executed["finetune_hf"]).keys() >= {
+        "every_rank_private",
+        "rank0_mapped",
+        "rank1_extra",
+        "sliced_resident",
+    }
     first = float(text.split("relative difference at the first step: ")[1].split(";")[0])
     assert first < 1e-5  # "to fp32 rounding"
     relative = float(text.split("largest relative difference: ")[1].split()[0])
@@ -69,15 +109,19 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
 def test_finetune_hf_exports_from_every_rank_with_dcp_and_stages_on_a_cpu(executed):
     text = _text_outputs(executed["finetune_hf"])
     # write='rank0'    2 ranks    1.3 / 1.3          0.4 / 0.4     0.60: rank 0, the other ranks' most, seconds
-    rows = {(line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[3:] if v != "/"]
-            for line in text.splitlines() if line.startswith("write=")}
+    rows = {
+        (line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[3:] if v != "/"]
+        for line in text.splitlines()
+        if line.startswith("write=")
+    }
     gathered = {world: rows[("write='rank0'", world)][0] for world in (2, 4)}  # rank 0's resident peak
     every = {world: max(rows[("write='sharded'", world)][0], rows[("write='sharded'", world)][2]) for world in (2, 4)}
     assert all(peak > 1.0 for peak in gathered.values())  # "more than the model", on any number of ranks
     assert 0.8 <= every[2] <= 1.4 and 0.4 <= every[4] <= 0.75  # "about twice its shard" (1/2, 1/4 of the model)
     assert every[2] >= 0.75 * gathered[2] and every[4] <= 0.6 * gathered[4]  # "no better" on 2, "about half" on 4
-    assert ("['config.json', 'generation_config.json', 'model-00001-of-00001.safetensors', "
-            "'model.safetensors.index.json']") in text  # the standard files, DCP's per-rank files gone
+    assert (
+        "['config.json', 'generation_config.json', 'model-00001-of-00001.safetensors', 'model.safetensors.index.json']"
+    ) in text  # the standard files, DCP's per-rank files gone
     assert "tied after loading: True | logits equal the sharded model's: True" in text
     assert "StagingOptions(**{}): AssertionError: Non-blocking copy requires that the current accelerator" in text
     assert "Ignoring pin_memory flag" in text
@@ -95,9 +139,16 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     full, lora = (float(row(how).split()[-1]) for how in ("full fine-tuning" + " " * 20, "LoRA" + " " * 20))
     assert lora < full / 3  # the frozen base has no gradients or optimizer state
     # adapt: once per rank on the structure, and once more on rank 0, on the whole pretrained model
-    given = [(line.split(":")[0], float(line.split()[2]), line.endswith("True")) for line in lines
-             if line.startswith("rank ") and "parameters on the" in line]
-    assert [(who, pretrained) for who, _, pretrained in given] == [("rank 0", False), ("rank 0", True), ("rank 1", False)]
+    given = [
+        (line.split(":")[0], float(line.split()[2]), line.endswith("True"))
+        for line in lines
+        if line.startswith("rank ") and "parameters on the" in line
+    ]
+    assert [(who, pretrained) for who, _, pretrained in given] == [
+        ("rank 0", False),
+        ("rank 0", True),
+        ("rank 1", False),
+    ]
     params_kept = float(row("LoRA" + " " * 20).split()[1])
     # the same fp32 model every time; the pretrained one, on rank 0, about twice what a rank keeps (the prose's claim)
     assert len({mib for _, mib, _ in given}) == 1 and 1.9 * params_kept < given[1][1] < 2.1 * params_kept
@@ -115,8 +166,10 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert 1.8 * states["1. adapters"] < states["2. fp32"] < 2.2 * states["1. adapters"]
     assert states["3. adapters"] < states["1. adapters"]
     assert "1 + 1/300 = 1.0033 in fp32, 1.0000 in bf16" in text  # the update bf16 adapters lose
-    traffic = {mode: [float(x) for x in row(mode)[36:].split()] for mode in
-               ("reshard after forward", "kept from forward to backward", "kept gathered across", "replicated")}
+    traffic = {
+        mode: [float(x) for x in row(mode)[36:].split()]
+        for mode in ("reshard after forward", "kept from forward to backward", "kept gathered across", "replicated")
+    }
     # per micro-batch 1-4 (base sizes gathered), per step, all-gathers, reductions, held in forward, held between
     resharded, kept, window, replicated = traffic.values()
     assert all(1.9 < resharded[i] < 2.1 and 0.95 < kept[i] < 1.05 for i in range(4))
@@ -139,9 +192,19 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert trainable * 4 / 2**10 <= file_kib <= 1.1 * trainable * 4 / 2**10  # the fp32 adapters only, and a header
     assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
     assert _glued(executed["lora"]).keys() >= {
-        "lora_loaded_mib", "lora_kept_mib", "lora_resharded_gathered", "lora_resharded_held", "lora_kept_gathered",
-        "lora_kept_held", "lora_replicated_held", "lora_adapter_file_kib", "lora_trainable", "lora_adapter_kib",
-        "lora_resharded_gathers", "lora_reductions"}
+        "lora_loaded_mib",
+        "lora_kept_mib",
+        "lora_resharded_gathered",
+        "lora_resharded_held",
+        "lora_kept_gathered",
+        "lora_kept_held",
+        "lora_replicated_held",
+        "lora_adapter_file_kib",
+        "lora_trainable",
+        "lora_adapter_kib",
+        "lora_resharded_gathers",
+        "lora_reductions",
+    }
 
 
 def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
@@ -170,8 +233,10 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     # torch's analyser cannot read gloo's dumps as they are (should torch fix that, the page must say so)
     assert "torchfrtrace on gloo's dumps: KeyError looking up group '0'" in text
     assert "(pg_config): {'': {'name': ''" in text and "entries name:         ('0', 'default_pg')" in text
-    assert (f"by rank: collective {rank0[0]} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
-            "rank 1 ran all_gather") in text
+    assert (
+        f"by rank: collective {rank0[0]} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
+        "rank 1 ran all_gather"
+    ) in text
     # the analyser's "culprit" is whichever dump it read second, in the file system's order the page prints
     read = re.findall(r"fr_trace_rank_(\d)", line("the order the analyser reads the dumps"))
     assert sorted(read) == ["0", "1"]
@@ -179,45 +244,73 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert "batches evaluated per rank: [2, 2]" in text
     # hang 2: both ranks wait in backward; DETAIL, the analyser and the stacks point past where they parted
     branch = [line for line in lines if line.startswith(("rank 0 called the expert", "rank 1 called"))]
-    assert branch[0].startswith("rank 0 called the expert: True") and branch[1].startswith("rank 1 called the expert: False")
+    assert branch[0].startswith("rank 0 called the expert: True") and branch[1].startswith(
+        "rank 1 called the expert: False"
+    )
     assert all(line.endswith("y.sum().backward()']") for line in branch)
-    parted = int(re.search(r"rank 0 raised before its collective number (\d+): _REDUCE_SCATTER_BASE of \[272\]", text)[1])
+    parted = int(
+        re.search(r"rank 0 raised before its collective number (\d+): _REDUCE_SCATTER_BASE of \[272\]", text)[1]
+    )
     assert f"rank 1 raised before its collective number {parted}: _ALLGATHER_BASE of [136]" in text
     # the prose quotes the numbers (glued); what it claims of them: the analyser's mismatch (from 1) is
     # DETAIL's (from 0), asserted just below, one past where the recorder's table shows the ranks parting
     glued = _glued(executed["debugging_hangs"])  # each glued value, as its text
-    assert glued.keys() >= {"hang1_mismatch", "hang2_detail_mismatch", "hang2_detail_passed", "hang2_mismatch",
-                            "hang2_matched", "hang2_parted"}
-    assert glued["hang1_mismatch"] == rank0[0] and glued["hang2_parted"] == glued["hang2_detail_mismatch"] == str(parted)
-    assert glued["hang2_mismatch"] == str(parted + 1) and glued["hang2_matched"] == glued["hang2_parted"]  # the pair that matched
-    assert (f"torchfrtrace, by rank: collective {parted + 1} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
-            "rank 1 ran all_gather") in text
+    assert glued.keys() >= {
+        "hang1_mismatch",
+        "hang2_detail_mismatch",
+        "hang2_detail_passed",
+        "hang2_mismatch",
+        "hang2_matched",
+        "hang2_parted",
+    }
+    assert glued["hang1_mismatch"] == rank0[0] and glued["hang2_parted"] == glued["hang2_detail_mismatch"] == str(
+        parted
+    )
+    assert (
+        glued["hang2_mismatch"] == str(parted + 1) and glued["hang2_matched"] == glued["hang2_parted"]
+    )  # the pair that matched
+    assert (
+        f"torchfrtrace, by rank: collective {parted + 1} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
+        "rank 1 ran all_gather"
+    ) in text
     rows = {int(line.split()[0]): line for line in lines if re.match(r"\d+ +all_(gather|reduce) \[", line)}
     assert all(rows[n].count("pre_forward, y = body(x)") == 2 for n in range(1, parted))
-    assert re.search(r"pre_forward, y = expert\(y\) +all_gather \[136\], pre_backward, y\.sum\(\)\.backward\(\)",
-                     rows[parted])  # the recorder's stacks show where the ranks parted
+    assert re.search(
+        r"pre_forward, y = expert\(y\) +all_gather \[136\], pre_backward, y\.sum\(\)\.backward\(\)", rows[parted]
+    )  # the recorder's stacks show where the ranks parted
     assert "all_reduce [272], post_backward" in rows[parted + 1]
     # the fix: the expert's gradient is the mean over the ranks' batches, not the rank's own
-    grads = [[float(x) for x in re.findall(r"\d\.\de[+-]\d+", line)] for line in lines
-             if re.match(r"rank \d finished; its expert gradient", line)]
+    grads = [
+        [float(x) for x in re.findall(r"\d\.\de[+-]\d+", line)]
+        for line in lines
+        if re.match(r"rank \d finished; its expert gradient", line)
+    ]
     assert len(grads) == 2 and all(to_mean < 1e-5 and to_own > 1e-2 for to_mean, to_own, _ in grads)
     assert grads[1][2] == 0 < grads[0][2]  # rank 1's branch never used the expert
     assert line("-n, --native").startswith("-n, --native Collect stack traces from native extensions")
     # rank 0 ended both dump hangs itself, once every rank's dump was written (the flight recorder's, py-spy's)
     assert text.count("the hang ended: rank 0 stopped by SIGTERM") == 2
-    spy0, spy1 = text.split("rank 0, main thread, innermost first")[1].split("tensors in the saved")[0].split(
-        "rank 1, main thread")
+    spy0, spy1 = (
+        text.split("rank 0, main thread, innermost first")[1]
+        .split("tensors in the saved")[0]
+        .split("rank 1, main thread")
+    )
     assert "pthread_cond_wait" in spy0 and "c10d::Work::wait" in spy0 and "c10d::wait_tensor" in spy0
     assert "get_model_state_dict (" in spy0 and "DTensor.redistribute" in spy0 and "\n    wait_tensor (" in spy0
     assert "c10d::Work::wait" in spy1 and "barrier (" in spy1 and "get_model_state_dict" not in spy1
     assert "file written: True" in text
     # warm ranks share the server's hash seed, cold ones (as torchrun's) do not: see fsdp_guide._warm
-    assert re.search(r"set order, cold \(as torchrun\) +warm=False +same order on both ranks: False +"
-                     r"every sum right: False", text)
-    assert re.search(r"set order, warm \(forked\) +warm=True +same order on both ranks: True +every sum right: True",
-                     text)
-    assert re.search(r"sorted, cold \(as torchrun\) +warm=False +same order on both ranks: True +every sum right: True",
-                     text)
+    assert re.search(
+        r"set order, cold \(as torchrun\) +warm=False +same order on both ranks: False +"
+        r"every sum right: False",
+        text,
+    )
+    assert re.search(
+        r"set order, warm \(forked\) +warm=True +same order on both ranks: True +every sum right: True", text
+    )
+    assert re.search(
+        r"sorted, cold \(as torchrun\) +warm=False +same order on both ranks: True +every sum right: True", text
+    )
     assert "default_pg_nccl_timeout on this build:" in text
 
 
@@ -230,22 +323,31 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
 
     assert "real tokens per rank: [75, 120]" in text  # the weights the page's prose works out
     reference = float(text.split("one process: loss ")[1].split()[0])
-    per_rank, times_ranks, factor_one = (rows(how)[0] for how in ("per-rank mean", "global count x ranks",
-                                                                  "global count, divide factor 1"))
+    per_rank, times_ranks, factor_one = (
+        rows(how)[0] for how in ("per-rank mean", "global count x ranks", "global count, divide factor 1")
+    )
     # what the prose says of its (glued) figures: the per-rank mean's gradient far from one process's, its
     # logged loss off too; the global count's within float32 rounding
     assert float(per_rank[-1]) > 0.1 and float(per_rank[-2]) != reference
     assert float(times_ranks[-1]) < 1e-6 and float(factor_one[-1]) < 1e-6
     assert _glued(executed["loss_and_accumulation"]).keys() >= {
-        "per_rank_error", "per_rank_logged", "one_process_loss", "global_count_error",
-        "rank0_tokens", "rank1_tokens", "rank0_weight", "rank1_weight", "all_tokens"}
+        "per_rank_error",
+        "per_rank_logged",
+        "one_process_loss",
+        "global_count_error",
+        "rank0_tokens",
+        "rank1_tokens",
+        "rank0_weight",
+        "rank1_weight",
+        "all_tokens",
+    }
     glued = _glued(executed["loss_and_accumulation"])  # the weights the prose gives follow from the counts
     assert int(glued["rank0_weight"]) == 2 * int(glued["rank0_tokens"]) != int(glued["all_tokens"])
     assert float(times_ranks[-2]) == float(factor_one[-2]) == reference
     # gloo refuses FSDP's PREMUL_SUM; should it gain the op, the page says so and this fails on purpose
     assert "a rank raised RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo" in text
     assert "rank 0: [31, 44] rank 1: [57, 63]" in text
-    naive, = rows("micro-batch mean / micro-batches")
+    (naive,) = rows("micro-batch mean / micro-batches")
     accumulated = rows("global count, divide factor 1")[1]
     # the prose's (glued) claim: the usual recipe's error is further from one process than the per-rank mean's
     assert float(naive[-1]) > float(per_rank[-1]) and float(accumulated[-1]) < 1e-6
@@ -253,9 +355,17 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
     def costs(prefix, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
         values = [float(v) for v in rows(prefix)[table][-11:]]
         return [values[0:2], values[2:4], values[4:6]], values[6:10], values[10]
-    tables = {(mode, table): costs(mode, table) for mode, table in
-              [("sync every micro-batch", 0), ("no sync until the last", 0), ("sync every micro-batch", 1),
-               ("no all-reduce until the last", 0), ("no sync until the last", 1)]}
+
+    tables = {
+        (mode, table): costs(mode, table)
+        for mode, table in [
+            ("sync every micro-batch", 0),
+            ("no sync until the last", 0),
+            ("sync every micro-batch", 1),
+            ("no all-reduce until the last", 0),
+            ("no sync until the last", 1),
+        ]
+    }
     for (mode, table), (traffic, held, error) in tables.items():
         assert traffic[0] == [20, 6.91]  # 5 all-gathers per micro-batch, whatever the mode: 1.73 P
         assert error < 1e-6  # one process's gradient in every mode
@@ -267,9 +377,21 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
             assert traffic[1] == [12, 4.0] and held == [0.5] * 4
             assert traffic[2] == ([3, 0.5] if mode.startswith("no all-reduce") else [12, 2.0] if hsdp else [0, 0.0])
     assert _glued(executed["loss_and_accumulation"]).keys() >= {  # the traffic the prose quotes, from the tables
-        "accumulated_mean_error", "gathers_per_micro_batch", "gathered_per_micro_batch", "scatters_synced",
-        "scattered_synced", "scatters_unsynced", "scattered_unsynced", "held_synced", "held_unsynced",
-        "hsdp_reduces_synced", "hsdp_reduced_synced", "hsdp_reduces_once", "hsdp_reduced_once", "hsdp_held_reduced_once"}
+        "accumulated_mean_error",
+        "gathers_per_micro_batch",
+        "gathered_per_micro_batch",
+        "scatters_synced",
+        "scattered_synced",
+        "scatters_unsynced",
+        "scattered_unsynced",
+        "held_synced",
+        "held_unsynced",
+        "hsdp_reduces_synced",
+        "hsdp_reduced_synced",
+        "hsdp_reduces_once",
+        "hsdp_reduced_once",
+        "hsdp_held_reduced_once",
+    }
 
 
 def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(executed):
@@ -284,7 +406,9 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     assert float(default[6]) > 0.6 and float(kept[4]) == 1.5 and default[9] == kept[7] == "0.50"  # reshard() frees
     # the prose's claims: the default holds its shards plus the root whole, False the whole model beside its shards
     assert float(default[9]) < float(default[6]) < 1 and float(kept[4]) == pytest.approx(1 + float(kept[7]), abs=0.011)
-    assert default[6:9] == ["0.77"] * 3  # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
+    assert (
+        default[6:9] == ["0.77"] * 3
+    )  # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
     n_params = int(text.split("plain tensors among the ")[1].split()[0])
     assert 0 < int(default[10]) < n_params and int(kept[8]) == n_params  # gathered: plain tensors in parameters()
     assert default[11] == kept[9] == "0"  # and shards again after reshard()
@@ -315,16 +439,27 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     assert t_held == default[6] and r_held == default[9] and float(gathered[-2]) == float(kept[4])
     assert float(s_held) == pytest.approx(3 * float(default[9]), abs=0.011)
     assert _glued(executed["beyond_the_step"]).keys() >= {
-        "bts_eval_default_held", "bts_eval_shards", "bts_eval_kept_held", "bts_generation_kept_held",
-        "bts_student_held", "bts_teacher_default_held", "bts_teacher_resharded_held", "bts_padded_examples",
-        "bts_exact_examples", "bts_generation_gathers", "bts_new_tokens"}
+        "bts_eval_default_held",
+        "bts_eval_shards",
+        "bts_eval_kept_held",
+        "bts_generation_kept_held",
+        "bts_student_held",
+        "bts_teacher_default_held",
+        "bts_teacher_resharded_held",
+        "bts_padded_examples",
+        "bts_exact_examples",
+        "bts_generation_gathers",
+        "bts_new_tokens",
+    }
 
 
 def test_tensor_parallel_names_the_data_parallel_dimensions_with_dp_mesh_dims(executed):
     text = _text_outputs(executed["tensor_parallel"])
     layouts = dict(re.findall(r"^(.*): DataParallelMeshDims.*\n((?:  .*\n){3})", text, re.M))
-    hsdp, both, tp = (layouts[k] for k in ("HSDP: replicate over x, shard over y", "FSDP over both: shard over (x, y)",
-                                             "FSDP over x, TP over y"))
+    hsdp, both, tp = (
+        layouts[k]
+        for k in ("HSDP: replicate over x, shard over y", "FSDP over both: shard over (x, y)", "FSDP over x, TP over y")
+    )
     assert "0.weight  Replicate() over x=2, Shard(dim=0) over y=2" in hsdp
     assert "0.weight  Shard(dim=0) over x_y=4" in both  # the two dimensions flattened into one
     assert "0.weight  _StridedShard(dim=0, sf=2) over x=2, Shard(dim=0) over y=2" in tp
@@ -336,8 +471,10 @@ def test_tensor_parallel_names_the_data_parallel_dimensions_with_dp_mesh_dims(ex
 def test_tensor_parallel_says_context_parallelism_does_not_run_on_the_cpu_from_its_own_output(executed):
     text = _text_outputs(executed["tensor_parallel"])
     # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
-    assert ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
-            "does not have a sharding strategy registered") in text
+    assert (
+        "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+        "does not have a sharding strategy registered"
+    ) in text
 
 
 def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_trap_clipping_and_resharding(executed):
@@ -361,7 +498,9 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     both = lines.index(next(line for line in lines if line.startswith("FSDP x TP (2 x 2)")))
     dp_row, tp_row = numbers("FSDP x TP (2 x 2)"), [float(x) for x in lines[both + 1].split()[1:]]
     assert dp_row[0] == 5 and dp_row[2:4] == [3, 0.63] and 0.25 < dp_row[-2] < 0.4  # held: glued, about a third
-    assert 0.5 * fsdp[1] < dp_row[1] < fsdp[1]  # glued: smaller all-gathers than FSDP alone, blocks half-size, root whole
+    assert (
+        0.5 * fsdp[1] < dp_row[1] < fsdp[1]
+    )  # glued: smaller all-gathers than FSDP alone, blocks half-size, root whole
     assert dp_row[-3] == 0  # FSDP reduces the partial norms' gradients before the step
     # TP alone: each rank's to_local() of a norm's gradient is one term; the 4 sum to one process's
     assert "blocks.0.ln_1.weight.grad: (Partial(sum),); parameters with a partial gradient: 8" in text
@@ -389,14 +528,21 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert "q's output on a rank (4, 16, 16); params held " in fsdp_tp
     assert float(fsdp_tp.split("params held ")[1].split()[0]) == dp_row[-2]  # about a third, as in the table
     # glued: each counts one all-gather fewer than the table, the root left gathered by the forward before
-    assert f"('dp', 'all-gather', {dp_row[0] - 1:.0f})" in fsdp_tp and f"('tp', 'all-gather', {dp_row[0] - 1:.0f})" in hsdp
+    assert (
+        f"('dp', 'all-gather', {dp_row[0] - 1:.0f})" in fsdp_tp and f"('tp', 'all-gather', {dp_row[0] - 1:.0f})" in hsdp
+    )
     assert "Replicate() over dp=2, Shard(dim=0) over tp=2" in hsdp
     assert "q's output on a rank (4, 16, 32); params held 0.50 P" in hsdp and "('dp', 'all-reduce', 3)" in hsdp
     assert fsdp_tp.split("loss ")[1].split()[0] == hsdp.split("loss ")[1].split()[0]  # both train the same
     # the embedding and output layer plans: layouts, collectives, and the unsharded module's output
-    edge = {line[:34].strip(): line[34:] for line in lines
-            if line.startswith(("embedding, ", "  same, output along", "output layer, "))}
-    assert re.search(r"\(128, 32\) Shard\(dim=0\)\s+\(4, 16, 32\) Tensor\s+all-reduce 1 8192", edge["embedding, vocabulary-split"])
+    edge = {
+        line[:34].strip(): line[34:]
+        for line in lines
+        if line.startswith(("embedding, ", "  same, output along", "output layer, "))
+    }
+    assert re.search(
+        r"\(128, 32\) Shard\(dim=0\)\s+\(4, 16, 32\) Tensor\s+all-reduce 1 8192", edge["embedding, vocabulary-split"]
+    )
     assert re.search(r"\(4, 8, 32\) Tensor\s+reduce-scatter 1 8192", edge["same, output along the sequence"])
     assert re.search(r"\(256, 16\) Shard\(dim=1\)\s+\(4, 16, 16\) Tensor\s+none", edge["embedding, dimension-split"])
     assert re.search(r"\(4, 16, 256\) Tensor\s+all-gather 1 65536", edge["output layer, logits gathered"])
@@ -404,9 +550,18 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert len(edge) == 5 and all(float(row.split()[-1]) < 1e-6 for row in edge.values())
     # loss parallel: a quarter of the logits per rank, never gathered; one process's loss and gradients
     one_loss = numbers("one process on the global batch: loss")[0]
-    plans = {name: numbers(name) for name in ("TP alone, this page's plan", "TP alone, logits gathered",
-                                              "TP alone, loss parallel", "FSDP x TP, loss parallel")}
-    page, gathered, parallel, with_fsdp = plans.values()  # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
+    plans = {
+        name: numbers(name)
+        for name in (
+            "TP alone, this page's plan",
+            "TP alone, logits gathered",
+            "TP alone, loss parallel",
+            "FSDP x TP, loss parallel",
+        )
+    }
+    page, gathered, parallel, with_fsdp = (
+        plans.values()
+    )  # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
     assert page[:2] == gathered[:2] == [131072, 131072] and parallel[:2] == [32768, 131072]
     assert with_fsdp[:2] == [32768, 65536]
     assert gathered[2:4] == [page[2] + 1, page[3] + 131072] and parallel[2:4] == page[2:4]  # no logits all-gather
@@ -416,22 +571,48 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
         assert abs(row[-2] - one_loss) < 2e-6 and row[-1] < 1e-6
     assert text.count("(untied by the plans, tied again: True)") == 3
     # the figures the prose quotes, glued from the tables these assertions read
-    assert _glued(executed["tensor_parallel"]).keys() >= {"tp_fsdp_moved", "tp_fsdp_gathered", "tp_alone_gathers",
-        "tp_alone_scatters", "tp_alone_reduces", "tp_alone_held", "tp_2d_gathers", "tp_2d_gathered", "tp_2d_held",
-        "tp_2d_norm_reduces", "tp_2d_norm_reduced", "tp_nosp_reduces", "tp_nosp_reduced", "tp_saved_sp",
-        "tp_saved_nosp", "tp_partial_miss", "tp_grad_largest", "tp_partial_params", "tp_partial_step_reduces",
-        "tp_partial_once_reduces", "tp_trap_gathers", "tp_emb_reduce_bytes", "tp_logits_gather_bytes",
-        "tp_logits_bytes", "tp_extra_gather_bytes", "tp_hidden_reduce_bytes", "tp_lp_reduce_bytes"}
+    assert _glued(executed["tensor_parallel"]).keys() >= {
+        "tp_fsdp_moved",
+        "tp_fsdp_gathered",
+        "tp_alone_gathers",
+        "tp_alone_scatters",
+        "tp_alone_reduces",
+        "tp_alone_held",
+        "tp_2d_gathers",
+        "tp_2d_gathered",
+        "tp_2d_held",
+        "tp_2d_norm_reduces",
+        "tp_2d_norm_reduced",
+        "tp_nosp_reduces",
+        "tp_nosp_reduced",
+        "tp_saved_sp",
+        "tp_saved_nosp",
+        "tp_partial_miss",
+        "tp_grad_largest",
+        "tp_partial_params",
+        "tp_partial_step_reduces",
+        "tp_partial_once_reduces",
+        "tp_trap_gathers",
+        "tp_emb_reduce_bytes",
+        "tp_logits_gather_bytes",
+        "tp_logits_bytes",
+        "tp_extra_gather_bytes",
+        "tp_hidden_reduce_bytes",
+        "tp_lp_reduce_bytes",
+    }
     # GQA: heads and KV heads must each divide by the TP degree
     gqa = {tuple(line.split()[:2]): line for line in lines if re.match(r"\s+\d+\s+\d+\s+\(", line)}
     assert "runs; output vs unsharded" in gqa[("4", "2")] and "runs; output vs unsharded" in gqa[("6", "2")]
     assert all(float(gqa[h].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
     assert "(4, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64" in gqa[("4", "1")]
     assert "(12, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid" in gqa[("6", "3")]
-    assert ("clip_grad_norm_ on every parameter: RuntimeError: All operands in aten.stack.default must have the same "
-            "mesh") in text
-    assert ("clip_grads_with_norm_ on every parameter: RuntimeError: Cannot run aten.mul.Tensor on inputs with "
-            "different meshes") in text
+    assert (
+        "clip_grad_norm_ on every parameter: RuntimeError: All operands in aten.stack.default must have the same mesh"
+    ) in text
+    assert (
+        "clip_grads_with_norm_ on every parameter: RuntimeError: Cannot run aten.mul.Tensor on inputs with "
+        "different meshes"
+    ) in text
     one_norm, total = numbers("one process total norm")
     assert abs(one_norm - total) < 1e-6 and numbers("clipped gradients vs one process's")[0] < 1e-7
     # TP alone: plain tensors next to DTensors fail in clipping and foreach AdamW, run under implicit_replication
@@ -443,7 +624,10 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert abs(implicit_norm - one_norm) < 1e-6 and implicit_one_norm == one_norm and implicit_difference < 1e-4
     assert "exported file into a plain GPT: <All keys matched successfully>" in text
     assert "step 2; 1D parameters equal the 2D ones exactly: True" in text
-    assert "AdamW's first moments equal exactly: True" in text and "exported file equals the 2D parameters exactly: True" in text
+    assert (
+        "AdamW's first moments equal exactly: True" in text
+        and "exported file equals the 2D parameters exactly: True" in text
+    )
     assert "the 2D run's own export equals them exactly: True" in text
 
 
@@ -452,12 +636,19 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     lines = text.splitlines()
     backend = text.split("backend: ")[1].split()[0]
     assert backend in ("inductor", "aot_eager")
-    rows = {line[:32].strip(): line[32:].split() for line in lines
-            if line.startswith(("eager ", "each block, after", "each block, before", "whole model "))}
+    rows = {
+        line[:32].strip(): line[32:].split()
+        for line in lines
+        if line.startswith(("eager ", "each block, after", "each block, before", "whole model "))
+    }
     eager_losses = rows["eager"][:3]
     assert rows["eager"][-1] == "0"  # nothing compiled ran
     for where in ("each block, after fully_shard", "each block, before fully_shard", "whole model"):
-        losses, difference, graphs, linears, collectives, runs = rows[where][:3], float(rows[where][3]), *rows[where][4:]
+        losses, difference, graphs, linears, collectives, runs = (
+            rows[where][:3],
+            float(rows[where][3]),
+            *rows[where][4:],
+        )
         assert (graphs, linears) == ("1", "[6]")  # one graph, a block's, shared by both blocks
         assert runs == "2"  # the profiled step ran the compiled graph, once per block
         assert collectives == rows["eager"][-2]  # FSDP's all-gathers + reduce-scatters unchanged
@@ -468,20 +659,39 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     assert "fullgraph=True, whole model  -> Unsupported: Attempted to call function marked as skipped" in text
     # a dispatch mode makes dynamo run the frame eagerly, then and afterwards, until reset()
     runs = {line[:36].strip(): line.split()[-1] for line in lines if "compiled block graph ran" in line}
-    assert runs == {"a step": "2x", "a step under a TorchDispatchMode": "0x", "a step after it": "0x",
-                    "a step after torch._dynamo.reset()": "2x"}
+    assert runs == {
+        "a step": "2x",
+        "a step under a TorchDispatchMode": "0x",
+        "a step after it": "0x",
+        "a step after torch._dynamo.reset()": "2x",
+    }
     assert "torch.compile(block): blocks.0._orig_mod.ln_1.weight" in text
     assert "block.compile():      blocks.0.ln_1.weight" in text
     assert "graph breaks, by reason: ['Call to `torch._dynamo.graph_break()`']" in text  # the optimizer's own
     # the wrapped block's checkpoint, loaded into an eager block: torch's own message names both sets of keys
-    assert re.search(r'Missing key\(s\) in state_dict: "ln_1.weight".*\n\s*Unexpected key\(s\) in state_dict: '
-                     r'"_orig_mod.ln_1.weight"', text)
+    assert re.search(
+        r'Missing key\(s\) in state_dict: "ln_1.weight".*\n\s*Unexpected key\(s\) in state_dict: '
+        r'"_orig_mod.ln_1.weight"',
+        text,
+    )
     graphs = {line[:30].strip(): int(line[30:].split()[0]) for line in lines if line.endswith("graph(s)")}
-    assert graphs == {"train step 1": 1, "train step 2": 1, "model.eval(), a forward": 1,
-                      "model.eval() under no_grad": 2, "model.train(), a step": 2, "reshard_after_forward=False": 2,
-                      "a step on 16 tokens": 3, "a step on 24 tokens": 3, "a step on 8 tokens": 3}
+    assert graphs == {
+        "train step 1": 1,
+        "train step 2": 1,
+        "model.eval(), a forward": 1,
+        "model.eval() under no_grad": 2,
+        "model.train(), a step": 2,
+        "reshard_after_forward=False": 2,
+        "a step on 16 tokens": 3,
+        "a step on 24 tokens": 3,
+        "a step on 8 tokens": 3,
+    }
     # the two remedies, run: neither has fewer graphs than none at the end; none recompiles once, then reuses
-    remedies = {line.split()[0]: [int(n) for n in re.findall(r"\d+", line.split("tokens: ")[1])] for line in lines if "graphs after steps on 32" in line}
+    remedies = {
+        line.split()[0]: [int(n) for n in re.findall(r"\d+", line.split("tokens: ")[1])]
+        for line in lines
+        if "graphs after steps on 32" in line
+    }
     assert remedies["none"] == [1, 2, 2, 2]
     assert remedies["dynamic=True"][-1] >= remedies["none"][-1] and remedies["mark_dynamic"] == remedies["none"]
     # TORCH_LOGS: the break at FSDP's disable wrapper, the root's frame skipped; the recompile's guard
@@ -491,11 +701,17 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     assert "tensor 'x' size mismatch at index 1. expected 32, actual 16" in text
     explained = text.split("torch._dynamo.explain(model): ")[1].splitlines()[0]
     assert "'graphs': 1, 'graph breaks': 0, 'break reasons': 0" in explained and "'linears per graph': [6]" in explained
-    orders = {line[:26].strip(): line[26:].split() for line in lines
-              if line.startswith(("no checkpointing", "checkpointing, eager", "checkpoint, then", "compile, then"))}
+    orders = {
+        line[:26].strip(): line[26:].split()
+        for line in lines
+        if line.startswith(("no checkpointing", "checkpointing, eager", "checkpoint, then", "compile, then"))
+    }
     saved = {order: float(row[2]) for order, row in orders.items()}
     assert all(float(row[3]) == 0.0 for row in orders.values())  # checkpointing changes no number
-    assert orders["checkpoint, then compile"][:2] == ["1", "[0]"] and orders["compile, then checkpoint"][:2] == ["1", "[6]"]
+    assert orders["checkpoint, then compile"][:2] == ["1", "[0]"] and orders["compile, then checkpoint"][:2] == [
+        "1",
+        "[6]",
+    ]
     assert saved["checkpointing, eager"] == saved["compile, then checkpoint"] < saved["checkpoint, then compile"]
     assert saved["checkpoint, then compile"] < saved["no checkpointing, eager"] / 2
     rng_kib = float(text.split("the CPU generator's state: ")[1].split()[0])
@@ -506,17 +722,38 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     assert abs(float(glued["compile_ac_extra_kib"]) - 2 * rng_kib) < 1.0
     # ... and the saved tensors show it: two uint8 tensors of the generator state's size, in the compiled order only
     state_bytes = int(text.split("a uint8 tensor of ")[1].split()[0])
-    kinds = {order: line.split(f"saved for backward, {order}: ")[1] for line in lines
-             for order in ("checkpointing, eager", "checkpoint, then compile") if f"saved for backward, {order}: " in line}
-    assert f"2 x uint8 [{state_bytes}]" in kinds["checkpoint, then compile"] and "uint8" not in kinds["checkpointing, eager"]
+    kinds = {
+        order: line.split(f"saved for backward, {order}: ")[1]
+        for line in lines
+        for order in ("checkpointing, eager", "checkpoint, then compile")
+        if f"saved for backward, {order}: " in line
+    }
+    assert (
+        f"2 x uint8 [{state_bytes}]" in kinds["checkpoint, then compile"]
+        and "uint8" not in kinds["checkpointing, eager"]
+    )
     # compiled autograd: the root's final callback and its reduce-scatter never happen
-    ca = {line[:34].strip(): line[34:].split() for line in lines if line.startswith((
-        "all-gathers", "reduce-scatters", "root's final callback", "compiled autograd graphs", "graph breaks ",
-        "sharded parameters with a grad", "left unsharded after backward"))}
+    ca = {
+        line[:34].strip(): line[34:].split()
+        for line in lines
+        if line.startswith(
+            (
+                "all-gathers",
+                "reduce-scatters",
+                "root's final callback",
+                "compiled autograd graphs",
+                "graph breaks ",
+                "sharded parameters with a grad",
+                "left unsharded after backward",
+            )
+        )
+    }
     assert ca["all-gathers"][0] == ca["all-gathers"][1]
     assert int(ca["reduce-scatters"][1]) == int(ca["reduce-scatters"][0]) - 1
     assert ca["root's final callback"] == ["1", "0"]
-    assert int(ca["compiled autograd graphs"][1]) > 1 and ca["graph breaks"][0] == "0" and int(ca["graph breaks"][1]) > 0
+    assert (
+        int(ca["compiled autograd graphs"][1]) > 1 and ca["graph breaks"][0] == "0" and int(ca["graph breaks"][1]) > 0
+    )
     with_grad = ca["sharded parameters with a grad"]
     assert with_grad[0] == with_grad[3].rstrip(")") and int(with_grad[1]) == int(with_grad[0]) - 4
     assert ca["left unsharded after backward"][:2] == ["0", "4"]
@@ -527,7 +764,9 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         assert own > 1e-3 and mean < 1e-7  # this rank's own gradient; the average is eager's
     # the compiled optimizer step: one graph on DTensors, run every step, no collectives, close to eager
     assert "compiled optimizer.step: 1 graph(s), with [14] DTensor inputs, for 14 parameters" in text
-    assert "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text  # the real group's flag: set on GPUs only
+    assert (
+        "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text
+    )  # the real group's flag: set on GPUs only
     # no collective of any kind, counted by a count that sees an all-reduce when one runs
     assert "collectives in the compiled steps: none (around one all-reduce: {'c10d::allreduce_': 1})" in text
     difference = float(text.split("parameters after 3 steps vs eager AdamW: max |difference| ")[1].split()[0])
@@ -542,7 +781,7 @@ def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):
     assert "[rank0] step  0  loss" in text and "[rank1]" not in text
     assert "layers.0.weight    (64, 16)      (32, 16)      (32, 16)" in text
     for api in ("FSDP2", "FSDP1"):
-        line = next(l for l in text.splitlines() if l.startswith(f"{api} on 2 ranks vs 1 process"))
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"{api} on 2 ranks vs 1 process"))
         assert float(line.rsplit("=", 1)[1]) <= 1e-5
 
 
@@ -563,8 +802,11 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(executed):
     assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
     assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
     assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
-    rows = {line.split()[0]: line.split()[-3:] for line in text.splitlines()
-            if line.startswith(("build, then wrap", "wrap as you build", "meta device"))}
+    rows = {
+        line.split()[0]: line.split()[-3:]
+        for line in text.splitlines()
+        if line.startswith(("build, then wrap", "wrap as you build", "meta device"))
+    }
     ratios = {name: float(row[1]) for name, row in rows.items()}  # max parameter bytes / building first's
     # The prose quotes building first's share of the model and wrapping as you build's ratio (glued); what it
     # claims of them: building first holds the whole model (100%); wrapping as you build, 15/16 · 1/2 + 1/16 of
@@ -590,8 +832,11 @@ def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
 
 def test_state_attributes_tutorial_shows_the_timelines(executed):
     text = _text_outputs(executed["state_attributes"])
-    lines = {line.split()[0] + " " + line.split()[1]: line.split()[2:] for line in text.splitlines()
-             if line.startswith(("inside forward", "after backward"))}
+    lines = {
+        line.split()[0] + " " + line.split()[1]: line.split()[2:]
+        for line in text.splitlines()
+        if line.startswith(("inside forward", "after backward"))
+    }
     assert "_shard_param_infos" in text and "_unpadded_unsharded_size" in text
     assert "rank 1  placements           (Shard(dim=0),)" in text
     assert text.count("inside forward") == 2 and text.count("after optimizer step") == 2
@@ -601,8 +846,10 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     # vector (its _unpadded_unsharded_size), half on each rank; rank 1 holds the rest of 0.weight at the start
     # of its shard, then all of 0.bias; FSDP2's full weight is twice its shard; FSDP1's weight is freed outside
     # forward and backward, its flat parameter a 4-byte-per-number shard outside the computation, the whole inside
-    tables = {(api, int(rank)): {row[0]: row for row in (re.split(r"\s{2,}", line) for line in body.splitlines()[2:])}
-              for api, rank, body in re.findall(r"(FSDP[12]), rank (\d):\n(.*?)\ntotal local bytes", text, re.S)}
+    tables = {
+        (api, int(rank)): {row[0]: row for row in (re.split(r"\s{2,}", line) for line in body.splitlines()[2:])}
+        for api, rank, body in re.findall(r"(FSDP[12]), rank (\d):\n(.*?)\ntotal local bytes", text, re.S)
+    }
 
     def numel(shape):  # "(6, 8)" -> 48
         n = 1
@@ -619,39 +866,74 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     weight, bias = tables[("FSDP1", 1)]["0.weight"], tables[("FSDP1", 1)]["0.bias"]
     on_rank0 = numel(tables[("FSDP1", 0)]["0.weight"][2])
     rest = numel(weight[1]) - on_rank0
-    assert weight[4] == f"elements {on_rank0}:{numel(weight[1])} (flattened)" and weight[3].startswith(f"at [0:{rest}] ")
-    assert bias[4] == f"elements 0:{numel(bias[1])} (flattened)" and bias[3].startswith(f"at [{rest}:{rest + numel(bias[1])}] ")
-    fsdp2, fsdp1 = ({line[:22].strip(): re.split(r"\s{2,}", line[22:].strip()) for line in part.splitlines()
-                     if line.startswith(("before forward ", "inside forward ", "after backward "))}
-                    for part in text.split("weight's bytes", 1))
+    assert weight[4] == f"elements {on_rank0}:{numel(weight[1])} (flattened)" and weight[3].startswith(
+        f"at [0:{rest}] "
+    )
+    assert bias[4] == f"elements 0:{numel(bias[1])} (flattened)" and bias[3].startswith(
+        f"at [{rest}:{rest + numel(bias[1])}] "
+    )
+    fsdp2, fsdp1 = (
+        {
+            line[:22].strip(): re.split(r"\s{2,}", line[22:].strip())
+            for line in part.splitlines()
+            if line.startswith(("before forward ", "inside forward ", "after backward "))
+        }
+        for part in text.split("weight's bytes", 1)
+    )
     assert int(fsdp2["inside forward"][2]) == 4 * numel(weight[1]) == 2 * int(fsdp2["before forward"][2])
     assert fsdp1["before forward"][2] == fsdp1["after backward"][2] == "0"
     assert int(fsdp1["before forward"][3]) == 4 * flat // 2 and int(fsdp1["inside forward"][3]) == 4 * flat
     assert _glued(executed["state_attributes"]).keys() >= {
-        "sa_small_rows_0", "sa_small_rows_1", "sa_large_rows_0", "sa_large_rows_1", "sa_flat_numel", "sa_flat_shard",
-        "sa_r1_weight_elements", "sa_r1_weight_at", "sa_r1_bias_at", "sa_fsdp2_full_bytes", "sa_fsdp2_shard_bytes",
-        "sa_fsdp1_freed_bytes", "sa_fsdp1_shard_bytes", "sa_fsdp1_full_bytes"}
+        "sa_small_rows_0",
+        "sa_small_rows_1",
+        "sa_large_rows_0",
+        "sa_large_rows_1",
+        "sa_flat_numel",
+        "sa_flat_shard",
+        "sa_r1_weight_elements",
+        "sa_r1_weight_at",
+        "sa_r1_bias_at",
+        "sa_fsdp2_full_bytes",
+        "sa_fsdp2_shard_bytes",
+        "sa_fsdp1_freed_bytes",
+        "sa_fsdp1_shard_bytes",
+        "sa_fsdp1_full_bytes",
+    }
 
 
 def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     text = _text_outputs(executed["pitfalls"])
     assert "optimizer built before sharding: losses [1.15356, 1.15356, 1.15356]" in text
-    orders = {line[:30].strip(): line[30:] for line in text.splitlines()
-              if line.startswith(("optimizer, then forward", "forward, then optimizer", "forward, reshard()"))}
+    orders = {
+        line[:30].strip(): line[30:]
+        for line in text.splitlines()
+        if line.startswith(("optimizer, then forward", "forward, then optimizer", "forward, reshard()"))
+    }
     assert orders["forward, then optimizer"] == " the optimizer holds ['Parameter']; losses [1.15356, 1.15356, 1.15356]"
     assert orders["optimizer, then forward"] == orders["forward, reshard(), optimizer"]  # the shards, and it trains
-    assert "['DTensor']" in orders["optimizer, then forward"] and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
-    strategy = {line[:18].strip(): line[18:] for line in text.splitlines()
-                if line.startswith(("on the DTensor", "to_local()", "register_sharding "))}
-    assert ("ranks [0, 1] raised NotImplementedError: Operator aten.renorm.default does not have a sharding strategy"
-            in strategy["on the DTensor"])
+    assert (
+        "['DTensor']" in orders["optimizer, then forward"]
+        and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
+    )
+    strategy = {
+        line[:18].strip(): line[18:]
+        for line in text.splitlines()
+        if line.startswith(("on the DTensor", "to_local()", "register_sharding "))
+    }
+    assert (
+        "ranks [0, 1] raised NotImplementedError: Operator aten.renorm.default does not have a sharding strategy"
+        in strategy["on the DTensor"]
+    )
     for way in ("to_local()", "register_sharding"):
         assert "largest row norm 0.500" in strategy[way] and float(strategy[way].rsplit("=", 1)[1]) < 1e-6
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
     assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text
-    rows = {tuple(line.split()[:2]): line.split(maxsplit=2)[2] for line in text.splitlines()
-            if line.startswith(("AdamW ", "Adafactor ", "Muon "))}
+    rows = {
+        tuple(line.split()[:2]): line.split(maxsplit=2)[2]
+        for line in text.splitlines()
+        if line.startswith(("AdamW ", "Adafactor ", "Muon "))
+    }
     assert rows[("AdamW", "FSDP2")] == rows[("AdamW", "FSDP1")] == "0.0e+00"  # pointwise: exactly DDP
     assert rows[("Adafactor", "FSDP2")].startswith("RuntimeError") and float(rows[("Adafactor", "FSDP1")]) > 1e-3
     # reentrant checkpointing on an input that needs no grad: no graph; the non-reentrant one trains
@@ -659,11 +941,18 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert "UserWarning: None of the inputs have requires_grad=True" in reentrant[0]
     assert "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn" in reentrant[0]
     assert reentrant[1].lstrip().startswith("trained: 6 gradients")
-    assert float(rows[("Muon", "FSDP2")]) > 1e-4 and rows[("Muon", "FSDP1")].startswith("ValueError: Muon only supports 2D")
-    in_float32 = float(next(l for l in text.splitlines() if l.startswith("Muon, FSDP2, iterating in float32")).split()[-1])
+    assert float(rows[("Muon", "FSDP2")]) > 1e-4 and rows[("Muon", "FSDP1")].startswith(
+        "ValueError: Muon only supports 2D"
+    )
+    in_float32 = float(
+        next(ln for ln in text.splitlines() if ln.startswith("Muon, FSDP2, iterating in float32")).split()[-1]
+    )
     assert in_float32 < 1e-6  # the Muon difference is bfloat16 rounding, nothing else
-    gathers = {tuple(line.split()[:3]): line.split()[-3:] for line in text.splitlines()
-               if line.startswith(("FSDP1 ", "FSDP2 ")) and line.split()[2] in ("inside", "around", "whole-model")}
+    gathers = {
+        tuple(line.split()[:3]): line.split()[-3:]
+        for line in text.splitlines()
+        if line.startswith(("FSDP1 ", "FSDP2 ")) and line.split()[2] in ("inside", "around", "whole-model")
+    }
     assert len(gathers) == 12  # 2 APIs x 2 checkpoint implementations x 3 placements
     # The prose quotes the counts (glued); what it claims of them: reentrant checkpointing around each FSDP1
     # unit gathers every unit a second time, half as much again; around the whole model FSDP1 gathers more
@@ -673,8 +962,12 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert count[("FSDP1", "no_reentrant", "whole-model")] > count[("FSDP1", "no_reentrant", "inside")]
     assert len({n for (api, _, _), n in count.items() if api == "FSDP2"}) == 1
     assert all(count[(api, impl, "inside")] <= n for (api, impl, _), n in count.items())
-    assert _glued(executed["pitfalls"]).keys() >= {"fsdp1_reentrant_around", "fsdp1_reentrant_inside",
-                                                   "fsdp1_whole_model", "fsdp2_all_gathers"}
+    assert _glued(executed["pitfalls"]).keys() >= {
+        "fsdp1_reentrant_around",
+        "fsdp1_reentrant_inside",
+        "fsdp1_whole_model",
+        "fsdp2_all_gathers",
+    }
     assert all(float(g[2]) < 1e-6 for g in gathers.values())  # every arrangement trains correctly
 
 
@@ -682,7 +975,9 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(execu
     text = _text_outputs(executed["fsdp_config"])
     assert text.count("[rank0] fsdp_config -> ") == 2 and "[rank1]" not in text
     assert "[rank0]     blocks.0                 Sequential            1,056  checkpoint" in text
-    rows = {tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))}
+    rows = {
+        tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))
+    }
     for api in ("fsdp2", "fsdp1"):  # stored share, all-gathers, reduce-scatters, all-reduces, loss difference
         # the prose quotes FULL_SHARD's all-gathers (glued) and claims two per unit but the root's one
         share, gathers, scatters, reduces = rows[(api, "FULL_SHARD")][:4]
@@ -723,21 +1018,33 @@ def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
     policies = dict(re.findall(r"((?:CPU)?OffloadPolicy\([^)]*\)):\n+((?:    .*\n)+)", text))
     for policy in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)"):
         rows = dict((line[4:26].strip(), line[26:].strip()) for line in policies[policy].splitlines())
-        assert {rows[k] for k in ("batch", "gathered for forward", "parameter shards", "gradients",
-                                  "optimizer state")} == {"cpu"}  # CPU ranks: nothing to offload from
-    measured = [re.search(r"measure\s+(.*)", policies[p])[1] for p in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)")]
+        assert {
+            rows[k] for k in ("batch", "gathered for forward", "parameter shards", "gradients", "optimizer state")
+        } == {"cpu"}  # CPU ranks: nothing to offload from
+    measured = [
+        re.search(r"measure\s+(.*)", policies[p])[1] for p in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)")
+    ]
     assert measured[0] == measured[1]
-    assert "fully_shard            RuntimeError: Cannot access accelerator device" in policies["CPUOffloadPolicy(pin_memory=True)"]
+    assert (
+        "fully_shard            RuntimeError: Cannot access accelerator device"
+        in policies["CPUOffloadPolicy(pin_memory=True)"]
+    )
 
 
 def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     text = _text_outputs(executed["memory"])
-    totals = {line.split()[0]: line.split()[-1] for line in text.splitlines()
-              if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line}
+    totals = {
+        line.split()[0]: line.split()[-1]
+        for line in text.splitlines()
+        if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line
+    }
     # the prose quotes the totals (glued) and claims them the paper's numbers: ZeRO's Figure 1, constants from the paper
     assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
-    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD"))
-            and len(line.split()) == 7]
+    rows = [
+        line.split()
+        for line in text.splitlines()
+        if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD")) and len(line.split()) == 7
+    ]
     assert len(rows) == 10  # DDP, NO_SHARD x 2 APIs, FULL_SHARD x 2 APIs; on 2 and 4 ranks
     assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
     params = {}  # (ranks, strategy, api) -> measured / estimated parameters; "in step": SHARD_GRAD_OP in the step
@@ -752,26 +1059,42 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     padding = params[(4, "FULL_SHARD", "fsdp2")]
     assert padding > 1 and params[(2, "FULL_SHARD", "fsdp2")] == params[(2, "NO_SHARD", "fsdp2")] == 1
     assert 1 < params[(4, "FULL_SHARD", "fsdp1")] < padding
-    assert all(round(params[(ranks, "in_step", api)], 2) == 1 + 1 / ranks for ranks in (2, 4) for api in ("fsdp2", "fsdp1")
-               if (ranks, api) != (4, "fsdp2"))
+    assert all(
+        round(params[(ranks, "in_step", api)], 2) == 1 + 1 / ranks
+        for ranks in (2, 4)
+        for api in ("fsdp2", "fsdp1")
+        if (ranks, api) != (4, "fsdp2")
+    )
     assert params[(4, "in_step", "fsdp2")] == pytest.approx((1 + 1 / 4) * padding, abs=2e-4)
     assert params[(4, "in_step", "fsdp2")] > params[(4, "in_step", "fsdp1")]
-    assert _glued(executed["memory"]).keys() >= {"mem_zero_ddp", "mem_zero_stage2", "mem_zero_stage3", "mem_fsdp2_padding",
-                                                 "mem_fsdp1_padding", "mem_in_step_2", "mem_in_step_4", "mem_in_step_4_fsdp2"}
+    assert _glued(executed["memory"]).keys() >= {
+        "mem_zero_ddp",
+        "mem_zero_stage2",
+        "mem_zero_stage3",
+        "mem_fsdp2_padding",
+        "mem_fsdp1_padding",
+        "mem_in_step_2",
+        "mem_in_step_4",
+        "mem_in_step_4_fsdp2",
+    }
 
 
 def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     text = _text_outputs(executed["fp8"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
-    last = [float(v) for v in next(l for l in text.splitlines() if l.startswith("last  ")).split()[1:]]
+    last = [float(v) for v in next(ln for ln in text.splitlines() if ln.startswith("last  ")).split()[1:]]
     assert len(last) == 4 and max(last) <= 1.01 * min(last)  # the prose's "the last losses within 1%"
-    gathered = {tuple(l.split()[:2]): l.split() for l in text.splitlines() if " all-gather " in l}
+    gathered = {tuple(ln.split()[:2]): ln.split() for ln in text.splitlines() if " all-gather " in ln}
     assert gathered[("fp32", "forward")][-2:] == ["3", "196608"]
     assert gathered[("bf16", "forward")][-3:] == ["bfloat16", "3", "98304"]
     assert gathered[("fp8", "forward")][-3:] == ["uint8", "3", "49152"]  # one byte per element, as uint8 on gloo
-    memory = {l.split()[0]: [int(v) for v in l.split()[1:]] for l in text.splitlines()
-              if l.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"]) and len(l.split()) == 6
-              and all(v.isdigit() for v in l.split()[1:])}
+    memory = {
+        ln.split()[0]: [int(v) for v in ln.split()[1:]]
+        for ln in text.splitlines()
+        if ln.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"])
+        and len(ln.split()) == 6
+        and all(v.isdigit() for v in ln.split()[1:])
+    }
     assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
     assert memory["fp32"][0] == 4 * (3 * 128 * 128) // 2  # the prose's "per rank, 4 bytes each" (it glues the counts)
     saved, held = {mode: v[3] for mode, v in memory.items()}, {mode: v[4] for mode, v in memory.items()}
@@ -779,37 +1102,62 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     assert held["fp8"] > held["bf16"]  # "FP8 used more memory than BF16": float32 activations
     assert 0 < held["fp8"] - held["fp32"] < 64 and 0 < held["fp8+bf16"] - held["bf16"] < 64  # + the scales
     assert saved["fp8+bf16"] < saved["bf16"]  # float8 weights are smaller when saved, then freed
-    setups = {line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))}
+    setups = {
+        line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))
+    }
     per_param = {name: int(v[4]) for name, v in setups.items()}
-    assert per_param == {"bf16, AdamW": 16, "fp8, master-weight AdamW": 20,  # FSDP's fp32 shard + the optimizer's
-                         "fp8, AdamW": 16, "fp8, bf16 stored, master AdamW": 16}  # one fp32 copy, either way
+    assert per_param == {
+        "bf16, AdamW": 16,
+        "fp8, master-weight AdamW": 20,  # FSDP's fp32 shard + the optimizer's
+        "fp8, AdamW": 16,
+        "fp8, bf16 stored, master AdamW": 16,
+    }  # one fp32 copy, either way
     assert {v[5] for v in setups.values()} == {"1.0000"}  # measured exactly as estimated
     assert "measured - estimated, bytes, each set-up: [0, 0, 0, 0]" in text  # "exactly"
-    assert _glued(executed["fp8"]).keys() >= {"fp8_fp32_gathered", "fp8_params", "fp8_rank_params",
-                                               "fp8_master_bytes", "fp8_bf16_bytes", "fp8_master_ratio"}
+    assert _glued(executed["fp8"]).keys() >= {
+        "fp8_fp32_gathered",
+        "fp8_params",
+        "fp8_rank_params",
+        "fp8_master_bytes",
+        "fp8_bf16_bytes",
+        "fp8_master_ratio",
+    }
     assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
     assert "{'c10d_functional.all_reduce': 1}" in text
-    accumulation = {l.split("relative difference")[0].strip(): float(l.split()[-1]) for l in text.splitlines()
-                    if "relative difference" in l}
+    accumulation = {
+        ln.split("relative difference")[0].strip(): float(ln.split()[-1])
+        for ln in text.splitlines()
+        if "relative difference" in ln
+    }
     assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
     assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
-    counts = re.findall(r"micro-batch(?:es)?: (\d+)", next(l for l in text.splitlines() if "reduce-scatters in" in l))
+    counts = re.findall(
+        r"micro-batch(?:es)?: (\d+)", next(ln for ln in text.splitlines() if "reduce-scatters in" in ln)
+    )
     assert len(counts) == 4 and len(set(counts)) == 1  # reduced once per step, however many micro-batches
 
 
 def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     text = _text_outputs(executed["mixed_precision"])
-    rows = {line[:22].strip(): line[22:].split() for line in text.splitlines() if line[:22].strip() in (
-        "no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")}
+    rows = {
+        line[:22].strip(): line[22:].split()
+        for line in text.splitlines()
+        if line[:22].strip()
+        in ("no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")
+    }
     # all-gather, forward weight, matmul, softmax, loss, grad matmul, stored grad, reduce
     assert rows["no mixed precision"] == ["float32"] * 8
     assert rows["autocast bf16 only"][:3] == ["float32", "float32", "bfloat16"]  # fp32 weights, cast per matmul
     assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 6 + ["float32"] * 2
     assert rows["FSDP + autocast bf16"][4] == "float32"  # the contrast: autocast runs the loss in float32
     assert "torch.autocast('cuda') without dtype= computes in torch.float16" in text
-    runs = {line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line}
+    runs = {
+        line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line
+    }
     assert runs["fp16, no scaler"][0] == runs["fp16, no scaler"][1] and runs["fp16, no scaler"][2] == "100%"
-    assert float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
+    assert (
+        float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
+    )
     assert runs["FSDP1 fp16, no scaler"][2] == "100%" and runs["FSDP1 fp16, ShardedGradScaler"][2] == "0%"
     # only rank 0's shard overflowed, and both ranks skipped the step (the found-inf flag is reduced)
     assert "rank 0: its own gradient shards finite: False; step skipped: True, scale 1 -> 0.5" in text
@@ -817,7 +1165,9 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
     assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
     assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"
-    refused = boundary["body bf16, output_dtype=float32, cast_forward_inputs=False"]  # the float32 input reached the bf16 body
+    refused = boundary[
+        "body bf16, output_dtype=float32, cast_forward_inputs=False"
+    ]  # the float32 input reached the bf16 body
     assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
 
 
@@ -831,8 +1181,12 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert "straight == stopped and resumed, all 40 losses bit for bit: True" in text
     assert "LaunchError: rank 1" in text and "left on disk: ['.partial-step-00000040', 'step-00000020']" in text
     assert "steps 21-40 after the crash equal the straight run: True" in text
-    stalls = {how: [float(ms) for ms in line[28:].split()] for line in text.splitlines()
-              for how in ("slow storage, synchronous", "slow storage, asynchronous") if line.startswith(how)}
+    stalls = {
+        how: [float(ms) for ms in line[28:].split()]
+        for line in text.splitlines()
+        for how in ("slow storage, synchronous", "slow storage, asynchronous")
+        if line.startswith(how)
+    }
     assert all(ms > 500 for ms in stalls["slow storage, synchronous"])  # the half-second write, waited for
     # step 20's write went on while training did: the asynchronous save's writes ran off the training
     # thread, the synchronous one's on it (what the stall's difference shows, whatever the machine's load)
@@ -842,7 +1196,7 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert "losses equal the straight run: True" in text
     assert "published, by every run: [('step-00000020', 'step-00000040')]" in text
     for world_size in (4, 1):
-        line = next(l for l in text.splitlines() if l.startswith(f"saved on 2, resumed on {world_size}:"))
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"saved on 2, resumed on {world_size}:"))
         assert float(line.rsplit("=", 1)[1]) < 1e-4
     assert "same losses as the notebook: True" in text
     ways = dict(re.findall(r"^(load_state_dict\(.+\)|dcp\.load .+|set_model_state_dict\(.+\)):\n    (.+)$", text, re.M))
@@ -850,13 +1204,17 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert ways["load_state_dict(full state dict)"].startswith("RuntimeError: Error(s) in loading state_dict")
     assert "size mismatch for 0.weight: copying a param with shape torch.Size([4, 8])" in text  # one rank's rows
     assert ways["dcp.load into the model with a head added"] == (
-        "RuntimeError: Missing key in checkpoint state_dict: model.score.weight.")
+        "RuntimeError: Missing key in checkpoint state_dict: model.score.weight."
+    )
     assert ways["dcp.load into a wider model"].startswith("ValueError: Size mismatch between saved torch.Size([8, 8])")
     assert ways["set_model_state_dict(full state dict)"] == ways["dcp.load into the same model"] == "loaded"
     # MFU: the recipe says why not on a CPU; torchtitan's published run, the right way and three wrong ones
     assert "MFU not computed: on cpu, which has no dense bf16 peak" in text or "(fsdp_guide.mfu)" in text  # on a GPU
-    ways = {line[:42].strip(): float(line.rsplit("MFU", 1)[1].strip(" %")) for line in text.splitlines()
-            if line.startswith(("right: ", "the sparse peak", "a rank's shard", "6N alone"))}
+    ways = {
+        line[:42].strip(): float(line.rsplit("MFU", 1)[1].strip(" %"))
+        for line in text.splitlines()
+        if line.startswith(("right: ", "the sparse peak", "a rank's shard", "6N alone"))
+    }
     right = ways["right: whole model, attention, dense peak"]
     assert 33 <= right < 34  # torchtitan's "33% to 39%": its slowest run, the lower end (the prose glues it)
     assert ways["the sparse peak the datasheet headlines"] == pytest.approx(right / 2, abs=0.1)
@@ -870,7 +1228,7 @@ def test_cluster_page_runs_hsdp_on_a_2x2_mesh(executed):
     assert "   3  [2, 3]       [1, 3]           (Replicate(), Shard(dim=0))" in text
     assert "{'_allgather_base_': 4, '_reduce_scatter_base_': 2, 'allreduce_': 2}" in text
     assert _glued(executed["cluster"]).keys() >= {"hsdp_all_gathers", "hsdp_reduce_scatters", "hsdp_all_reduces"}
-    line = next(l for l in text.splitlines() if l.startswith("HSDP on a 2 x 2 mesh vs one process"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("HSDP on a 2 x 2 mesh vs one process"))
     assert float(line.rsplit("=", 1)[1]) < 1e-6
     script = next(c.source for c in executed["cluster"].cells if "#SBATCH" in c.source)
     assert "\n#!/bin/bash\n#SBATCH --job-name=fsdp-llm\n" in script  # the shebang sbatch needs, as written
@@ -885,11 +1243,11 @@ def test_cluster_page_reproduces_the_messages_a_launch_fails_with(executed):
     assert said["rank 1 never comes"].endswith("1/2 clients joined.")
     assert "while trying to connect to (127.0.0.1, 29502)" in said["no store at MASTER_ADDR:MASTER_PORT"]
     # torchrun: the box names rank 1, killed, as the root cause; rank 0's error is the consequence
-    box = text[text.index("ChildFailedError"):]
-    root = box[box.index("Root Cause"):]
+    box = text[text.index("ChildFailedError") :]
+    root = box[box.index("Root Cause") :]
     assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : -9" in root and "Signal 9 (SIGKILL)" in root
     # rank 0's error, when it noticed before torchrun stopped it, is gloo's word that its peer went away
-    before = text[text.index("torch 2."):text.index("ChildFailedError")].splitlines()
+    before = text[text.index("torch 2.") : text.index("ChildFailedError")].splitlines()
     assert all("by peer" in line for line in before if line.startswith("[rank0]:"))
     assert not any(line.startswith("[rank1]:") for line in before)  # a killed rank writes nothing
     assert "torchrun's exit status: 1" in text
@@ -902,32 +1260,44 @@ def test_cluster_page_reproduces_the_messages_a_launch_fails_with(executed):
 
 def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_over(executed):
     text = _text_outputs(executed["migration"])
-    line = next(l for l in text.splitlines() if l.startswith("max |FSDP1 - FSDP2| over"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("max |FSDP1 - FSDP2| over"))
     assert float(line.rsplit(":", 1)[1]) < 1e-5
-    carried = {l.split("checkpoint, ")[1].split(":")[0].strip(): float(l.rsplit("=", 1)[1])
-               for l in text.splitlines() if "FSDP2 from FSDP1's checkpoint" in l}
+    carried = {
+        ln.split("checkpoint, ")[1].split(":")[0].strip(): float(ln.rsplit("=", 1)[1])
+        for ln in text.splitlines()
+        if "FSDP2 from FSDP1's checkpoint" in ln
+    }
     assert carried["model and optimizer"] < 1e-5  # FSDP2 continues exactly where FSDP1 would have
     assert carried["model only"] > 1e-3  # without AdamW's state, it does not
     # FSDP1's messages, each with its FSDP1 fix running; FSDP2 takes the frozen block and the uint8 parameter
     fixed = re.findall(r"^(.+):\n    (.+)\n  with (.+?): (.+)$", text, re.M)
     assert {(mistake, message.split(":")[0], after) for mistake, message, _, after in fixed} >= {
-        ("a bfloat16 block in the unit", "ValueError", "ok"), ("a frozen block in the unit", "ValueError", "ok"),
-        ("a uint8 parameter first", "ValueError", "ok"), ("clip_grad_norm_ on an inner unit", "RuntimeError", "ok"),
-        ("no device_id on a CPU-only machine", "RuntimeError", "ok")}
+        ("a bfloat16 block in the unit", "ValueError", "ok"),
+        ("a frozen block in the unit", "ValueError", "ok"),
+        ("a uint8 parameter first", "ValueError", "ok"),
+        ("clip_grad_norm_ on an inner unit", "RuntimeError", "ok"),
+        ("no device_id on a CPU-only machine", "RuntimeError", "ok"),
+    }
     assert "FSDP2: a frozen block and a uint8 parameter in one unit, a step:\n    ok" in text
     assert "UserWarning: FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.FULL_SHARD" in text
 
 
 def test_communication_tutorial_measures_the_wire_the_step_and_the_order(executed):
     text = _text_outputs(executed["communication"])
-    wire = {(int(l.split()[0]), l.split()[1]): float(l.split()[2]) for l in text.splitlines()
-            if l.split()[1:2] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]) and l.split()[0].isdigit()}
+    wire = {
+        (int(ln.split()[0]), ln.split()[1]): float(ln.split()[2])
+        for ln in text.splitlines()
+        if ln.split()[1:2] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]) and ln.split()[0].isdigit()
+    }
     for world in (2, 4):
         assert wire[(world, "all-gather")] == pytest.approx(world - 1, rel=0.1)  # the ring optimum
         assert wire[(world, "all-reduce")] == pytest.approx(2 * (world - 1), rel=0.1)
         assert wire[(world, "reduce-scatter")] == pytest.approx(wire[(world, "all-reduce")], rel=0.1)  # gloo's
-    steps = {l.split()[0]: l for l in text.splitlines()
-             if l.startswith(("DDP ", "replicate ", "SHARD_GRAD_OP ", "FULL_SHARD "))}
+    steps = {
+        ln.split()[0]: ln
+        for ln in text.splitlines()
+        if ln.startswith(("DDP ", "replicate ", "SHARD_GRAD_OP ", "FULL_SHARD "))
+    }
     assert "2 all-reduce" in steps["DDP"]  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
     assert "4 all-reduce" in steps["replicate"]  # one per unit
     assert "4 all-gather, 4 reduce-scatter" in steps["SHARD_GRAD_OP"]
@@ -942,9 +1312,16 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
     assert ratio["SHARD_GRAD_OP"] == pytest.approx((gather + scatter) / reduce, rel=0.1)
     assert ratio["FULL_SHARD"] == pytest.approx((2 * gather + scatter) / reduce, rel=0.1)
     assert 1 < ratio["SHARD_GRAD_OP"] < ratio["FULL_SHARD"]
-    assert _glued(executed["communication"]).keys() >= {"ddp_buckets", "shard_grad_op_gathers", "shard_grad_op_scatters",
-                                                        "full_shard_gathers", "shard_grad_op_vs_ddp", "full_shard_vs_ddp",
-                                                        "forwards_kept_first", "forwards_kept_second"}
+    assert _glued(executed["communication"]).keys() >= {
+        "ddp_buckets",
+        "shard_grad_op_gathers",
+        "shard_grad_op_scatters",
+        "full_shard_gathers",
+        "shard_grad_op_vs_ddp",
+        "full_shard_vs_ddp",
+        "forwards_kept_first",
+        "forwards_kept_second",
+    }
     held = {name: [float(x) for x in line.split()[-2:]] for name, line in steps.items()}  # params, grads / P
     assert held["DDP"] == held["replicate"] == [1.0, 1.0]  # the whole model and gradient on each of 2 ranks
     assert held["SHARD_GRAD_OP"] == held["FULL_SHARD"] == [0.5, 0.5]
@@ -967,34 +1344,47 @@ def test_communication_tutorial_takes_over_fsdp2s_collectives(executed):
         pooled = setting.endswith("one buffer per size")
         assert equals == ("[0, 0, 0, 0]" if pooled else "[0, 1, 2, 3]")  # a reused output: every unit's is unit 0's
         assert float(units.rsplit("=", 1)[1]) < 1e-6
-    waits = {l[:48].strip(): l[48:].strip() for l in text.splitlines() if l.startswith(("default (max", "max_input", "set_is_last", "two roots"))}
+    waits = {
+        ln[:48].strip(): ln[48:].strip()
+        for ln in text.splitlines()
+        if ln.startswith(("default (max", "max_input", "set_is_last", "two roots"))
+    }
     assert waits["default (max_input_buffers=1)"] == "waits before units: [2, 1, 0]"
     assert waits["max_input_buffers=2, set before the first step"] == "waits before units: [1, 0]"
     assert waits["max_input_buffers=4, set after the first step"] == "waits before units: [2, 1, 0]"  # read once
     assert waits["set_is_last_backward(False, False, True)"] == (
-        "waits before units, per backward: [[2, 1, 0], [3, 2, 1, 0], [3, 2, 1, 0]]; forwards FSDP keeps after each: [4, 8, 0]")
+        "waits before units, per backward: [[2, 1, 0], [3, 2, 1, 0], [3, 2, 1, 0]]; "
+        "forwards FSDP keeps after each: [4, 8, 0]"
+    )
     assert waits["two roots, each its own context"] == "waits before units: [2, 0]"
     assert waits["two roots, share_comm_ctx"] == "waits before units: [2, 1]"  # unit 1 waits for the other root's
-    hooks = {l.split()[1]: l for l in text.splitlines() if l.startswith("hook: ")}
+    hooks = {ln.split()[1]: ln for ln in text.splitlines() if ln.startswith("hook: ")}
     apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in hooks.items()}
     error = {k: float(v.rsplit("=", 1)[1]) for k, v in hooks.items()}
     assert apart["False"] > 1e-5 and error["False"] > 1e-5  # each group of 2 averaged only its own batches
     assert "[131072, 131072, 131072, 131072]" in hooks["True"] and apart["True"] == 0 and error["True"] < 1e-6
     assert "DeprecationWarning: Use `set_gradient_divide_factor` instead" in text
-    line = next(l for l in text.splitlines() if l.startswith("max |old name - new name|"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("max |old name - new name|"))
     same, doubled = (float(x.split(";")[0]) for x in line.split("= ")[1:])
     assert same == 0 and doubled < 1e-6  # the same sums, twice the mean
 
 
 def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and_a_recovered_step(executed):
     text = _text_outputs(executed["fsdp2_controls"])
-    orders = {how: line[25:] for line in text.splitlines()
-              for how in ("default", "forward prefetch", "unshard(async_op=True)") if line.startswith(how + " ")}
+    orders = {
+        how: line[25:]
+        for line in text.splitlines()
+        for how in ("default", "forward prefetch", "unshard(async_op=True)")
+        if line.startswith(how + " ")
+    }
     assert orders["default"] == "F0 AG0 F1 AG1 F2 AG2 F3 AG3 F4 AG4"  # each unit gathers when its forward begins
     assert orders["forward prefetch"] == "F0 AG0 AG1 F1 AG2 F2 AG3 F3 AG4 F4"  # the next one's, ahead of its forward
     assert orders["unshard(async_op=True)"] == "AG0 F0 F1 AG1 F2 AG2 F3 AG3 F4 AG4"  # before the forward, once
-    gathers = {line.split("(")[1].split(")")[0].strip(): line for line in text.splitlines()
-               if line.startswith("set_unshard_in_backward(")}
+    gathers = {
+        line.split("(")[1].split(")")[0].strip(): line
+        for line in text.splitlines()
+        if line.startswith("set_unshard_in_backward(")
+    }
     assert "10 all-gathers" in gathers["True"] and "9 all-gathers" in gathers["False"]
     for line in gathers.values():
         assert float(line.rsplit("=", 1)[1]) < 1e-6  # the gradients of one process either way
@@ -1010,8 +1400,11 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert "weights not finite after step: None;" in runs["nothing"]
     assert "then sharded: True" in runs[fixed] and "step 3" not in runs[fixed] and error[fixed] < 1e-6
     assert "weights not finite after step: None;" in runs[fixed]
-    moe = {line.split("): ", 1)[0] + ")": line.split("): ", 1)[1] for line in text.splitlines()
-           if "set_reduce_scatter_unused_params(" in line}
+    moe = {
+        line.split("): ", 1)[0] + ")": line.split("): ", 1)[1]
+        for line in text.splitlines()
+        if "set_reduce_scatter_unused_params(" in line
+    }
     uneven, swapped = "rank 1: every row to expert 0; ", "each rank: every row to another expert; "
     assert "rows per expert, rank 0 [3, 5], rank 1 [8, 0]" in text and "rank 0 [0, 8], rank 1 [8, 0]" in text
     aborted = moe[uneven + "set_reduce_scatter_unused_params(False)"]  # rank 1 receives rank 0's longer message
@@ -1023,14 +1416,26 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
         fixed_moe = moe[case + "set_reduce_scatter_unused_params(True )"]
         assert fixed_moe.count("no gradient for none") == 2
         assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
-    ignored = {line.split("all-reduced: ")[1][:5].strip(): line for line in text.splitlines()
-               if line.startswith("scale's gradient all-reduced:")}
+    ignored = {
+        line.split("all-reduced: ")[1][:5].strip(): line
+        for line in text.splitlines()
+        if line.startswith("scale's gradient all-reduced:")
+    }
     for line in ignored.values():
         assert "types ['DTensor', 'Parameter']" in line  # the ignored scale is not sharded
     # clipping over DTensors and the plain scale at once is refused; in two groups it is one process's norm
-    assert "clip_grad_norm_ over every parameter: RuntimeError: aten._foreach_norm.Scalar got mixed torch.Tensor and DTensor" in text
-    total, one, apart = map(float, re.search(r"total norm (\S+); one process's (\S+); clipped gradients vs one "
-                                             r"process's: (\S+)\n", text).groups())
+    assert (
+        "clip_grad_norm_ over every parameter: "
+        "RuntimeError: aten._foreach_norm.Scalar got mixed torch.Tensor and DTensor" in text
+    )
+    total, one, apart = map(
+        float,
+        re.search(
+            r"total norm (\S+); one process's (\S+); clipped gradients vs one "
+            r"process's: (\S+)\n",
+            text,
+        ).groups(),
+    )
     assert total == pytest.approx(one, rel=1e-6) and total > 0.1  # the clip (max_norm 0.1) scaled the gradients
     assert apart < 1e-6  # and they are one process's clipped gradients; a NaN fails here too
     apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in ignored.items()}
@@ -1041,12 +1446,18 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert "Shard(dim=0) over mesh 2  [0:2, :, :]" in placed[0] and "[2:3, :, :]" in placed[0]  # 2 experts and 1
     assert "Shard(dim=1) over mesh 2  [:, 0:16, :]" in placed[1] and "[:, 16:32, :]" in placed[1]  # rows of all 3
     assert all(float(p.split("= ")[1].split()[0]) < 1e-6 for p in placed)  # one process's weights either way
-    tied = {line[:20].strip(): line[20:] for line in text.splitlines()
-            if line.startswith(("a unit each", "one unit for both", "the root holds both"))}
-    assert ("ranks [0, 1] raised ValueError: Parameter 'head.weight' is shared with a parameter already managed"
-            in tied["a unit each"])
+    tied = {
+        line[:20].strip(): line[20:]
+        for line in text.splitlines()
+        if line.startswith(("a unit each", "one unit for both", "the root holds both"))
+    }
+    assert (
+        "ranks [0, 1] raised ValueError: Parameter 'head.weight' is shared with a parameter already managed"
+        in tied["a unit each"]
+    )
     for units in ("one unit for both", "the root holds both"):
         assert "still tied: True" in tied[units] and float(tied[units].rsplit("=", 1)[1]) < 1e-5
+
 
 @pytest.mark.parametrize("tutorial", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_page_that_executes_opens_with_what_you_learn_what_you_need_and_how_long_it_runs(tutorial):
@@ -1067,8 +1478,9 @@ def test_every_page_that_executes_opens_with_what_you_learn_what_you_need_and_ho
     record = json.loads(PAGE_TIMES.read_text())
     assert tutorial.stem in record["seconds"], "no recorded time: run python bench/bench_site.py --record"
     measured_on = record.get("separately", {}).get(tutorial.stem, record)["machine"]  # a page recorded alone
-    assert stated(record["seconds"][tutorial.stem], measured_on["cores"]) in text, \
+    assert stated(record["seconds"][tutorial.stem], measured_on["cores"]) in text, (
         "the stated time is not the recorded one: run python bench/bench_site.py --record"
+    )
 
 
 def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_logits(executed):
@@ -1077,8 +1489,11 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     model, largest = float(header.split(" MiB")[0]), float(header.split("its largest ")[1].split(" MiB")[0])
     parameters = int(header.split(" parameters")[0].split(", ")[-1])
     # gathered state dict, bfloat16    147.5    56.3       84     0.50  1.3e-02
-    rows = {line[:30].strip(): line[30:].split() for line in text.splitlines()
-            if line.startswith(("gathered state dict,", "per parameter,", "bucketed,"))}
+    rows = {
+        line[:30].strip(): line[30:].split()
+        for line in text.splitlines()
+        if line.startswith(("gathered state dict,", "per parameter,", "bucketed,"))
+    }
     rank0, rank1 = ({how: float(row[i]) for how, row in rows.items()} for i in (0, 1))
     messages = {how: int(row[2]) for how, row in rows.items()}
     gap = {how: float(row[4]) for how, row in rows.items()}
@@ -1098,7 +1513,9 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
     text = _text_outputs(executed["pipeline"])
     one_process = float(text.split("one process: loss ")[1].split()[0])
     # GPipe                      True             4  5.5789211                  5.8e-07
-    exact = [line.split() for line in text.splitlines() if re.match(r"(GPipe|1F1B) +(True|False) +\d+ +\d\.\d{7} ", line)]
+    exact = [
+        line.split() for line in text.splitlines() if re.match(r"(GPipe|1F1B) +(True|False) +\d+ +\d\.\d{7} ", line)
+    ]
     assert len(exact) == 8  # two schedules, both reshard settings, 4 and 8 micro-batches
     assert all(abs(float(row[3]) - one_process) < 1e-6 and float(row[4]) < 1e-5 for row in exact)
 
@@ -1113,8 +1530,21 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
             fields = line.split()
             label = fields[:3] if fields[0] in ("GPipe", "1F1B") else label
             gathers, gathered, scatters, after_f, after_b, grads, alive, _, stage = fields[-9:]
-            rows.append((label[0], label[1] == "True", int(label[2]), int(stage), int(gathers), float(gathered),
-                         int(scatters), float(after_f), float(after_b), float(grads), int(alive)))
+            rows.append(
+                (
+                    label[0],
+                    label[1] == "True",
+                    int(label[2]),
+                    int(stage),
+                    int(gathers),
+                    float(gathered),
+                    int(scatters),
+                    float(after_f),
+                    float(after_b),
+                    float(grads),
+                    int(alive),
+                )
+            )
     assert len(rows) == 16
     for schedule, reshard, m, stage, gathers, gathered, scatters, after_f, after_b, grads, alive in rows:
         shards = whole[stage] / 2  # sharded over the 2 ranks of dp
@@ -1128,9 +1558,11 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
         assert alive == (m if schedule == "GPipe" else 2 - stage)  # 1F1B: the stages from this one to the last
 
     # GPipe                 1     0.328          0.53          0.48          0.50         0.02
-    idle = {(fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))
-            for fields in (line.split() for line in text.splitlines())
-            if len(fields) == 7 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]}
+    idle = {
+        (fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))
+        for fields in (line.split() for line in text.splitlines())
+        if len(fields) == 7 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]
+    }
     assert set(idle) == {("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)}
     assert all(idle["GPipe", m][2] == pytest.approx(1 / (m + 1), abs=0.005) for m in (1, 2, 4, 8))  # p = 2
     assert all(0 <= v < 1 for values in idle.values() for v in values[:2])  # a NaN fails here too
@@ -1140,13 +1572,17 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
     mean = {key: (stage0 + stage1) / 2 for key, (stage0, stage1, _, _) in idle.items()}
     spread = {key: values[3] for key, values in idle.items()}
     # - more micro-batches, a smaller bubble: m = 1 and 2 against m = 4 and 8 (the formula's gaps: 0.17 to 0.39)
-    assert all(mean["GPipe", few] - mean["GPipe", many] > 0.1 - spread["GPipe", few] - spread["GPipe", many]
-               and mean["GPipe", few] > mean["GPipe", many] for few, many in ((1, 4), (1, 8), (2, 8))), idle
+    assert all(
+        mean["GPipe", few] - mean["GPipe", many] > 0.1 - spread["GPipe", few] - spread["GPipe", many]
+        and mean["GPipe", few] > mean["GPipe", many]
+        for few, many in ((1, 4), (1, 8), (2, 8))
+    ), idle
     # - the formula is the model the table is read against: within 0.1 of it, beyond what the steps varied
     assert all(abs(mean[key] - formula) < 0.1 + spread[key] for key, (_, _, formula, _) in idle.items()), idle
     # - "what 1F1B saves is memory, not idle time": its bubble within 0.1 of GPipe's at the same m
-    assert all(abs(mean["1F1B", m] - mean["GPipe", m]) < 0.1 + spread["1F1B", m] + spread["GPipe", m]
-               for m in (4, 8)), idle
+    assert all(
+        abs(mean["1F1B", m] - mean["GPipe", m]) < 0.1 + spread["1F1B", m] + spread["GPipe", m] for m in (4, 8)
+    ), idle
 
     # The order of each stage's chunks, from when each started: fixed by the schedule, whatever the timing.
     orders = dict(re.findall(r"(GPipe|1F1B), 4 micro-batches.*\n(?:stage.*\n){2}  stage 0 ran: (.*)\n", text))
@@ -1164,8 +1600,11 @@ def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_
     losses = [float(x) for x in re.findall(r"(?:average|divide factor|sum, global tokens) (\d\.\d{7})", text)]
     assert len(losses) == 3 and all(abs(x - one_process) < 1e-5 for x in losses)  # the forward is right every way
     #   moe.experts.w1                1.0e+00            1.1e-07            1.1e-07
-    gaps = {fields[0]: [float(x) for x in fields[1:]] for fields in (line.split() for line in text.splitlines())
-            if len(fields) == 4 and re.fullmatch(r"\d\.\de[+-]\d\d", fields[1])}
+    gaps = {
+        fields[0]: [float(x) for x in fields[1:]]
+        for fields in (line.split() for line in text.splitlines())
+        if len(fields) == 4 and re.fullmatch(r"\d\.\de[+-]\d\d", fields[1])
+    }
     assert len(gaps) == 7
     for name, (average, divided, summed) in gaps.items():
         assert divided < 1e-5 and summed < 1e-5, name
@@ -1176,30 +1615,49 @@ def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_
     assert len(sent) == 4 and all(len(row) == 8 for row in sent) and sum(map(sum, sent)) == 4 * 2 * 16
     total = [sum(column) for column in zip(*sent)]
     assert max(total) >= 3 * min(total)  # "several times"
-    computed = [[int(n) for n in re.findall(r"e\d (\d+)", line)] for line in text.splitlines()
-                if re.match(r"  rank \d: e\d", line)]
+    computed = [
+        [int(n) for n in re.findall(r"e\d (\d+)", line)]
+        for line in text.splitlines()
+        if re.match(r"  rank \d: e\d", line)
+    ]
     # ranks 0 and 1 form one ep group (experts 0-3 on rank 0, 4-7 on rank 1), ranks 2 and 3 the other
-    assert computed == [[sum(sent[s][e] for s in group) for e in experts]
-                        for group in ((0, 1), (2, 3)) for experts in (range(4), range(4, 8))]
+    assert computed == [
+        [sum(sent[s][e] for s in group) for e in experts]
+        for group in ((0, 1), (2, 3))
+        for experts in (range(4), range(4, 8))
+    ]
     # the prose: ranks 0 and 1 send expert 3 no token, so its copy on rank 0 computes on an empty run,
     # in a step that matched one process
     assert sent[0][3] == sent[1][3] == 0 and computed[0][3] == 0
-    busiest_rank, busiest_expert = (float(x) for x in re.findall(r"busiest (?:rank|expert)(?: computes)? ([\d.]+)x", text))
+    busiest_rank, busiest_expert = (
+        float(x) for x in re.findall(r"busiest (?:rank|expert)(?: computes)? ([\d.]+)x", text)
+    )
     assert busiest_rank < busiest_expert  # "the ranks differ less"
 
-    collectives = {(fields[0], fields[1]): (int(fields[2]), int(fields[4])) for fields in
-                   (line.split() for line in text.splitlines())
-                   if len(fields) == 6 and fields[0] in ("dp", "edp", "ep") and fields[3] == "x,"}
+    collectives = {
+        (fields[0], fields[1]): (int(fields[2]), int(fields[4]))
+        for fields in (line.split() for line in text.splitlines())
+        if len(fields) == 6 and fields[0] in ("dp", "edp", "ep") and fields[3] == "x,"
+    }
     assert {key: n for key, (n, _) in collectives.items()} == {
-        ("dp", "all-gather"): 1, ("dp", "reduce-scatter"): 1, ("edp", "all-gather"): 2,
-        ("edp", "reduce-scatter"): 1, ("ep", "all-to-all"): 5}
+        ("dp", "all-gather"): 1,
+        ("dp", "reduce-scatter"): 1,
+        ("edp", "all-gather"): 2,
+        ("edp", "reduce-scatter"): 1,
+        ("ep", "all-to-all"): 5,
+    }
     sent0, computed0 = sum(sent[0]), sum(computed[0])
     assert collectives["ep", "all-to-all"][1] == 8 * 8 + 2 * (sent0 + computed0) * 32 * 4  # from the routing
 
     #       2  Shard(0)       (1, 32, 64)  (0, 32, 64)                 65536                    3.1e-07
-    placements = {(int(m[1]), int(m[2])): (m[3], m[4], int(m[5]), float(m[6])) for m in re.finditer(
-        r"(\d) +Shard\((\d)\) +(\([\d, ]+\)) +(\([\d, ]+\)) +(\d+) +([\d.e+-]+)", text)}
-    assert placements[8, 0][:2] == ("(2, 32, 64)", "(2, 32, 64)") and placements[8, 1][:2] == ("(4, 16, 64)", "(4, 16, 64)")
+    placements = {
+        (int(m[1]), int(m[2])): (m[3], m[4], int(m[5]), float(m[6]))
+        for m in re.finditer(r"(\d) +Shard\((\d)\) +(\([\d, ]+\)) +(\([\d, ]+\)) +(\d+) +([\d.e+-]+)", text)
+    }
+    assert placements[8, 0][:2] == ("(2, 32, 64)", "(2, 32, 64)") and placements[8, 1][:2] == (
+        "(4, 16, 64)",
+        "(4, 16, 64)",
+    )
     assert placements[2, 0][:2] == ("(1, 32, 64)", "(0, 32, 64)")  # one expert cannot split over two ranks by dim 0
     assert placements[2, 1][:2] == ("(1, 16, 64)", "(1, 16, 64)")
     assert placements[2, 0][2] == 2 * placements[2, 1][2]  # the padding, gathered
@@ -1211,8 +1669,12 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torch
 
     text = _text_outputs(executed["rank_dies"])
     # killed after step 7               6            1       3.7  True
-    rows = {m[1]: (int(m[2]), int(m[3]), float(m[4]), m[5]) for m in
-            re.finditer(r"^(killed after step 7|killed saving step 12) +(\d+) +(\d+) +([\d.]+) +(\w+)$", text, re.M)}
+    rows = {
+        m[1]: (int(m[2]), int(m[3]), float(m[4]), m[5])
+        for m in re.finditer(
+            r"^(killed after step 7|killed saving step 12) +(\d+) +(\d+) +([\d.]+) +(\w+)$", text, re.M
+        )
+    }
     # a checkpoint every 2 steps: step 6 was the newest before step 7; every 6: step 12's was being written
     assert rows["killed after step 7"][:2] == (6, 1) and rows["killed saving step 12"][:2] == (6, 6), text
     assert all(restart > 0 and same == "True" for _, _, restart, same in rows.values())
@@ -1230,8 +1692,10 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torch
         assert float(young) - float(daly) == pytest.approx(2 / 3 * save, abs=0.011)
 
     #   6-71   group 0
-    segments = [(int(a), int(b), m.split("  ")[0].strip(), m[25:].strip() if len(m) > 25 else "")
-                for a, b, m in re.findall(r"^ *(\d+)-(\d+) +(group.*)$", text, re.M)]
+    segments = [
+        (int(a), int(b), m.split("  ")[0].strip(), m[25:].strip() if len(m) > 25 else "")
+        for a, b, m in re.findall(r"^ *(\d+)-(\d+) +(group.*)$", text, re.M)
+    ]
     died = int(text.split("group 1's rank 1 died after step ")[1].split(";")[0])
     back = int(text.split("group 1 back at step ")[1].split(",")[0])
     assert died == 8 and back > died + 1

@@ -10,9 +10,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
+from training import train
 
 from fsdp_guide import auto_wrap, launch
-from training import train
 
 
 class Block(nn.Module):
@@ -50,8 +50,11 @@ POLICIES = {
 
 def _units(policy_name):
     fsdp1 = FSDP(Tiny(), auto_wrap_policy=POLICIES[policy_name](), device_id=torch.device("cpu"))
-    fsdp1_units = sorted(n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-                         for n, m in fsdp1.named_modules() if isinstance(m, FSDP))
+    fsdp1_units = sorted(
+        n.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        for n, m in fsdp1.named_modules()
+        if isinstance(m, FSDP)
+    )
     fsdp2 = auto_wrap(Tiny(), POLICIES[policy_name]())
     fsdp2_units = sorted(n for n, m in fsdp2.named_modules() if isinstance(m, FSDPModule))
     return fsdp1_units, fsdp2_units

@@ -49,17 +49,16 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # bytes.
 
 # %%
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 from fsdp_guide.memory import measure
 from fsdp_guide.precision import record_dtypes
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -103,6 +102,7 @@ def held(model):
 #
 # (fsdp2-fsdpmodule-reshard)=
 
+
 # %%
 def reshard_all(model):
     for module in model.modules():  # reshard() does not recurse: each FSDP module frees its own
@@ -112,10 +112,14 @@ def reshard_all(model):
 
 def evaluation_forwards(reshard_after_forward):
     device = fsdp_guide.device()
-    kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    kwargs = (
+        {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    )
     model = shard_model(build_model(), **kwargs)
     model.eval()
-    tokens = torch.randint(CONFIG.vocab_size, (4, CONFIG.block_size), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        CONFIG.vocab_size, (4, CONFIG.block_size), generator=torch.Generator().manual_seed(1)
+    )
     rows = []
     with torch.no_grad():
         for _ in range(3):
@@ -137,15 +141,21 @@ def both_settings():
 
 
 n_params = len(list(build_model().parameters()))
-print(f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
-      f"{'after reshard()':>16}   plain tensors among the {n_params} parameters(): after forward 3, after reshard()")
+print(
+    f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
+    f"{'after reshard()':>16}   plain tensors among the {n_params} parameters(): after forward 3, after reshard()"
+)
 evaluation = launch(both_settings, output="none")[0]
 for setting, (rows, after, (plain, plain_after)) in evaluation.items():
     name = "None (the default)" if setting is None else str(setting)
-    print(f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
-          f"{after:16.2f}   {plain:3} {plain_after:3}")
+    print(
+        f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
+        f"{after:16.2f}   {plain:3} {plain_after:3}"
+    )
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("bts_eval_default_held", evaluation[None][0][-1][1], display=False)  # after forward 3
 glue("bts_eval_shards", evaluation[None][1], display=False)  # after reshard()
@@ -221,13 +231,17 @@ def evaluate(model, loader):
     device = fsdp_guide.device()
     most = torch.tensor(len(loader), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest batch count of any rank
-    empty = [torch.zeros(0, CONFIG.block_size, dtype=torch.long)] * 2  # no rows: the forward, not the data
+    empty = [
+        torch.zeros(0, CONFIG.block_size, dtype=torch.long)
+    ] * 2  # no rows: the forward, not the data
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, tokens, examples
     batches = iter(loader)
     with torch.no_grad():
         for _ in range(int(most)):  # the same number of forwards on every rank
             x, y = next(batches, empty)
-            totals[0] += summed_loss(model, x.to(device), y.to(device)).double()  # stays on the device: no sync
+            totals[0] += summed_loss(
+                model, x.to(device), y.to(device)
+            ).double()  # stays on the device: no sync
             totals[1] += y.numel()
             totals[2] += len(x)
     dist.all_reduce(totals)  # once, at the end
@@ -241,8 +255,12 @@ def evaluate_both_ways():
     rank, world = dist.get_rank(), dist.get_world_size()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
     padded = evaluate(model, DataLoader(data, batch_size=EVAL_BATCH, sampler=sampler))
-    exact = evaluate(model, DataLoader(torch.utils.data.Subset(data, range(rank, len(data), world)),
-                                       batch_size=EVAL_BATCH))
+    exact = evaluate(
+        model,
+        DataLoader(
+            torch.utils.data.Subset(data, range(rank, len(data), world)), batch_size=EVAL_BATCH
+        ),
+    )
     return {"DistributedSampler (pads)": padded, "every example once": exact}
 
 
@@ -306,7 +324,9 @@ def generation_both_ways():
 
 one_process = build_model().eval().generate(prompts(), NEW_TOKENS, temperature=0).tolist()
 results = launch(generation_both_ways, output="none")
-print(f"{'':44} {'all-gathers':>11} {'per new token':>13} {'held / P':>9} {'tokens as one process':>22}")
+print(
+    f"{'':44} {'all-gathers':>11} {'per new token':>13} {'held / P':>9} {'tokens as one process':>22}"
+)
 for keep in (False, True):
     _, count, during = results[0][keep]
     same = all(results[rank][keep][0] == one_process[rank] for rank in (0, 1))
@@ -374,10 +394,15 @@ def features_sharded(register):
 
 for register in (False, True):
     try:
-        print(f"register_fsdp_forward_method: {register!s:5} -> features of shape",
-              tuple(launch(features_sharded, register, output="none")[0]))
+        print(
+            f"register_fsdp_forward_method: {register!s:5} -> features of shape",
+            tuple(launch(features_sharded, register, output="none")[0]),
+        )
     except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank failed first
-        print(f"register_fsdp_forward_method: {register!s:5} ->", str(error).splitlines()[0].split(" raised ")[1].split(", need")[0])
+        print(
+            f"register_fsdp_forward_method: {register!s:5} ->",
+            str(error).splitlines()[0].split(" raised ")[1].split(", need")[0],
+        )
 
 # %% [markdown]
 # Unregistered, the root's embedding weight is still a sharded `DTensor` when `features`
@@ -465,17 +490,26 @@ def ema_sharded():
     device = fsdp_guide.device()
     model = shard_model(build_model())
     ema_model = copy_of(model, shard_model(build_model()))  # the same layout, the model's values
-    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)  # this rank's half of each global batch
+    rows = slice(
+        2 * dist.get_rank(), 2 * dist.get_rank() + 2
+    )  # this rank's half of each global batch
     ema_collectives = train_with_ema(model, ema_model, device, rows)
     per_rank = measure(ema_model).total / whole_bytes(ema_model)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-    full, trained = get_model_state_dict(ema_model, options=options), get_model_state_dict(model, options=options)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True
+    )  # whole tensors, on rank 0's CPU
+    full, trained = (
+        get_model_state_dict(ema_model, options=options),
+        get_model_state_dict(model, options=options),
+    )
     return (full, trained) if dist.get_rank() == 0 else None, ema_collectives, per_rank
 
 
 one = build_model()
 one_ema = copy_of(one, build_model())
-train_with_ema(one, one_ema, torch.device("cpu"))  # cpu-only: the one-process reference runs in the notebook
+train_with_ema(
+    one, one_ema, torch.device("cpu")
+)  # cpu-only: the one-process reference runs in the notebook
 (exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
 
 
@@ -483,7 +517,9 @@ def apart(full, reference):
     return largest_difference((full[name], t) for name, t in reference.state_dict().items())
 
 
-print(f"collectives in {STEPS} EMA updates: {ema_collectives}; EMA model per rank: {per_rank:.2f} P")
+print(
+    f"collectives in {STEPS} EMA updates: {ema_collectives}; EMA model per rank: {per_rank:.2f} P"
+)
 print(f"trained model vs one process's: largest difference {apart(trained, one):.1e}")
 print(f"exported EMA vs one process's:  largest difference {apart(exported, one_ema):.1e}")
 
@@ -496,9 +532,14 @@ torch.save(exported, path)  # rank 0's export, loaded into a plain model:
 plain = build_model()
 print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
 
-one, two = torch.tensor(1.0), torch.tensor(2.0)  # one EMA update at decay 0.999, from 1 towards 2, in each dtype
-print(f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.999).item():.4f} in fp32, "
-      f"{torch.lerp(one.bfloat16(), two.bfloat16(), 1 - 0.999).item():.4f} in bf16")
+one, two = (
+    torch.tensor(1.0),
+    torch.tensor(2.0),
+)  # one EMA update at decay 0.999, from 1 towards 2, in each dtype
+print(
+    f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.999).item():.4f} in fp32, "
+    f"{torch.lerp(one.bfloat16(), two.bfloat16(), 1 - 0.999).item():.4f} in bf16"
+)
 
 # %% [markdown]
 # The EMA updates ran no collective. The EMA model
@@ -527,6 +568,7 @@ print(f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.
 # no gradients or optimizer state. Its root unit is what to watch: with the default it
 # stays gathered after every forward, and a teacher never runs a backward to reshard it.
 
+
 # %%
 def distillation_step(teacher_reshard_root):
     device = fsdp_guide.device()
@@ -538,12 +580,16 @@ def distillation_step(teacher_reshard_root):
     fully_shard(teacher, mesh=mesh, reshard_after_forward=teacher_reshard_root)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
     tokens, _ = train_batch(0)
-    tokens = tokens[2 * dist.get_rank():2 * dist.get_rank() + 2].to(device)
+    tokens = tokens[2 * dist.get_rank() : 2 * dist.get_rank() + 2].to(device)
 
     def student_step(teacher_logits):
         logits, _ = student(tokens)
-        loss = F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(teacher_logits.float(), -1),
-                        log_target=True, reduction="batchmean")
+        loss = F.kl_div(
+            F.log_softmax(logits.float(), -1),
+            F.log_softmax(teacher_logits.float(), -1),
+            log_target=True,
+            reduction="batchmean",
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -552,11 +598,13 @@ def distillation_step(teacher_reshard_root):
     for _ in range(2):  # the second step shows the steady state
         with torch.no_grad():
             (teacher_logits, _), teacher_gathers = gathers(lambda: teacher(tokens))
-        _, student_gathers = gathers(lambda: student_step(teacher_logits))
+        _, student_gathers = gathers(lambda: student_step(teacher_logits))  # noqa: B023 (called here)
         counts.append((teacher_gathers, student_gathers))
     P = whole_bytes(student)
-    return {"teacher": ([t for t, _ in counts], measure(teacher).total / P),
-            "student": ([s for _, s in counts], measure(student, optimizer).total / P)}
+    return {
+        "teacher": ([t for t, _ in counts], measure(teacher).total / P),
+        "student": ([s for _, s in counts], measure(student, optimizer).total / P),
+    }
 
 
 def both_teachers():

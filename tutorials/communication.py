@@ -69,9 +69,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %% tags=["alone"]
 from pathlib import Path
 
-import torch.distributed as dist
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
@@ -85,7 +84,9 @@ def loopback_bytes():
 def sent_around(fn):
     """Bytes on lo from rank 0's first read to its second: fn() and the barriers around it."""
     dist.barrier()  # the previous traffic is over
-    before = loopback_bytes()  # no rank starts fn before this: all wait for rank 0 in the next barrier
+    before = (
+        loopback_bytes()
+    )  # no rank starts fn before this: all wait for rank 0 in the next barrier
     dist.barrier()
     fn()
     dist.barrier()  # every rank has received its part, so every rank has sent its part
@@ -123,7 +124,11 @@ def one_collective_each():
     }
 
 
-RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}  # x (N - 1) S in all: the optimal algorithms
+RING = {
+    "all-reduce": 2,
+    "all-gather": 1,
+    "reduce-scatter": 1,
+}  # x (N - 1) S in all: the optimal algorithms
 print(f"lo's MTU: {int(Path('/sys/class/net/lo/mtu').read_text()) // 1024} KiB")
 print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
 for world in (2, 4):
@@ -197,15 +202,15 @@ def held(tensors):
 
 
 def one_step(strategy):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     from fsdp_guide.precision import record_dtypes
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     device = fsdp_guide.device()  # the CPU: launched with backend="gloo"
     model = wrap(make_model(), strategy, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     buckets = []
     if strategy == "DDP":
+
         def counting_hook(state, bucket):  # count, then all-reduce as DDP would
             buckets.append(bucket.buffer().numel() * bucket.buffer().element_size())
             return allreduce_hook(None, bucket)
@@ -221,9 +226,11 @@ def one_step(strategy):
     step()  # the first step builds DDP's buckets and FSDP's state
     buckets.clear()
     with record_dtypes() as seen:
-        wire = measured(step, warm_up=False, repeats=1) * S / P  # one step: the counts below are per step
+        wire = (
+            measured(step, warm_up=False, repeats=1) * S / P
+        )  # one step: the counts below are per step
     counts = {}
-    for (phase, kind), n in seen.count.items():
+    for (_phase, kind), n in seen.count.items():
         if kind in ("all-gather", "reduce-scatter", "all-reduce"):
             counts[kind] = counts.get(kind, 0) + n
     if buckets:
@@ -236,19 +243,27 @@ def one_step(strategy):
 
 # the textbook (ring) volume in units of P, summed over N = 2 ranks
 TEXTBOOK = {"DDP": 2, "replicate": 2, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}
+
+
 def every_strategy():
     return {strategy: one_step(strategy) for strategy in TEXTBOOK}
 
 
 steps = launch(every_strategy, backend="gloo", output="none")[0]
-print(f"{'strategy':14} {'collectives per step':30} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}"
-      f" {'params held / P':>16} {'grads held / P':>15}")
+print(
+    f"{'strategy':14} {'collectives per step':30} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}"
+    f" {'params held / P':>16} {'grads held / P':>15}"
+)
 for strategy, (counts, wire, _, (params, grads)) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    print(f"{strategy:14} {described:30} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
-          f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f} {params:16.2f} {grads:15.2f}")
-print("the gradient buckets DDP all-reduced, in order:",
-      ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]))
+    print(
+        f"{strategy:14} {described:30} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
+        f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f} {params:16.2f} {grads:15.2f}"
+    )
+print(
+    "the gradient buckets DDP all-reduced, in order:",
+    ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]),
+)
 
 from myst_nb import glue  # the figures the text below quotes, from this run
 
@@ -256,7 +271,9 @@ glue("ddp_buckets", len(steps["DDP"][2]), display=False)
 glue("shard_grad_op_gathers", steps["SHARD_GRAD_OP"][0]["all-gather"], display=False)
 glue("shard_grad_op_scatters", steps["SHARD_GRAD_OP"][0]["reduce-scatter"], display=False)
 glue("full_shard_gathers", steps["FULL_SHARD"][0]["all-gather"], display=False)
-glue("shard_grad_op_vs_ddp", steps["SHARD_GRAD_OP"][1] / steps["DDP"][1], display=False)  # the "vs DDP" column
+glue(
+    "shard_grad_op_vs_ddp", steps["SHARD_GRAD_OP"][1] / steps["DDP"][1], display=False
+)  # the "vs DDP" column
 glue("full_shard_vs_ddp", steps["FULL_SHARD"][1] / steps["DDP"][1], display=False)
 
 # %% [markdown]
@@ -305,6 +322,7 @@ glue("full_shard_vs_ddp", steps["FULL_SHARD"][1] / steps["DDP"][1], display=Fals
 #
 # (fsdp2-fsdpmodule-set-modules-to-backward-prefetch)=
 
+
 # %%
 def timeline(setting):
     from torch.profiler import ProfilerActivity, profile
@@ -317,19 +335,29 @@ def timeline(setting):
             layer.set_modules_to_backward_prefetch([model[j] for j in (i - 1, i - 2) if j >= 0])
     x = torch.randn(8, WIDTH).to(device)
     model(x).sum().backward()  # lazy initialisation out of the way
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the host's events: the order of issue
+    with profile(
+        activities=[ProfilerActivity.CPU]
+    ) as prof:  # the host's events: the order of issue
         model(x).sum().backward()
     events = []
     for e in prof.events():
-        if e.name.startswith(("FSDP::all_gather (", "FSDP::post_backward_reduce (", "FSDP::pre_backward (")) \
-                or e.name == "aten::mm":
+        if (
+            e.name.startswith(
+                ("FSDP::all_gather (", "FSDP::post_backward_reduce (", "FSDP::pre_backward (")
+            )
+            or e.name == "aten::mm"
+        ):
             events.append((e.name, e.time_range.start, e.time_range.end))
     return sorted(events, key=lambda e: e[1])
 
 
 def order(events):
     """The step as a sequence: AGi all-gather, Bi backward of unit i begins, RSi reduce-scatter."""
-    short = {"FSDP::all_gather": "AG", "FSDP::post_backward_reduce": "RS", "FSDP::pre_backward": "B"}
+    short = {
+        "FSDP::all_gather": "AG",
+        "FSDP::post_backward_reduce": "RS",
+        "FSDP::pre_backward": "B",
+    }
     tokens = []
     for name, _, _ in events:
         if name != "aten::mm":
@@ -339,6 +367,8 @@ def order(events):
 
 
 SETTINGS = ("default (FULL_SHARD)", "prefetch two units ahead", "reshard_after_forward=False")
+
+
 def every_setting():
     return {setting: timeline(setting) for setting in SETTINGS}
 
@@ -381,8 +411,11 @@ for setting, events in timelines.items():
 # %% mystnb={"image": {"alt": "Timeline of one FSDP2 FULL_SHARD step on rank 0, in milliseconds since the forward began, with three lanes: all-gathers and reduce-scatters, each labelled with its unit number, and the matmuls between them."}}
 import matplotlib.pyplot as plt
 
-LANES = {"FSDP::all_gather": ("all-gather", 2, "tab:blue"), "aten::mm": ("matmul", 1, "tab:gray"),
-         "FSDP::post_backward_reduce": ("reduce-scatter", 0, "tab:orange")}
+LANES = {
+    "FSDP::all_gather": ("all-gather", 2, "tab:blue"),
+    "aten::mm": ("matmul", 1, "tab:gray"),
+    "FSDP::post_backward_reduce": ("reduce-scatter", 0, "tab:orange"),
+}
 events = timelines["default (FULL_SHARD)"]
 t0 = events[0][1]
 fig, ax = plt.subplots(figsize=(10, 2.6))
@@ -391,11 +424,16 @@ for name, start, end in events:
     if kind not in LANES:
         continue
     label, lane, color = LANES[kind]
-    ax.broken_barh([((start - t0) / 1000, max((end - start) / 1000, 0.02))], (lane - 0.4, 0.8), color=color)
+    ax.broken_barh(
+        [((start - t0) / 1000, max((end - start) / 1000, 0.02))], (lane - 0.4, 0.8), color=color
+    )
     if kind != "aten::mm":
         ax.text((start - t0) / 1000, lane + 0.45, name.rsplit(" (", 1)[1].rstrip(")"), fontsize=7)
 ax.set_yticks([lane for _, lane, _ in LANES.values()], [label for label, _, _ in LANES.values()])
-ax.set(xlabel="ms since the forward began", title="FSDP2 FULL_SHARD, one step on rank 0 (numbers: unit)")
+ax.set(
+    xlabel="ms since the forward began",
+    title="FSDP2 FULL_SHARD, one step on rank 0 (numbers: unit)",
+)
 fig.tight_layout()
 
 # %% [markdown]
@@ -445,13 +483,18 @@ class RecordedReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype, device):
         if not self.pooled:
             return torch.empty(*size, dtype=dtype, device=device)
-        if (tuple(size), dtype) not in self.pool:  # the mistake: a buffer handed out again and again
+        if (
+            tuple(size),
+            dtype,
+        ) not in self.pool:  # the mistake: a buffer handed out again and again
             self.pool[tuple(size), dtype] = torch.empty(*size, dtype=dtype, device=device)
         return self.pool[tuple(size), dtype]
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.calls.append(("reduce-scatter", group.group_desc, input_tensor.nbytes))
-        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+        return dist.reduce_scatter_single(
+            output_tensor, input_tensor, group=group, op=op, async_op=async_op
+        )
 
 
 def batch_of(rank):
@@ -460,11 +503,19 @@ def batch_of(rank):
 
 def one_process_gradients(ranks=2):
     model = make_model().to(fsdp_guide.device())
-    (sum(model(batch_of(r).to(fsdp_guide.device())).square().mean() for r in range(ranks)) / ranks).backward()
+    (
+        sum(model(batch_of(r).to(fsdp_guide.device())).square().mean() for r in range(ranks))
+        / ranks
+    ).backward()
     return [p.grad.cpu() for p in model.parameters()]
 
 
-COMMS = ("torch's default", "recorded", "recorded, one buffer per size", "recorded + separate reduce-scatter group")
+COMMS = (
+    "torch's default",
+    "recorded",
+    "recorded, one buffer per size",
+    "recorded + separate reduce-scatter group",
+)
 
 
 def with_comms(setting, reference):
@@ -482,9 +533,13 @@ def with_comms(setting, reference):
     model(batch_of(rank).to(device)).square().mean().backward()
     # which unit's gradient (from one process) each unit's shard equals
     mine = [r.to(device).chunk(dist.get_world_size())[rank] for r in reference]
-    equals = [min(range(len(mine)), key=lambda j: (p.grad.to_local() - mine[j]).abs().max().item())
-              for p in model.parameters()]
-    error = largest_difference((p.grad.to_local(), mine[j]) for p, j in zip(model.parameters(), equals))
+    equals = [
+        min(range(len(mine)), key=lambda j: (p.grad.to_local() - mine[j]).abs().max().item())
+        for p in model.parameters()
+    ]
+    error = largest_difference(
+        (p.grad.to_local(), mine[j]) for p, j in zip(model.parameters(), equals)
+    )
     totals = {}
     for kind, group, nbytes in calls:
         n, total = totals.get((kind, group), (0, 0))
@@ -497,10 +552,17 @@ def every_comm(reference):
 
 
 reference = launch(one_process_gradients, world_size=1, output="none")[0]
-for setting, (totals, equals, error) in launch(every_comm, reference, world_size=2, output="none")[0].items():
-    calls = "; ".join(f"{n} {kind} on {group!r}, {total / 2**20:.0f} MiB" for (kind, group), (n, total) in totals.items())
-    print(f"{setting}:\n    calls seen: {calls or 'none (not recorded)'}\n"
-          f"    unit i's gradient equals one process's gradient of unit {equals}, max |difference| = {error:.1e}")
+for setting, (totals, equals, error) in launch(every_comm, reference, world_size=2, output="none")[
+    0
+].items():
+    calls = "; ".join(
+        f"{n} {kind} on {group!r}, {total / 2**20:.0f} MiB"
+        for (kind, group), (n, total) in totals.items()
+    )
+    print(
+        f"{setting}:\n    calls seen: {calls or 'none (not recorded)'}\n"
+        f"    unit i's gradient equals one process's gradient of unit {equals}, max |difference| = {error:.1e}"
+    )
 
 
 # %% [markdown]
@@ -552,6 +614,7 @@ for setting, (totals, equals, error) in launch(every_comm, reference, world_size
 # (fsdp2-fsdpmodule-set-is-last-backward)=
 # (fsdp2-share-comm-ctx)=
 
+
 # %%
 def reduce_scatter_waits(step):
     """The units whose reduce-scatter waited for an earlier one (profiler markers), in one backward."""
@@ -559,8 +622,11 @@ def reduce_scatter_waits(step):
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    waits = sorted((e.time_range.start, e.name) for e in prof.events()
-                   if e.name.startswith("FSDP::post_backward_rs_wait ("))
+    waits = sorted(
+        (e.time_range.start, e.name)
+        for e in prof.events()
+        if e.name.startswith("FSDP::post_backward_rs_wait (")
+    )
     return [int(name.rsplit("(", 1)[1].rstrip(")")) for _, name in waits]
 
 
@@ -584,7 +650,9 @@ def microbatches():
     for microbatch in range(3):
         model.set_is_last_backward(microbatch == 2)
         waits.append(reduce_scatter_waits(lambda: model(x).sum().backward()))
-        kept.append(len(model._get_fsdp_state()._comm_ctx.post_forward_order))  # private: FSDP's own list
+        kept.append(
+            len(model._get_fsdp_state()._comm_ctx.post_forward_order)
+        )  # private: FSDP's own list
     return waits, kept
 
 
@@ -593,7 +661,10 @@ def two_roots(shared):
 
     device = fsdp_guide.device()
     model, x = make_model().to(device), batch_of(dist.get_rank()).to(device)
-    first, second = wrap(model[:2], "FULL_SHARD", device), wrap(model[2:], "FULL_SHARD", device)  # units 0-1, 2-3
+    first, second = (
+        wrap(model[:2], "FULL_SHARD", device),
+        wrap(model[2:], "FULL_SHARD", device),
+    )  # units 0-1, 2-3
     if shared:
         share_comm_ctx([first, second])
     second(first(x)).sum().backward()
@@ -601,19 +672,25 @@ def two_roots(shared):
 
 
 def every_pipeline():
-    return {"default (max_input_buffers=1)": max_input_buffers(1),
-            "max_input_buffers=2, set before the first step": max_input_buffers(2),
-            "max_input_buffers=4, set after the first step": max_input_buffers(4, set_after_first_step=True),
-            "set_is_last_backward(False, False, True)": microbatches(),
-            "two roots, each its own context": two_roots(shared=False),
-            "two roots, share_comm_ctx": two_roots(shared=True)}
+    return {
+        "default (max_input_buffers=1)": max_input_buffers(1),
+        "max_input_buffers=2, set before the first step": max_input_buffers(2),
+        "max_input_buffers=4, set after the first step": max_input_buffers(
+            4, set_after_first_step=True
+        ),
+        "set_is_last_backward(False, False, True)": microbatches(),
+        "two roots, each its own context": two_roots(shared=False),
+        "two roots, share_comm_ctx": two_roots(shared=True),
+    }
 
 
 pipelines = launch(every_pipeline, world_size=2, output="none")[0]
 for setting, result in pipelines.items():
     if setting.startswith("set_is_last_backward"):
         waits, kept = result
-        print(f"{setting:48} waits before units, per backward: {waits}; forwards FSDP keeps after each: {kept}")
+        print(
+            f"{setting:48} waits before units, per backward: {waits}; forwards FSDP keeps after each: {kept}"
+        )
     else:
         print(f"{setting:48} waits before units: {result}")
 
@@ -661,6 +738,7 @@ glue("forwards_kept_second", kept[1], display=False)
 #
 # (fsdp2-fsdpmodule-set-all-reduce-hook)=
 
+
 # %%
 def replicas_by_hand(hook):
     from torch.distributed.device_mesh import init_device_mesh
@@ -690,8 +768,10 @@ for hook in (False, True):
     ranks = launch(replicas_by_hand, hook, world_size=4, output="none")
     error = largest_difference((g, r) for _, grads in ranks for g, r in zip(grads, reference4))
     apart = largest_difference(zip(ranks[0][1], ranks[2][1]))
-    print(f"hook: {hook!s:5} elements it reduced per call (rank 0): {ranks[0][0] or 'none'}; "
-          f"replica groups' gradients differ by {apart:.1e}; max |gradient - one process| = {error:.1e}")
+    print(
+        f"hook: {hook!s:5} elements it reduced per call (rank 0): {ranks[0][0] or 'none'}; "
+        f"replica groups' gradients differ by {apart:.1e}; max |gradient - one process| = {error:.1e}"
+    )
 
 # %% [markdown]
 # Without the hook each group of 2 averages only its own batches: the two groups' gradients
@@ -729,13 +809,19 @@ def summed_gradients(old_name):
                 unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     model(batch_of(dist.get_rank()).to(device)).square().mean().backward()
-    return {f"{w.category.__name__}: {w.message}" for w in warned}, [p.grad.full_tensor().cpu() for p in model.parameters()]
+    return {f"{w.category.__name__}: {w.message}" for w in warned}, [
+        p.grad.full_tensor().cpu() for p in model.parameters()
+    ]
 
 
-(warned, old), (_, new) = (launch(summed_gradients, old_name, world_size=2, output="none")[0] for old_name in (True, False))
+(warned, old), (_, new) = (
+    launch(summed_gradients, old_name, world_size=2, output="none")[0] for old_name in (True, False)
+)
 print("set_reduce_scatter_divide_factor(1.0) warned:", warned)
-print(f"max |old name - new name| = {largest_difference(zip(old, new)):.1e}; "
-      f"max |gradient - 2 x one process's mean| = {largest_difference((a, 2 * r) for a, r in zip(new, reference)):.1e}")
+print(
+    f"max |old name - new name| = {largest_difference(zip(old, new)):.1e}; "
+    f"max |gradient - 2 x one process's mean| = {largest_difference((a, 2 * r) for a, r in zip(new, reference)):.1e}"
+)
 
 
 # %% [markdown]

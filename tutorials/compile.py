@@ -64,15 +64,14 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 from collections import Counter
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.collectives import collective_kind
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
 STEPS = 3
@@ -95,8 +94,10 @@ def shard(model):
 def batch(step, tokens=CONFIG.block_size):
     """This rank's 2 sequences of the step's global batch (2 per rank)."""
     g = torch.Generator().manual_seed(100 + step)
-    rows = torch.randint(CONFIG.vocab_size, (2 * dist.get_world_size(), CONFIG.block_size + 1), generator=g)
-    mine = rows[2 * dist.get_rank():2 * dist.get_rank() + 2, :tokens + 1].to(fsdp_guide.device())
+    rows = torch.randint(
+        CONFIG.vocab_size, (2 * dist.get_world_size(), CONFIG.block_size + 1), generator=g
+    )
+    mine = rows[2 * dist.get_rank() : 2 * dist.get_rank() + 2, : tokens + 1].to(fsdp_guide.device())
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -111,8 +112,10 @@ def train(model, steps=STEPS):
         losses.append(loss.item())
     # checkpoint_wrapper adds "_checkpoint_wrapped_module." to the parameter names under it
     # (not to its state_dict() keys): compare by the plain model's names
-    params = {name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor().cpu()
-              for name, p in model.named_parameters()}
+    params = {
+        name.replace("_checkpoint_wrapped_module.", ""): p.full_tensor().cpu()
+        for name, p in model.named_parameters()
+    }
     return losses, params
 
 
@@ -133,7 +136,9 @@ class CompileLog:
             self.runs += 1
             return compiled(*args)
 
-        run._boxed_call = getattr(compiled, "_boxed_call", False)  # keep the backend's calling convention
+        run._boxed_call = getattr(
+            compiled, "_boxed_call", False
+        )  # keep the backend's calling convention
         return run
 
 
@@ -154,6 +159,7 @@ def what_ran(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()
     return Counter(kind for event in profile.events() if (kind := event_kind(event.name)))
+
 
 # %% [markdown]
 # (compile-backend)=
@@ -180,13 +186,20 @@ def what_ran(fn):
 # private) say which frames it gave up on, and why. One more step after training is
 # profiled: FSDP's collectives in it, and how many times compiled code ran in it.
 
+
 # %%
 def skipped_frames():
     """Why dynamo ran a frame eagerly: the last line of each reason it counted."""
     reasons = torch._dynamo.utils.counters["unimplemented"]
-    return sorted({reason.strip().splitlines()[0] for reason in reasons if "Skipping the frame" in reason}
-                  | {line.strip() for reason in reasons for line in reason.splitlines()
-                     if line.strip().startswith("graph break in loop")})
+    return sorted(
+        {reason.strip().splitlines()[0] for reason in reasons if "Skipping the frame" in reason}
+        | {
+            line.strip()
+            for reason in reasons
+            for line in reason.splitlines()
+            if line.strip().startswith("graph break in loop")
+        }
+    )
 
 
 def compiled_where(where, backend):
@@ -219,18 +232,23 @@ def every_place():
         return "inductor", {where: compiled_where(where, "inductor") for where in WHERE}
     except torch._dynamo.exc.BackendCompilerFailed as error:
         return f"aot_eager (inductor failed: {str(error).splitlines()[0]})", {
-            where: compiled_where(where, "aot_eager") for where in WHERE}
+            where: compiled_where(where, "aot_eager") for where in WHERE
+        }
 
 
 backend, results = launch(every_place, output="none")[0]
 eager_losses, eager_params, *_ = results["eager"]
 print(f"backend: {backend}")
-print(f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
-      f"{'AG+RS':>6} {'compiled runs':>14}")
+print(
+    f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
+    f"{'AG+RS':>6} {'compiled runs':>14}"
+)
 for where, (losses, params, graphs, skipped, collectives, runs) in results.items():
     difference = largest_difference((params[name], p) for name, p in eager_params.items())
-    print(f"{where:32} {' '.join(f'{x:.6f}' for x in losses):>30} {difference:16.1e} "
-          f"{len(graphs):>6} {str(graphs):>10} {collectives:>6} {runs:>14}")
+    print(
+        f"{where:32} {' '.join(f'{x:.6f}' for x in losses):>30} {difference:16.1e} "
+        f"{len(graphs):>6} {str(graphs):>10} {collectives:>6} {runs:>14}"
+    )
     for reason in skipped:
         print(f"{'':34}dynamo: {reason}")
 
@@ -261,6 +279,7 @@ for where, (losses, params, graphs, skipped, collectives, runs) in results.items
 # `fullgraph=True` turns a graph break into an error, which is how to check that a block
 # compiles whole (torchtitan's `apply_compile` passes its `compile.fullgraph` setting to
 # each block's `torch.compile`):
+
 
 # %%
 def fullgraph(where):
@@ -383,6 +402,7 @@ except RuntimeError as error:
 # forward in `eval()` with gradients enabled is there only to tell the two guards apart:
 # evaluate under `no_grad`.
 
+
 # %%
 def recompilations():
     model, log = blocks_compiled_after_sharding()
@@ -440,6 +460,7 @@ for event, graphs in launch(recompilations, output="none")[0]:
 #   same lengths (the mark made by a small eager module around each compiled block,
 #   standing in for a line in the model's forward):
 
+
 # %%
 class MarkSequenceDynamic(torch.nn.Module):
     """Calls the block after marking its input's sequence dimension dynamic, eagerly, outside the compiled frame."""
@@ -469,7 +490,9 @@ def graphs_over_lengths(remedy):
 
 
 def every_remedy():
-    return {remedy: graphs_over_lengths(remedy) for remedy in ("none", "dynamic=True", "mark_dynamic")}
+    return {
+        remedy: graphs_over_lengths(remedy) for remedy in ("none", "dynamic=True", "mark_dynamic")
+    }
 
 
 for remedy, counts in launch(every_remedy, output="none")[0].items():
@@ -526,21 +549,36 @@ def what_dynamo_reports():
     model.compile(backend="aot_eager")
     log = dynamo_log(lambda: [model(*batch(0, tokens))[1].backward() for tokens in (32, 16)])
     explained = torch._dynamo.explain(shard(build_model()))(*batch(0))
-    return log, {"graphs": explained.graph_count, "graph breaks": explained.graph_break_count,
-                 "break reasons": len(explained.break_reasons),
-                 "ops per graph": [len(ops) for ops in explained.ops_per_graph],
-                 "linears per graph": [sum("linear" in str(op) for op in ops) for ops in explained.ops_per_graph]}
+    return log, {
+        "graphs": explained.graph_count,
+        "graph breaks": explained.graph_break_count,
+        "break reasons": len(explained.break_reasons),
+        "ops per graph": [len(ops) for ops in explained.ops_per_graph],
+        "linears per graph": [
+            sum("linear" in str(op) for op in ops) for ops in explained.ops_per_graph
+        ],
+    }
 
 
-KEEP = ("Graph break in user code", "Attempted to call function marked as skipped", "graph break in loop",
-        "frame skipped", "Skipping the function", "fsdp_guide/gpt.py\", line", "Recompiling function", "mismatch")
+KEEP = (
+    "Graph break in user code",
+    "Attempted to call function marked as skipped",
+    "graph break in loop",
+    "frame skipped",
+    "Skipping the function",
+    'fsdp_guide/gpt.py", line',
+    "Recompiling function",
+    "mismatch",
+)
 
 
 def trimmed(lines):
     """The lines that say what and where, with this machine's install paths cut."""
     lines = [re.sub(r"[^\s(\"']*/(site-packages|src)/", "", line) for line in lines]
     kept = [i for i, line in enumerate(lines) if any(key in line for key in KEEP)]
-    kept += [i + 1 for i in kept if lines[i].strip().startswith("File ")]  # and the line of code it names
+    kept += [
+        i + 1 for i in kept if lines[i].strip().startswith("File ")
+    ]  # and the line of code it names
     return [lines[i] for i in sorted(set(kept))]
 
 
@@ -572,12 +610,15 @@ print("\ntorch._dynamo.explain(model):", explained)
 # the backward ({func}`fsdp_guide.memory.saved_for_backward`).
 
 # %%
+from fsdp_guide.memory import saved_for_backward
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from fsdp_guide.memory import saved_for_backward
-
-ORDERS = ("no checkpointing, eager", "checkpointing, eager", "checkpoint, then compile",
-          "compile, then checkpoint")
+ORDERS = (
+    "no checkpointing, eager",
+    "checkpointing, eager",
+    "checkpoint, then compile",
+    "compile, then checkpoint",
+)
 
 
 def checkpointed(order):
@@ -607,20 +648,31 @@ def every_order():
 runs = launch(every_order, output="none")[0]
 _, reference, *_ = runs["no checkpointing, eager"]
 print(f"{'':26} {'graphs (linears)':>17} {'saved, KiB':>11} {'params vs no checkpointing':>27}")
-for order, (losses, params, graphs, saved, _) in runs.items():
+for order, (_, params, graphs, saved, _) in runs.items():
     difference = largest_difference((params[name], p) for name, p in reference.items())
     print(f"{order:26} {len(graphs):>6} {str(graphs):>10} {saved / 1024:11.0f} {difference:27.1e}")
-print(f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB, "
-      f"a {str(torch.get_rng_state().dtype).removeprefix('torch.')} tensor of {torch.get_rng_state().numel()}")
-print(f"each block's input on a rank: {[2, CONFIG.block_size, CONFIG.n_embd]} (2 sequences, as `batch` gives)")
+print(
+    f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB, "
+    f"a {str(torch.get_rng_state().dtype).removeprefix('torch.')} tensor of {torch.get_rng_state().numel()}"
+)
+print(
+    f"each block's input on a rank: {[2, CONFIG.block_size, CONFIG.n_embd]} (2 sequences, as `batch` gives)"
+)
 for order in ("checkpointing, eager", "checkpoint, then compile"):
-    kinds = ", ".join(f"{n} x {dtype} {list(shape)}" for (dtype, shape), n in sorted(runs[order][4].items()))
+    kinds = ", ".join(
+        f"{n} x {dtype} {list(shape)}" for (dtype, shape), n in sorted(runs[order][4].items())
+    )
     print(f"saved for backward, {order}: {kinds}")
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
-glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkpointing, eager"][3]) / 1024,
-     display=False)
+glue(
+    "compile_ac_extra_kib",
+    (runs["checkpoint, then compile"][3] - runs["checkpointing, eager"][3]) / 1024,
+    display=False,
+)
 
 # %% [markdown]
 # The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
@@ -674,8 +726,15 @@ glue("compile_ac_extra_kib", (runs["checkpoint, then compile"][3] - runs["checkp
 from torch._dynamo import compiled_autograd
 from torch.distributed.tensor import DTensor
 
-ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")  # the root's own (the head is tied)
-ONE_BLOCK = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)  # compiled autograd compiles slowly on a CPU
+ROOT_PARAMS = (
+    "tok_emb.weight",
+    "pos_emb.weight",
+    "ln_f.weight",
+    "ln_f.bias",
+)  # the root's own (the head is tied)
+ONE_BLOCK = GPTConfig(
+    block_size=32, n_layer=1, n_head=2, n_embd=32
+)  # compiled autograd compiles slowly on a CPU
 
 
 def full(grad):
@@ -700,12 +759,16 @@ def one_step(autograd_backend):
                 loss.backward()
 
     ran = what_ran(step)
-    return {"ran": dict(ran),
-            "graph breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-            "break reasons": sorted({r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]}),
-            "with a gradient": sum(p.grad is not None for p in sharded.values()),
-            "unsharded": [name for name, p in model.named_parameters() if not isinstance(p, DTensor)],
-            "grads": {name: full(p.grad) for name, p in model.named_parameters()}}
+    return {
+        "ran": dict(ran),
+        "graph breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+        "break reasons": sorted(
+            {r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]}
+        ),
+        "with a gradient": sum(p.grad is not None for p in sharded.values()),
+        "unsharded": [name for name, p in model.named_parameters() if not isinstance(p, DTensor)],
+        "grads": {name: full(p.grad) for name, p in model.named_parameters()},
+    }
 
 
 def eager_and_compiled_autograd():
@@ -723,19 +786,27 @@ for event in EVENTS:
     print(f"{event:34} {eager['ran'].get(event, 0):>15} {compiled['ran'].get(event, 0):>18}")
 print(f"{'compiled autograd graphs':34} {'-':>15} {compiled['backward graphs']:>18}")
 print(f"{'graph breaks':34} {eager['graph breaks']:>15} {compiled['graph breaks']:>18}")
-print(f"{'sharded parameters with a grad':34} {eager['with a gradient']:>15} {compiled['with a gradient']:>18}"
-      f"   (of {len(eager['grads'])})")
-print(f"{'left unsharded after backward':34} {len(eager['unsharded']):>15} {len(compiled['unsharded']):>18}"
-      f"   {', '.join(compiled['unsharded'])}")
+print(
+    f"{'sharded parameters with a grad':34} {eager['with a gradient']:>15} {compiled['with a gradient']:>18}"
+    f"   (of {len(eager['grads'])})"
+)
+print(
+    f"{'left unsharded after backward':34} {len(eager['unsharded']):>15} {len(compiled['unsharded']):>18}"
+    f"   {', '.join(compiled['unsharded'])}"
+)
 for reason in compiled["break reasons"]:
     print(f"compiled autograd's graph breaks: {reason}")
-blocks = largest_difference((compiled["grads"][name], g) for name, g in eager["grads"].items()
-                            if name not in ROOT_PARAMS)
+blocks = largest_difference(
+    (compiled["grads"][name], g) for name, g in eager["grads"].items() if name not in ROOT_PARAMS
+)
 print(f"block parameters' gradients vs eager: {blocks:.1e}")
 for name in ROOT_PARAMS:
-    mean = sum(rank[1]["grads"][name] for rank in ranks) / len(ranks)  # what a reduce-scatter would average
-    print(f"{name:15} gradient vs eager: rank 0's {(compiled['grads'][name] - eager['grads'][name]).abs().max().item():.1e}, "
-          f"mean over ranks {(mean - eager['grads'][name]).abs().max().item():.1e}")
+    mean = sum(rank[1]["grads"][name] for rank in ranks) / len(
+        ranks
+    )  # what a reduce-scatter would average
+    rank0 = (compiled["grads"][name] - eager["grads"][name]).abs().max().item()
+    over_ranks = (mean - eager["grads"][name]).abs().max().item()
+    print(f"{name:15} gradient vs eager: rank 0's {rank0:.1e}, mean over ranks {over_ranks:.1e}")
 
 # %% [markdown]
 # - **A block's hooks run, eagerly.** Compiled autograd records FSDP's tensor hooks and
@@ -787,14 +858,20 @@ for name in ROOT_PARAMS:
 # one):
 
 # %%
-COLLECTIVE_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")  # eager c10d, and the functional form graphs use
+COLLECTIVE_OPS = (
+    "c10d::",
+    "_c10d_functional::",
+    "c10d_functional::",
+)  # eager c10d, and the functional form graphs use
 
 
 def collectives_in(fn):
     """Run `fn` under the profiler; count every collective by its op's name, not only FSDP's two."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()
-    return Counter(event.name for event in profile.events() if event.name.startswith(COLLECTIVE_OPS))
+    return Counter(
+        event.name for event in profile.events() if event.name.startswith(COLLECTIVE_OPS)
+    )
 
 
 def one_all_reduce():
@@ -817,27 +894,45 @@ def optimizer_steps(compiled, backend="aot_eager"):
         optimizer.zero_grad()
     params = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
     capturable = [group["capturable"] for group in optimizer.param_groups]
-    return (params, [inputs["DTensor"] for inputs in log.inputs], log.runs, dict(ran),
-            sum(torch._dynamo.utils.counters["graph_break"].values()), capturable,
-            sorted({reason.splitlines()[0] for reason in torch._dynamo.utils.counters["graph_break"]}))
+    return (
+        params,
+        [inputs["DTensor"] for inputs in log.inputs],
+        log.runs,
+        dict(ran),
+        sum(torch._dynamo.utils.counters["graph_break"].values()),
+        capturable,
+        sorted({reason.splitlines()[0] for reason in torch._dynamo.utils.counters["graph_break"]}),
+    )
 
 
 def both_optimizer_steps():
-    return (optimizer_steps(compiled=False), optimizer_steps(compiled=True),
-            optimizer_steps(compiled=True, backend="eager"), one_all_reduce())
+    return (
+        optimizer_steps(compiled=False),
+        optimizer_steps(compiled=True),
+        optimizer_steps(compiled=True, backend="eager"),
+        one_all_reduce(),
+    )
 
 
 eager_run, compiled_run, (dynamo_only, *_), control = launch(both_optimizer_steps, output="none")[0]
 eager_params = eager_run[0]
 params, inputs, runs, collectives, breaks, capturable, reasons = compiled_run
-print(f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters")
-print(f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; capturable: {capturable}")
+print(
+    f"compiled optimizer.step: {len(inputs)} graph(s), with {inputs} DTensor inputs, for {len(params)} parameters"
+)
+print(
+    f"  the compiled graph ran {runs}x in {STEPS} steps; graph breaks: {breaks}; capturable: {capturable}"
+)
 print(f"  graph breaks, by reason: {reasons}")
-print(f"  collectives in the compiled steps: {collectives or 'none'} (around one all-reduce: {dict(control)})")
+print(
+    f"  collectives in the compiled steps: {collectives or 'none'} (around one all-reduce: {dict(control)})"
+)
 difference = largest_difference((params[name], p) for name, p in eager_params.items())
 print(f"  parameters after {STEPS} steps vs eager AdamW: max |difference| {difference:.1e}")
-print(f"  the same with backend='eager' (dynamo's graph run by torch's own kernels, no AOTAutograd): "
-      f"{largest_difference((dynamo_only[name], p) for name, p in eager_params.items()):.1e}")
+print(
+    f"  the same with backend='eager' (dynamo's graph run by torch's own kernels, no AOTAutograd): "
+    f"{largest_difference((dynamo_only[name], p) for name, p in eager_params.items()):.1e}"
+)
 
 # %% [markdown]
 # - **It compiles**, into one graph that takes DTensors as inputs, one per parameter:

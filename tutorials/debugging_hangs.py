@@ -53,9 +53,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.distributed.constants import default_pg_timeout
-
 from fsdp_guide import LaunchError, launch
+from torch.distributed.constants import default_pg_timeout
 
 print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
@@ -64,12 +63,13 @@ workdir = Path(scratch.name)
 
 def mlp(layers=3):
     """A small seeded model: the same weights on every rank."""
+    import fsdp_guide
     import torch
 
-    import fsdp_guide
-
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)]).to(fsdp_guide.device())
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)]).to(
+        fsdp_guide.device()
+    )
 
 
 def shard_per_layer(model):
@@ -92,7 +92,11 @@ def worker_line(fn, line):
 
 def user_frames(stack, fn):
     """The frames of a faulthandler stack that are the worker's own, with their source line."""
-    lines = [int(line.split("line ")[1].split()[0]) for line in stack.splitlines() if "<dynamic-code>" in line]
+    lines = [
+        int(line.split("line ")[1].split()[0])
+        for line in stack.splitlines()
+        if "<dynamic-code>" in line
+    ]
     return [f"line {line}: {worker_line(fn, line)}" for line in lines]
 
 
@@ -110,19 +114,21 @@ def user_frames(stack, fn):
 # rank was. (The collective timeout's own error is not shown on this page: waiting for it
 # would take minutes.)
 
+
 # %%
 def evaluate(batches_on_rank_1, monitored=None, dumps=None):
     import datetime
 
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-
-    import fsdp_guide
 
     device = fsdp_guide.device()
     model = sharded_mlp()
     if dumps is not None:
-        dump_flight_recorder_after(2, dumps, then_stop=True)  # defined below, with the flight recorder
+        dump_flight_recorder_after(
+            2, dumps, then_stop=True
+        )  # defined below, with the flight recorder
     batches = 2 if dist.get_rank() == 0 else batches_on_rank_1
     total = torch.zeros(1, device=device)
     with torch.no_grad():
@@ -132,20 +138,29 @@ def evaluate(batches_on_rank_1, monitored=None, dumps=None):
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=2))
         except RuntimeError as error:  # rank 0 names the late ranks; kept for the page to print
-            Path(monitored, f"monitored{dist.get_rank()}.txt").write_text(f"{type(error).__name__}: {error}")
+            Path(monitored, f"monitored{dist.get_rank()}.txt").write_text(
+                f"{type(error).__name__}: {error}"
+            )
             raise
     dist.all_reduce(total)
     return total.item()
 
 
-print("gloo's default collective timeout (torch.distributed.constants.default_pg_timeout):", default_pg_timeout)
+print(
+    "gloo's default collective timeout (torch.distributed.constants.default_pg_timeout):",
+    default_pg_timeout,
+)
 try:
-    launch(evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none")  # time enough to reach the hang
+    launch(
+        evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none"
+    )  # time enough to reach the hang
 except LaunchError as error:
     print(f"{type(error).__name__}: {str(error).splitlines()[0][:110]} ...")
     for rank, stack in sorted(error.stacks.items()):
-        print(f"rank {rank}: innermost {stack.splitlines()[0].split(' in ')[-1]!r}, "
-              f"called from {user_frames(stack, evaluate)}")
+        print(
+            f"rank {rank}: innermost {stack.splitlines()[0].split(' in ')[-1]!r}, "
+            f"called from {user_frames(stack, evaluate)}"
+        )
 
 # %% [markdown]
 # Rank 1, on its third batch, waits in FSDP's all-gather (`all_gather_single`, called from
@@ -168,11 +183,16 @@ try:
     launch(evaluate, 3, world_size=2, backend="gloo", timeout=30, output="none")
 except LaunchError as error:
     report = str(error).splitlines()[0]
-    print(report.split(" raised ", 1)[1].split(". Rank")[0])  # the exception's class and its first sentence
-    for rank, sequence, op in re.findall(r"Rank (\d) is running collective: CollectiveFingerPrint\("
-                                         r"SequenceNumber=(\d+), OpType=(\w+)", report):
+    print(
+        report.split(" raised ", 1)[1].split(". Rank")[0]
+    )  # the exception's class and its first sentence
+    for rank, sequence, op in re.findall(
+        r"Rank (\d) is running collective: CollectiveFingerPrint\("
+        r"SequenceNumber=(\d+), OpType=(\w+)",
+        report,
+    ):
         print(f"rank {rank} is running collective number {sequence}: {op}")
-    print(report[report.rindex("Collectives differ"):])
+    print(report[report.rindex("Collectives differ") :])
 finally:
     del os.environ["TORCH_DISTRIBUTED_DEBUG"]
 
@@ -211,6 +231,7 @@ except LaunchError:
 # once every rank's dump is written, rank 0 stops its own process (SIGTERM, as you would stop
 # a hung job), and `launch` stops the others; ending there rather than at a `timeout` waits
 # for the dumps however slow the machine is:
+
 
 # %%
 def write_then_rename(path, data):
@@ -262,7 +283,16 @@ def how_it_ended(error):
 
 
 try:
-    launch(evaluate, 3, None, str(workdir / "hang1"), world_size=2, backend="gloo", timeout=120, output="none")
+    launch(
+        evaluate,
+        3,
+        None,
+        str(workdir / "hang1"),
+        world_size=2,
+        backend="gloo",
+        timeout=120,
+        output="none",
+    )
 except LaunchError as error:
     print("the hang ended:", how_it_ended(error))
 for rank in (0, 1):
@@ -282,17 +312,27 @@ for rank in (0, 1):
 # dump per rank, it pairs the ranks' collectives in order and reports the first that do
 # not match. On gloo's dumps of torch 2.13 it fails:
 
+
 # %%
 def fr_trace(dumps):
     """torch's analyser, as `torchfrtrace DUMPS` runs it; it logs its verdicts on stderr."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done.stdout + done.stderr
 
 
 failure = fr_trace(workdir / "hang1").strip().splitlines()[-1]
-looked_up = re.fullmatch(r"(\w+): \('(\w*)', \d+\)", failure)  # (group, the rank it read first: file order)
-print("torchfrtrace on gloo's dumps:", f"{looked_up[1]} looking up group {looked_up[2]!r}" if looked_up else failure)
+looked_up = re.fullmatch(
+    r"(\w+): \('(\w*)', \d+\)", failure
+)  # (group, the rank it read first: file order)
+print(
+    "torchfrtrace on gloo's dumps:",
+    f"{looked_up[1]} looking up group {looked_up[2]!r}" if looked_up else failure,
+)
 trace = flight_recorder(workdir / "hang1", 0)
 print("the dump's group table (pg_config):", trace["pg_config"])
 print("the group its entries name:        ", trace["entries"][0]["process_group"])
@@ -314,11 +354,14 @@ print("the group its entries name:        ", trace["entries"][0]["process_group"
 # here). Copy the dumps with the table keyed by the name the entries carry,
 # and the analyser runs:
 
+
 # %%
 def name_the_group(dumps, named):
     """Copies of gloo's dumps whose group table carries the name and description their entries use."""
     Path(named).mkdir(exist_ok=True)
-    for dump in sorted(Path(dumps).iterdir()):  # the file names are kept: the analyser reads them as listed
+    for dump in sorted(
+        Path(dumps).iterdir()
+    ):  # the file names are kept: the analyser reads them as listed
         trace = pickle.loads(dump.read_bytes())
         name, desc = trace["entries"][0]["process_group"]
         (ranks,) = [group["ranks"] for group in trace["pg_config"].values()]
@@ -329,8 +372,11 @@ def name_the_group(dumps, named):
 def verdict(report):
     """The analyser's first mismatch, by rank: its own lines name a 'culprit' relative to the dump it read first."""
     number = re.search(r"Collective sequence number: (\d+) has errors", report)
-    error = re.search(r"Culprit rank (\d+); Error type: (\w+), Expected collective type: '(\w+)' does not match "
-                      r"found collective type: '(\w+)'", report)
+    error = re.search(
+        r"Culprit rank (\d+); Error type: (\w+), Expected collective type: '(\w+)' does not match "
+        r"found collective type: '(\w+)'",
+        report,
+    )
     if not (number and error):
         return "no mismatch reported: " + report.strip()[-300:]
     culprit, kind, expected, found = error.groups()
@@ -339,13 +385,23 @@ def verdict(report):
 
 
 name_the_group(workdir / "hang1", workdir / "hang1-named")
-print("the order the analyser reads the dumps (os.listdir, the file system's order):",
-      os.listdir(workdir / "hang1-named"))
+print(
+    "the order the analyser reads the dumps (os.listdir, the file system's order):",
+    os.listdir(workdir / "hang1-named"),
+)
 report = fr_trace(workdir / "hang1-named")
-print("\n".join(line for line in report.splitlines() if line.startswith(("Collective sequence", "error msg"))))
+print(
+    "\n".join(
+        line
+        for line in report.splitlines()
+        if line.startswith(("Collective sequence", "error msg"))
+    )
+)
 print("by rank:", verdict(report))
 
-from myst_nb import glue  # the numbers the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the numbers the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 
 def mismatched(report):
@@ -378,12 +434,12 @@ glue("hang1_mismatch", mismatched(report), display=False)
 # each step, with a rank that has none running a forward on a dummy batch whose result it
 # ignores, or simply stopping all ranks together:
 
+
 # %%
 def evaluate_together(batches_on_rank_1):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-
-    import fsdp_guide
 
     device = fsdp_guide.device()
     model = sharded_mlp()
@@ -401,8 +457,10 @@ def evaluate_together(batches_on_rank_1):
     return step, total.item()
 
 
-print("batches evaluated per rank:", [steps for steps, _ in launch(evaluate_together, 3, world_size=2,
-                                                                    timeout=30, output="none")])
+print(
+    "batches evaluated per rank:",
+    [steps for steps, _ in launch(evaluate_together, 3, world_size=2, timeout=30, output="none")],
+)
 
 # %% [markdown]
 # Both ranks stop after 2 batches: no hang. Rank 1's third batch is skipped here; to count
@@ -416,13 +474,13 @@ print("batches evaluated per rank:", [steps for steps, _ in launch(evaluate_toge
 # rank that calls the unit all-gathers it; the other has moved on. Where do they hang? The
 # ranks also dump their flight recorders, for the analysis after this:
 
+
 # %%
 def train_with_a_branch(where, dumps=None):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-
-    import fsdp_guide
 
     device = fsdp_guide.device()
     body, expert = sharded_mlp(2), torch.nn.Linear(16, 16).to(device)
@@ -441,12 +499,21 @@ def train_with_a_branch(where, dumps=None):
 
 
 try:
-    launch(train_with_a_branch, str(workdir), str(workdir / "hang2"), world_size=2, backend="gloo", timeout=8,
-           output="none")
+    launch(
+        train_with_a_branch,
+        str(workdir),
+        str(workdir / "hang2"),
+        world_size=2,
+        backend="gloo",
+        timeout=8,
+        output="none",
+    )
 except LaunchError as error:
     for rank, stack in sorted(error.stacks.items()):
-        print(f"rank {rank} called the expert: {(workdir / f'expert{rank}.txt').read_text()}; stuck in "
-              f"{stack.splitlines()[0].split(' in ')[-1]!r}, from {user_frames(stack, train_with_a_branch)}")
+        print(
+            f"rank {rank} called the expert: {(workdir / f'expert{rank}.txt').read_text()}; stuck in "
+            f"{stack.splitlines()[0].split(' in ')[-1]!r}, from {user_frames(stack, train_with_a_branch)}"
+        )
 
 # %% [markdown]
 # (debugging-hangs-branch-tools)=
@@ -454,6 +521,7 @@ except LaunchError as error:
 # show where ranks *wait*, which can be later than where they parted. Do the tools that
 # compare collectives do better? `TORCH_DISTRIBUTED_DEBUG=DETAIL` first; each rank keeps the
 # error its check raises and returns it:
+
 
 # %%
 def detail_report(where):
@@ -466,16 +534,26 @@ def detail_report(where):
 
 os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
 try:
-    reports = launch(detail_report, str(workdir), world_size=2, backend="gloo", timeout=30, output="none")
+    reports = launch(
+        detail_report, str(workdir), world_size=2, backend="gloo", timeout=30, output="none"
+    )
 finally:
     del os.environ["TORCH_DISTRIBUTED_DEBUG"]
 for rank, report in enumerate(reports):
-    own = re.search(rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
-                    rf"OpType=(\w+), TensorShape=\[(\d+)\]", report or "")
-    print(f"rank {rank} raised before its collective number {own[1]}: {own[2]} of [{own[3]}]" if own
-          else f"rank {rank} raised nothing: {report}")
+    own = re.search(
+        rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+        rf"OpType=(\w+), TensorShape=\[(\d+)\]",
+        report or "",
+    )
+    print(
+        f"rank {rank} raised before its collective number {own[1]}: {own[2]} of [{own[3]}]"
+        if own
+        else f"rank {rank} raised nothing: {report}"
+    )
 
-rank0 = re.search(r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),", reports[0] or "")
+rank0 = re.search(
+    r"Rank 0 is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+),", reports[0] or ""
+)
 glue("hang2_detail_mismatch", rank0 and int(rank0[1]), display=False)  # numbered from 0
 glue("hang2_detail_passed", rank0 and int(rank0[1]) - 1, display=False)
 
@@ -514,18 +592,30 @@ def hook_of(entry):
 def issued_by(entry, fn):
     """A recorded collective: its operation and size, the FSDP hook and the line of `fn` that issued it."""
     frames = entry["frames"]  # innermost first
-    line = next(frame["line"] for frame in frames if (frame["filename"], frame["name"]) == ("<dynamic-code>", fn.__name__))
+    line = next(
+        frame["line"]
+        for frame in frames
+        if (frame["filename"], frame["name"]) == ("<dynamic-code>", fn.__name__)
+    )
     return f"{entry['profiling_name'][5:]} {entry['input_sizes'][0]}, {hook_of(entry)}, {worker_line(fn, line)}"
 
 
 traces = [flight_recorder(workdir / "hang2", rank)["entries"] for rank in (0, 1)]
 print(f"{'':3}{'rank 0':56}rank 1")
 for number, entries in enumerate(zip(*traces), start=1):
-    print(f"{number:<3}" + "".join(f"{issued_by(entry, train_with_a_branch):56}" for entry in entries))
+    print(
+        f"{number:<3}" + "".join(f"{issued_by(entry, train_with_a_branch):56}" for entry in entries)
+    )
 
 # the first collective the two ranks issued from different FSDP hooks
-glue("hang2_parted", next((number for number, (a, b) in enumerate(zip(*traces), start=1) if hook_of(a) != hook_of(b)),
-                          None), display=False)
+glue(
+    "hang2_parted",
+    next(
+        (number for number, (a, b) in enumerate(zip(*traces), start=1) if hook_of(a) != hook_of(b)),
+        None,
+    ),
+    display=False,
+)
 
 # %% [markdown]
 # Collective {glue:text}`hang2_parted` is where the ranks parted: rank 0's all-gather was issued by the forward
@@ -548,12 +638,12 @@ glue("hang2_parted", next((number for number, (a, b) in enumerate(zip(*traces), 
 # one process computes on each rank's batch (FSDP averages over ranks), and differ from
 # the rank's own:
 
+
 # %%
 def loss_with_every_unit(body, expert, rank):
     """Rank `rank`'s batch through the model; the expert runs whatever the branch says."""
-    import torch
-
     import fsdp_guide
+    import torch
 
     torch.manual_seed(rank)
     x = torch.randn(4, 16, device=fsdp_guide.device()) + (1 if rank == 0 else -1)
@@ -564,11 +654,10 @@ def loss_with_every_unit(body, expert, rank):
 def train_every_unit_everywhere():
     import copy
 
+    import fsdp_guide
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-
-    import fsdp_guide
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
     body, expert = mlp(2), torch.nn.Linear(16, 16).to(fsdp_guide.device())
@@ -577,17 +666,26 @@ def train_every_unit_everywhere():
     fully_shard(expert)
     loss_with_every_unit(body, expert, rank).backward()
     reduced = expert.weight.grad.full_tensor()  # this rank's reduced shard, gathered
-    per_rank = [torch.autograd.grad(loss_with_every_unit(*one_process, r), one_process[1].weight)[0]
-                for r in range(ranks)]  # one process, each rank's batch
+    per_rank = [
+        torch.autograd.grad(loss_with_every_unit(*one_process, r), one_process[1].weight)[0]
+        for r in range(ranks)
+    ]  # one process, each rank's batch
     mean = torch.stack(per_rank).mean(0)
     own = per_rank[rank]
-    return (reduced - mean).abs().max().item(), (reduced - own).abs().max().item(), own.abs().max().item()
+    return (
+        (reduced - mean).abs().max().item(),
+        (reduced - own).abs().max().item(),
+        own.abs().max().item(),
+    )
 
 
-for rank, (to_mean, to_own, own) in enumerate(launch(train_every_unit_everywhere, world_size=2, timeout=30,
-                                                       output="none")):
-    print(f"rank {rank} finished; its expert gradient differs from the mean of the ranks' by {to_mean:.1e}, "
-          f"from its own batch's by {to_own:.1e} (its own batch's: {own:.1e} at most)")
+for rank, (to_mean, to_own, own) in enumerate(
+    launch(train_every_unit_everywhere, world_size=2, timeout=30, output="none")
+):
+    print(
+        f"rank {rank} finished; its expert gradient differs from the mean of the ranks' by {to_mean:.1e}, "
+        f"from its own batch's by {to_own:.1e} (its own batch's: {own:.1e} at most)"
+    )
 
 # %% [markdown]
 # Both ranks finish, and the expert's gradient is the mean over both ranks' batches (a
@@ -617,6 +715,7 @@ for rank, (to_mean, to_own, own) in enumerate(launch(train_every_unit_everywhere
 # the process: the two options cannot be combined (asked for both, the installed py-spy
 # refuses, below). Its help on the two options, its version, and that refusal:
 
+
 # %%
 def find_py_spy():
     """py-spy on PATH, or next to this Python (a virtual environment that is not activated)."""
@@ -627,19 +726,36 @@ def no_colours(text):
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
-help_text = no_colours(subprocess.run([find_py_spy(), "dump", "--help"], capture_output=True, text=True).stdout)
-print(*[" ".join(line.split()) for line in help_text.splitlines() if "--native" in line or "--nonblocking" in line],
-      sep="\n")
+help_text = no_colours(
+    subprocess.run([find_py_spy(), "dump", "--help"], capture_output=True, text=True).stdout
+)
+print(
+    *[
+        " ".join(line.split())
+        for line in help_text.splitlines()
+        if "--native" in line or "--nonblocking" in line
+    ],
+    sep="\n",
+)
 print(subprocess.run([find_py_spy(), "--version"], capture_output=True, text=True).stdout.strip())
-both = subprocess.run([find_py_spy(), "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
-                      capture_output=True, text=True)  # refused before it attaches to anything
-print(f"asked for both (exit status {both.returncode}):", no_colours(both.stdout + both.stderr).strip())
-print("process_vm_readv named in the binary:", b"process_vm_readv" in Path(find_py_spy()).read_bytes())
+both = subprocess.run(
+    [find_py_spy(), "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
+    capture_output=True,
+    text=True,
+)  # refused before it attaches to anything
+print(
+    f"asked for both (exit status {both.returncode}):",
+    no_colours(both.stdout + both.stderr).strip(),
+)
+print(
+    "process_vm_readv named in the binary:", b"process_vm_readv" in Path(find_py_spy()).read_bytes()
+)
 
 # %% [markdown]
 # (debugging-hangs-py-spy)=
 # A thread in each rank runs `py-spy dump --native` on its own process after 2 seconds, when
 # both ranks wait; once both dumps are written, rank 0 stops, as with the flight recorder:
+
 
 # %%
 def py_spy_dump_after(seconds, where):
@@ -652,8 +768,12 @@ def py_spy_dump_after(seconds, where):
 
     def dump():
         try:
-            done = subprocess.run([find_py_spy(), "dump", "--native", "--pid", str(os.getpid())], capture_output=True,
-                                  text=True, timeout=20)
+            done = subprocess.run(
+                [find_py_spy(), "dump", "--native", "--pid", str(os.getpid())],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             text = done.stdout or done.stderr
         except (OSError, subprocess.TimeoutExpired) as error:  # not installed, or not allowed here
             text = f"py-spy could not run: {error}"
@@ -670,21 +790,34 @@ def save_on_rank_0_only(where):
     model = sharded_mlp()
     py_spy_dump_after(2, where)
     if dist.get_rank() == 0:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         torch.save(full, Path(where, "model.pt"))
     dist.barrier()
 
 
 def main_thread(dump):
     """py-spy's frames of the main thread, innermost first."""
-    return [line.strip() for line in dump.split('"MainThread"')[-1].split("\nThread ")[0].strip().splitlines()]
+    return [
+        line.strip()
+        for line in dump.split('"MainThread"')[-1].split("\nThread ")[0].strip().splitlines()
+    ]
 
 
 NATIVE = ("pthread_cond_wait", "std::condition_variable::wait", "c10d::")  # the frames of the wait
-PYTHON = {"wait_tensor", "DTensor.redistribute", "get_model_state_dict", "barrier", "save_on_rank_0_only"}
+PYTHON = {
+    "wait_tensor",
+    "DTensor.redistribute",
+    "get_model_state_dict",
+    "barrier",
+    "save_on_rank_0_only",
+}
 
 try:
-    launch(save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=120, output="none")
+    launch(
+        save_on_rank_0_only, str(workdir), world_size=2, backend="gloo", timeout=120, output="none"
+    )
 except LaunchError as error:
     print("the hang ended:", how_it_ended(error))
 for rank in (0, 1):
@@ -694,9 +827,16 @@ for rank in (0, 1):
         continue
     frames = main_thread(dump)
     native = [frame for frame in frames if frame.startswith(NATIVE)]
-    python = [frame for frame in frames if frame.split(" (")[0] in PYTHON and re.search(r":\d+\)$", frame)]
-    print(f"rank {rank}, main thread, innermost first; native frames:", *native, "... Python frames:", *python,
-          sep="\n    ")
+    python = [
+        frame for frame in frames if frame.split(" (")[0] in PYTHON and re.search(r":\d+\)$", frame)
+    ]
+    print(
+        f"rank {rank}, main thread, innermost first; native frames:",
+        *native,
+        "... Python frames:",
+        *python,
+        sep="\n    ",
+    )
 
 # %% [markdown]
 # Rank 0 is inside the state-dict gather: `get_model_state_dict` redistributes each sharded
@@ -713,23 +853,33 @@ for rank in (0, 1):
 #
 # **The fix**: every rank calls the gather; only rank 0 writes.
 
+
 # %%
 def save_everywhere_write_on_rank_0(where):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = sharded_mlp()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() == 0:  # the gather is every rank's; the file is rank 0's
         torch.save(full, Path(where, "model.pt"))
     dist.barrier()
     return len(full)
 
 
-(workdir / "model.pt").unlink(missing_ok=True)  # the hang above may have left none; make sure this one writes it
-print("tensors in the saved state dict:", launch(save_everywhere_write_on_rank_0, str(workdir), world_size=2,
-                                                  timeout=30, output="none")[0],
-      "| file written:", (workdir / "model.pt").exists())
+(workdir / "model.pt").unlink(
+    missing_ok=True
+)  # the hang above may have left none; make sure this one writes it
+print(
+    "tensors in the saved state dict:",
+    launch(save_everywhere_write_on_rank_0, str(workdir), world_size=2, timeout=30, output="none")[
+        0
+    ],
+    "| file written:",
+    (workdir / "model.pt").exists(),
+)
 # %% [markdown]
 # (debugging-hangs-set-order)=
 # ## Wrong sums the notebook hides: collectives in the order of a set
@@ -756,13 +906,14 @@ from fsdp_guide.launcher import launches
 
 def reduce_per_name(in_order):
     """All-reduce one value per parameter name, in the order of a set of names, or sorted."""
+    import fsdp_guide
     import torch
     import torch.distributed as dist
 
-    import fsdp_guide
-
     names = {f"blocks.{i}.weight" for i in range(16)}
-    value = {name: float(i) for i, name in enumerate(sorted(names))}  # every rank adds the same per name
+    value = {
+        name: float(i) for i, name in enumerate(sorted(names))
+    }  # every rank adds the same per name
     order = sorted(names) if in_order else list(names)
     summed = {}
     for name in order:
@@ -790,12 +941,16 @@ def as_torchrun_starts_them():
 def show(how, results):
     (order0, right0), (order1, right1) = results
     warm = all(rank["warm"] for rank in launches()[-1]["ranks"])
-    print(f"{how:34} warm={warm!s:5}  same order on both ranks: {order0 == order1!s:5}  "
-          f"every sum right: {right0 and right1}")
+    print(
+        f"{how:34} warm={warm!s:5}  same order on both ranks: {order0 == order1!s:5}  "
+        f"every sum right: {right0 and right1}"
+    )
 
 
 with as_torchrun_starts_them():
-    show("set order, cold (as torchrun)", launch(reduce_per_name, False, world_size=2, output="none"))
+    show(
+        "set order, cold (as torchrun)", launch(reduce_per_name, False, world_size=2, output="none")
+    )
 show("set order, warm (forked)", launch(reduce_per_name, False, world_size=2, output="none"))
 with as_torchrun_starts_them():
     show("sorted, cold (as torchrun)", launch(reduce_per_name, True, world_size=2, output="none"))

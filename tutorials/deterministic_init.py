@@ -50,9 +50,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # with no collective: what it returns is one process's model, as CPU tensors.
 
 # %%
-import torch.nn as nn
-
 import fsdp_guide
+import torch.nn as nn
 from fsdp_guide import launch
 
 SEED = 0
@@ -85,9 +84,8 @@ def equals_reference(weights):
 
 # %%
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
 from fsdp_guide import summon_full_params
+from torch.distributed.fsdp import fully_shard
 
 
 def shard(model, mesh=None):  # mesh=None: fully_shard's default, over all ranks
@@ -128,6 +126,7 @@ glue("sharded_init_rank", weight_rank, display=False)
 # but only because each half alone has rank 16. Its 32 output features start as 16
 # identical pairs. A square layer shows the rank loss directly:
 
+
 # %%
 def square_layer_after_sharding():
     layer = fully_shard(nn.Linear(16, 16))
@@ -138,15 +137,19 @@ def square_layer_after_sharding():
 
 
 square = launch(square_layer_after_sharding, world_size=2, output="none")[0]
-print("16x16 weight initialised after sharding: rank",
-      torch.linalg.matrix_rank(square).item(), "of 16")
+print(
+    "16x16 weight initialised after sharding: rank",
+    torch.linalg.matrix_rank(square).item(),
+    "of 16",
+)
 
 # %% mystnb={"image": {"alt": "Two heat maps of the first layer's 32 by 16 weight. Initialised after sharding (left), the rows above and below the line at row 16 show the same pattern: the two shards are copies. Initialised as one process would (right), no such repetition."}}
 import matplotlib.pyplot as plt
 
 fig, axes = plt.subplots(1, 2, figsize=(7, 3.4))
-for ax, (title, weight) in zip(axes, [("initialised after sharding", w),
-                                      ("single process", reference["0.weight"])]):
+for ax, (title, weight) in zip(
+    axes, [("initialised after sharding", w), ("single process", reference["0.weight"])]
+):
     ax.imshow(weight, cmap="RdBu", vmin=-0.6, vmax=0.6)
     ax.set(title=title, xlabel="input feature", ylabel="output feature")
 axes[0].axhline(15.5, color="black", linewidth=1)
@@ -207,6 +210,7 @@ print("equals the single process:", equals_reference(meta_weights))
 # on its device, then shards it: each keeps its slice of identical full tensors (the
 # quickstart does this).
 
+
 # %%
 def init_before_sharding():
     device = fsdp_guide.device()
@@ -237,8 +241,10 @@ def fsdp1_param_init_fn():
     torch.manual_seed(SEED)
     fsdp = FSDP(model, param_init_fn=materialise, device_id=device, use_orig_params=True)
     with summon_full_params(fsdp, writeback=False):
-        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
-                for n, p in fsdp.named_parameters()}
+        return {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+            for n, p in fsdp.named_parameters()
+        }
 
 
 # %% [markdown]
@@ -248,11 +254,13 @@ def fsdp1_param_init_fn():
 # GPU `device_id`, torch documents that each FSDP module broadcasts its parameters and
 # buffers from rank 0 instead (not executed here).
 
+
 # %%
 def fsdp1_sync_module_states_on_cpu():
     try:
-        FSDP(make_model(), sync_module_states=True,
-             device_id=torch.device("cpu"))  # cpu-only: shows FSDP1's refusal on CPU
+        FSDP(
+            make_model(), sync_module_states=True, device_id=torch.device("cpu")
+        )  # cpu-only: shows FSDP1's refusal on CPU
     except ValueError as err:
         return f"{type(err).__name__}: {err}"
 
@@ -263,6 +271,7 @@ print(launch(fsdp1_sync_module_states_on_cpu, world_size=2, backend="gloo", outp
 # The same thing by hand works on any device: only rank 0 needs the seed, the other ranks
 # may hold anything. The tensors it broadcasts are on the rank's device (torch.distributed's
 # backend table lists NCCL for GPU tensors only).
+
 
 # %%
 def broadcast_from_rank_0():
@@ -281,6 +290,7 @@ def broadcast_from_rank_0():
 # memory savings of the meta recipe, but initialise full tensors, one unit at a time:
 # inside the context each rank draws the full tensor with the same seed, in the order the
 # single process does, and keeps its slice.
+
 
 # %%
 def meta_then_summon():

@@ -36,10 +36,14 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 from fsdp_guide.data import digits
 
 train_set, test_set = digits()
-print(f"{len(train_set)} training and {len(test_set)} test images of shape "
-      f"{tuple(train_set[0][0].shape)}; classes {sorted(set(test_set.tensors[1].tolist()))}")
+print(
+    f"{len(train_set)} training and {len(test_set)} test images of shape "
+    f"{tuple(train_set[0][0].shape)}; classes {sorted(set(test_set.tensors[1].tolist()))}"
+)
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("digits_train_images", len(train_set), display=False)
 
@@ -60,14 +64,13 @@ glue("digits_train_images", len(train_set), display=False)
 # GPU tensors only).
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
-
-import fsdp_guide
 from fsdp_guide import launch, shard
 from fsdp_guide.compare import largest_difference
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 class Net(nn.Module):
@@ -86,9 +89,14 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(self.dropout2(x)), dim=1)
 
 
-print("parameters per module:", ", ".join(
-    f"{name} {sum(p.numel() for p in module.parameters()):,}"
-    for name, module in Net().named_children() if any(True for _ in module.parameters())))
+print(
+    "parameters per module:",
+    ", ".join(
+        f"{name} {sum(p.numel() for p in module.parameters()):,}"
+        for name, module in Net().named_children()
+        if any(True for _ in module.parameters())
+    ),
+)
 
 
 def summed_over_ranks(values, device):
@@ -140,14 +148,16 @@ def test(model, loader, device):
 # Every rank computes its own loss and counts; `all_reduce` sums them, and the function
 # returns the whole history to the notebook, which prints it.
 
+
 # %%
 def train_digits(api, epochs=5):
     device = fsdp_guide.device()  # this rank's GPU, or the CPU
     train_set, test_set = digits()
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=0)
     train_loader = DataLoader(train_set, batch_size=16, sampler=train_sampler)
-    test_loader = DataLoader(test_set, batch_size=180,
-                             sampler=DistributedSampler(test_set, shuffle=False))
+    test_loader = DataLoader(
+        test_set, batch_size=180, sampler=DistributedSampler(test_set, shuffle=False)
+    )
     torch.manual_seed(0)  # the same initial model on every rank
     model = shard(Net(), {"min_params": 10_000, "mixed_precision": "FULL"}, api=api)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -158,17 +168,26 @@ def train_digits(api, epochs=5):
         train_loss, n_train = train_epoch(model, train_loader, optimizer, device)
         test_loss, correct, n_test = test(model, test_loader, device)
         scheduler.step()
-        history.append(dict(epoch=epoch, train_loss=train_loss / n_train,
-                            test_loss=test_loss / n_test, correct=int(correct), total=int(n_test),
-                            train_images=int(n_train)))
+        history.append(
+            dict(
+                epoch=epoch,
+                train_loss=train_loss / n_train,
+                test_loss=test_loss / n_test,
+                correct=int(correct),
+                total=int(n_test),
+                train_images=int(n_train),
+            )
+        )
     return history
 
 
 fsdp2 = launch(train_digits, "fsdp2", output="none")[0]
 for h in fsdp2:
     print(f"Train Epoch: {h['epoch']} \tLoss: {h['train_loss']:.6f}")
-    print(f"Test set: Average loss: {h['test_loss']:.4f}, Accuracy: {h['correct']}/{h['total']} "
-          f"({100 * h['correct'] / h['total']:.2f}%)")
+    print(
+        f"Test set: Average loss: {h['test_loss']:.4f}, Accuracy: {h['correct']}/{h['total']} "
+        f"({100 * h['correct'] / h['total']:.2f}%)"
+    )
 assert fsdp2[-1]["correct"] / fsdp2[-1]["total"] >= 0.97
 print("\nFSDP2: at least 97% test accuracy")
 read = fsdp2[0]["train_images"]  # training images read in an epoch, summed over the 2 ranks
@@ -186,10 +205,14 @@ glue("digits_rank_images", read // 2, display=False)
 # %%
 fsdp1 = launch(train_digits, "fsdp1", output="none")[0]
 final = fsdp1[-1]
-print(f"FSDP1 final: Test set: Average loss: {final['test_loss']:.4f}, Accuracy: "
-      f"{final['correct']}/{final['total']} ({100 * final['correct'] / final['total']:.2f}%)")
-print("largest |train loss FSDP1 - FSDP2| over the epochs: "
-      f"{largest_difference((a['train_loss'], b['train_loss']) for a, b in zip(fsdp1, fsdp2)):.1e}")
+print(
+    f"FSDP1 final: Test set: Average loss: {final['test_loss']:.4f}, Accuracy: "
+    f"{final['correct']}/{final['total']} ({100 * final['correct'] / final['total']:.2f}%)"
+)
+print(
+    "largest |train loss FSDP1 - FSDP2| over the epochs: "
+    f"{largest_difference((a['train_loss'], b['train_loss']) for a, b in zip(fsdp1, fsdp2)):.1e}"
+)
 
 # %% mystnb={"image": {"alt": "Two panels over training epochs: train and test loss for FSDP1 and FSDP2 falling together, and test accuracy rising to about 97 percent for both."}}
 import matplotlib.pyplot as plt

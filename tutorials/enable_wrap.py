@@ -48,13 +48,12 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # `sharding_strategy`, except the one that overrides it:
 
 # %%
+import fsdp_guide
 import torch.nn as nn
+from fsdp_guide import launch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import enable_wrap, wrap
-
-import fsdp_guide
-from fsdp_guide import launch
 
 
 def block(width=8):
@@ -63,16 +62,21 @@ def block(width=8):
 
 def fsdp1_units():
     device = fsdp_guide.device()
-    with enable_wrap(wrapper_cls=FSDP, device_id=device,
-                     sharding_strategy=ShardingStrategy.SHARD_GRAD_OP):
-        model = wrap(nn.Sequential(
-            wrap(block()),
-            wrap(block()),
-            wrap(block(), sharding_strategy=ShardingStrategy.FULL_SHARD),
-        ))
-    return [(name.replace("_fsdp_wrapped_module.", "") or "(root)",
-             unit.sharding_strategy.name)
-            for name, unit in model.named_modules() if isinstance(unit, FSDP)]
+    with enable_wrap(
+        wrapper_cls=FSDP, device_id=device, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP
+    ):
+        model = wrap(
+            nn.Sequential(
+                wrap(block()),
+                wrap(block()),
+                wrap(block(), sharding_strategy=ShardingStrategy.FULL_SHARD),
+            )
+        )
+    return [
+        (name.replace("_fsdp_wrapped_module.", "") or "(root)", unit.sharding_strategy.name)
+        for name, unit in model.named_modules()
+        if isinstance(unit, FSDP)
+    ]
 
 
 for name, strategy in launch(fsdp1_units, world_size=2, output="none")[0]:
@@ -100,14 +104,22 @@ def fsdp2_units():
     fully_shard(model)
     model(torch.randn(2, 8).to(device))
     weights = [b[0].weight for b in model]
-    return [(str(i), type(w).__name__, tuple(w.shape),
-             tuple((w.to_local() if isinstance(w, DTensor) else w).shape))
-            for i, w in enumerate(weights)]
+    return [
+        (
+            str(i),
+            type(w).__name__,
+            tuple(w.shape),
+            tuple((w.to_local() if isinstance(w, DTensor) else w).shape),
+        )
+        for i, w in enumerate(weights)
+    ]
 
 
 for name, kind, shape, held in launch(fsdp2_units, world_size=2, output="none")[0]:
-    print(f"FSDP2 unit {name} after forward: weight is a {kind}, shape {shape}, "
-          f"this rank holds {held}")
+    print(
+        f"FSDP2 unit {name} after forward: weight is a {kind}, shape {shape}, "
+        f"this rank holds {held}"
+    )
 
 # %% [markdown]
 # ## Automatic wrapping
@@ -125,18 +137,16 @@ for name, kind, shape, held in launch(fsdp2_units, world_size=2, output="none")[
 # %%
 import functools
 
+from fsdp_guide import auto_wrap
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
-
-from fsdp_guide import auto_wrap
 
 
 class Block(nn.Module):
     def __init__(self, dim=16):
         super().__init__()
         self.attn = nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(),
-                                 nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):
         return x + self.mlp(x + self.attn(x))
@@ -153,7 +163,8 @@ class Net(nn.Module):
 POLICIES = {
     "ModuleWrapPolicy({Block})": lambda: ModuleWrapPolicy({Block}),
     "size_based, min_num_params=1000": lambda: functools.partial(
-        size_based_auto_wrap_policy, min_num_params=1000),
+        size_based_auto_wrap_policy, min_num_params=1000
+    ),
 }
 
 
@@ -162,10 +173,14 @@ def units_chosen(policy_name):
     fsdp1 = FSDP(Net(), auto_wrap_policy=POLICIES[policy_name](), device_id=device)
     fsdp2 = auto_wrap(Net(), POLICIES[policy_name]())
     return {
-        "FSDP1 auto_wrap_policy": [n.replace("_fsdp_wrapped_module.", "") or "(root)"
-                                   for n, m in fsdp1.named_modules() if isinstance(m, FSDP)],
-        "fsdp_guide.auto_wrap": [n or "(root)"
-                                 for n, m in fsdp2.named_modules() if isinstance(m, FSDPModule)],
+        "FSDP1 auto_wrap_policy": [
+            n.replace("_fsdp_wrapped_module.", "") or "(root)"
+            for n, m in fsdp1.named_modules()
+            if isinstance(m, FSDP)
+        ],
+        "fsdp_guide.auto_wrap": [
+            n or "(root)" for n, m in fsdp2.named_modules() if isinstance(m, FSDPModule)
+        ],
     }
 
 
@@ -255,22 +270,27 @@ def on_meta_then_materialise():
     return peak, parameter_bytes([model])
 
 
-BUILDS = {"build, then wrap": build_then_wrap,
-          "wrap as you build": wrap_as_you_build,
-          "meta device, shard, to_empty": on_meta_then_materialise}
-measured = {name: launch(fn, world_size=2, output="none")
-            for name, fn in BUILDS.items()}
+BUILDS = {
+    "build, then wrap": build_then_wrap,
+    "wrap as you build": wrap_as_you_build,
+    "meta device, shard, to_empty": on_meta_then_materialise,
+}
+measured = {name: launch(fn, world_size=2, output="none") for name, fn in BUILDS.items()}
 
 full_model = N_BLOCKS * (WIDTH * WIDTH + WIDTH) * 4
 print(f"full model: {full_model:,} bytes of fp32 parameters")
-print(f"{'':30} {'max parameter bytes between blocks, rank 0':>43} {'ratio':>6} "
-      f"{'after sharding':>15}")
+print(
+    f"{'':30} {'max parameter bytes between blocks, rank 0':>43} {'ratio':>6} "
+    f"{'after sharding':>15}"
+)
 baseline = measured["build, then wrap"][0][0]
 for name, per_rank in measured.items():
     peak, after = per_rank[0]
     print(f"{name:30} {peak:>43,} {peak / baseline:>6.2f} {after:>15,}")
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("wrap_build_first", baseline / full_model, display=False)
 glue("wrap_as_you_build", measured["wrap as you build"][0][0] / baseline, display=False)
@@ -293,7 +313,7 @@ glue("wrap_as_you_build", measured["wrap as you build"][0][0] / baseline, displa
 # {ref}`deterministic-init pitfall <tip-init-before-sharding>` waits.
 
 # %%
-for name, per_rank in measured.items():
+for per_rank in measured.values():
     assert per_rank[0][1] == per_rank[1][1] == full_model // 2  # same shards every way
 assert measured["wrap as you build"][0][0] < 0.6 * baseline
 assert measured["meta device, shard, to_empty"][0][0] == full_model // 2

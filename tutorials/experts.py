@@ -87,7 +87,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, DIM)
         score, expert = self.router(tokens).softmax(-1).max(-1)
         order = expert.argsort(stable=True)  # the tokens grouped by expert
-        self.sent = torch.bincount(expert, minlength=self.n_experts)  # tokens per expert, from this rank
+        self.sent = torch.bincount(
+            expert, minlength=self.n_experts
+        )  # tokens per expert, from this rank
         if self.ep is None:
             out = self.experts(tokens[order], self.sent.tolist())
         else:
@@ -104,12 +106,17 @@ class MoE(nn.Module):
         dist.all_to_all_single(received, sent, group=self.ep)
         # The split sizes must be Python ints: one copy to the host (on a GPU, a sync).
         sent_host, received_host = torch.stack([sent, received]).view(2, ranks, local).tolist()
-        send_splits, recv_splits = [sum(row) for row in sent_host], [sum(row) for row in received_host]
+        send_splits, recv_splits = (
+            [sum(row) for row in sent_host],
+            [sum(row) for row in received_host],
+        )
         arrived = all_to_all_single_autograd(tokens, recv_splits, send_splits, self.ep)
         # arrived: by source rank, then by expert; the experts want them by expert
         runs = arrived.split([n for row in received_host for n in row])
         by_expert = [source * local + e for e in range(local) for source in range(ranks)]
-        self.computed = [sum(row[e] for row in received_host) for e in range(local)]  # per local expert
+        self.computed = [
+            sum(row[e] for row in received_host) for e in range(local)
+        ]  # per local expert
         out = self.experts(torch.cat([runs[i] for i in by_expert]), self.computed)
         out_runs = dict(zip(by_expert, out.split([runs[i].shape[0] for i in by_expert])))
         back = torch.cat([out_runs[i] for i in range(ranks * local)])  # by source rank again
@@ -146,7 +153,9 @@ def make_model(ep_group=None, n_experts=EXPERTS):
     return model
 
 
-BATCH = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(11))  # 4 ranks x 2 sequences
+BATCH = torch.randint(
+    0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(11)
+)  # 4 ranks x 2 sequences
 
 
 def loss_of(model, batch):
@@ -160,19 +169,23 @@ def loss_of(model, batch):
 # against the plainest computation there is: every expert on every token, then each
 # token's own expert's output picked and scaled:
 
+
 # %%
 def every_expert_on_every_token(moe, x):
     tokens = x.reshape(-1, DIM)
     score, expert = moe.router(tokens).softmax(-1).max(-1)
     w1, w2 = moe.experts.w1, moe.experts.w2
-    all_outputs = torch.stack([F.gelu(tokens @ w1[e]) @ w2[e] for e in range(moe.n_experts)], 1)  # tokens, experts, dim
+    all_outputs = torch.stack(
+        [F.gelu(tokens @ w1[e]) @ w2[e] for e in range(moe.n_experts)], 1
+    )  # tokens, experts, dim
     picked = (F.one_hot(expert, moe.n_experts)[:, :, None] * all_outputs).sum(1)
     return (score[:, None] * picked).reshape(x.shape)
 
 
 with torch.no_grad():
     moe, x = make_model().moe, torch.randn(4, 16, DIM, generator=torch.Generator().manual_seed(0))
-    print(f"max |MoE layer - every expert on every token| = {(moe(x) - every_expert_on_every_token(moe, x)).abs().max():.1e}")
+    difference = (moe(x) - every_expert_on_every_token(moe, x)).abs().max()
+    print(f"max |MoE layer - every expert on every token| = {difference:.1e}")
 
 # %% [markdown]
 # In `exchange`, `all_to_all_single_autograd` (torch's functional collective, the one
@@ -225,10 +238,19 @@ def sharded(reduction, n_experts=EXPERTS, experts_on_dim=0):
     experts_mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("edp", "ep"))
     dense_mesh = init_device_mesh(device.type, (4,), mesh_dim_names=("dp",))
     model = make_model(experts_mesh.get_group("ep"), n_experts).to(device)
-    fully_shard(model.moe.experts, mesh=experts_mesh["edp"], shard_placement_fn=lambda p: Shard(experts_on_dim))
-    fully_shard(model, mesh=dense_mesh)  # the rest: the experts are already sharded, and left to their mesh
-    factors = {"average": {}, "divide factor": {model.moe.experts: dense_mesh.size()},
-               "sum, global tokens": {model: 1.0, model.moe.experts: 1.0}}[reduction]
+    fully_shard(
+        model.moe.experts,
+        mesh=experts_mesh["edp"],
+        shard_placement_fn=lambda p: Shard(experts_on_dim),
+    )
+    fully_shard(
+        model, mesh=dense_mesh
+    )  # the rest: the experts are already sharded, and left to their mesh
+    factors = {
+        "average": {},
+        "divide factor": {model.moe.experts: dense_mesh.size()},
+        "sum, global tokens": {model: 1.0, model.moe.experts: 1.0},
+    }[reduction]
     for unit, factor in factors.items():
         unit.set_gradient_divide_factor(factor)
         # A factor other than the group's size asks for ReduceOp.PREMUL_SUM, which gloo lacks:
@@ -246,7 +268,9 @@ def one_step(reduction, n_experts=EXPERTS, experts_on_dim=0):
     with count_collectives(dense_mesh, experts_mesh) as seen:
         loss = loss_of(model, batch)
         if reduction == "sum, global tokens":
-            loss = loss * tokens / all_tokens  # this rank's summed token losses over every rank's tokens
+            loss = (
+                loss * tokens / all_tokens
+            )  # this rank's summed token losses over every rank's tokens
         loss.backward()
     return {
         "loss": loss.item(),
@@ -260,7 +284,9 @@ def one_step(reduction, n_experts=EXPERTS, experts_on_dim=0):
 
 
 REDUCTIONS = ("average", "divide factor", "sum, global tokens")
-runs = {reduction: launch(one_step, reduction, world_size=4, output="none") for reduction in REDUCTIONS}
+runs = {
+    reduction: launch(one_step, reduction, world_size=4, output="none") for reduction in REDUCTIONS
+}
 print("what rank 0 holds of each parameter (its local shard's shape):")
 for name, shape in runs["average"][0]["shapes"].items():
     print(f"  {name:18} {str(shape):14}")
@@ -277,6 +303,7 @@ for name, shape in runs["average"][0]["shapes"].items():
 # tensors as far as `ep` goes), are compared with it, an expert's with its own slice of the
 # reference:
 
+
 # %%
 def one_process(n_experts=EXPERTS):
     model = make_model(n_experts=n_experts)
@@ -289,26 +316,45 @@ def expected(reference, name, rank, n_experts=EXPERTS):
     if not name.startswith("moe.experts."):
         return reference[name]
     local = n_experts // 2
-    return reference[name][rank["ep"] * local:(rank["ep"] + 1) * local]  # this rank's experts
+    return reference[name][rank["ep"] * local : (rank["ep"] + 1) * local]  # this rank's experts
 
 
 def gap(ranks, reference, name, n_experts=EXPERTS, times=1):
     """The largest |gradient - times x reference| over the ranks, relative to the reference's largest."""
-    return times * largest_difference(((r["grads"][name] / times, expected(reference, name, r, n_experts))
-                                       for r in ranks), relative=True)
+    return times * largest_difference(
+        ((r["grads"][name] / times, expected(reference, name, r, n_experts)) for r in ranks),
+        relative=True,
+    )
 
 
 reference_loss, reference = one_process()
-print(f"loss: one process {reference_loss:.7f}; 4 ranks, the sum of the ranks' losses over 4: "
-      + ", ".join(f"{reduction} {sum(r['loss'] for r in runs[reduction]) / 4:.7f}" for reduction in REDUCTIONS[:2])
-      + f"; the sum of the ranks' losses: sum, global tokens {sum(r['loss'] for r in runs[REDUCTIONS[2]]):.7f}")
+print(
+    f"loss: one process {reference_loss:.7f}; 4 ranks, the sum of the ranks' losses over 4: "
+    + ", ".join(
+        f"{reduction} {sum(r['loss'] for r in runs[reduction]) / 4:.7f}"
+        for reduction in REDUCTIONS[:2]
+    )
+    + f"; the sum of the ranks' losses: sum, global tokens {sum(r['loss'] for r in runs[REDUCTIONS[2]]):.7f}"
+)
 print("largest |gradient - one process|, relative to the largest gradient:")
 print(f"  {'parameter':18} " + " ".join(f"{reduction:>18}" for reduction in REDUCTIONS))
 for name in reference:
-    print(f"  {name:18} " + " ".join(f"{gap(runs[reduction], reference, name):18.1e}" for reduction in REDUCTIONS))
+    print(
+        f"  {name:18} "
+        + " ".join(f"{gap(runs[reduction], reference, name):18.1e}" for reduction in REDUCTIONS)
+    )
 # torch's max, not Python's: it keeps a NaN wherever it is (fsdp_guide.compare)
-twice = torch.tensor([gap(runs["average"], reference, name, times=2)
-                      for name in reference if name.startswith("moe.experts.")]).max().item()
+twice = (
+    torch.tensor(
+        [
+            gap(runs["average"], reference, name, times=2)
+            for name in reference
+            if name.startswith("moe.experts.")
+        ]
+    )
+    .max()
+    .item()
+)
 print(f"averaged: the experts' gradients against twice one process's: {twice:.1e}")
 
 # %% [markdown]
@@ -357,11 +403,16 @@ print(f"tokens per expert: mean {sum(total) / EXPERTS:.1f}, most {max(total)}, f
 print("tokens each rank's expert copies compute:")
 for rank, r in enumerate(ranks):
     first = r["ep"] * 4
-    print(f"  rank {rank}: " + ", ".join(f"e{first + e} {n}" for e, n in enumerate(r["computed"]))
-          + f"; {sum(r['computed'])} in all")
+    print(
+        f"  rank {rank}: "
+        + ", ".join(f"e{first + e} {n}" for e, n in enumerate(r["computed"]))
+        + f"; {sum(r['computed'])} in all"
+    )
 per_rank = [sum(r["computed"]) for r in ranks]
-print(f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the mean, "
-      f"the busiest expert {max(total) / (sum(total) / EXPERTS):.2f}x")
+print(
+    f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the mean, "
+    f"the busiest expert {max(total) / (sum(total) / EXPERTS):.2f}x"
+)
 
 # %% [markdown]
 # With a router that has learned nothing yet, the busiest expert gets several times the
@@ -385,9 +436,11 @@ print(f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the
 for dim, kind, count, nbytes in ranks[0]["collectives"]:
     print(f"  {dim:4} {kind:15} {count:3} x, {nbytes:6} bytes")
 sent0, computed0 = sum(ranks[0]["sent"]), sum(ranks[0]["computed"])
-print(f"ep bytes from the routing: {EXPERTS} counts x 8 bytes + 2 (forward, backward) x "
-      f"({sent0} tokens sent + {computed0} returned) x {DIM * 4} bytes = "
-      f"{EXPERTS * 8 + 2 * (sent0 + computed0) * DIM * 4}")
+print(
+    f"ep bytes from the routing: {EXPERTS} counts x 8 bytes + 2 (forward, backward) x "
+    f"({sent0} tokens sent + {computed0} returned) x {DIM * 4} bytes = "
+    f"{EXPERTS * 8 + 2 * (sent0 + computed0) * DIM * 4}"
+)
 
 # %% [markdown]
 # - **`ep`, all-to-all**: one to exchange the counts, then in forward one to send the
@@ -412,16 +465,23 @@ print(f"ep bytes from the routing: {EXPERTS} counts x 8 bytes + 2 (forward, back
 # the experts' all-gathers filled on rank 0:
 
 # %%
-print(f"{'experts':>7} {'placement':>9} {'w1 shard, rank 0':>17} {'rank 2':>12} {'edp all-gather bytes':>21} "
-      f"{'largest relative grad gap':>26}")
+print(
+    f"{'experts':>7} {'placement':>9} {'w1 shard, rank 0':>17} {'rank 2':>12} {'edp all-gather bytes':>21} "
+    f"{'largest relative grad gap':>26}"
+)
 for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
-    per_rank = runs["divide factor"] if (n, dim) == (8, 0) else launch(
-        one_step, "divide factor", n, dim, world_size=4, output="none")
+    per_rank = (
+        runs["divide factor"]
+        if (n, dim) == (8, 0)
+        else launch(one_step, "divide factor", n, dim, world_size=4, output="none")
+    )
     _, reference_n = one_process(n)
     gathered = dict(((d, k), b) for d, k, _, b in per_rank[0]["collectives"])[("edp", "all-gather")]
     worst = torch.tensor([gap(per_rank, reference_n, name, n) for name in reference_n]).max().item()
-    print(f"{n:7} {f'Shard({dim})':>9} {str(per_rank[0]['shapes']['moe.experts.w1']):>17} "
-          f"{str(per_rank[2]['shapes']['moe.experts.w1']):>12} {gathered:21} {worst:26.1e}")
+    print(
+        f"{n:7} {f'Shard({dim})':>9} {str(per_rank[0]['shapes']['moe.experts.w1']):>17} "
+        f"{str(per_rank[2]['shapes']['moe.experts.w1']):>12} {gathered:21} {worst:26.1e}"
+    )
 
 # %% [markdown]
 # With 2 experts, each `ep` rank holds 1, and `Shard(0)` cannot split 1 expert over 2

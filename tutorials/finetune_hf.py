@@ -43,7 +43,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing i
 
 import warnings
 
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+warnings.filterwarnings(
+    "ignore", message="IProgress not found"
+)  # tqdm's notebook import: no widgets here
 
 from fsdp_guide.fp8 import quiet_torchao
 
@@ -53,7 +55,9 @@ import torch
 import transformers
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
-print(f"torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}")
+print(
+    f"torch {torch.__version__}, transformers {transformers.__version__}, Python {sys.version.split()[0]}"
+)
 
 # %% [markdown]
 # ## A "pretrained" model on disk
@@ -68,11 +72,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 def save_llama(path, hidden_size, layers):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=hidden_size, intermediate_size=hidden_size * 8 // 3,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(path)  # the dtype most checkpoints on the Hub are stored in
+    model.to(torch.bfloat16).save_pretrained(
+        path
+    )  # the dtype most checkpoints on the Hub are stored in
     return model
 
 
@@ -84,8 +96,10 @@ save_llama(warmup, hidden_size=16, layers=1)
 
 pretrained.float()  # trained in fp32 below
 model_mb = sum(p.numel() * 4 for p in pretrained.parameters()) / 2**20
-print(f"{sum(p.numel() for p in pretrained.parameters()) / 1e6:.1f}M parameters: {model_mb:.0f} MiB in fp32, "
-      f"{(path / 'model.safetensors').stat().st_size / 2**20:.0f} MiB on disk in bf16")
+print(
+    f"{sum(p.numel() for p in pretrained.parameters()) / 1e6:.1f}M parameters: {model_mb:.0f} MiB in fp32, "
+    f"{(path / 'model.safetensors').stat().st_size / 2**20:.0f} MiB on disk in bf16"
+)
 print(sorted(f.name for f in path.iterdir()))
 
 # %% [markdown]
@@ -109,13 +123,14 @@ from fsdp_guide.memory import host_peak_rise  # VmHWM, and RssAnon sampled every
 
 
 def every_rank_reads(path):
+    import fsdp_guide
     import torch
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    import fsdp_guide
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # the whole model, on every rank
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    )  # the whole model, on every rank
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -124,12 +139,15 @@ def every_rank_reads(path):
 
 def load_and_measure(how, path, warmup):
     import torch
-
     from fsdp_guide.hf import from_pretrained
 
-    loaders = {"every rank reads": every_rank_reads,  # fp32 parameters from the bf16 file, in each way
-               "rank 0 reads, broadcasts": lambda p: from_pretrained(p, read="rank0", dtype=torch.float32),
-               "each rank reads its slices": lambda p: from_pretrained(p, read="sharded", dtype=torch.float32)}
+    loaders = {
+        "every rank reads": every_rank_reads,  # fp32 parameters from the bf16 file, in each way
+        "rank 0 reads, broadcasts": lambda p: from_pretrained(p, read="rank0", dtype=torch.float32),
+        "each rank reads its slices": lambda p: from_pretrained(
+            p, read="sharded", dtype=torch.float32
+        ),
+    }
     loaders[how](warmup)  # imports and first calls, on a tiny model
     model, rss, private = host_peak_rise(lambda: loaders[how](path))
     kept = sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -137,15 +155,21 @@ def load_and_measure(how, path, warmup):
 
 
 ways = ["every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices"]
-measured = {how: launch(load_and_measure, how, path, warmup, world_size=2, output="none") for how in ways}
+measured = {
+    how: launch(load_and_measure, how, path, warmup, world_size=2, output="none") for how in ways
+}
 
 from myst_nb import glue  # the figures the text below quotes, taken from this run
 
-print(f"peak rise while loading, in model sizes ({model_mb:.0f} MiB); all resident memory / the private part")
+print(
+    f"peak rise while loading, in model sizes ({model_mb:.0f} MiB); all resident memory / the private part"
+)
 print(f"{'':28} {'rank 0':>13} {'rank 1':>13} {'shard kept':>11}")
 in_sizes = {}
 for how, ranks in measured.items():
-    (rss0, private0, kept), (rss1, private1, _) = in_sizes[how] = tuple(tuple(v / model_mb for v in r) for r in ranks)
+    (rss0, private0, kept), (rss1, private1, _) = in_sizes[how] = tuple(
+        tuple(v / model_mb for v in r) for r in ranks
+    )
     print(f"{how:28} {rss0:5.1f} / {private0:3.1f} {rss1:7.1f} / {private1:3.1f} {kept:10.2f}")
 every, broadcast, sliced = (in_sizes[how] for how in ways)
 glue("every_rank_private", min(every[0][1], every[1][1]), display=False)
@@ -210,10 +234,9 @@ tokens = torch.randint(0, 8192, (4, 32), generator=torch.Generator().manual_seed
 
 
 def fine_tune(path, tokens, out):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-
-    import fsdp_guide
     from fsdp_guide.hf import from_pretrained, save_pretrained
 
     device = fsdp_guide.device()
@@ -237,8 +260,9 @@ def fine_tune(path, tokens, out):
 
 
 tuned = workdir / "llama-tuned"
-(sharded_losses, sharded_logits, trained_output_layer), _ = launch(fine_tune, path, tokens, tuned, world_size=2,
-                                                                   output="none")
+(sharded_losses, sharded_logits, trained_output_layer), _ = launch(
+    fine_tune, path, tokens, tuned, world_size=2, output="none"
+)
 
 single = pretrained  # the same weights, in fp32, in this process
 optimizer = torch.optim.AdamW(single.parameters(), lr=1e-3)
@@ -254,8 +278,10 @@ print("step  2 ranks      1 process")
 for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
     print(f"{step:4}  {a:.6f}  {b:.6f}")
 relative = [abs(a - b) / b for a, b in zip(sharded_losses, single_losses)]
-print(f"relative difference at the first step: {relative[0]:.0e}; "
-      f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}")
+print(
+    f"relative difference at the first step: {relative[0]:.0e}; "
+    f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}"
+)
 
 # %% [markdown]
 # The same losses, to fp32 rounding (the relative differences printed above: the first
@@ -284,19 +310,26 @@ with safe_open(tuned / "model.safetensors", framework="pt") as f:
     written = set(f.keys())
     pair = {name: f.get_tensor(name) for name in tied_pair if name in written}
 names = set(pretrained.state_dict())  # the model's own names: the tied pair under both
-print(f"{len(written)} tensors written for the {len(names)} names of the state dict; the tied pair: "
-      + ", ".join(f"{name} {'written' if name in written else 'not written'}" for name in tied_pair))
+print(
+    f"{len(written)} tensors written for the {len(names)} names of the state dict; the tied pair: "
+    + ", ".join(f"{name} {'written' if name in written else 'not written'}" for name in tied_pair)
+)
 assert pair, "neither name of the tied pair was written"
-print("each written equals the output layer the ranks trained:",
-      all(torch.equal(t, trained_output_layer) for t in pair.values()),
-      f"({sum(t.nbytes for t in pair.values()) / 2**20:.0f} MiB of the file's "
-      f"{(tuned / 'model.safetensors').stat().st_size / 2**20:.0f} MiB)")
+print(
+    "each written equals the output layer the ranks trained:",
+    all(torch.equal(t, trained_output_layer) for t in pair.values()),
+    f"({sum(t.nbytes for t in pair.values()) / 2**20:.0f} MiB of the file's "
+    f"{(tuned / 'model.safetensors').stat().st_size / 2**20:.0f} MiB)",
+)
 
 reloaded = AutoModelForCausalLM.from_pretrained(tuned)
 with torch.no_grad():
     logits = reloaded(tokens).logits
-print("logits equal the sharded model's:", torch.equal(logits, sharded_logits),
-      f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})")
+print(
+    "logits equal the sharded model's:",
+    torch.equal(logits, sharded_logits),
+    f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})",
+)
 
 # %% [markdown]
 # The file holds the tied pair once, under the embedding's name. Gathering gives each name
@@ -323,16 +356,20 @@ print("logits equal the sharded model's:", torch.equal(logits, sharded_logits),
 # fine-tuned model here, each rank measured as in the loading section above, after a
 # warm-up export of the tiny model:
 
+
 # %%
 def export_and_measure(write, source, out, warmup):
     import time
 
     import torch
-
     from fsdp_guide.hf import from_pretrained, save_pretrained
 
     model = from_pretrained(source, dtype=torch.float32)
-    save_pretrained(from_pretrained(warmup, dtype=torch.float32), out.with_name(out.name + "-warmup"), write=write)
+    save_pretrained(
+        from_pretrained(warmup, dtype=torch.float32),
+        out.with_name(out.name + "-warmup"),
+        write=write,
+    )
 
     def timed_export():
         start = time.perf_counter()
@@ -342,23 +379,41 @@ def export_and_measure(write, source, out, warmup):
     return host_peak_rise(timed_export)
 
 
-exports = {(write, world): launch(export_and_measure, write, tuned, workdir / f"export-{write}-{world}", warmup,
-                                  world_size=world, output="none")
-           for world in (2, 4) for write in ("rank0", "sharded")}
-print(f"peak rise while exporting, in model sizes ({model_mb:.0f} MiB); all resident / the private part")
+exports = {
+    (write, world): launch(
+        export_and_measure,
+        write,
+        tuned,
+        workdir / f"export-{write}-{world}",
+        warmup,
+        world_size=world,
+        output="none",
+    )
+    for world in (2, 4)
+    for write in ("rank0", "sharded")
+}
+print(
+    f"peak rise while exporting, in model sizes ({model_mb:.0f} MiB); all resident / the private part"
+)
 print(f"{'':26} {'rank 0':>13} {'other ranks, most':>18} {'seconds':>8}")
 for (write, world), ((seconds, rss0, private0), *others) in exports.items():
     rss, private = (max(rank[i] for rank in others) / model_mb for i in (1, 2))
-    print(f"write={write!r:10} {world} ranks  {rss0 / model_mb:5.1f} / {private0 / model_mb:3.1f} "
-          f"{rss:12.1f} / {private:3.1f} {seconds:8.2f}")
+    print(
+        f"write={write!r:10} {world} ranks  {rss0 / model_mb:5.1f} / {private0 / model_mb:3.1f} "
+        f"{rss:12.1f} / {private:3.1f} {seconds:8.2f}"
+    )
 
 sharded_export = workdir / "export-sharded-2"
 print(sorted(f.name for f in sharded_export.iterdir()))
 reloaded = AutoModelForCausalLM.from_pretrained(sharded_export)
 with torch.no_grad():
     logits = reloaded(tokens).logits
-print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,
-      "| logits equal the sharded model's:", torch.equal(logits, sharded_logits))
+print(
+    "tied after loading:",
+    reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,
+    "| logits equal the sharded model's:",
+    torch.equal(logits, sharded_logits),
+)
 
 # %% [markdown]
 # Gathering costs rank 0 more than the model, on 2 ranks and on 4: the full state dict
@@ -396,27 +451,31 @@ print("tied after loading:", reloaded.lm_head.weight is reloaded.model.embed_tok
 # `upload_completion` (the files are written). The `DefaultStager` is built for GPUs: with
 # its default `StagingOptions`, a CPU-only rank cannot stage at all.
 
+
 # %%
 def save_in_background(source, out, options):
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from fsdp_guide.hf import from_pretrained
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from fsdp_guide.hf import from_pretrained
-
     model = from_pretrained(source, dtype=torch.float32)
     # safetensors refuses two names for one tensor in a file: write the tied pair under its first name
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(
+        model.named_parameters()
+    ).keys()
     state = {name: t for name, t in get_model_state_dict(model).items() if name not in tied}
     writer = HuggingFaceStorageWriter(str(out), save_distributed=True, enable_consolidation=True)
     try:
         stager = DefaultStager(StagingOptions(**options))
     except AssertionError as error:  # shown below
         return f"{type(error).__name__}: {error}"
-    group = dist.new_group(backend="gloo")  # the background's collectives apart from training's (NCCL on GPUs)
+    group = dist.new_group(
+        backend="gloo"
+    )  # the background's collectives apart from training's (NCCL on GPUs)
     saving = dcp.async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
     saving.staging_completion.result()  # from here on, training may change the model
     saving.upload_completion.result()  # the files are written and consolidated
@@ -427,12 +486,17 @@ def save_in_background(source, out, options):
 from safetensors.torch import load_file
 
 for options in ({}, {"use_pinned_memory": False, "use_non_blocking_copy": False}):
-    result = launch(save_in_background, tuned, workdir / "export-async", options, world_size=2, output="none")[0]
+    result = launch(
+        save_in_background, tuned, workdir / "export-async", options, world_size=2, output="none"
+    )[0]
     print(f"StagingOptions(**{options}): {result}")
 written = load_file(workdir / "export-async" / "model-00001-of-00001.safetensors")
 exported = load_file(sharded_export / "model-00001-of-00001.safetensors")
-print("the same tensors as save_pretrained(write='sharded') wrote:",
-      written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written))
+print(
+    "the same tensors as save_pretrained(write='sharded') wrote:",
+    written.keys() == exported.keys()
+    and all(torch.equal(written[k], exported[k]) for k in written),
+)
 
 # %% [markdown]
 # `use_non_blocking_copy` needs an accelerator: its copy is synchronised on the

@@ -74,16 +74,15 @@ print(f"torch {torch.__version__}, torchao {torchao.__version__}, Python {sys.ve
 # combines the last two.
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.fp8 import float8_fully_shard
 from fsdp_guide.memory import measure
 from fsdp_guide.precision import record_dtypes
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 WIDTH, STEPS = 128, 12
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -92,9 +91,13 @@ MODES = ("fp32", "bf16", "fp8", "fp8+bf16")
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU(),
-                         nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU(),
-                         nn.Linear(WIDTH, WIDTH, bias=False))
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH, bias=False),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH, bias=False),
+        nn.ReLU(),
+        nn.Linear(WIDTH, WIDTH, bias=False),
+    )
 
 
 def build(mode, stored=torch.float32):
@@ -152,8 +155,13 @@ def train(mode):
     collectives = {key: (comm.get(*key), comm.count[key], comm.nbytes[key]) for key in comm.seen}
     # measure after a backward, so the gradients exist
     F.mse_loss(model(x).float(), y).backward()
-    return dict(losses=losses, collectives=collectives, states=measure(model, optimizer),
-                saved=saved.nbytes, held=saved.held_at_exit)
+    return dict(
+        losses=losses,
+        collectives=collectives,
+        states=measure(model, optimizer),
+        saved=saved.nbytes,
+        held=saved.held_at_exit,
+    )
 
 
 def train_all_modes():
@@ -196,9 +204,13 @@ for mode in MODES:
     matmuls = results[mode]["collectives"]
     print(f"{mode:9} {matmuls[('forward', 'matmul')][0]:14} | {matmuls[('backward', 'matmul')][0]}")
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
-glue("fp8_fp32_gathered", results["fp32"]["collectives"][("forward", "all-gather")][2], display=False)
+glue(
+    "fp8_fp32_gathered", results["fp32"]["collectives"][("forward", "all-gather")][2], display=False
+)
 
 # %% [markdown]
 # The figures in this text are this run's, taken from the tables by myst-nb's `glue`; in
@@ -217,11 +229,11 @@ glue("fp8_fp32_gathered", results["fp32"]["collectives"][("forward", "all-gather
 #   agree on it; `precompute_float8_dynamic_scale_for_fsdp`, after the optimizer step,
 #   does it for all weights at once:
 
+
 # %%
 def amax_collectives():
-    from torch.distributed.tensor.debug import CommDebugMode
-
     from fsdp_guide.fp8 import quiet_torchao
+    from torch.distributed.tensor.debug import CommDebugMode
 
     quiet_torchao()
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -234,13 +246,16 @@ def amax_collectives():
             with CommDebugMode() as comm:
                 precompute_float8_dynamic_scale_for_fsdp(model)
             counts["precompute_float8_dynamic_scale_for_fsdp"] = {
-                str(op): n for op, n in comm.get_comm_counts().items()}
+                str(op): n for op, n in comm.get_comm_counts().items()
+            }
         with record_dtypes() as seen:
             x, _ = batch(0, dist.get_rank(), device)
             F.mse_loss(model(x), torch.zeros(32, WIDTH, device=device)).backward()
         counts[f"forward+backward, scales precomputed: {precompute}"] = {
             f"{phase} {kind}": f"{seen.count[(phase, kind)]} x {seen.get(phase, kind)}"
-            for phase, kind in seen.seen if kind == "all-reduce"}
+            for phase, kind in seen.seen
+            if kind == "all-reduce"
+        }
     return counts
 
 
@@ -260,12 +275,18 @@ for where, counts in launch(amax_collectives, output="none")[0].items():
 # ## Memory: model states, and what is saved for backward
 
 # %%
-print(f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  {'saved in forward':>16}  {'held after forward':>18}")
+print(
+    f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  {'saved in forward':>16}  {'held after forward':>18}"
+)
 for mode in MODES:
     states, saved, held = results[mode]["states"], results[mode]["saved"], results[mode]["held"]
-    print(f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}")
+    print(
+        f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}"
+    )
 glue("fp8_params", sum(p.numel() for p in make_model().parameters()), display=False)
-glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)  # float32: 4 bytes each
+glue(
+    "fp8_rank_params", results["fp32"]["states"].params // 4, display=False
+)  # float32: 4 bytes each
 
 # %% [markdown]
 # Model states are the same in every mode ({glue:text}`fp8_params:,` parameters:
@@ -298,6 +319,7 @@ glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)  #
 # To reproduce it we need an optimizer that keeps master weights. torch has none (MS-AMP's
 # and apex's need CUDA), so here is a stand-in that does what they do: step float32
 # copies of the parameters, then write the result back into the parameters.
+
 
 # %%
 class MasterWeightAdamW(torch.optim.AdamW):
@@ -365,18 +387,32 @@ def all_setups():
 measured = launch(all_setups, output="none")[0]
 off_by = []
 num_params = sum(p.numel() for p in make_model().parameters())
-print(f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
-      f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}")
-for name, (mode, optimizer_class, stored) in SETUPS.items():
+print(
+    f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
+    f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}"
+)
+for name, (_, optimizer_class, stored) in SETUPS.items():
     got, loss = measured[name]
-    expected = estimate(num_params, 2, "FULL_SHARD", param_dtype=stored,
-                        master_weights=optimizer_class is MasterWeightAdamW)
-    print(f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
-          f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}")
+    expected = estimate(
+        num_params,
+        2,
+        "FULL_SHARD",
+        param_dtype=stored,
+        master_weights=optimizer_class is MasterWeightAdamW,
+    )
+    print(
+        f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
+        f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}"
+    )
     off_by.append(got.total - expected.total)
 print("measured - estimated, bytes, each set-up:", off_by)
-master, bf16_states = (measured[name][0].total / (num_params / 2) for name in ("fp8, master-weight AdamW", "bf16, AdamW"))
-glue("fp8_master_bytes", master, display=False)  # model-state bytes per parameter, as the table's column
+master, bf16_states = (
+    measured[name][0].total / (num_params / 2)
+    for name in ("fp8, master-weight AdamW", "bf16, AdamW")
+)
+glue(
+    "fp8_master_bytes", master, display=False
+)  # model-state bytes per parameter, as the table's column
 glue("fp8_bf16_bytes", bf16_states, display=False)
 glue("fp8_master_ratio", master / bf16_states, display=False)
 
@@ -409,6 +445,7 @@ glue("fp8_master_ratio", master / bf16_states, display=False)
 # Two micro-batches of 16 with `set_requires_gradient_sync(False)` on the first, against
 # one batch of 32, compared by the relative difference of the gradients:
 
+
 # %%
 def accumulation():
     from fsdp_guide.fp8 import quiet_torchao
@@ -425,24 +462,29 @@ def accumulation():
             for i, rows in enumerate(torch.arange(32, device=device).chunk(micro_batches)):
                 model.set_requires_gradient_sync(i == micro_batches - 1)  # reduce once, at the end
                 (F.mse_loss(model(x[rows]), y[rows]) / micro_batches).backward()
-        reduce_scatters[f"{mode}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"] = \
-            comm.count[("backward", "reduce-scatter")]
+        reduce_scatters[
+            f"{mode}, {micro_batches} micro-batch{'es' if micro_batches > 1 else ''}"
+        ] = comm.count[("backward", "reduce-scatter")]
         return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
 
     def relative(a, b):
         return ((a - b).norm() / b.norm()).item()
 
     fp32, fp8 = gradients("fp32", 1), gradients("fp8", 1)
-    differences = {"fp32: 2 micro-batches vs 1 batch": relative(gradients("fp32", 2), fp32),
-                   "fp8:  2 micro-batches vs 1 batch": relative(gradients("fp8", 2), fp8),
-                   "fp8 vs fp32, 1 batch": relative(fp8, fp32)}
+    differences = {
+        "fp32: 2 micro-batches vs 1 batch": relative(gradients("fp32", 2), fp32),
+        "fp8:  2 micro-batches vs 1 batch": relative(gradients("fp8", 2), fp8),
+        "fp8 vs fp32, 1 batch": relative(fp8, fp32),
+    }
     return differences, reduce_scatters
 
 
 differences, reduce_scatters = launch(accumulation, output="none")[0]
 for comparison, difference in differences.items():
     print(f"{comparison:34} relative difference {difference:.1e}")
-print("reduce-scatters in backward:", ", ".join(f"{run}: {n}" for run, n in reduce_scatters.items()))
+print(
+    "reduce-scatters in backward:", ", ".join(f"{run}: {n}" for run, n in reduce_scatters.items())
+)
 
 # %% [markdown]
 # Accumulation works with FP8: nothing raises, and the gradients are reduced once per step,

@@ -50,9 +50,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # whole model the root. The same seed builds the same model on every rank.
 
 # %%
-import torch.nn as nn
-
 import fsdp_guide
+import torch.nn as nn
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
@@ -61,8 +60,11 @@ WIDTH, VOCAB, LAYERS, BATCH = 32, 64, 3, 8
 
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(VOCAB, WIDTH), *[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
-                         nn.Linear(WIDTH, VOCAB))
+    return nn.Sequential(
+        nn.Embedding(VOCAB, WIDTH),
+        *[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)],
+        nn.Linear(WIDTH, VOCAB),
+    )
 
 
 def shard(model):
@@ -82,11 +84,13 @@ def my_half(batch):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    return batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]
+    return batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
 
 
 def loss_of(model, batch):
-    logits = model(batch.reshape(-1)).view(*batch.shape, VOCAB)  # flat ids: every unit returns a new tensor
+    logits = model(batch.reshape(-1)).view(
+        *batch.shape, VOCAB
+    )  # flat ids: every unit returns a new tensor
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
@@ -109,6 +113,7 @@ def loss_of(model, batch):
 # (fsdp2-unshardhandle)=
 # (fsdp2-unshardhandle-wait)=
 
+
 # %%
 def forward_issue_order(how):
     from torch.profiler import ProfilerActivity, profile
@@ -128,14 +133,22 @@ def forward_issue_order(how):
         else:
             on_device = batch.reshape(-1).to(device)
         model(on_device)
-    events = sorted((e.time_range.start, e.name) for e in prof.events()
-                    if e.name.startswith(("FSDP::pre_forward (", "FSDP::all_gather (")) and not e.name.endswith("()"))
+    events = sorted(
+        (e.time_range.start, e.name)
+        for e in prof.events()
+        if e.name.startswith(("FSDP::pre_forward (", "FSDP::all_gather ("))
+        and not e.name.endswith("()")
+    )
     short = {"FSDP::pre_forward": "F", "FSDP::all_gather": "AG"}
-    return " ".join(short[name.split(" (")[0]] + name.split(" (")[1].rstrip(")") for _, name in events)
+    return " ".join(
+        short[name.split(" (")[0]] + name.split(" (")[1].rstrip(")") for _, name in events
+    )
 
 
-ORDERS = {how: launch(forward_issue_order, how, world_size=2, output="none")[0]
-          for how in ("default", "forward prefetch", "unshard(async_op=True)")}
+ORDERS = {
+    how: launch(forward_issue_order, how, world_size=2, output="none")[0]
+    for how in ("default", "forward prefetch", "unshard(async_op=True)")
+}
 for how, order in ORDERS.items():
     print(f"{how:24} {order}")
 
@@ -173,6 +186,7 @@ for how, order in ORDERS.items():
 #
 # (fsdp2-fsdpmodule-set-unshard-in-backward)=
 
+
 # %%
 def gradients(unshard_embedding_in_backward):
     from fsdp_guide.collectives import count_collectives
@@ -196,8 +210,10 @@ reference = launch(one_process_gradients, world_size=1, output="none")[0]
 for setting in (True, False):
     gathers, grads = launch(gradients, setting, world_size=2, output="none")[0]
     error = largest_difference(zip(grads, reference))
-    print(f"set_unshard_in_backward({setting!s:5}) on the embedding: {gathers} all-gathers in the step, "
-          f"max |gradient - one process| = {error:.1e}")
+    print(
+        f"set_unshard_in_backward({setting!s:5}) on the embedding: {gathers} all-gathers in the step, "
+        f"max |gradient - one process| = {error:.1e}"
+    )
 
 # %% [markdown]
 # One all-gather fewer per step, and the same gradients: the embedding's gradient is
@@ -219,6 +235,7 @@ for setting in (True, False):
 # the failed step's gradients (`drop_stale_gradients`). One process skips the same batch.
 #
 # (fsdp2-fsdpmodule-reset-iter-state)=
+
 
 # %%
 class Refuse(nn.Linear):
@@ -243,7 +260,10 @@ def model_with_a_check():
 
 
 def batches():
-    inputs = [torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step)) for step in range(4)]
+    inputs = [
+        torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
+        for step in range(4)
+    ]
     inputs[1][:, 0] = float("inf")  # every rank's half of the second batch
     return inputs
 
@@ -295,7 +315,9 @@ def train_through_a_failure(recovery, sharded=True):
             if sharded and sharded_after is None:
                 sharded_after = all(isinstance(p, dt.DTensor) for p in model.parameters())
         optimizer.zero_grad()
-        weights = [p.full_tensor() if isinstance(p, dt.DTensor) else p.detach() for p in model.parameters()]
+        weights = [
+            p.full_tensor() if isinstance(p, dt.DTensor) else p.detach() for p in model.parameters()
+        ]
         if not_finite_from is None and not all(torch.isfinite(w).all() for w in weights):
             not_finite_from = step  # the first step after which some weight is inf or NaN
     return caught, sharded_after, not_finite_from, [w.cpu() for w in weights]
@@ -312,15 +334,20 @@ def stale_after_reset():
 
 
 one_process = launch(train_through_a_failure, "skip", False, world_size=1, output="none")[0][3]
-print("after reset_iter_state(): parameters sharded, gathered gradients left:",
-      launch(stale_after_reset, world_size=2, output="none")[0])
+print(
+    "after reset_iter_state(): parameters sharded, gathered gradients left:",
+    launch(stale_after_reset, world_size=2, output="none")[0],
+)
 for recovery in ("nothing", "reset_iter_state()", "reset_iter_state() + drop_stale_gradients"):
     try:
-        caught, sharded, not_finite_from, weights = launch(train_through_a_failure, recovery, world_size=2,
-                                                           output="none")[0]
+        caught, sharded, not_finite_from, weights = launch(
+            train_through_a_failure, recovery, world_size=2, output="none"
+        )[0]
         error = largest_difference(zip(weights, one_process))
-        print(f"{recovery:42} caught {caught}; then sharded: {sharded}; weights not finite after step: "
-              f"{not_finite_from}; max |weights - one process| after 4 steps = {error:.1e}")
+        print(
+            f"{recovery:42} caught {caught}; then sharded: {sharded}; weights not finite after step: "
+            f"{not_finite_from}; max |weights - one process| after 4 steps = {error:.1e}"
+        )
     except fsdp_guide.LaunchError as failure:
         print(f"{recovery:42} {str(failure).splitlines()[0][:100]}")
 
@@ -383,7 +410,10 @@ def make_moe():
     return nn.Sequential(TwoExperts(), nn.Linear(WIDTH, 4))
 
 
-SHIFTS = {"rank 1: every row to expert 0": (0, -1), "each rank: every row to another expert": (1, -1)}
+SHIFTS = {
+    "rank 1: every row to expert 0": (0, -1),
+    "each rank: every row to another expert": (1, -1),
+}
 
 
 def rows_of(rank, shifts):
@@ -392,7 +422,9 @@ def rows_of(rank, shifts):
 
 def one_process_moe(shifts):
     model = make_moe().to(fsdp_guide.device())
-    (sum(model(rows_of(r, shifts).to(fsdp_guide.device())).square().mean() for r in range(2)) / 2).backward()
+    (
+        sum(model(rows_of(r, shifts).to(fsdp_guide.device())).square().mean() for r in range(2)) / 2
+    ).backward()
     return {name: p.grad.cpu() for name, p in model.named_parameters()}
 
 
@@ -409,23 +441,37 @@ def moe_step(shifts, unused_params, reference):
         if p.grad is None:
             missing.append(name)
         else:  # this rank's shard of the gradient: its chunk of dim 0
-            pairs.append((p.grad.to_local(), reference[name].to(device).chunk(dist.get_world_size())[rank]))
+            pairs.append(
+                (p.grad.to_local(), reference[name].to(device).chunk(dist.get_world_size())[rank])
+            )
     return missing, largest_difference(pairs)
 
 
 for case, shifts in SHIFTS.items():
-    rows = [[int(((rows_of(r, shifts).mean(-1) > 0).long() == i).sum()) for i in range(2)] for r in range(2)]
+    rows = [
+        [int(((rows_of(r, shifts).mean(-1) > 0).long() == i).sum()) for i in range(2)]
+        for r in range(2)
+    ]
     print(f"{case}: rows per expert, rank 0 {rows[0]}, rank 1 {rows[1]}")
     reference = launch(one_process_moe, shifts, world_size=1, output="none")[0]
     for unused_params in (False, True):
         try:
-            ranks = launch(moe_step, shifts, unused_params, reference, world_size=2, output="none", timeout=30)
-            result = "; ".join(f"rank {r}: no gradient for {missing or 'none'}, max |shard - one process| "
-                               f"= {error:.1e}" for r, (missing, error) in enumerate(ranks))
-        except fsdp_guide.LaunchError as failure:  # which ranks failed on their own, and gloo's words for why
+            ranks = launch(
+                moe_step, shifts, unused_params, reference, world_size=2, output="none", timeout=30
+            )
+            result = "; ".join(
+                f"rank {r}: no gradient for {missing or 'none'}, max |shard - one process| "
+                f"= {error:.1e}"
+                for r, (missing, error) in enumerate(ranks)
+            )
+        except (
+            fsdp_guide.LaunchError
+        ) as failure:  # which ranks failed on their own, and gloo's words for why
             aborted = [rank for rank, code in failure.failed.items() if code == -signal.SIGABRT]
-            result = (f"{type(failure).__name__}: ranks killed by SIGABRT: {aborted}; "
-                      f"{re.search(r'Received data size[^.]*[.]', str(failure))[0]}")
+            result = (
+                f"{type(failure).__name__}: ranks killed by SIGABRT: {aborted}; "
+                f"{re.search(r'Received data size[^.]*[.]', str(failure))[0]}"
+            )
         print(f"{case}; set_reduce_scatter_unused_params({unused_params!s:5}): {result}")
 
 # %% [markdown]
@@ -483,20 +529,35 @@ def train_experts(split_rows, sharded=True):
     device = fsdp_guide.device()
     model = StackedExperts().to(device)
     if sharded:
-        fully_shard(model, shard_placement_fn=lambda p: Shard(1) if split_rows and p is model.weight else None)
+        fully_shard(
+            model,
+            shard_placement_fn=lambda p: Shard(1) if split_rows and p is model.weight else None,
+        )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ranks = [dist.get_rank()] if sharded else range(2)
     for step in range(3):
-        losses = [model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)).to(device))
-                  .square().mean() for r in ranks]
+        losses = [
+            model(
+                torch.randn(
+                    BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)
+                ).to(device)
+            )
+            .square()
+            .mean()
+            for r in ranks
+        ]
         (sum(losses) / len(losses)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    weights = {name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
-               for name, p in model.named_parameters()}
+    weights = {
+        name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
+        for name, p in model.named_parameters()
+    }
     if not sharded:
         return [], weights
-    table = str(fsdp_guide.describe_sharding(model)).splitlines()  # the header, the experts' weight, the total
+    table = str(
+        fsdp_guide.describe_sharding(model)
+    ).splitlines()  # the header, the experts' weight, the total
     return [table[0], *(line for line in table if line.startswith(("weight ", "total")))], weights
 
 
@@ -564,24 +625,36 @@ def train_tied(units):
     world, rank = (1, 0) if units == "one process" else (dist.get_world_size(), dist.get_rank())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(3):
-        ids = torch.randint(0, TIED_VOCAB, (BATCH, 6), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(
+            0, TIED_VOCAB, (BATCH, 6), generator=torch.Generator().manual_seed(step)
+        )
         ids = ids.chunk(world)[rank].to(device)
         logits = model(ids[:, :-1])
-        nn.functional.cross_entropy(logits.reshape(-1, TIED_VOCAB), ids[:, 1:].reshape(-1)).backward()
+        nn.functional.cross_entropy(
+            logits.reshape(-1, TIED_VOCAB), ids[:, 1:].reshape(-1)
+        ).backward()
         optimizer.step()
         optimizer.zero_grad()
     weight = model.emb.weight
-    return model.head.weight is weight, (weight.full_tensor() if isinstance(weight, dt.DTensor) else weight).detach().cpu()
+    return model.head.weight is weight, (
+        weight.full_tensor() if isinstance(weight, dt.DTensor) else weight
+    ).detach().cpu()
 
 
 _, alone = launch(train_tied, "one process", world_size=1, output="none")[0]
 for units in ("a unit each", "one unit for both", "the root holds both"):
     try:
         tied, weight = launch(train_tied, units, world_size=2, output="none")[0]
-        print(f"{units:20} still tied: {tied}; max |weight - one process| after 3 steps = "
-              f"{(weight - alone).abs().max():.1e}")
-    except fsdp_guide.LaunchError as failure:  # every rank raised it: the one that exited first is chance
-        print(f"{units:20} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}")
+        print(
+            f"{units:20} still tied: {tied}; max |weight - one process| after 3 steps = "
+            f"{(weight - alone).abs().max():.1e}"
+        )
+    except (
+        fsdp_guide.LaunchError
+    ) as failure:  # every rank raised it: the one that exited first is chance
+        print(
+            f"{units:20} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}"
+        )
 
 # %% [markdown]
 # On torch 2.13 a unit each is refused at the first forward (`_validate_no_duplicate_params`
@@ -613,6 +686,7 @@ for units in ("a unit each", "one unit for both", "the root holds both"):
 #
 # (fsdp2-fully-shard-ignored-params)=
 
+
 # %%
 def train_with_an_ignored_scale(reduce_it, sharded=True):
     import torch.distributed as dist
@@ -628,25 +702,42 @@ def train_with_an_ignored_scale(reduce_it, sharded=True):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ranks = range(dist.get_rank(), dist.get_rank() + 1) if sharded else range(2)
     for step in range(3):
-        losses = [(model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)).to(device))
-                   * model.scale).square().mean() for r in ranks]
+        losses = [
+            (
+                model(
+                    torch.randn(
+                        BATCH, WIDTH, generator=torch.Generator().manual_seed(10 * step + r)
+                    ).to(device)
+                )
+                * model.scale
+            )
+            .square()
+            .mean()
+            for r in ranks
+        ]
         (sum(losses) / len(losses)).backward()
         if reduce_it:  # what FSDP does for the others: the mean over the ranks
             dist.all_reduce(model.scale.grad, op=dist.ReduceOp.AVG)
         optimizer.step()
         optimizer.zero_grad()
     kinds = {type(model.scale).__name__, type(model[0].weight).__name__}
-    return kinds, {name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
-                   for name, p in model.named_parameters()}
+    return kinds, {
+        name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
+        for name, p in model.named_parameters()
+    }
 
 
 _, alone = launch(train_with_an_ignored_scale, False, False, world_size=1, output="none")[0]
 for reduce_it in (False, True):
-    (kinds, rank0), (_, rank1) = launch(train_with_an_ignored_scale, reduce_it, world_size=2, output="none")
+    (kinds, rank0), (_, rank1) = launch(
+        train_with_an_ignored_scale, reduce_it, world_size=2, output="none"
+    )
     apart = (rank0["scale"] - rank1["scale"]).abs().max().item()
     error = largest_difference((rank0[name], alone[name]) for name in alone)
-    print(f"scale's gradient all-reduced: {reduce_it!s:5} types {sorted(kinds)}; the two ranks' scales differ "
-          f"by {apart:.1e}; max |weights - one process| = {error:.1e}")
+    print(
+        f"scale's gradient all-reduced: {reduce_it!s:5} types {sorted(kinds)}; the two ranks' scales differ "
+        f"by {apart:.1e}; max |weights - one process| = {error:.1e}"
+    )
 
 # %% [markdown]
 # The sharded weights are DTensors and the ignored scale a plain `Parameter`. Without the
@@ -662,6 +753,7 @@ for reduce_it in (False, True):
 #
 # (fsdp2-ignored-params-clipping)=
 
+
 # %%
 def clip_with_an_ignored_scale(sharded=True):
     import torch.distributed as dist
@@ -675,12 +767,23 @@ def clip_with_an_ignored_scale(sharded=True):
     if sharded:
         fully_shard(model, ignored_params={model.scale})
     ranks = range(dist.get_rank(), dist.get_rank() + 1) if sharded else range(2)
-    losses = [(model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(r)).to(device))
-               * model.scale).square().mean() for r in ranks]
+    losses = [
+        (
+            model(torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(r)).to(device))
+            * model.scale
+        )
+        .square()
+        .mean()
+        for r in ranks
+    ]
     (sum(losses) / len(losses)).backward()
     if not sharded:
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        return "one process", total.item(), {name: p.grad.cpu() for name, p in model.named_parameters()}
+        return (
+            "one process",
+            total.item(),
+            {name: p.grad.cpu() for name, p in model.named_parameters()},
+        )
     dist.all_reduce(model.scale.grad, op=dist.ReduceOp.AVG)
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -688,14 +791,20 @@ def clip_with_an_ignored_scale(sharded=True):
     except RuntimeError as error:
         whole = f"{type(error).__name__}: {str(error).splitlines()[0]}"
     # one norm per kind, combined as the norm of norms; then each group scaled by the same factor
-    groups = [[p for p in model.parameters() if isinstance(p, dt.DTensor)],
-              [p for p in model.parameters() if not isinstance(p, dt.DTensor)]]
+    groups = [
+        [p for p in model.parameters() if isinstance(p, dt.DTensor)],
+        [p for p in model.parameters() if not isinstance(p, dt.DTensor)],
+    ]
     norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, dt.DTensor) else n for n in norms]))
+    total = torch.linalg.vector_norm(
+        torch.stack([n.full_tensor() if isinstance(n, dt.DTensor) else n for n in norms])
+    )
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, MAX_NORM, total)
-    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, dt.DTensor) else p.grad).cpu()
-             for name, p in model.named_parameters()}
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, dt.DTensor) else p.grad).cpu()
+        for name, p in model.named_parameters()
+    }
     return whole, total.item(), grads
 
 
@@ -703,8 +812,10 @@ MAX_NORM = 0.1  # below the gradients' norm: the clip scales them
 _, one_norm, one_grads = launch(clip_with_an_ignored_scale, False, world_size=1, output="none")[0]
 whole, total, grads = launch(clip_with_an_ignored_scale, world_size=2, output="none")[0]
 print(f"clip_grad_norm_ over every parameter: {whole}")
-print(f"clipped in two groups (DTensors, plain): total norm {total:.7f}; one process's {one_norm:.7f}; "
-      f"clipped gradients vs one process's: {largest_difference((grads[n], g) for n, g in one_grads.items()):.1e}")
+print(
+    f"clipped in two groups (DTensors, plain): total norm {total:.7f}; one process's {one_norm:.7f}; "
+    f"clipped gradients vs one process's: {largest_difference((grads[n], g) for n, g in one_grads.items()):.1e}"
+)
 
 # %% [markdown]
 # `clip_grad_norm_` takes one norm over every gradient with one foreach operation, and

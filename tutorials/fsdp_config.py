@@ -49,17 +49,21 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # chosen API received it, and the units with the parameters each one all-gathers.
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-import fsdp_guide
 from fsdp_guide import launch, shard
 
 fsdp_config = {
-    "sharding_strategy": "FULL_SHARD", "min_params": 1e8, "cpu_offload": False,
-    "mixed_precision": "DEFAULT", "backward_prefetch": "BACKWARD_POST",
-    "activation_checkpointing": False, "activation_cpu_offload": False, "verbose": True,
+    "sharding_strategy": "FULL_SHARD",
+    "min_params": 1e8,
+    "cpu_offload": False,
+    "mixed_precision": "DEFAULT",
+    "backward_prefetch": "BACKWARD_POST",
+    "activation_checkpointing": False,
+    "activation_cpu_offload": False,
+    "verbose": True,
 }
 
 
@@ -68,7 +72,8 @@ class Model(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+            nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)
+        )
         self.head = nn.Linear(width, 4)
         self.register_buffer("temperature", torch.tensor(2.0))  # a buffer, to see its dtype
 
@@ -90,8 +95,10 @@ def apply_config(api, config):
     model(torch.randn(4, 32).to(device)).sum().backward()  # it trains
 
 
-for api, config in (("fsdp2", fsdp_config),
-                    ("fsdp1", {**fsdp_config, "activation_checkpointing": True})):
+for api, config in (
+    ("fsdp2", fsdp_config),
+    ("fsdp1", {**fsdp_config, "activation_checkpointing": True}),
+):
     launch(apply_config, api, config, output="rank0")
 
 # %% [markdown]
@@ -134,10 +141,15 @@ def one_step(model, x, y):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     loss = F.mse_loss(model(x), y)  # after the step
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    kinds = {"all-gather": ("allgather", "all_gather"), "reduce-scatter": ("reduce_scatter",),
-             "all-reduce": ("allreduce", "all_reduce")}  # c10d's names and the functional ones
-    sent = {kind: sum(n for op, n in counts.items() if any(name in op for name in names))
-            for kind, names in kinds.items()}
+    kinds = {
+        "all-gather": ("allgather", "all_gather"),
+        "reduce-scatter": ("reduce_scatter",),
+        "all-reduce": ("allreduce", "all_reduce"),
+    }  # c10d's names and the functional ones
+    sent = {
+        kind: sum(n for op, n in counts.items() if any(name in op for name in names))
+        for kind, names in kinds.items()
+    }
     unclassified = [op for op in counts if not any(name in op for name in sum(kinds.values(), ()))]
     assert not unclassified, f"a collective this table does not name: {unclassified}"
     return loss, sent
@@ -155,8 +167,11 @@ def strategy_table(api):
     my_rows = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
     rows = []
     for strategy in STRATEGIES:
-        config = {"sharding_strategy": strategy, "mixed_precision": "FULL",
-                  "data_parallel_shard_degree": 2}  # HYBRID_SHARD: 2 groups of 2 ranks
+        config = {
+            "sharding_strategy": strategy,
+            "mixed_precision": "FULL",
+            "data_parallel_shard_degree": 2,
+        }  # HYBRID_SHARD: 2 groups of 2 ranks
         model = shard(Model(), config, api=api)
         share = stored_share(model)  # between steps
         loss, sent = one_step(model, x[my_rows], y[my_rows])
@@ -166,15 +181,18 @@ def strategy_table(api):
     return rows
 
 
-print(f"{'':5} {'strategy':14} stored  all-gathers  reduce-scatters  all-reduces  "
-      "|loss after a step - 1 process|")
+print(
+    f"{'':5} {'strategy':14} stored  all-gathers  reduce-scatters  all-reduces  "
+    "|loss after a step - 1 process|"
+)
 collectives = {}
 for api in ("fsdp2", "fsdp1"):
-    for strategy, share, sent, error in launch(strategy_table, api, world_size=4,
-                                               output="none")[0]:
+    for strategy, share, sent, error in launch(strategy_table, api, world_size=4, output="none")[0]:
         collectives[api, strategy] = sent
-        print(f"{api:5} {strategy:14} {share:6.3f}  {sent['all-gather']:11}  "
-              f"{sent['reduce-scatter']:15}  {sent['all-reduce']:11}  {error:.1e}")
+        print(
+            f"{api:5} {strategy:14} {share:6.3f}  {sent['all-gather']:11}  "
+            f"{sent['reduce-scatter']:15}  {sent['all-reduce']:11}  {error:.1e}"
+        )
 
 from myst_nb import glue  # the count the text below quotes, from this table
 
@@ -230,20 +248,31 @@ def preset_dtypes(api):
         model = shard(Model(), config, api=api)
         seen = {}
 
-        def buffer_dtype(module, args):  # inside the root's forward, after FSDP's casts
+        def buffer_dtype(
+            module, args, seen=seen, model=model
+        ):  # in the root's forward, after FSDP's casts
             seen["buffer"] = model.temperature.dtype
 
         model.head.register_forward_pre_hook(buffer_dtype)
         with record_dtypes() as dtypes:
             model(torch.randn(4, 32).to(device)).float().sum().backward()
-        rows.append((preset, precision, dtypes.get("forward", "matmul"),
-                     dtypes.get("backward", "matmul"), dtypes.get("backward", "reduce-scatter"),
-                     str(seen["buffer"]).removeprefix("torch.")))
+        rows.append(
+            (
+                preset,
+                precision,
+                dtypes.get("forward", "matmul"),
+                dtypes.get("backward", "matmul"),
+                dtypes.get("backward", "reduce-scatter"),
+                str(seen["buffer"]).removeprefix("torch."),
+            )
+        )
     return rows
 
 
-print(f"{'':5} {'preset':8} {'low':5} {'forward matmul':15} {'grad matmul':12} "
-      f"{'reduce-scatter':15} buffer")
+print(
+    f"{'':5} {'preset':8} {'low':5} {'forward matmul':15} {'grad matmul':12} "
+    f"{'reduce-scatter':15} buffer"
+)
 for api in ("fsdp2", "fsdp1"):
     for row in launch(preset_dtypes, api, output="none")[0]:
         print(f"{api:5} " + " ".join(f"{v:{w}}" for v, w in zip(row, (8, 5, 15, 12, 15, 0))))
@@ -266,8 +295,12 @@ for api in ("fsdp2", "fsdp1"):
 # %%
 from fsdp_guide.config import validate
 
-for mistake in ({"sharding_stratgy": "FULL_SHARD"}, {"sharding_strategy": "FULL_SHRAD"},
-                {"mixed_precision": "DEFALUT"}, {"min_params": "1e8"}):
+for mistake in (
+    {"sharding_stratgy": "FULL_SHARD"},
+    {"sharding_strategy": "FULL_SHRAD"},
+    {"mixed_precision": "DEFALUT"},
+    {"min_params": "1e8"},
+):
     try:
         validate(mistake)
     except ValueError as err:
@@ -282,9 +315,11 @@ for mistake in ({"sharding_stratgy": "FULL_SHARD"}, {"sharding_strategy": "FULL_
 def mistakes():
     messages = []
     hybrid_in_threes = {"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 3}
-    for config, api in ((hybrid_in_threes, "fsdp2"),
-                        ({"backward_prefetch": "NONE"}, "fsdp2"),
-                        ({"cpu_offload": True}, "fsdp1")):
+    for config, api in (
+        (hybrid_in_threes, "fsdp2"),
+        ({"backward_prefetch": "NONE"}, "fsdp2"),
+        ({"cpu_offload": True}, "fsdp1"),
+    ):
         try:
             shard(Model(), config, api=api)
         except ValueError as err:

@@ -59,8 +59,10 @@ from fsdp_guide.recipes.train_llm import TrainConfig
 config = TrainConfig(steps=40, log_every=10, progress=False)
 model = GPT(config.model_config())
 print(config.model_config())
-print(f"{sum(p.numel() for p in model.parameters()):,} parameters "
-      f"({sum(p.numel() for p in model.blocks[0].parameters()):,} per block)")
+print(
+    f"{sum(p.numel() for p in model.parameters()):,} parameters "
+    f"({sum(p.numel() for p in model.blocks[0].parameters()):,} per block)"
+)
 
 # %%
 from fsdp_guide.tokens import TokenBatches, python_docs_corpus
@@ -68,7 +70,9 @@ from fsdp_guide.tokens import TokenBatches, python_docs_corpus
 corpus = python_docs_corpus()
 batches = TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0)
 inputs, targets = next(batches)
-print(f"corpus: {corpus.numel():,} bytes; a batch: inputs {tuple(inputs.shape)}, targets shifted by one")
+print(
+    f"corpus: {corpus.numel():,} bytes; a batch: inputs {tuple(inputs.shape)}, targets shifted by one"
+)
 print(repr(bytes(inputs[0, :48].tolist()).decode("utf-8", "replace")))
 print("the iterator's whole state:", batches.state_dict())
 
@@ -108,16 +112,17 @@ print(inspect.getsource(train_llm.init_sharded))
 # others are still `DTensor` shards):
 
 # %%
-from torch.distributed.tensor import DTensor
-
 import fsdp_guide
 from fsdp_guide import launch, summon_full_params
+from torch.distributed.tensor import DTensor
 
 MiB = 2**20
 
 
 def full_bytes(params):
-    return sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the whole tensor's
+    return sum(
+        p.numel() * p.element_size() for p in params
+    )  # a DTensor's numel is the whole tensor's
 
 
 def most_held_in_full(model, initialise):
@@ -142,21 +147,34 @@ def initialisation_in_full():
         with summon_full_params(at_once):
             at_once.init_weights()
 
-    return {"model": full_bytes(by_unit.parameters()),
-            "shards": sum(p.to_local().nbytes for p in by_unit.parameters()),
-            "whole model at once": most_held_in_full(at_once, whole_model),
-            "one unit at a time": most_held_in_full(by_unit, lambda: train_llm.init_sharded(by_unit, config.seed)),
-            "same weights": all(torch.equal(a.to_local(), b.to_local())
-                                for a, b in zip(at_once.parameters(), by_unit.parameters(), strict=True))}
+    return {
+        "model": full_bytes(by_unit.parameters()),
+        "shards": sum(p.to_local().nbytes for p in by_unit.parameters()),
+        "whole model at once": most_held_in_full(at_once, whole_model),
+        "one unit at a time": most_held_in_full(
+            by_unit, lambda: train_llm.init_sharded(by_unit, config.seed)
+        ),
+        "same weights": all(
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(at_once.parameters(), by_unit.parameters(), strict=True)
+        ),
+    }
 
 
 held = launch(initialisation_in_full, world_size=2, output="none")
-print(f"the model in full: {held[0]['model'] / MiB:.2f} MiB; the shards each rank holds: "
-      f"{held[0]['shards'] / MiB:.2f} MiB")
+print(
+    f"the model in full: {held[0]['model'] / MiB:.2f} MiB; the shards each rank holds: "
+    f"{held[0]['shards'] / MiB:.2f} MiB"
+)
 for how in ("whole model at once", "one unit at a time"):
-    print(f"most parameters held in full while initialising, {how:19}: "
-          + ", ".join(f"rank {r} {h[how] / MiB:.2f} MiB" for r, h in enumerate(held)))
-print("the two give the same weights, bit for bit, on every rank:", all(h["same weights"] for h in held))
+    print(
+        f"most parameters held in full while initialising, {how:19}: "
+        + ", ".join(f"rank {r} {h[how] / MiB:.2f} MiB" for r, h in enumerate(held))
+    )
+print(
+    "the two give the same weights, bit for bit, on every rank:",
+    all(h["same weights"] for h in held),
+)
 
 # %% [markdown]
 # All at once, every rank holds the whole model in full besides its shards; one unit at a
@@ -182,17 +200,27 @@ from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.recipes.train_llm import train
 
-scratch = tempfile.TemporaryDirectory(prefix="llm-")  # deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(
+    prefix="llm-"
+)  # deleted, with what the page wrote, when the kernel exits
 workdir = Path(scratch.name)
-straight = launch(train, dataclasses.replace(config, checkpoint_dir=str(workdir / "straight"), checkpoint_every=20),
-                  world_size=2, output="none")[0]
+straight = launch(
+    train,
+    dataclasses.replace(config, checkpoint_dir=str(workdir / "straight"), checkpoint_every=20),
+    world_size=2,
+    output="none",
+)[0]
 print(f"computed in {straight['dtype']}")
-print(f"step  1: loss {straight['losses'][0]:.4f}   (ln 256 = {math.log(256):.4f}: a uniform guess over bytes)")
+print(
+    f"step  1: loss {straight['losses'][0]:.4f}   (ln 256 = {math.log(256):.4f}: a uniform guess over bytes)"
+)
 for step in range(10, 41, 10):
     print(f"step {step:2}: loss {straight['losses'][step - 1]:.4f}")
 print("checkpoints kept:", sorted(p.name for p in (workdir / "straight").iterdir()))
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("llm_final_loss", straight["losses"][39], display=False)  # step 40's, printed above
 
@@ -201,7 +229,9 @@ import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 3))
 ax.plot(range(1, 41), straight["losses"], label="40 steps straight")
-ax.axhline(torch.log(torch.tensor(256.0)).item(), color="gray", ls=":", label="ln 256: uniform guess")
+ax.axhline(
+    torch.log(torch.tensor(256.0)).item(), color="gray", ls=":", label="ln 256: uniform guess"
+)
 ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="a byte-level GPT on 2 ranks")
 ax.legend()
 fig.tight_layout()
@@ -220,13 +250,23 @@ fig.tight_layout()
 
 # %%
 halves = workdir / "halves"
-first = launch(train, dataclasses.replace(config, stop_at=20, checkpoint_dir=str(halves), checkpoint_every=20),
-               world_size=2, output="none")[0]
-second = launch(train, dataclasses.replace(config, checkpoint_dir=str(halves), resume="latest"),
-                world_size=2, output="none")[0]
+first = launch(
+    train,
+    dataclasses.replace(config, stop_at=20, checkpoint_dir=str(halves), checkpoint_every=20),
+    world_size=2,
+    output="none",
+)[0]
+second = launch(
+    train,
+    dataclasses.replace(config, checkpoint_dir=str(halves), resume="latest"),
+    world_size=2,
+    output="none",
+)[0]
 print(f"first run: steps 1-{len(first['losses'])}; resumed run: steps {second['first_step']}-40")
 resumed = first["losses"] + second["losses"]
-print(f"straight == stopped and resumed, all 40 losses bit for bit: {resumed == straight['losses']}")
+print(
+    f"straight == stopped and resumed, all 40 losses bit for bit: {resumed == straight['losses']}"
+)
 
 # %% [markdown]
 # Bit for bit, because the checkpoint holds everything the next step reads: the sharded
@@ -254,17 +294,25 @@ def seen_before(batch, earlier):
     return any(torch.equal(batch, old) for old in earlier)
 
 
-steps_1_to_20 = next_batches(TokenBatches(corpus, batch_size=config.batch_size,
-                                          block_size=config.block_size, seed=0), 20)
-plain_restart = TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0)
-from_checkpoint = TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0)
+steps_1_to_20 = next_batches(
+    TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0), 20
+)
+plain_restart = TokenBatches(
+    corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0
+)
+from_checkpoint = TokenBatches(
+    corpus, batch_size=config.batch_size, block_size=config.block_size, seed=0
+)
 saved = {"data": plain_restart.state_dict()}  # the keys to read; DCP fills in the saved values
 with warnings.catch_warnings():  # DCP warns that it reads in one process: that is the intent here
     warnings.filterwarnings("ignore", "torch.distributed is disabled")
     dcp.load(saved, checkpoint_id=halves / "step-00000020", no_dist=True)
 print("the data state saved at step 20:", saved["data"])
 from_checkpoint.load_state_dict(saved["data"])
-for name, stream in (("plain restart", plain_restart), ("position from the checkpoint", from_checkpoint)):
+for name, stream in (
+    ("plain restart", plain_restart),
+    ("position from the checkpoint", from_checkpoint),
+):
     repeats = sum(seen_before(b, steps_1_to_20) for b in next_batches(stream, 20))
     print(f"{name:28}: steps 21-40 train on {repeats:2} of 20 batches already seen in steps 1-20")
 
@@ -281,9 +329,8 @@ import os
 import signal
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
-
 from fsdp_guide import LaunchError
+from torch.distributed.checkpoint import FileSystemWriter
 
 
 class KilledWhileSaving(FileSystemWriter):
@@ -297,9 +344,13 @@ class KilledWhileSaving(FileSystemWriter):
 
 crash = workdir / "crash"
 try:
-    launch(train, dataclasses.replace(config, checkpoint_dir=str(crash), checkpoint_every=20),
-           storage_writer=KilledWhileSaving,
-           world_size=2, output="none")
+    launch(
+        train,
+        dataclasses.replace(config, checkpoint_dir=str(crash), checkpoint_every=20),
+        storage_writer=KilledWhileSaving,
+        world_size=2,
+        output="none",
+    )
 except LaunchError as error:
     print(f"{type(error).__name__}: {str(error).splitlines()[0]}")
 print("left on disk:", sorted(p.name for p in crash.iterdir()))
@@ -307,12 +358,17 @@ print("left on disk:", sorted(p.name for p in crash.iterdir()))
 # %%
 from fsdp_guide.checkpoint import latest
 
-after_crash = launch(train, dataclasses.replace(config, checkpoint_dir=str(crash), resume="latest",
-                                                 checkpoint_every=20),
-                     world_size=2, output="none")[0]
+after_crash = launch(
+    train,
+    dataclasses.replace(config, checkpoint_dir=str(crash), resume="latest", checkpoint_every=20),
+    world_size=2,
+    output="none",
+)[0]
 print(f"resumed at step {after_crash['first_step']}")
 print(f"newest complete checkpoint now: {latest(crash).name}")
-print(f"steps 21-40 after the crash equal the straight run: {after_crash['losses'] == straight['losses'][20:]}")
+print(
+    f"steps 21-40 after the crash equal the straight run: {after_crash['losses'] == straight['losses'][20:]}"
+)
 
 # %% [markdown]
 # The half-written `step-40` never got its final name, so `resume="latest"` took `step-20`,
@@ -347,7 +403,11 @@ class SlowStorage(FileSystemWriter):
 
         time.sleep(0.5)
         with open(workdir / "slow-writes.txt", "a") as log:
-            log.write("training thread\n" if threading.current_thread() is threading.main_thread() else "background\n")
+            log.write(
+                "training thread\n"
+                if threading.current_thread() is threading.main_thread()
+                else "background\n"
+            )
         return super().write_data(plan, planner)
 
 
@@ -356,18 +416,35 @@ for storage in ("local disk", "slow storage"):
     for mode in ("synchronous", "asynchronous"):
         (workdir / "slow-writes.txt").write_text("")
         where = workdir / f"{storage} {mode}".replace(" ", "-")
-        runs[storage, mode] = launch(train, dataclasses.replace(config, checkpoint_dir=str(where), checkpoint_every=20,
-                                                                async_checkpoint=mode == "asynchronous"),
-                                     storage_writer=SlowStorage if storage == "slow storage" else None,
-                                     world_size=2, output="none")[0]
+        runs[storage, mode] = launch(
+            train,
+            dataclasses.replace(
+                config,
+                checkpoint_dir=str(where),
+                checkpoint_every=20,
+                async_checkpoint=mode == "asynchronous",
+            ),
+            storage_writer=SlowStorage if storage == "slow storage" else None,
+            world_size=2,
+            output="none",
+        )[0]
         runs[storage, mode]["published"] = sorted(p.name for p in where.iterdir())
-        writers[storage, mode] = sorted(set((workdir / "slow-writes.txt").read_text().split("\n")) - {""})
+        writers[storage, mode] = sorted(
+            set((workdir / "slow-writes.txt").read_text().split("\n")) - {""}
+        )
 print(f"{'':28} {'training waited in the saves at steps 20 and 40, ms':>52}")
 for (storage, mode), run in runs.items():
-    print(f"{storage + ', ' + mode:28} " + "  ".join(f"{1000 * s:8.1f}" for s in run["save_stall_s"]))
+    print(
+        f"{storage + ', ' + mode:28} " + "  ".join(f"{1000 * s:8.1f}" for s in run["save_stall_s"])
+    )
 for mode in ("synchronous", "asynchronous"):
-    print(f"{mode} saves to slow storage: the half-second writes ran on {' and '.join(writers['slow storage', mode])}")
-print("losses equal the straight run:", all(run["losses"] == straight["losses"] for run in runs.values()))
+    print(
+        f"{mode} saves to slow storage: the half-second writes ran on {' and '.join(writers['slow storage', mode])}"
+    )
+print(
+    "losses equal the straight run:",
+    all(run["losses"] == straight["losses"] for run in runs.values()),
+)
 print("published, by every run:", sorted({tuple(run["published"]) for run in runs.values()}))
 
 # %% [markdown]
@@ -389,10 +466,16 @@ print("published, by every run:", sorted({tuple(run["published"]) for run in run
 
 # %%
 for world_size in (4, 1):
-    other = launch(train, dataclasses.replace(config, resume=str(halves / "step-00000020")),
-                   world_size=world_size, output="none")[0]
+    other = launch(
+        train,
+        dataclasses.replace(config, resume=str(halves / "step-00000020")),
+        world_size=world_size,
+        output="none",
+    )[0]
     difference = largest_difference(zip(other["losses"], straight["losses"][20:]))
-    print(f"saved on 2, resumed on {world_size}: max |loss - straight run| over steps 21-40 = {difference:.1e}")
+    print(
+        f"saved on 2, resumed on {world_size}: max |loss - straight run| over steps 21-40 = {difference:.1e}"
+    )
 
 # %% [markdown]
 # The losses continue as on 2 ranks, up to float rounding: the global batches are the same,
@@ -430,8 +513,12 @@ def sharded(width=8, head=False):
 
 def loading_mistakes(folder):
     model = sharded()  # fully_shard puts it on the mesh's device: fsdp_guide.device()'s
-    full = {name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()}  # a torch.save'd file
-    local = {name: tensor.to_local() for name, tensor in model.state_dict().items()}  # each rank's own shards
+    full = {
+        name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()
+    }  # a torch.save'd file
+    local = {
+        name: tensor.to_local() for name, tensor in model.state_dict().items()
+    }  # each rank's own shards
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
 
     def outcome(attempt):
@@ -439,7 +526,9 @@ def loading_mistakes(folder):
             attempt()
         except CheckpointException as error:  # a BaseException, not an Exception: name it
             # it gathers every rank's failure; this rank's own says what went wrong
-            return "".join(traceback.format_exception_only(error.failures[dist.get_rank()][0])).strip()
+            return "".join(
+                traceback.format_exception_only(error.failures[dist.get_rank()][0])
+            ).strip()
         except Exception as error:
             return "".join(traceback.format_exception_only(error)).strip()
         return "loaded"
@@ -448,17 +537,27 @@ def loading_mistakes(folder):
         "load_state_dict(full state dict)": outcome(lambda: sharded().load_state_dict(full)),
         "load_state_dict(this rank's shards)": outcome(lambda: sharded().load_state_dict(local)),
         "dcp.load into the model with a head added": outcome(
-            lambda: dcp.load({"model": sharded(head=True).state_dict()}, checkpoint_id=folder)),
+            lambda: dcp.load({"model": sharded(head=True).state_dict()}, checkpoint_id=folder)
+        ),
         "dcp.load into a wider model": outcome(
-            lambda: dcp.load({"model": sharded(width=16).state_dict()}, checkpoint_id=folder)),
-        "set_model_state_dict(full state dict)": outcome(lambda: set_model_state_dict(
-            sharded(), full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))),
+            lambda: dcp.load({"model": sharded(width=16).state_dict()}, checkpoint_id=folder)
+        ),
+        "set_model_state_dict(full state dict)": outcome(
+            lambda: set_model_state_dict(
+                sharded(),
+                full,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+        ),
         "dcp.load into the same model": outcome(
-            lambda: dcp.load({"model": sharded().state_dict()}, checkpoint_id=folder)),
+            lambda: dcp.load({"model": sharded().state_dict()}, checkpoint_id=folder)
+        ),
     }
 
 
-for way, result in launch(loading_mistakes, str(workdir / "small"), world_size=2, output="none")[0].items():
+for way, result in launch(loading_mistakes, str(workdir / "small"), world_size=2, output="none")[
+    0
+].items():
     print(f"{way}:\n    {result}")
 
 # %% [markdown]
@@ -483,12 +582,18 @@ for way, result in launch(loading_mistakes, str(workdir / "small"), world_size=2
 
 # %%
 export = workdir / "model.pt"
-launch(train, dataclasses.replace(config, resume=str(halves / "step-00000020"), export=str(export)),
-       world_size=2, output="none")
+launch(
+    train,
+    dataclasses.replace(config, resume=str(halves / "step-00000020"), export=str(export)),
+    world_size=2,
+    output="none",
+)
 model = GPT(config.model_config())
 model.load_state_dict(torch.load(export, weights_only=True))
 prompt = torch.tensor([list(b"The ")])
-out = model.generate(prompt, max_new_tokens=60, temperature=0.8, generator=torch.Generator().manual_seed(0))
+out = model.generate(
+    prompt, max_new_tokens=60, temperature=0.8, generator=torch.Generator().manual_seed(0)
+)
 print(repr(bytes(out[0].tolist()).decode("utf-8", "replace")))
 
 # %% [markdown]
@@ -516,10 +621,25 @@ import json
 import subprocess
 
 summary_file = workdir / "summary.json"
-command = [sys.executable, "-m", "fsdp_guide.recipes.train_llm", "--nproc", "2", "--steps", "40",
-           "--log-every", "20", "--no-progress", "--out", str(summary_file)]
+command = [
+    sys.executable,
+    "-m",
+    "fsdp_guide.recipes.train_llm",
+    "--nproc",
+    "2",
+    "--steps",
+    "40",
+    "--log-every",
+    "20",
+    "--no-progress",
+    "--out",
+    str(summary_file),
+]
 print(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
-print("same losses as the notebook:", json.loads(summary_file.read_text())["losses"] == straight["losses"])
+print(
+    "same losses as the notebook:",
+    json.loads(summary_file.read_text())["losses"] == straight["losses"],
+)
 
 # %% [markdown]
 # ```bash
@@ -555,29 +675,43 @@ from fsdp_guide.fp8 import quiet_torchao
 from fsdp_guide.mfu import flops_per_token, matmul_parameters, mfu
 
 quiet_torchao()  # transformers imports torchao, whose import logs about CUDA kernels a CPU cannot load
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+warnings.filterwarnings(
+    "ignore", message="IProgress not found"
+)  # tqdm's notebook import: no widgets here
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-llama_3_1_8b = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+llama_3_1_8b = LlamaConfig(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 with torch.device("meta"):
     llama = LlamaForCausalLM(llama_3_1_8b)
 shape = dict(n_layers=32, n_heads=32, head_dim=128, seq_len=8192)
 per_token = flops_per_token(llama, **shape)
-print(f"parameters {sum(p.numel() for p in llama.parameters()):,}; in matmuls {matmul_parameters(llama):,} "
-      f"(the input embedding is a lookup); FLOPs per token {per_token / 1e9:.1f} G")
+print(
+    f"parameters {sum(p.numel() for p in llama.parameters()):,}; in matmuls {matmul_parameters(llama):,} "
+    f"(the input embedding is a lookup); FLOPs per token {per_token / 1e9:.1f} G"
+)
 
 tokens_per_s, h100 = 5_762, 989e12  # per GPU; the H100 SXM's dense bf16 peak, FLOP/s
 ways = {
     "right: whole model, attention, dense peak": mfu(tokens_per_s, per_token, h100),
     "the sparse peak the datasheet headlines": mfu(tokens_per_s, per_token, 2 * h100),
-    "a rank's shard of the parameters (1/8)": mfu(tokens_per_s, flops_per_token(matmul_parameters(llama) // 8, **shape),
-                                                 h100),
+    "a rank's shard of the parameters (1/8)": mfu(
+        tokens_per_s, flops_per_token(matmul_parameters(llama) // 8, **shape), h100
+    ),
     "6N alone, attention left out": mfu(tokens_per_s, 6 * matmul_parameters(llama), h100),
 }
 for way, value in ways.items():
     print(f"{way:42} MFU {value:6.1%}")
-print(f"attention's share of the FLOPs per token: {1 - 6 * matmul_parameters(llama) / per_token:.0%}")
+print(
+    f"attention's share of the FLOPs per token: {1 - 6 * matmul_parameters(llama) / per_token:.0%}"
+)
 glue("llm_mfu_right", ways["right: whole model, attention, dense peak"], display=False)
 
 # %% [markdown]

@@ -48,7 +48,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing i
 
 import warnings
 
-warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import: no widgets here
+warnings.filterwarnings(
+    "ignore", message="IProgress not found"
+)  # tqdm's notebook import: no widgets here
 # peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
 
@@ -61,8 +63,10 @@ import torch
 import transformers
 
 transformers.utils.logging.disable_progress_bar()
-print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
-      f"Python {sys.version.split()[0]}")
+print(
+    f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+    f"Python {sys.version.split()[0]}"
+)
 
 # %% [markdown]
 # ## A pretrained model, and the adapters
@@ -80,15 +84,24 @@ scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, wh
 workdir = Path(scratch.name)
 path = workdir / "llama"
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+config = LlamaConfig(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+)
 LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
 def add_lora(model):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    )
 
 
 print(sorted(f.name for f in path.iterdir()))
@@ -117,14 +130,13 @@ from fsdp_guide.compare import largest_difference
 
 
 def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, train_norms=False):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
-
-    import fsdp_guide
     from fsdp_guide.hf import from_pretrained
     from fsdp_guide.memory import measure
     from fsdp_guide.precision import record_dtypes
+    from torch.distributed.fsdp import FSDPModule
 
     given = []  # what adapt is called on, each time
 
@@ -134,7 +146,10 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
         given.append(parameters_of(model, path))  # for the page: what each call is given
         config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
         model = get_peft_model(model, config, autocast_adapter_dtype=not cast_adapters)
-        for name, p in model.named_parameters():  # optionally the RMSNorm weights too, in the base's dtype
+        for (
+            name,
+            p,
+        ) in model.named_parameters():  # optionally the RMSNorm weights too, in the base's dtype
             p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
         return model
 
@@ -142,7 +157,9 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
     model = from_pretrained(path, dtype=dtype, mp_policy=mp_policy, adapt=adapt if lora else None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    tokens = torch.randint(
+        0, 4096, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
     tokens = tokens.to(fsdp_guide.device())
     model(input_ids=tokens, labels=tokens).loss.backward()  # the first step sets FSDP up
     optimizer.step()
@@ -151,15 +168,17 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
         model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
     dtypes = lambda ps: "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in ps}))  # noqa: E731
-    return {"states": measure(model, optimizer),
-            "all DTensors": all(hasattr(p, "to_local") for p in model.parameters()),
-            "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in trainable),
-            "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
-            "trainable dtype": dtypes(trainable),
-            "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-            "gathers": seen.count[("forward", "all-gather")],
-            "adapt given": given}
+    return {
+        "states": measure(model, optimizer),
+        "all DTensors": all(hasattr(p, "to_local") for p in model.parameters()),
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in trainable),
+        "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
+        "trainable dtype": dtypes(trainable),
+        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "gathers": seen.count[("forward", "all-gather")],
+        "adapt given": given,
+    }
 
 
 def parameters_of(model, path):
@@ -170,30 +189,52 @@ def parameters_of(model, path):
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
         saved = f.get_tensor("model.embed_tokens.weight")
     embedding = model.get_input_embeddings().weight
-    return (sum(p.numel() * p.element_size() for p in model.parameters()), str(embedding.dtype).removeprefix("torch."),
-            embedding.device.type, torch.equal(embedding, saved.to(embedding.dtype)))
+    return (
+        sum(p.numel() * p.element_size() for p in model.parameters()),
+        str(embedding.dtype).removeprefix("torch."),
+        embedding.device.type,
+        torch.equal(embedding, saved.to(embedding.dtype)),
+    )
 
 
-fp32 = {"full fine-tuning": launch(one_step_states, path, False, torch.float32, world_size=2, output="none"),
-        "LoRA": launch(one_step_states, path, True, torch.float32, world_size=2, output="none")}
+fp32 = {
+    "full fine-tuning": launch(
+        one_step_states, path, False, torch.float32, world_size=2, output="none"
+    ),
+    "LoRA": launch(one_step_states, path, True, torch.float32, world_size=2, output="none"),
+}
 lora = fp32["LoRA"][0]
-print(f"LoRA: {lora['params'] / 1e6:.2f}M parameters, {lora['trainable']:,} trainable "
-      f"({lora['trainable'] / lora['params']:.2%}); every parameter sharded (a DTensor): {lora['all DTensors']}")
-print(f"\nfp32 model states on rank 0 after one AdamW step, MiB: {'params':>7} {'grads':>7} {'optimizer':>9} "
-      f"{'total':>7}")
+print(
+    f"LoRA: {lora['params'] / 1e6:.2f}M parameters, {lora['trainable']:,} trainable "
+    f"({lora['trainable'] / lora['params']:.2%}); every parameter sharded (a DTensor): {lora['all DTensors']}"
+)
+print(
+    f"\nfp32 model states on rank 0 after one AdamW step, MiB: {'params':>7} {'grads':>7} {'optimizer':>9} "
+    f"{'total':>7}"
+)
 for how, ranks in fp32.items():
     s = ranks[0]["states"]
-    print(f"{how:50} {s.params / 2**20:7.2f} {s.grads / 2**20:7.2f} {s.optimizer / 2**20:9.2f} "
-          f"{s.total / 2**20:7.2f}")
+    print(
+        f"{how:50} {s.params / 2**20:7.2f} {s.grads / 2**20:7.2f} {s.optimizer / 2**20:9.2f} "
+        f"{s.total / 2**20:7.2f}"
+    )
 print("\nwhat adapt was called on, each time, per rank (the model without its adapters):")
 for rank, r in enumerate(fp32["LoRA"]):
     for nbytes, dtype, where, pretrained in r["adapt given"]:
-        print(f"rank {rank}: {nbytes / 2**20:5.2f} MiB of {dtype} parameters on the {where}; "
-              f"the pretrained weights: {pretrained}")
+        print(
+            f"rank {rank}: {nbytes / 2**20:5.2f} MiB of {dtype} parameters on the {where}; "
+            f"the pretrained weights: {pretrained}"
+        )
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
-glue("lora_loaded_mib", next(n for n, _, _, pretrained in lora["adapt given"] if pretrained) / 2**20, display=False)
+glue(
+    "lora_loaded_mib",
+    next(n for n, _, _, pretrained in lora["adapt given"] if pretrained) / 2**20,
+    display=False,
+)
 glue("lora_kept_mib", lora["states"].params / 2**20, display=False)
 
 # %% [markdown]
@@ -226,12 +267,16 @@ from fsdp_guide.memory import estimate
 adapters = estimate(lora["trainable"], 2, "FULL_SHARD", optimizer="adamw")
 base = estimate(lora["params"] - lora["trainable"], 2, "FULL_SHARD", optimizer="adamw").params
 full = fp32["full fine-tuning"][0]["params"]  # the model without adapters
-predicted = {"full fine-tuning": estimate(full, 2, "FULL_SHARD", optimizer="adamw").total,
-             "LoRA": base + adapters.total}
+predicted = {
+    "full fine-tuning": estimate(full, 2, "FULL_SHARD", optimizer="adamw").total,
+    "LoRA": base + adapters.total,
+}
 for how, ranks in fp32.items():
     measured = ranks[0]["states"].total
-    print(f"{how:17} measured {measured / 2**20:6.2f} MiB, estimated {predicted[how] / 2**20:6.2f} MiB "
-          f"({measured / predicted[how] - 1:+.1%})")
+    print(
+        f"{how:17} measured {measured / 2**20:6.2f} MiB, estimated {predicted[how] / 2**20:6.2f} MiB "
+        f"({measured / predicted[how] - 1:+.1%})"
+    )
 
 # %% [markdown]
 # (lora-dtypes)=
@@ -251,23 +296,33 @@ for how, ranks in fp32.items():
 # anything of the base beside them (here the RMSNorm weights, a common LoRA variant; or
 # `peft`'s `modules_to_save`) is not. Each decoder layer is one unit below:
 
+
 # %%
 def first_forward(train_norms):
+    import fsdp_guide
     import torch
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import fsdp_guide
-
-    small = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(small).to(fsdp_guide.device(), torch.bfloat16)  # a bf16 checkpoint, loaded
+    small = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(small).to(
+        fsdp_guide.device(), torch.bfloat16
+    )  # a bf16 checkpoint, loaded
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     for name, p in model.named_parameters():
         p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
     layer = model.base_model.model.model.layers[0]
-    trainable = sorted(str(dtype) for dtype in {p.dtype for p in layer.parameters() if p.requires_grad})
+    trainable = sorted(
+        str(dtype) for dtype in {p.dtype for p in layer.parameters() if p.requires_grad}
+    )
     fully_shard(layer)
     fully_shard(model)
     try:
@@ -315,19 +370,30 @@ bf16 = torch.bfloat16
 fixes = {
     "LoRA on the frozen bf16 base": dict(dtype=bf16),
     "1. adapters in their own units": dict(dtype=bf16, train_norms=True),
-    "2. fp32 storage, bf16 compute": dict(dtype=torch.float32, train_norms=True,
-                                          mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)),
+    "2. fp32 storage, bf16 compute": dict(
+        dtype=torch.float32,
+        train_norms=True,
+        mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+    ),
     "3. adapters cast to bf16": dict(dtype=bf16, cast_adapters=True, train_norms=True),
 }
-fixed = {fix: launch(one_step_states, path, True, world_size=2, output="none", **options)[0]
-         for fix, options in fixes.items()}
-print(f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per forward':>23} "
-      f"{'rank 0 model states, MiB':>25}")
+fixed = {
+    fix: launch(one_step_states, path, True, world_size=2, output="none", **options)[0]
+    for fix, options in fixes.items()
+}
+print(
+    f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per forward':>23} "
+    f"{'rank 0 model states, MiB':>25}"
+)
 for fix, r in fixed.items():
-    print(f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
-          f"{r['states'].total / 2**20:25.2f}")
+    print(
+        f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
+        f"{r['states'].total / 2**20:25.2f}"
+    )
 weight, update = torch.tensor(1.0), torch.tensor(1 / 300)  # an update of 1/300 of a weight
-print(f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16")
+print(
+    f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16"
+)
 
 # %% [markdown]
 # All four run the training step. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
@@ -377,23 +443,27 @@ MICRO = 4
 
 
 def accumulation_traffic(path, mode):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
-    import fsdp_guide
     from fsdp_guide.hf import from_pretrained
     from fsdp_guide.memory import measure
     from fsdp_guide.precision import record_dtypes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     device, world = fsdp_guide.device(), dist.get_world_size()
     if mode == "replicated":  # HSDP: replicated over the first dimension, "sharded" over 1 rank
         mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,))
-    model = from_pretrained(path, dtype=torch.float32, mesh=mesh, adapt=add_lora,
-                            reshard_after_forward=mode == "reshard after forward")
+    model = from_pretrained(
+        path,
+        dtype=torch.float32,
+        mesh=mesh,
+        adapt=add_lora,
+        reshard_after_forward=mode == "reshard after forward",
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     most = [0]
 
@@ -402,13 +472,19 @@ def accumulation_traffic(path, mode):
 
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
-            unit.register_forward_pre_hook(held_now)  # runs after FSDP's own, which gathers the unit
-    tokens = torch.randint(0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for step in range(2):  # the second step is the one measured: the first sets FSDP up
+            unit.register_forward_pre_hook(
+                held_now
+            )  # runs after FSDP's own, which gathers the unit
+    tokens = torch.randint(
+        0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    for _ in range(2):  # the second step is the one measured: the first sets FSDP up
         gathered, gathers, reductions, in_forward, between = [], 0, 0, 0, []
         for micro in range(MICRO):
             last = micro == MICRO - 1
-            model.set_requires_gradient_sync(last)  # adapters: reduce their gradients once, at the end
+            model.set_requires_gradient_sync(
+                last
+            )  # adapters: reduce their gradients once, at the end
             if mode == "kept gathered across micro-batches":
                 model.set_reshard_after_backward(last)
             batch = tokens[micro].to(device)
@@ -417,35 +493,67 @@ def accumulation_traffic(path, mode):
                 loss = model(input_ids=batch, labels=batch).loss
                 held_now()  # the end of forward: what backward starts with
                 loss.backward()
-            gathered.append(sum(seen.nbytes[(phase, "all-gather")] for phase in ("forward", "backward")))
+            gathered.append(
+                sum(seen.nbytes[(phase, "all-gather")] for phase in ("forward", "backward"))
+            )
             gathers += sum(seen.count[(phase, "all-gather")] for phase in ("forward", "backward"))
-            reductions += seen.count[("backward", "reduce-scatter")] + seen.count[("backward", "all-reduce")]
+            reductions += (
+                seen.count[("backward", "reduce-scatter")] + seen.count[("backward", "all-reduce")]
+            )
             in_forward = max(in_forward, most[0])
             between.append(measure(model).params)
         optimizer.step()
         optimizer.zero_grad()
     base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    return {"gathered": gathered, "gathers": gathers, "reductions": reductions, "base": base,
-            "in forward": in_forward, "between": max(between[:-1])}
+    return {
+        "gathered": gathered,
+        "gathers": gathers,
+        "reductions": reductions,
+        "base": base,
+        "in forward": in_forward,
+        "between": max(between[:-1]),
+    }
 
 
-modes = ["reshard after forward", "kept from forward to backward", "kept gathered across micro-batches", "replicated"]
-traffic = {mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes}
-print(f"frozen base: {traffic['replicated']['base'] / 2**20:.2f} MiB in fp32. On rank 0, in base sizes: the bytes "
-      f"its all-gathers filled; the parameters it held")
-print(f"{'micro-batch:':36} {'':5}" + "".join(f"{i:5}" for i in range(1, MICRO + 1))
-      + f" {'per step':>9} {'all-gathers':>11} {'reductions':>10} {'held: in forward':>16} {'between':>7}")
+modes = [
+    "reshard after forward",
+    "kept from forward to backward",
+    "kept gathered across micro-batches",
+    "replicated",
+]
+traffic = {
+    mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes
+}
+print(
+    f"frozen base: {traffic['replicated']['base'] / 2**20:.2f} MiB in fp32. On rank 0, in base sizes: the bytes "
+    f"its all-gathers filled; the parameters it held"
+)
+print(
+    f"{'micro-batch:':36} {'':5}"
+    + "".join(f"{i:5}" for i in range(1, MICRO + 1))
+    + f" {'per step':>9} {'all-gathers':>11} {'reductions':>10} {'held: in forward':>16} {'between':>7}"
+)
 for mode, r in traffic.items():
     per_micro = [b / r["base"] for b in r["gathered"]]
-    print(f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
-          f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}")
+    print(
+        f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
+        f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}"
+    )
 resharded, kept = traffic["reshard after forward"], traffic["kept from forward to backward"]
-glue("lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False)  # micro-batch 1
+glue(
+    "lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False
+)  # micro-batch 1
 glue("lora_resharded_held", resharded["in forward"] / resharded["base"], display=False)
 glue("lora_kept_gathered", kept["gathered"][0] / kept["base"], display=False)
 glue("lora_kept_held", kept["in forward"] / kept["base"], display=False)
-glue("lora_replicated_held", traffic["replicated"]["in forward"] / traffic["replicated"]["base"], display=False)
-glue("lora_resharded_gathers", resharded["gathers"] // MICRO, display=False)  # per micro-batch (the table: per step)
+glue(
+    "lora_replicated_held",
+    traffic["replicated"]["in forward"] / traffic["replicated"]["base"],
+    display=False,
+)
+glue(
+    "lora_resharded_gathers", resharded["gathers"] // MICRO, display=False
+)  # per micro-batch (the table: per step)
 glue("lora_reductions", resharded["reductions"], display=False)
 
 # %% [markdown]
@@ -488,10 +596,9 @@ batch = torch.randint(0, 4096, (4, 32), generator=torch.Generator().manual_seed(
 
 
 def train_lora(path, batch, out):
+    import fsdp_guide
     import torch
     import torch.distributed as dist
-
-    import fsdp_guide
     from fsdp_guide.hf import from_pretrained, save_pretrained
 
     device = fsdp_guide.device()
@@ -515,7 +622,9 @@ def train_lora(path, batch, out):
 
 
 adapter_dir = workdir / "adapter"
-(sharded_losses, sharded_logits), _ = launch(train_lora, path, batch, adapter_dir, world_size=2, output="none")
+(sharded_losses, sharded_logits), _ = launch(
+    train_lora, path, batch, adapter_dir, world_size=2, output="none"
+)
 
 from transformers import AutoModelForCausalLM
 
@@ -532,7 +641,9 @@ for _ in range(STEPS):
 print("step  2 ranks      1 process")
 for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
     print(f"{step:4}  {a:.6f}  {b:.6f}")
-print(f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}")
+print(
+    f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}"
+)
 
 # %% [markdown]
 # The same losses to fp32 rounding: the base is frozen, the adapters move the same way on
@@ -552,23 +663,33 @@ print(f"largest relative difference: {largest_difference(zip(sharded_losses, sin
 from peft import PeftModel
 
 adapter_kib = (adapter_dir / "adapter_model.safetensors").stat().st_size / 2**10
-print("adapter directory:", sorted(f.name for f in adapter_dir.iterdir()), f"({adapter_kib:.0f} KiB)")
+print(
+    "adapter directory:", sorted(f.name for f in adapter_dir.iterdir()), f"({adapter_kib:.0f} KiB)"
+)
 glue("lora_adapter_file_kib", adapter_kib, display=False)
 glue("lora_trainable", lora["trainable"], display=False)  # printed with the parameter counts above
 glue("lora_adapter_kib", lora["trainable"] * 4 / 2**10, display=False)  # fp32: 4 bytes a value
-reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter_dir)
+reloaded = PeftModel.from_pretrained(
+    AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter_dir
+)
 with torch.no_grad():
     logits = reloaded(input_ids=batch).logits
-print("base + reloaded adapters: logits equal the sharded model's:", torch.equal(logits, sharded_logits),
-      f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})")
+print(
+    "base + reloaded adapters: logits equal the sharded model's:",
+    torch.equal(logits, sharded_logits),
+    f"(largest difference {(logits - sharded_logits).abs().max().item():.1e})",
+)
 
 merged_dir = workdir / "merged"
 reloaded.merge_and_unload().save_pretrained(merged_dir)
 merged = AutoModelForCausalLM.from_pretrained(merged_dir)
 with torch.no_grad():
     merged_logits = merged(input_ids=batch).logits
-print("merged model, loaded by transformers alone:", type(merged).__name__,
-      f"largest difference from the sharded model's logits {(merged_logits - sharded_logits).abs().max().item():.1e}")
+print(
+    "merged model, loaded by transformers alone:",
+    type(merged).__name__,
+    f"largest difference from the sharded model's logits {(merged_logits - sharded_logits).abs().max().item():.1e}",
+)
 
 # %% [markdown]
 # The adapters reload to the same numbers (here, on the CPU like the ranks; with the ranks

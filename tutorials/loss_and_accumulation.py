@@ -49,7 +49,6 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 
 # %%
 import torch.nn.functional as F
-
 from fsdp_guide.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -76,7 +75,9 @@ def build_model():
 def summed_loss(model, tokens, targets):
     """The loss summed over the real tokens, and how many there are."""
     logits, _ = model(tokens)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    loss = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
     return loss, (targets != IGNORE).sum()
 
 
@@ -88,6 +89,7 @@ print("real tokens per rank:", rank_tokens)
 # %% [markdown]
 # The reference is one process computing the mean loss over every real token of the global
 # batch, the quantity the sharded runs should reproduce:
+
 
 # %%
 def one_process_gradients(tokens, targets):
@@ -104,7 +106,7 @@ reference_loss, reference = one_process_gradients(tokens, targets)
 def relative_error(grads, reference=reference):
     """|g - g_ref| / |g_ref| over all parameters together."""
     diff = sum(((grads[n] - reference[n]) ** 2).sum() for n in reference)
-    return (diff / sum((g ** 2).sum() for g in reference.values())).sqrt().item()
+    return (diff / sum((g**2).sum() for g in reference.values())).sqrt().item()
 
 
 print(f"one process: loss {reference_loss:.6f}")
@@ -135,12 +137,11 @@ print(f"one process: loss {reference_loss:.6f}")
 # (fsdp2-fsdpmodule-set-force-sum-reduction-for-comms)=
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
+from fsdp_guide import launch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-
-import fsdp_guide
-from fsdp_guide import launch
 
 
 def shard_model(mesh):
@@ -202,18 +203,27 @@ print(f"{'loss formed as':32} {'logged loss':>12} {'gradient error vs one proces
 for how, (logged, grads) in results.items():
     print(f"{how:32} {logged:12.6f} {relative_error(grads):30.1e}")
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("per_rank_error", relative_error(results["per-rank mean"][1]), display=False)
 glue("per_rank_logged", results["per-rank mean"][0], display=False)
-glue("rank0_tokens", rank_tokens[0], display=False)  # the counts printed with the batch, and the weights they give
+glue(
+    "rank0_tokens", rank_tokens[0], display=False
+)  # the counts printed with the batch, and the weights they give
 glue("rank1_tokens", rank_tokens[1], display=False)
-glue("rank0_weight", 2 * rank_tokens[0], display=False)  # a mean of two means: 1 / (2 x the rank's count)
+glue(
+    "rank0_weight", 2 * rank_tokens[0], display=False
+)  # a mean of two means: 1 / (2 x the rank's count)
 glue("rank1_weight", 2 * rank_tokens[1], display=False)
 glue("all_tokens", sum(rank_tokens), display=False)
 glue("one_process_loss", reference_loss, display=False)
-glue("global_count_error", torch.tensor([relative_error(results[how][1]) for how in WAYS[1:]]).max().item(),
-     display=False)  # torch's max keeps a NaN
+glue(
+    "global_count_error",
+    torch.tensor([relative_error(results[how][1]) for how in WAYS[1:]]).max().item(),
+    display=False,
+)  # torch's max keeps a NaN
 
 # %% [markdown]
 # `set_force_sum_reduction_for_comms(True)` is there for gloo. With a divide factor other
@@ -221,6 +231,7 @@ glue("global_count_error", torch.tensor([relative_error(results[how][1]) for how
 # reduce-scatters with `ReduceOp.PREMUL_SUM(1/factor)` (`_get_gradient_divide_factors` in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; fp16 sums and divides before
 # and after instead), which NCCL has and gloo does not:
+
 
 # %%
 def divide_factor_without_force_sum():
@@ -293,7 +304,9 @@ def accumulated_gradients(how):
     rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
     micro_batches = list(zip(tokens[rows].chunk(MICRO), targets[rows].chunk(MICRO)))
     counts = [int((t != IGNORE).sum()) for _, t in micro_batches]
-    global_count = sum_over_ranks(torch.tensor(sum(counts), device=device))  # the whole step's tokens
+    global_count = sum_over_ranks(
+        torch.tensor(sum(counts), device=device)
+    )  # the whole step's tokens
     if how == "global count, divide factor 1":
         set_divide_factor(model, 1.0)
     for i, (x, y) in enumerate(micro_batches):
@@ -308,18 +321,28 @@ def accumulated_gradients(how):
 
 
 def every_accumulation():
-    return {how: accumulated_gradients(how) for how in ("micro-batch mean / micro-batches",
-                                                          "global count, divide factor 1")}
+    return {
+        how: accumulated_gradients(how)
+        for how in ("micro-batch mean / micro-batches", "global count, divide factor 1")
+    }
 
 
 results = launch(every_accumulation, output="none")
-print("real tokens per micro-batch, rank 0:", results[0]["global count, divide factor 1"][0],
-      "rank 1:", results[1]["global count, divide factor 1"][0])
+print(
+    "real tokens per micro-batch, rank 0:",
+    results[0]["global count, divide factor 1"][0],
+    "rank 1:",
+    results[1]["global count, divide factor 1"][0],
+)
 print(f"{'loss formed as':36} {'gradient error vs one process':>30}")
 for how, (_, grads) in results[0].items():
     print(f"{how:36} {relative_error(grads):30.1e}")
 
-glue("accumulated_mean_error", relative_error(results[0]["micro-batch mean / micro-batches"][1]), display=False)
+glue(
+    "accumulated_mean_error",
+    relative_error(results[0]["micro-batch mean / micro-batches"][1]),
+    display=False,
+)
 
 # %% [markdown]
 # Four micro-batches of different token counts (printed above), weighted equally by the usual recipe: its
@@ -363,22 +386,32 @@ def accumulation_costs(mode, mesh_shape):
     model = shard_model(init_device_mesh(device.type, mesh_shape, mesh_dim_names=names))
     set_divide_factor(model, 1.0)  # the loss below is already over the global count
     P = sum(p.numel() * p.element_size() for p in model.parameters())  # whole (unsharded) bytes
-    step_tokens, step_targets = global_batch(seed=1 + dist.get_rank())  # 8 rows of its own: 4 micro-batches of 2
+    step_tokens, step_targets = global_batch(
+        seed=1 + dist.get_rank()
+    )  # 8 rows of its own: 4 micro-batches of 2
     global_count = sum_over_ranks(torch.tensor(int((step_targets != IGNORE).sum()), device=device))
     held = []
     with record_dtypes() as seen:
-        for i, (x, y) in enumerate(zip(step_tokens.chunk(STEP_MICRO), step_targets.chunk(STEP_MICRO))):
+        for i, (x, y) in enumerate(
+            zip(step_tokens.chunk(STEP_MICRO), step_targets.chunk(STEP_MICRO))
+        ):
             last = i == STEP_MICRO - 1
             if mode == "no sync until the last":
                 model.set_requires_gradient_sync(last)
             elif mode == "no all-reduce until the last":
-                model.set_requires_all_reduce(last)  # HSDP: reduce-scatter every time, all-reduce once
+                model.set_requires_all_reduce(
+                    last
+                )  # HSDP: reduce-scatter every time, all-reduce once
             loss_sum, _ = summed_loss(model, x.to(device), y.to(device))
             (loss_sum / global_count).backward()
             held.append(measure(model).grads / P)
-    traffic = {kind: (sum(seen.count[(phase, kind)] for phase in ("forward", "backward")),
-                      sum(seen.nbytes[(phase, kind)] for phase in ("forward", "backward")) / P)
-               for kind in ("all-gather", "reduce-scatter", "all-reduce")}
+    traffic = {
+        kind: (
+            sum(seen.count[(phase, kind)] for phase in ("forward", "backward")),
+            sum(seen.nbytes[(phase, kind)] for phase in ("forward", "backward")) / P,
+        )
+        for kind in ("all-gather", "reduce-scatter", "all-reduce")
+    }
     return traffic, held, full_gradients(model)
 
 
@@ -387,21 +420,39 @@ def costs(modes, mesh_shape):
 
 
 def print_costs(measured, world):
-    batches = [global_batch(seed=1 + rank) for rank in range(world)]  # every rank's rows of the step
-    _, step_reference = one_process_gradients(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-    print(f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
-          f"{'gradients held / P after':>24}  {'gradient error':>14}")
-    print(f"{'':30}" + f" {'count   bytes/P':>15}" * 3 + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}")
+    batches = [
+        global_batch(seed=1 + rank) for rank in range(world)
+    ]  # every rank's rows of the step
+    _, step_reference = one_process_gradients(
+        torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    )
+    print(
+        f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
+        f"{'gradients held / P after':>24}  {'gradient error':>14}"
+    )
+    print(
+        f"{'':30}"
+        + f" {'count   bytes/P':>15}" * 3
+        + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}"
+    )
     for mode, (traffic, held, grads) in measured.items():
-        cells = " ".join(f"{traffic[k][0]:6} {traffic[k][1]:8.2f}" for k in ("all-gather", "reduce-scatter", "all-reduce"))
+        cells = " ".join(
+            f"{traffic[k][0]:6} {traffic[k][1]:8.2f}"
+            for k in ("all-gather", "reduce-scatter", "all-reduce")
+        )
         error = relative_error(grads, step_reference)
         print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
 
 
-measured = launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[0]
+measured = launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[
+    0
+]
 print_costs(measured, world=2)
 
-(synced, held_synced, _), (unsynced, held_unsynced, _) = measured["sync every micro-batch"], measured["no sync until the last"]
+(synced, held_synced, _), (unsynced, held_unsynced, _) = (
+    measured["sync every micro-batch"],
+    measured["no sync until the last"],
+)
 glue("gathers_per_micro_batch", synced["all-gather"][0] / STEP_MICRO, display=False)
 glue("gathered_per_micro_batch", synced["all-gather"][1] / STEP_MICRO, display=False)  # in P
 glue("scatters_synced", synced["reduce-scatter"][0], display=False)
@@ -447,7 +498,10 @@ hsdp_modes = ["sync every micro-batch", "no all-reduce until the last", "no sync
 hsdp = launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0]
 print_costs(hsdp, world=4)
 
-(synced, _, _), (reduced_once, held_reduced_once, _) = hsdp["sync every micro-batch"], hsdp["no all-reduce until the last"]
+(synced, _, _), (reduced_once, held_reduced_once, _) = (
+    hsdp["sync every micro-batch"],
+    hsdp["no all-reduce until the last"],
+)
 glue("hsdp_reduces_synced", synced["all-reduce"][0], display=False)
 glue("hsdp_reduced_synced", synced["all-reduce"][1], display=False)
 glue("hsdp_reduces_once", reduced_once["all-reduce"][0], display=False)

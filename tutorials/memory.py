@@ -48,16 +48,23 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 from fsdp_guide.memory import estimate
 
-print(f"{'strategy':14} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}   (GB per device)")
+print(
+    f"{'strategy':14} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}   (GB per device)"
+)
 zero = {}
 for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
-    m = estimate(7.5e9, 64, strategy, param_dtype=torch.float16, optimizer="adam",
-                 master_weights=True)
+    m = estimate(
+        7.5e9, 64, strategy, param_dtype=torch.float16, optimizer="adam", master_weights=True
+    )
     zero[strategy] = float(m.total / 1e9)
-    print(f"{strategy:14} {m.params / 1e9:9.2f} {m.grads / 1e9:9.2f} {m.optimizer / 1e9:10.2f} "
-          f"{m.total / 1e9:9.1f}")
+    print(
+        f"{strategy:14} {m.params / 1e9:9.2f} {m.grads / 1e9:9.2f} {m.optimizer / 1e9:10.2f} "
+        f"{m.total / 1e9:9.1f}"
+    )
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
 glue("mem_zero_ddp", zero["DDP"], display=False)
 glue("mem_zero_stage2", zero["SHARD_GRAD_OP"], display=False)
@@ -83,18 +90,16 @@ glue("mem_zero_stage3", zero["FULL_SHARD"], display=False)
 # their gradients, and the optimizer's moment tensors.
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
-
-import fsdp_guide
 from fsdp_guide import launch, shard
 from fsdp_guide.memory import measure
 
 
 def transformer():
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model=126, nhead=3, dim_feedforward=510,
-                                       batch_first=True)
+    layer = nn.TransformerEncoderLayer(d_model=126, nhead=3, dim_feedforward=510, batch_first=True)
     return nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
 
 
@@ -114,8 +119,14 @@ def compare(strategy, api, device):
     optimizer = torch.optim.Adam(model.parameters())
     one_step(model, optimizer, device)
     num_params = sum(p.numel() for p in transformer().parameters())
-    rows = [(strategy, api, estimate(num_params, dist.get_world_size(), strategy),
-             measure(model, optimizer))]
+    rows = [
+        (
+            strategy,
+            api,
+            estimate(num_params, dist.get_world_size(), strategy),
+            measure(model, optimizer),
+        )
+    ]
     if strategy == "SHARD_GRAD_OP":  # measure again between forward and backward
         optimizer.zero_grad()
         model(torch.randn(2, 16, 126).to(device))
@@ -125,8 +136,9 @@ def compare(strategy, api, device):
 
 def compare_all():
     device = fsdp_guide.device()
-    cases = [("DDP", "ddp")] + [(s, api) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
-                                for api in ("fsdp2", "fsdp1")]
+    cases = [("DDP", "ddp")] + [
+        (s, api) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for api in ("fsdp2", "fsdp1")
+    ]
     return [row for strategy, api in cases for row in compare(strategy, api, device)]
 
 
@@ -134,17 +146,25 @@ results = {}
 for world_size in (2, 4):
     results[world_size] = launch(compare_all, world_size=world_size, output="none")[0]
     print(f"\n{world_size} ranks  {'':14} {'':6} estimated  measured   measured / estimated")
-    print(f"{'':8} {'strategy':14} {'api':6} {'MB total':>9} {'MB total':>9}   "
-          f"params  grads   optimizer")
+    print(
+        f"{'':8} {'strategy':14} {'api':6} {'MB total':>9} {'MB total':>9}   "
+        f"params  grads   optimizer"
+    )
     for strategy, api, est, got in results[world_size]:
         ratios = [got.params / est.params, got.grads / est.grads, got.optimizer / est.optimizer]
-        print(f"{'':8} {strategy:14} {api:6} {est.total / 1e6:9.3f} {got.total / 1e6:9.3f}   "
-              + "  ".join(f"{r:6.4f}" for r in ratios))
+        print(
+            f"{'':8} {strategy:14} {api:6} {est.total / 1e6:9.3f} {got.total / 1e6:9.3f}   "
+            + "  ".join(f"{r:6.4f}" for r in ratios)
+        )
 
 
 def params_ratio(world_size, strategy, api):
     """Measured / estimated parameters in one row of the tables above."""
-    return next(float(got.params / est.params) for s, a, est, got in results[world_size] if (s, a) == (strategy, api))
+    return next(
+        float(got.params / est.params)
+        for s, a, est, got in results[world_size]
+        if (s, a) == (strategy, api)
+    )
 
 
 glue("mem_fsdp2_padding", params_ratio(4, "FULL_SHARD", "fsdp2") - 1, display=False)
@@ -227,14 +247,20 @@ def where_states_live(policy):
     except RuntimeError as error:
         return {"fully_shard": f"{type(error).__name__}: {error}"}
     gathered = []  # after FSDP's own pre-forward hook: the gathered weight the layer computes with
-    model.layers[0].register_forward_pre_hook(lambda layer, args: gathered.append(layer.linear1.weight))
+    model.layers[0].register_forward_pre_hook(
+        lambda layer, args: gathered.append(layer.linear1.weight)
+    )
     optimizer = torch.optim.Adam(model.parameters())
     one_step(model, optimizer, device)
     moments = [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
-    return {"batch": str(device), "gathered for forward": devices(gathered[:1]),
-            "parameter shards": devices(p.to_local() for p in model.parameters()),
-            "gradients": devices(p.grad.to_local() for p in model.parameters()),
-            "optimizer state": devices(m.to_local() for m in moments), "measure": str(measure(model, optimizer))}
+    return {
+        "batch": str(device),
+        "gathered for forward": devices(gathered[:1]),
+        "parameter shards": devices(p.to_local() for p in model.parameters()),
+        "gradients": devices(p.grad.to_local() for p in model.parameters()),
+        "optimizer state": devices(m.to_local() for m in moments),
+        "measure": str(measure(model, optimizer)),
+    }
 
 
 for policy in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=False), CPUOffloadPolicy()):

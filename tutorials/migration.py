@@ -66,11 +66,10 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # one `fully_shard` call per block, then one on the root:
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
@@ -105,8 +104,12 @@ def shard(model, api, device):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                    device_id=device)
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+            device_id=device,
+        )
     from torch.distributed.fsdp import fully_shard
 
     for block in model[:3]:
@@ -168,7 +171,9 @@ class WithPacked(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.packed = nn.Parameter(torch.zeros(WIDTH * WIDTH // 2, dtype=torch.uint8), requires_grad=False)
+        self.packed = nn.Parameter(
+            torch.zeros(WIDTH * WIDTH // 2, dtype=torch.uint8), requires_grad=False
+        )
         self.model = make_model()
 
     def forward(self, x):
@@ -220,24 +225,67 @@ def fsdp1_mistakes():
         (model if on_root else model.module[0]).clip_grad_norm_(1.0)
 
     rows = [
-        ("a bfloat16 block in the unit", outcome(lambda: bf16_block(**one_unit)),
-         "the block a unit of its own", outcome(lambda: bf16_block(**per_block))),
-        ("a frozen block in the unit", outcome(lambda: frozen_block(**one_unit, use_orig_params=False)),
-         "use_orig_params=True", outcome(lambda: frozen_block(**one_unit, use_orig_params=True))),
-        ("a uint8 parameter first", outcome(lambda: packed(**one_unit)),
-         "ignored_states=[it]", outcome(lambda: packed(**one_unit, ignore=True))),
-        ("clip_grad_norm_ on an inner unit", outcome(lambda: clip(on_root=False)),
-         "on the root", outcome(lambda: clip(on_root=True))),
+        (
+            "a bfloat16 block in the unit",
+            outcome(lambda: bf16_block(**one_unit)),
+            "the block a unit of its own",
+            outcome(lambda: bf16_block(**per_block)),
+        ),
+        (
+            "a frozen block in the unit",
+            outcome(lambda: frozen_block(**one_unit, use_orig_params=False)),
+            "use_orig_params=True",
+            outcome(lambda: frozen_block(**one_unit, use_orig_params=True)),
+        ),
+        (
+            "a uint8 parameter first",
+            outcome(lambda: packed(**one_unit)),
+            "ignored_states=[it]",
+            outcome(lambda: packed(**one_unit, ignore=True)),
+        ),
+        (
+            "clip_grad_norm_ on an inner unit",
+            outcome(lambda: clip(on_root=False)),
+            "on the root",
+            outcome(lambda: clip(on_root=True)),
+        ),
     ]
-    rows.append(("FSDP2: a frozen block and a uint8 parameter in one unit, a step", outcome(fsdp2_one_unit), "", ""))
-    if device.type == "cpu":  # cpu-only: FSDP1 without device_id computes on the current accelerator
-        rows.append(("no device_id on a CPU-only machine", outcome(lambda: FSDP(make_model())),
-                     "device_id=torch.device('cpu')", outcome(lambda: FSDP(make_model(), device_id=device))))
-    with warnings.catch_warnings(record=True) as caught:  # a group of one rank, as a one-GPU run has
+    rows.append(
+        (
+            "FSDP2: a frozen block and a uint8 parameter in one unit, a step",
+            outcome(fsdp2_one_unit),
+            "",
+            "",
+        )
+    )
+    if (
+        device.type == "cpu"
+    ):  # cpu-only: FSDP1 without device_id computes on the current accelerator
+        rows.append(
+            (
+                "no device_id on a CPU-only machine",
+                outcome(lambda: FSDP(make_model())),
+                "device_id=torch.device('cpu')",
+                outcome(lambda: FSDP(make_model(), device_id=device)),
+            )
+        )
+    with warnings.catch_warnings(
+        record=True
+    ) as caught:  # a group of one rank, as a one-GPU run has
         warnings.simplefilter("always")
         FSDP(make_model(), process_group=dist.new_group([dist.get_rank()]), device_id=device)
-    rows.append(("a process group of 1 rank", *(f"{w.category.__name__}: {w.message}" for w in caught
-                                                 if "NO_SHARD" in str(w.message)), "", ""))
+    rows.append(
+        (
+            "a process group of 1 rank",
+            *(
+                f"{w.category.__name__}: {w.message}"
+                for w in caught
+                if "NO_SHARD" in str(w.message)
+            ),
+            "",
+            "",
+        )
+    )
     return rows
 
 
@@ -284,7 +332,9 @@ for mistake, message, fix, after in launch(fsdp1_mistakes, output="none")[0]:
 # %%
 import tempfile
 
-scratch = tempfile.TemporaryDirectory(prefix="fsdp1-checkpoint-")  # deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(
+    prefix="fsdp1-checkpoint-"
+)  # deleted, with what the page wrote, when the kernel exits
 CHECKPOINT = scratch.name
 
 
@@ -301,24 +351,37 @@ def fsdp1_saves_then_continues(path):
         state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=path)
     saved_keys = [*state["model"], *state["optim"]["state"]]
-    names = {"own": next(name for name, _ in model.named_parameters() if name.endswith("fc.weight")),
-             "model": "0.fc.weight" in state["model"], "optim": "0.fc.weight" in state["optim"]["state"],
-             "wrapped": sum("_fsdp_wrapped_module" in key for key in saved_keys)}
-    return train(model, optimizer, range(STEPS, 2 * STEPS), device), names  # what FSDP1 would have done next
+    names = {
+        "own": next(name for name, _ in model.named_parameters() if name.endswith("fc.weight")),
+        "model": "0.fc.weight" in state["model"],
+        "optim": "0.fc.weight" in state["optim"]["state"],
+        "wrapped": sum("_fsdp_wrapped_module" in key for key in saved_keys),
+    }
+    return train(
+        model, optimizer, range(STEPS, 2 * STEPS), device
+    ), names  # what FSDP1 would have done next
 
 
 def fsdp2_loads_and_continues(path, with_optimizer=True):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     device = fsdp_guide.device()
     model = shard(make_model(), "fsdp2", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model_state, optim_state = get_state_dict(model, optimizer)  # FSDP2's layout, to be filled
-    state = {"model": model_state, "optim": optim_state} if with_optimizer else {"model": model_state}
+    state = (
+        {"model": model_state, "optim": optim_state} if with_optimizer else {"model": model_state}
+    )
     dcp.load(state, checkpoint_id=path)
     if with_optimizer:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
     else:
         set_model_state_dict(model, state["model"])
     return train(model, optimizer, range(STEPS, 2 * STEPS), device)
@@ -326,14 +389,18 @@ def fsdp2_loads_and_continues(path, with_optimizer=True):
 
 fsdp1_next, names = launch(fsdp1_saves_then_continues, CHECKPOINT, output="none")[0]
 print(f"the FSDP1 module's name of the first block's fc.weight: {names['own']}")
-print(f"saved under '0.fc.weight': model state {names['model']}, optimizer state {names['optim']}; "
-      f"saved keys with '_fsdp_wrapped_module': {names['wrapped']}")
+print(
+    f"saved under '0.fc.weight': model state {names['model']}, optimizer state {names['optim']}; "
+    f"saved keys with '_fsdp_wrapped_module': {names['wrapped']}"
+)
 for with_optimizer in (True, False):
     fsdp2_next = launch(fsdp2_loads_and_continues, CHECKPOINT, with_optimizer, output="none")[0]
     difference = largest_difference(zip(fsdp1_next, fsdp2_next))
     loaded = "model and optimizer" if with_optimizer else "model only"
-    print(f"steps {STEPS}-{2 * STEPS - 1}, FSDP2 from FSDP1's checkpoint, {loaded:19}: "
-          f"max |loss - FSDP1's own continuation| = {difference:.1e}")
+    print(
+        f"steps {STEPS}-{2 * STEPS - 1}, FSDP2 from FSDP1's checkpoint, {loaded:19}: "
+        f"max |loss - FSDP1's own continuation| = {difference:.1e}"
+    )
 
 # %% [markdown]
 # FSDP2 picks up FSDP1's weights *and* AdamW's moments and step counts: its next steps are

@@ -61,9 +61,15 @@ print(f"{'':9} {'largest':>10} {'smallest normal':>16} {'smallest subnormal':>19
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
     info = torch.finfo(dtype)
     subnormal = info.smallest_normal * info.eps  # the smallest positive number: 2**-24 for float16
-    print(f"{str(dtype).removeprefix('torch.'):9} {info.max:10.5g} {info.smallest_normal:16.4g} {subnormal:19.4g}")
-print("cast to float16:", ", ".join(f"{v:.3g} -> {torch.tensor(v).half().item():.3g}"
-                                    for v in (2**-24, 1.01 * 2**-25, 2**-25)))
+    print(
+        f"{str(dtype).removeprefix('torch.'):9} {info.max:10.5g} {info.smallest_normal:16.4g} {subnormal:19.4g}"
+    )
+print(
+    "cast to float16:",
+    ", ".join(
+        f"{v:.3g} -> {torch.tensor(v).half().item():.3g}" for v in (2**-24, 1.01 * 2**-25, 2**-25)
+    ),
+)
 
 # %% [markdown]
 # The model below has a matmul, a softmax and a second matmul. Each case runs one
@@ -76,15 +82,14 @@ print("cast to float16:", ", ".join(f"{v:.3g} -> {torch.tensor(v).half().item():
 # (fsdp2-mixedprecisionpolicy-reduce-dtype)=
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
-
-import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.precision import record_dtypes
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
 
 
 class Attentionish(nn.Module):
@@ -127,18 +132,26 @@ def dtypes_of(api, low, autocast, device):
     inner = model.module if isinstance(model, FSDP) else model
     inner.scores.register_forward_pre_hook(lambda m, args: seen_weight.append(m.weight.dtype))
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
-    with record_dtypes() as seen, torch.autocast(device.type, dtype=autocast or torch.bfloat16,
-                                                 enabled=autocast is not None):
+    with (
+        record_dtypes() as seen,
+        torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None),
+    ):
         out = model(x)
         loss = F.mse_loss(out, torch.zeros_like(out))  # a loss op: CPU autocast runs it in float32
     with record_dtypes() as seen_backward:
         loss.backward()
     grad = next(model.parameters()).grad
     reduce = seen_backward.get("backward", "reduce-scatter")
-    return [seen.get("forward", "all-gather"), str(seen_weight[0]).removeprefix("torch."),
-            seen.get("forward", "matmul"),
-            seen.get("forward", "softmax"), seen.get("forward", "loss"), seen_backward.get("backward", "matmul"),
-            str(grad.dtype).removeprefix("torch."), reduce]
+    return [
+        seen.get("forward", "all-gather"),
+        str(seen_weight[0]).removeprefix("torch."),
+        seen.get("forward", "matmul"),
+        seen.get("forward", "softmax"),
+        seen.get("forward", "loss"),
+        seen_backward.get("backward", "matmul"),
+        str(grad.dtype).removeprefix("torch."),
+        reduce,
+    ]
 
 
 def all_cases():
@@ -146,8 +159,16 @@ def all_cases():
     return [dtypes_of(api, low, autocast, device) for _, api, low, autocast in CASES]
 
 
-columns = ("all-gather", "forward weight", "matmul", "softmax", "loss", "grad matmul", "stored grad",
-           "reduce")
+columns = (
+    "all-gather",
+    "forward weight",
+    "matmul",
+    "softmax",
+    "loss",
+    "grad matmul",
+    "stored grad",
+    "reduce",
+)
 print(f"{'':22}" + "".join(f"{c:>15}" for c in columns))
 for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
     print(f"{name:22}" + "".join(f"{v:>15}" for v in row))
@@ -180,8 +201,10 @@ for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
 
 # %%
 for device_type in ("cpu", "cuda"):  # cpu-only: compares both device types' defaults
-    print(f"torch.autocast({device_type!r}) without dtype= computes in "
-          f"{torch.get_autocast_dtype(device_type)}")
+    print(
+        f"torch.autocast({device_type!r}) without dtype= computes in "
+        f"{torch.get_autocast_dtype(device_type)}"
+    )
 
 # %% [markdown]
 # The same code moved from a CPU to a GPU silently switches from bfloat16 to float16,
@@ -198,9 +221,14 @@ from fsdp_guide.precision import low_precision_dtype
 
 print("low_precision_dtype() here:", low_precision_dtype())
 if torch.cuda.is_available():
-    print("CUDA compute capability", torch.cuda.get_device_capability(),
-          "bf16 supported:", torch.cuda.is_bf16_supported(),
-          "without emulation:", torch.cuda.is_bf16_supported(including_emulation=False))
+    print(
+        "CUDA compute capability",
+        torch.cuda.get_device_capability(),
+        "bf16 supported:",
+        torch.cuda.is_bf16_supported(),
+        "without emulation:",
+        torch.cuda.is_bf16_supported(including_emulation=False),
+    )
 
 # %% [markdown]
 # What does torch do when you ask for bfloat16 on a GPU older than Ampere (a V100, a T4)?
@@ -212,8 +240,10 @@ import inspect
 
 print("torch.cuda.is_bf16_supported" + str(inspect.signature(torch.cuda.is_bf16_supported)))
 autocast_init = inspect.getsource(torch.amp.autocast.__init__)
-print("torch.autocast's only bfloat16 check on CUDA:",
-      [line.strip() for line in autocast_init.splitlines() if "is_bf16_supported" in line])
+print(
+    "torch.autocast's only bfloat16 check on CUDA:",
+    [line.strip() for line in autocast_init.splitlines() if "is_bf16_supported" in line],
+)
 
 # %% [markdown]
 # `torch.cuda.is_bf16_supported()` defaults to `including_emulation=True`: on a GPU below
@@ -243,6 +273,7 @@ print("torch.autocast's only bfloat16 check on CUDA:",
 # (fsdp2-mixedprecisionpolicy-output-dtype)=
 # (fsdp2-mixedprecisionpolicy-cast-forward-inputs)=
 
+
 # %%
 class Recorded(nn.Linear):
     """A linear layer that writes down the dtype of its input and of its output."""
@@ -255,11 +286,12 @@ class Recorded(nn.Linear):
 
 POLICIES = {
     "body bf16, head float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-    "body bf16 with output_dtype=float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                output_dtype=torch.float32),
-    "body bf16, output_dtype=float32, cast_forward_inputs=False": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                     output_dtype=torch.float32,
-                                                                     cast_forward_inputs=False),
+    "body bf16 with output_dtype=float32": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32
+    ),
+    "body bf16, output_dtype=float32, cast_forward_inputs=False": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False
+    ),
 }
 
 
@@ -276,7 +308,9 @@ def across_the_boundary(body_policy):
         model(torch.randn(8, 32, device=device)).sum().backward()
         return f"body {body.seen[0]}, head {head.seen[0]}"
     except RuntimeError as error:
-        return f"body {body.seen or ['-']}, head {head.seen or ['-']}: {type(error).__name__}: {error}"
+        return (
+            f"body {body.seen or ['-']}, head {head.seen or ['-']}: {type(error).__name__}: {error}"
+        )
 
 
 for name, policy in POLICIES.items():
@@ -313,7 +347,6 @@ for name, policy in POLICIES.items():
 # run here.
 
 # %%
-import torch.nn.functional as F
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
@@ -322,7 +355,9 @@ def train_small_gradients(api, low, use_scaler, device, steps=8):
     optimizer = torch.optim.SGD(model.parameters(), lr=2e5)  # undoes the 1e-6 for the update
     scaler = None
     if use_scaler:
-        scaler = ShardedGradScaler(device.type) if api == "fsdp1" else torch.amp.GradScaler(device.type)
+        scaler = (
+            ShardedGradScaler(device.type) if api == "fsdp1" else torch.amp.GradScaler(device.type)
+        )
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
     x, y = x.to(device), y.to(device)
@@ -331,8 +366,9 @@ def train_small_gradients(api, low, use_scaler, device, steps=8):
         loss = F.mse_loss(model(x).float(), y)
         small = loss * 1e-6
         (scaler.scale(small) if scaler else small).backward()
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in model.parameters()]
+        grads = [
+            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
+        ]
         zeros = sum((g == 0).sum().item() for g in grads)
         zero_fraction.append(zeros / sum(g.numel() for g in grads))
         if scaler:
@@ -347,12 +383,16 @@ def train_small_gradients(api, low, use_scaler, device, steps=8):
 
 def scaler_runs():
     device = fsdp_guide.device()
-    runs = [("fp16, no scaler", "fsdp2", torch.float16, False),
-            ("fp16, GradScaler", "fsdp2", torch.float16, True),
-            ("bf16, no scaler", "fsdp2", torch.bfloat16, False),
-            ("FSDP1 fp16, no scaler", "fsdp1", torch.float16, False),
-            ("FSDP1 fp16, ShardedGradScaler", "fsdp1", torch.float16, True)]
-    return {name: train_small_gradients(api, low, scaler, device) for name, api, low, scaler in runs}
+    runs = [
+        ("fp16, no scaler", "fsdp2", torch.float16, False),
+        ("fp16, GradScaler", "fsdp2", torch.float16, True),
+        ("bf16, no scaler", "fsdp2", torch.bfloat16, False),
+        ("FSDP1 fp16, no scaler", "fsdp1", torch.float16, False),
+        ("FSDP1 fp16, ShardedGradScaler", "fsdp1", torch.float16, True),
+    ]
+    return {
+        name: train_small_gradients(api, low, scaler, device) for name, api, low, scaler in runs
+    }
 
 
 runs = launch(scaler_runs, output="none")[0]
@@ -389,7 +429,9 @@ def overflow_on_rank_0_only():
     scaler.scale(model(torch.ones(2, 32, device=device)).float().sum()).backward()
     if dist.get_rank() == 0:
         next(model.parameters()).grad.to_local()[0, 0] = float("inf")
-    own_finite = all(p.grad.to_local().isfinite().all().item() for p in model.parameters())  # this rank's shards
+    own_finite = all(
+        p.grad.to_local().isfinite().all().item() for p in model.parameters()
+    )  # this rank's shards
     before = [p.full_tensor() for p in model.parameters()]
     scale_before = scaler.get_scale()
     scaler.step(optimizer)
@@ -398,9 +440,13 @@ def overflow_on_rank_0_only():
     return own_finite, unchanged, scale_before, scaler.get_scale()
 
 
-for rank, (own_finite, unchanged, old, new) in enumerate(launch(overflow_on_rank_0_only, output="none")):
-    print(f"rank {rank}: its own gradient shards finite: {own_finite}; step skipped: {unchanged}, "
-          f"scale {old:g} -> {new:g}")
+for rank, (own_finite, unchanged, old, new) in enumerate(
+    launch(overflow_on_rank_0_only, output="none")
+):
+    print(
+        f"rank {rank}: its own gradient shards finite: {own_finite}; step skipped: {unchanged}, "
+        f"scale {old:g} -> {new:g}"
+    )
 
 # %% [markdown]
 # (mixed-precision-tips)=

@@ -56,7 +56,6 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 import torch.nn as nn
 import torch.nn.functional as F
-
 from fsdp_guide.gpt import GPT, GPTConfig
 
 STAGES = 2
@@ -134,9 +133,8 @@ def loss_fn(logits, targets):
 import time
 
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
-
 from fsdp_guide.memory import measure
+from torch.distributed.pipelining import PipelineStage
 
 
 class TimedStage(PipelineStage):
@@ -177,11 +175,13 @@ class TimedStage(PipelineStage):
 # %%
 import fsdp_guide
 from fsdp_guide import launch
-from fsdp_guide.compare import largest_difference
 from fsdp_guide.collectives import count_collectives
+from fsdp_guide.compare import largest_difference
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
-BATCH = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(1))  # the global batch
+BATCH = torch.randint(
+    0, 256, (16, 33), generator=torch.Generator().manual_seed(1)
+)  # the global batch
 
 
 def pipelined_step(schedule, reshard_after_forward, n_microbatches):
@@ -196,7 +196,9 @@ def pipelined_step(schedule, reshard_after_forward, n_microbatches):
     for block in module.blocks:
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-    stage = TimedStage(module, stage_index=pp, num_stages=STAGES, device=device, group=mesh.get_group("pp"))
+    stage = TimedStage(
+        module, stage_index=pp, num_stages=STAGES, device=device, group=mesh.get_group("pp")
+    )
     schedule_class = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
     # scale_grads=True (the default): the summed micro-batch gradients are divided by
     # n_microbatches, once, after FSDP's reduce-scatter has averaged them over dp.
@@ -222,7 +224,9 @@ def pipelined_step(schedule, reshard_after_forward, n_microbatches):
         "losses": [loss.item() for loss in losses],
         "grads": {name: p.grad.full_tensor().cpu() for name, p in module.named_parameters()},
         "collectives": {f"{dim} {kind}": (n, nbytes) for dim, kind, n, nbytes in seen.rows()},
-        "units": sum(isinstance(m, FSDPModule) for m in module.modules()),  # FSDP units of this stage
+        "units": sum(
+            isinstance(m, FSDPModule) for m in module.modules()
+        ),  # FSDP units of this stage
         "spans": [(k, chunk, params, grads) for k, chunk, _, _, params, grads in stage.spans],
     }
 
@@ -232,6 +236,7 @@ def pipelined_step(schedule, reshard_after_forward, n_microbatches):
 # whole batch. Then each schedule runs with 4 and 8 micro-batches per rank, every unit of
 # its stages (the stage's root included) resharded after forward, or kept gathered.
 # (`fully_shard`'s default, `None`, reshards every unit but the root.)
+
 
 # %%
 def one_process():
@@ -243,8 +248,14 @@ def one_process():
 
 
 reference_loss, reference_grads = one_process()
-runs = {(schedule, reshard, m): launch(pipelined_step, schedule, reshard, m, world_size=4, output="none")
-        for schedule in ("GPipe", "1F1B") for reshard in (True, False) for m in (4, 8)}
+runs = {
+    (schedule, reshard, m): launch(
+        pipelined_step, schedule, reshard, m, world_size=4, output="none"
+    )
+    for schedule in ("GPipe", "1F1B")
+    for reshard in (True, False)
+    for m in (4, 8)
+}
 
 
 def mean_loss(ranks):
@@ -255,14 +266,24 @@ def mean_loss(ranks):
 
 def grad_gap(ranks):
     """The largest difference from one process, relative to that parameter's largest gradient."""
-    return largest_difference(((r["grads"][name], reference_grads[r["stage"]][name]) for r in ranks
-                               for name in r["grads"]), relative=True)
+    return largest_difference(
+        (
+            (r["grads"][name], reference_grads[r["stage"]][name])
+            for r in ranks
+            for name in r["grads"]
+        ),
+        relative=True,
+    )
 
 
 print(f"one process: loss {reference_loss:.7f}")
-print(f"{'schedule':9} {'reshard after forward':>21} {'micro-batches':>13} {'loss':>10} {'max relative |grad gap|':>24}")
+print(
+    f"{'schedule':9} {'reshard after forward':>21} {'micro-batches':>13} {'loss':>10} {'max relative |grad gap|':>24}"
+)
 for (schedule, reshard, m), ranks in runs.items():
-    print(f"{schedule:9} {str(reshard):>21} {m:13} {mean_loss(ranks):10.7f} {grad_gap(ranks):24.1e}")
+    print(
+        f"{schedule:9} {str(reshard):>21} {m:13} {mean_loss(ranks):10.7f} {grad_gap(ranks):24.1e}"
+    )
 
 # %% [markdown]
 # Every schedule, either way, computes the one-process loss and gradients to float32's
@@ -283,15 +304,24 @@ for (schedule, reshard, m), ranks in runs.items():
 # at once (their forward done, their backward not yet: their activations are held):
 
 # %%
-mib = [sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20 for stage in split(CONFIG)]
-print(f"parameters: stage 0 {mib[0]:.2f} MiB, stage 1 {mib[1]:.2f} MiB (whole); "
-      f"FSDP units per stage: {runs['GPipe', True, 4][0]['units']}")
-same = all(ranks[0]["collectives"] == ranks[1]["collectives"] and ranks[2]["collectives"] == ranks[3]["collectives"]
-           for ranks in runs.values())
+mib = [
+    sum(p.numel() * p.element_size() for p in stage.parameters()) / 2**20 for stage in split(CONFIG)
+]
+print(
+    f"parameters: stage 0 {mib[0]:.2f} MiB, stage 1 {mib[1]:.2f} MiB (whole); "
+    f"FSDP units per stage: {runs['GPipe', True, 4][0]['units']}"
+)
+same = all(
+    ranks[0]["collectives"] == ranks[1]["collectives"]
+    and ranks[2]["collectives"] == ranks[3]["collectives"]
+    for ranks in runs.values()
+)
 print(f"ranks 1 and 3 ran the same collectives as ranks 0 and 2: {same}")
 print(f"{'':31} {'':>12} {'':>15} {'MiB held: params after':>22} {'grads':>7}")
-print(f"{'schedule':9} {'reshard':>6} {'m':>2} {'all-gathers':>11} {'gathered MiB':>12} {'reduce-scatters':>15} "
-      f"{'a forward':>10} {'a backward':>11} {'most':>7} {'alive':>5}")
+print(
+    f"{'schedule':9} {'reshard':>6} {'m':>2} {'all-gathers':>11} {'gathered MiB':>12} {'reduce-scatters':>15} "
+    f"{'a forward':>10} {'a backward':>11} {'most':>7} {'alive':>5}"
+)
 
 
 def alive(spans):
@@ -311,10 +341,14 @@ def most(spans, kind=None, what=2):
 for (schedule, reshard, m), ranks in runs.items():
     for r in (ranks[0], ranks[2]):  # rank 0 holds stage 0, rank 2 stage 1
         gathers, gathered = r["collectives"]["dp all-gather"]
-        label = f"{schedule:9} {str(reshard):>6} {m:2}" if r is ranks[0] else f"{'':9} {'':>6} {'':>2}"
-        print(f"{label} {gathers:11} {gathered / 2**20:12.2f} {r['collectives']['dp reduce-scatter'][0]:15} "
-              f"{most(r['spans'], 'F'):10.2f} {most(r['spans'], 'B'):11.2f} {most(r['spans'], what=3):7.2f} "
-              f"{alive(r['spans']):5}   stage {r['stage']}")
+        label = (
+            f"{schedule:9} {str(reshard):>6} {m:2}" if r is ranks[0] else f"{'':9} {'':>6} {'':>2}"
+        )
+        print(
+            f"{label} {gathers:11} {gathered / 2**20:12.2f} {r['collectives']['dp reduce-scatter'][0]:15} "
+            f"{most(r['spans'], 'F'):10.2f} {most(r['spans'], 'B'):11.2f} {most(r['spans'], what=3):7.2f} "
+            f"{alive(r['spans']):5}   stage {r['stage']}"
+        )
 
 # %% [markdown]
 # Read it stage by stage, each stage being 3 FSDP units (its 2 blocks and the stage
@@ -395,10 +429,14 @@ def timed_steps(schedule, n_microbatches, micro_batch=8, steps=3):
 
     device = fsdp_guide.device()
     pp = dist.get_rank()
-    stage = TimedStage(split(TIMED)[pp].to(device), stage_index=pp, num_stages=STAGES, device=device)
+    stage = TimedStage(
+        split(TIMED)[pp].to(device), stage_index=pp, num_stages=STAGES, device=device
+    )
     schedule_class = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule]
     pipeline = schedule_class(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    batch = torch.randint(0, 256, (n_microbatches * micro_batch, 65), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(
+        0, 256, (n_microbatches * micro_batch, 65), generator=torch.Generator().manual_seed(1)
+    )
     batch = batch.to(device)
     kept = []
     for step in range(1 + steps):  # the first step also learns the shapes; the next ones are kept
@@ -411,13 +449,28 @@ def timed_steps(schedule, n_microbatches, micro_batch=8, steps=3):
             pipeline.step(target=batch[:, 1:], losses=[])
         seconds = time.perf_counter() - start
         if step:
-            kept.append({"seconds": seconds,
-                         "spans": [(k, chunk, s - start, e - start) for k, chunk, s, e, *_ in stage.spans]})
+            kept.append(
+                {
+                    "seconds": seconds,
+                    "spans": [
+                        (k, chunk, s - start, e - start) for k, chunk, s, e, *_ in stage.spans
+                    ],
+                }
+            )
     return kept
 
 
-timed = {(schedule, m): launch(timed_steps, schedule, m, world_size=2, output="none")
-         for schedule, m in [("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)]}
+timed = {
+    (schedule, m): launch(timed_steps, schedule, m, world_size=2, output="none")
+    for schedule, m in [
+        ("GPipe", 1),
+        ("GPipe", 2),
+        ("GPipe", 4),
+        ("GPipe", 8),
+        ("1F1B", 4),
+        ("1F1B", 8),
+    ]
+}
 
 
 def step_seconds(ranks):
@@ -439,23 +492,31 @@ def bubble(ranks):
 
 def spread(ranks):
     """How much the two stages' mean idle fraction varied from one kept step to the next (largest minus smallest)."""
-    means = [sum(1 - sum(e - s for _, _, s, e in steps[i]["spans"]) / seconds for steps in ranks) / len(ranks)
-             for i, seconds in enumerate(step_seconds(ranks))]
+    means = [
+        sum(1 - sum(e - s for _, _, s, e in steps[i]["spans"]) / seconds for steps in ranks)
+        / len(ranks)
+        for i, seconds in enumerate(step_seconds(ranks))
+    ]
     return max(means) - min(means)
 
 
 print(f"{os.cpu_count()} CPU cores here, one rank per stage")
-print(f"{'schedule':9} {'micro-batches':>13} {'step (s)':>9} {'idle, stage 0':>13} {'idle, stage 1':>13} "
-      f"{'(p-1)/(m+p-1)':>13} {'step to step':>12}")
+print(
+    f"{'schedule':9} {'micro-batches':>13} {'step (s)':>9} {'idle, stage 0':>13} {'idle, stage 1':>13} "
+    f"{'(p-1)/(m+p-1)':>13} {'step to step':>12}"
+)
 for (schedule, m), ranks in timed.items():
     idle, p, seconds = bubble(ranks), len(ranks), step_seconds(ranks)
-    print(f"{schedule:9} {m:13} {sum(seconds) / len(seconds):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
-          f"{(p - 1) / (m + p - 1):13.2f} {spread(ranks):12.2f}")
+    print(
+        f"{schedule:9} {m:13} {sum(seconds) / len(seconds):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
+        f"{(p - 1) / (m + p - 1):13.2f} {spread(ranks):12.2f}"
+    )
 
 # %% [markdown]
 # The last kept step drawn from those records, one character per slice of time: a digit is a
 # forward of that micro-batch, a letter its backward (`a` for micro-batch 0), a dot is
 # neither (waiting, or the work between chunks):
+
 
 # %%
 def timeline(ranks, width=72):
@@ -467,15 +528,19 @@ def timeline(ranks, width=72):
         for kind, chunk, start, end in r["spans"]:
             first = int(start / step * width)
             last = min(width, max(int(end / step * width), first + 1))  # at least one column
-            row[first:last] = (str(chunk) if kind == "F" else chr(ord("a") + chunk)) * (last - first)
+            row[first:last] = (str(chunk) if kind == "F" else chr(ord("a") + chunk)) * (
+                last - first
+            )
         rows.append(f"stage {rank} |{''.join(row)}|")
     return "\n".join(rows)
 
 
 def order(r):
     """The stage's chunks in the order they started: the schedule's order, whatever their lengths."""
-    return " ".join(str(chunk) if kind == "F" else chr(ord("a") + chunk) for kind, chunk, *_ in sorted(
-        r["spans"], key=lambda span: span[2]))
+    return " ".join(
+        str(chunk) if kind == "F" else chr(ord("a") + chunk)
+        for kind, chunk, *_ in sorted(r["spans"], key=lambda span: span[2])
+    )
 
 
 for key in [("GPipe", 4), ("1F1B", 4)]:

@@ -42,16 +42,15 @@ import torch
 print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 
 # %%
+import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from fsdp_guide import launch, summon_full_params
+from fsdp_guide.compare import largest_difference
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
-
-import fsdp_guide
-from fsdp_guide import launch, summon_full_params
-from fsdp_guide.compare import largest_difference
 
 
 def make_model():
@@ -93,6 +92,7 @@ def backward_on_my_slice(model, device):
 # norm, so nothing is actually clipped: they compare the norm each call returns, which is
 # the norm it would clip by. The reference is one process on the whole batch:
 
+
 # %%
 def single_process_grad_norm():
     model = make_model()
@@ -106,7 +106,8 @@ def fsdp2_grad_norms():
     model = shard_each_linear(make_model())
     backward_on_my_slice(model, device)
     shard_norm = torch.linalg.vector_norm(
-        torch.stack([p.grad.to_local().norm() for p in model.parameters()])).item()
+        torch.stack([p.grad.to_local().norm() for p in model.parameters()])
+    ).item()
     # On DTensor gradients, torch's clip_grad_norm_ reduces across ranks itself.
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
     return shard_norm, total.full_tensor().item()
@@ -127,12 +128,13 @@ print(f"one process, whole batch:               total norm {truth:.6f}")
 # One launch runs both: a process group is reusable, and one launch is one rendezvous.
 results = launch(lambda: (fsdp2_grad_norms(), fsdp1_grad_norms()), output="none")
 for rank, ((shard_norm, total), _) in enumerate(results):
-    print(f"FSDP2 rank {rank}: norm of its shard {shard_norm:.6f}, "
-          f"clip_grad_norm_ {total:.6f}")
+    print(f"FSDP2 rank {rank}: norm of its shard {shard_norm:.6f}, clip_grad_norm_ {total:.6f}")
     assert abs(total - truth) < 1e-5 and abs(shard_norm - truth) > 0.1
 for rank, (_, (local, total)) in enumerate(results):
-    print(f"FSDP1 rank {rank}: torch.nn.utils.clip_grad_norm_ {local:.6f}, "
-          f"model.clip_grad_norm_ {total:.6f}")
+    print(
+        f"FSDP1 rank {rank}: torch.nn.utils.clip_grad_norm_ {local:.6f}, "
+        f"model.clip_grad_norm_ {total:.6f}"
+    )
     assert abs(total - truth) < 1e-5 and abs(local - truth) > 0.1
 
 # %% [markdown]
@@ -146,6 +148,7 @@ for rank, (_, (local, total)) in enumerate(results):
 # Sharding replaces each parameter with a new one (a `DTensor` shard). An optimizer built
 # before holds the old tensors, which no longer receive gradients: it steps nothing, and
 # the loss never moves.
+
 
 # %%
 def three_steps(model, optimizer, x, y):
@@ -172,8 +175,9 @@ def train_three_steps(optimizer_first):
     return three_steps(model, optimizer, x.to(device), y.to(device))
 
 
-before, after = launch(lambda: [train_three_steps(first) for first in (True, False)],
-                       output="none")[0]
+before, after = launch(
+    lambda: [train_three_steps(first) for first in (True, False)], output="none"
+)[0]
 print(f"optimizer built before sharding: losses {before}")
 print(f"optimizer built after sharding:  losses {after}")
 
@@ -186,6 +190,7 @@ print(f"optimizer built after sharding:  losses {after}")
 # `model.parameters()` hands those to the optimizer. Below, the whole model one unit (the
 # root), and a forward before the optimizer, as a check of the untrained model's loss
 # would do:
+
 
 # %%
 def forward_before_the_optimizer(order):
@@ -204,8 +209,9 @@ def forward_before_the_optimizer(order):
 
 
 ORDERS = ("optimizer, then forward", "forward, then optimizer", "forward, reshard(), optimizer")
-for order, (kinds, losses) in zip(ORDERS, launch(lambda: [forward_before_the_optimizer(o) for o in ORDERS],
-                                                 output="none")[0]):
+for order, (kinds, losses) in zip(
+    ORDERS, launch(lambda: [forward_before_the_optimizer(o) for o in ORDERS], output="none")[0]
+):
     print(f"{order:30} the optimizer holds {kinds}; losses {losses}")
 
 # %% [markdown]
@@ -260,13 +266,16 @@ def call_generate(register):
 
 
 (unregistered, _), (registered, logits) = launch(
-    lambda: [call_generate(register) for register in (False, True)], output="none")[0]
+    lambda: [call_generate(register) for register in (False, True)], output="none"
+)[0]
 one_process = Generator()
 print("unregistered:", unregistered)
 print("registered:  ", registered)
 print("one process: ", one_process.generate(torch.ones(2, 4)).tolist())
-print("registered vs one process, max |logit difference|: "
-      f"{(logits - one_process(torch.ones(2, 4))).abs().max().item():.1e}")
+print(
+    "registered vs one process, max |logit difference|: "
+    f"{(logits - one_process(torch.ones(2, 4))).abs().max().item():.1e}"
+)
 
 # %% [markdown]
 # ## 4. Editing weights outside forward and backward
@@ -279,6 +288,7 @@ print("registered vs one process, max |logit difference|: "
 # silently. (FSDP1 is worse: outside forward its `layer.weight` is a view whose
 # storage has been freed, as the {ref}`state tutorial <tutorial-state-attributes>`
 # shows.) `summon_full_params` edits the full tensor and writes it back into the shards.
+
 
 # %%
 def edit_bias(use_summon):
@@ -300,10 +310,13 @@ def edit_bias(use_summon):
     return seen[0]
 
 
-assigned, summoned = launch(lambda: [edit_bias(summon) for summon in (False, True)],
-                            output="none")[0]
-print("the bias before the edit (one process):      ",
-      [round(v, 4) for v in make_model()[0].bias[:4].tolist()])
+assigned, summoned = launch(lambda: [edit_bias(summon) for summon in (False, True)], output="none")[
+    0
+]
+print(
+    "the bias before the edit (one process):      ",
+    [round(v, 4) for v in make_model()[0].bias[:4].tolist()],
+)
 print("new Parameter assigned: the next forward sees", [round(v, 4) for v in assigned])
 print("summon_full_params:     the next forward sees", summoned)
 
@@ -366,10 +379,15 @@ def difference_from_ddp(make_optimizer, build, device):
 
 def compare_optimizers():
     device = fsdp_guide.device()
-    builds = {"FSDP2": lambda: shard_each_linear(make_matrix_model()),
-              "FSDP1": lambda: FSDP(make_matrix_model(), device_id=device)}
-    return {(opt, api): difference_from_ddp(make_optimizer, build, device)
-            for opt, make_optimizer in OPTIMIZERS.items() for api, build in builds.items()}
+    builds = {
+        "FSDP2": lambda: shard_each_linear(make_matrix_model()),
+        "FSDP1": lambda: FSDP(make_matrix_model(), device_id=device),
+    }
+    return {
+        (opt, api): difference_from_ddp(make_optimizer, build, device)
+        for opt, make_optimizer in OPTIMIZERS.items()
+        for api, build in builds.items()
+    }
 
 
 print("optimizer  API    max |weight - DDP| after 5 steps")
@@ -399,16 +417,20 @@ for (opt, api), result in launch(compare_optimizers, output="none")[0].items():
 #   shows that bfloat16 rounding is all of the difference but float32 rounding: let
 #   `.bfloat16()` mean float32 for one run.
 
+
 # %%
 def muon_in_float32():
     device = fsdp_guide.device()
     with mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.float):
-        return difference_from_ddp(OPTIMIZERS["Muon"],
-                                   lambda: shard_each_linear(make_matrix_model()), device)
+        return difference_from_ddp(
+            OPTIMIZERS["Muon"], lambda: shard_each_linear(make_matrix_model()), device
+        )
 
 
-print("Muon, FSDP2, iterating in float32: max |weight - DDP| =",
-      launch(muon_in_float32, output="none")[0])
+print(
+    "Muon, FSDP2, iterating in float32: max |weight - DDP| =",
+    launch(muon_in_float32, output="none")[0],
+)
 
 # %% [markdown]
 # So: with a pointwise optimizer, FSDP and DDP agree. With any other, check the
@@ -454,6 +476,7 @@ PLACEMENTS = ("inside", "around", "whole-model")  # the last: one checkpoint aro
 
 def checkpointed(wrap, impl, where):
     """Three blocks, each an FSDP unit made by `wrap`, checkpointed at `where`."""
+
     def checkpoint(module):
         return checkpoint_wrapper(module, checkpoint_impl=impl)
 
@@ -474,20 +497,25 @@ def compare_checkpoint_placements():
     # requires_grad: reentrant checkpointing only records a graph for inputs that need one
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
     _, reference = one_sgd_step(make_blocks().to(device), x)  # one process, the whole batch
-    wraps = {"FSDP1": lambda m: FSDP(m, device_id=device, use_orig_params=True),
-             "FSDP2": fully_shard}
+    wraps = {
+        "FSDP1": lambda m: FSDP(m, device_id=device, use_orig_params=True),
+        "FSDP2": fully_shard,
+    }
     rows = []
     for api, impl, where in itertools.product(wraps, CheckpointImpl, PLACEMENTS):
         counts, model = one_sgd_step(checkpointed(wraps[api], impl, where), my_slice(x))
-        all_gathers = sum(n for op, n in counts.items() if "allgather" in op)  # every c10d all-gather op
+        all_gathers = sum(
+            n for op, n in counts.items() if "allgather" in op
+        )  # every c10d all-gather op
         error = (full_weights(model) - full_weights(reference)).abs().max().item()
         reduce_scatters = counts["_reduce_scatter_base_"]
         rows.append((api, impl.name.lower(), where, all_gathers, reduce_scatters, error))
     return rows
 
 
-print(f"{'':6} {'checkpoint':12} {'placement':12} all-gathers  reduce-scatters  "
-      "max |w - 1 process|")
+print(
+    f"{'':6} {'checkpoint':12} {'placement':12} all-gathers  reduce-scatters  max |w - 1 process|"
+)
 rows = launch(compare_checkpoint_placements, output="none")[0]
 for api, impl, where, gathers, scatters, error in rows:
     print(f"{api:6} {impl:12} {where:12} {gathers:11}  {scatters:15}  {error:.1e}")
@@ -543,7 +571,9 @@ def checkpointed_blocks_on_a_frozen_input(impl):
     for i, block in enumerate(model):
         model[i] = fully_shard(checkpoint_wrapper(block, checkpoint_impl=impl))
     fully_shard(model)
-    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(device)  # needs no grad
+    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(
+        device
+    )  # needs no grad
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -551,11 +581,15 @@ def checkpointed_blocks_on_a_frozen_input(impl):
             outcome = f"trained: {sum(p.grad is not None for p in model.parameters())} gradients"
         except RuntimeError as error:
             outcome = "".join(traceback.format_exception_only(error)).strip()
-    return outcome, sorted({f"{w.category.__name__}: {w.message}" for w in caught if "requires_grad" in str(w.message)})
+    return outcome, sorted(
+        {f"{w.category.__name__}: {w.message}" for w in caught if "requires_grad" in str(w.message)}
+    )
 
 
 def both_implementations():
-    return {impl.name.lower(): checkpointed_blocks_on_a_frozen_input(impl) for impl in CheckpointImpl}
+    return {
+        impl.name.lower(): checkpointed_blocks_on_a_frozen_input(impl) for impl in CheckpointImpl
+    }
 
 
 for impl, (outcome, said) in launch(both_implementations, output="none")[0].items():
@@ -594,7 +628,10 @@ def renorm_sharded_rows(x, p, dim, maxnorm):
     """renorm's placements: each slice along `dim` is rescaled alone, so split along `dim` it stays on one rank."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return [([Shard(dim)], [Shard(dim), None, None, None]), ([Replicate()], [Replicate(), None, None, None])]
+    return [
+        ([Shard(dim)], [Shard(dim), None, None, None]),
+        ([Replicate()], [Replicate(), None, None, None]),
+    ]
 
 
 def train_with_row_max_norm(how):
@@ -622,7 +659,10 @@ def train_with_row_max_norm(how):
                     weight.to_local().copy_(weight.to_local().renorm(2, 0, MAX_ROW_NORM))
                 else:  # one process, the DTensor as it is, or with the strategy registered
                     weight.copy_(weight.renorm(2, 0, MAX_ROW_NORM))
-    return [(w.full_tensor() if how != "one process" else w).detach().cpu() for w in (model[0].weight, model[2].weight)]
+    return [
+        (w.full_tensor() if how != "one process" else w).detach().cpu()
+        for w in (model[0].weight, model[2].weight)
+    ]
 
 
 alone = launch(train_with_row_max_norm, "one process", world_size=1, output="none")[0]
@@ -632,8 +672,12 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
         error = largest_difference(zip(weights, alone))
         largest = torch.stack([w.norm(dim=1).max() for w in weights]).max().item()  # a NaN shows
         print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
-    except fsdp_guide.LaunchError as failure:  # every rank raised it: the one that exited first is chance
-        print(f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}")
+    except (
+        fsdp_guide.LaunchError
+    ) as failure:  # every rank raised it: the one that exited first is chance
+        print(
+            f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}"
+        )
 
 # %% [markdown]
 # On the DTensor the step fails with DTensor's message. On the rank's own rows it is

@@ -53,9 +53,7 @@ class MLP(nn.Module):
     def __init__(self, dim=16, hidden=64, out=4):
         super().__init__()
         sizes = [dim, hidden, hidden, out]
-        self.layers = nn.ModuleList(
-            nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:])
-        )
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
 
     def forward(self, x):
         for layer in self.layers[:-1]:
@@ -71,8 +69,7 @@ def build_model():
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, 16, generator=g)
-    targets = [x[:, :4].sum(1), x[:, 4:8].prod(1), x[:, 8:].sin().sum(1),
-               x.norm(dim=1)]
+    targets = [x[:, :4].sum(1), x[:, 4:8].prod(1), x[:, 8:].sin().sum(1), x.norm(dim=1)]
     y = torch.stack(targets, dim=1)
     return x, y
 
@@ -122,12 +119,11 @@ print(f"single process: loss {baseline[0]:.4f} -> {baseline[-1]:.4f}")
 # (fsdp2-fully-shard-module)=
 
 # %%
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
+from torch.distributed.fsdp import fully_shard
 
 
 def my_slice(x):
@@ -169,8 +165,7 @@ def train_fsdp2():
     losses = train_steps(model, device)
     rows = len(my_slice(torch.arange(GLOBAL_BATCH)))
     placement = sorted({str(p.placements) for p in model.parameters()})  # every parameter's
-    return dict(full=full, local=local, losses=losses, rows=rows,
-                placement=placement)
+    return dict(full=full, local=local, losses=losses, rows=rows, placement=placement)
 
 
 fsdp2 = launch(train_fsdp2, world_size=2, output="rank0")
@@ -189,8 +184,10 @@ print(f"{header[0]:16} {header[1]:>10} {header[2]:>13} {header[3]:>13}")
 for name, full in rank0["full"].items():
     local0, local1 = str(rank0["local"][name]), str(rank1["local"][name])
     print(f"{name:16} {str(full):>10} {local0:>13} {local1:>13}")
-print(f"rows of each {GLOBAL_BATCH}-sample batch: "
-      f"rank 0 trained on {rank0['rows']}, rank 1 on {rank1['rows']}")
+print(
+    f"rows of each {GLOBAL_BATCH}-sample batch: "
+    f"rank 0 trained on {rank0['rows']}, rank 1 on {rank1['rows']}"
+)
 
 # %% [markdown]
 # ## Sharding changes memory, not math
@@ -198,14 +195,16 @@ print(f"rows of each {GLOBAL_BATCH}-sample batch: "
 # The loss each step is averaged over the two ranks, so it is the loss of the whole
 # global batch. Compare it with the single-process run:
 
+
 # %%
 def max_abs_difference(a, b):
-    return largest_difference(zip(a, b, strict=True))  # a NaN anywhere shows as NaN (Python's max would skip it)
+    return largest_difference(
+        zip(a, b, strict=True)
+    )  # a NaN anywhere shows as NaN (Python's max would skip it)
 
 
 diff2 = max_abs_difference(rank0["losses"], baseline)
-print(f"FSDP2 on 2 ranks vs 1 process, {STEPS} steps: "
-      f"max |loss difference| = {diff2:.2e}")
+print(f"FSDP2 on 2 ranks vs 1 process, {STEPS} steps: max |loss difference| = {diff2:.2e}")
 assert diff2 <= 1e-5
 
 # %% [markdown]
@@ -248,8 +247,7 @@ for name, shape in fsdp1[0]["local"].items():
     name = name.replace("_fsdp_wrapped_module.", "")
     print(f"rank 0 holds {name}: {shape}")
 diff1 = max_abs_difference(fsdp1[0]["losses"], baseline)
-print(f"FSDP1 on 2 ranks vs 1 process, {STEPS} steps: "
-      f"max |loss difference| = {diff1:.2e}")
+print(f"FSDP1 on 2 ranks vs 1 process, {STEPS} steps: max |loss difference| = {diff1:.2e}")
 assert diff1 <= 1e-5
 
 # %% [markdown]
@@ -264,12 +262,15 @@ assert diff1 <= 1e-5
 import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(6, 3.2))
-ax.plot(baseline, color="black", linewidth=3, alpha=0.3,
-        label="1 process, whole batch")
+ax.plot(baseline, color="black", linewidth=3, alpha=0.3, label="1 process, whole batch")
 ax.plot(rank0["losses"], "o", markersize=3, label="FSDP2, 2 ranks")
 ax.plot(fsdp1[0]["losses"], "x", markersize=4, label="FSDP1, 2 ranks")
-ax.set(xlabel="step", ylabel="MSE loss (global batch)", yscale="log",
-       title="Sharded training = single-process training")
+ax.set(
+    xlabel="step",
+    ylabel="MSE loss (global batch)",
+    yscale="log",
+    title="Sharded training = single-process training",
+)
 ax.legend()
 fig.tight_layout()
 

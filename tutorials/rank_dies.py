@@ -66,14 +66,28 @@ from fsdp_guide.recipes.train_llm import TrainConfig, train
 workdir = Path(tempfile.mkdtemp(prefix="rank-dies-"))
 STEPS = 12
 SMALL = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, warmup=2)
-straight = launch(train, TrainConfig(steps=STEPS, **SMALL, log_every=STEPS, progress=False,
-                                     checkpoint_dir=str(workdir / "straight"), checkpoint_every=2),
-                  world_size=2, output="none")[0]
-run_seconds = STEPS * SMALL["batch_size"] * SMALL["block_size"] / straight["tokens_per_s"]  # saves included
+straight = launch(
+    train,
+    TrainConfig(
+        steps=STEPS,
+        **SMALL,
+        log_every=STEPS,
+        progress=False,
+        checkpoint_dir=str(workdir / "straight"),
+        checkpoint_every=2,
+    ),
+    world_size=2,
+    output="none",
+)[0]
+run_seconds = (
+    STEPS * SMALL["batch_size"] * SMALL["block_size"] / straight["tokens_per_s"]
+)  # saves included
 save_seconds = sum(straight["save_stall_s"]) / len(straight["save_stall_s"])
 step_seconds = (run_seconds - sum(straight["save_stall_s"])) / STEPS
-print(f"{STEPS} steps, final loss {straight['losses'][-1]:.4f}; a step {step_seconds * 1000:.0f} ms, "
-      f"a save {save_seconds * 1000:.0f} ms on average ({len(straight['save_stall_s'])} saves)")
+print(
+    f"{STEPS} steps, final loss {straight['losses'][-1]:.4f}; a step {step_seconds * 1000:.0f} ms, "
+    f"a save {save_seconds * 1000:.0f} ms on average ({len(straight['save_stall_s'])} saves)"
+)
 
 # %% [markdown]
 # (rank-dies-torchrun)=
@@ -94,36 +108,91 @@ import re
 
 from fsdp_guide.isolation import loopback_only
 
-RECIPE_FLAGS = ["--steps", str(STEPS), "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
-                "--batch-size", "4", "--warmup", "2", "--log-every", str(STEPS), "--no-progress"]
+RECIPE_FLAGS = [
+    "--steps",
+    str(STEPS),
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--warmup",
+    "2",
+    "--log-every",
+    str(STEPS),
+    "--no-progress",
+]
 
 
 def torchrun_with_a_killed_rank(name: str, every: int, how: str, at: int) -> dict:
     """The recipe under ``torchrun --max-restarts=1``, rank 1 killed once; its log, summary and checkpoints."""
     directory = workdir / name
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--max-restarts=1", "-m", "fsdp_guide.recipes.killed_rank", how, str(at), *RECIPE_FLAGS,
-               "--checkpoint-dir", str(directory), "--checkpoint-every", str(every), "--resume", "auto",
-               "--out", str(workdir / f"{name}.json")]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo",
-           # the workers' store, new for each attempt: on a shared one a restarted rank can read a dead rank's address
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           # the threads launch gave each rank above: the same arithmetic, so the runs can be compared bit for bit
-           "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
-    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=180, env=env)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "fsdp_guide.recipes.killed_rank",
+        how,
+        str(at),
+        *RECIPE_FLAGS,
+        "--checkpoint-dir",
+        str(directory),
+        "--checkpoint-every",
+        str(every),
+        "--resume",
+        "auto",
+        "--out",
+        str(workdir / f"{name}.json"),
+    ]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        # the workers' store, new for each attempt: on a shared one a restarted rank can read a dead rank's address
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # the threads launch gave each rank above: the same arithmetic, so the runs can be compared bit for bit
+        "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2)),
+    }
+    done = subprocess.run(
+        loopback_only(command), capture_output=True, text=True, timeout=180, env=env
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    return {"log": done.stdout + done.stderr, "summary": json.loads((workdir / f"{name}.json").read_text()),
-            "checkpoints": directory, "every": every, "computed": at}
+    return {
+        "log": done.stdout + done.stderr,
+        "summary": json.loads((workdir / f"{name}.json").read_text()),
+        "checkpoints": directory,
+        "every": every,
+        "computed": at,
+    }
 
 
-restarted = {"killed after step 7": torchrun_with_a_killed_rank("after-step", 2, "--kill-after-step", 7),
-             "killed saving step 12": torchrun_with_a_killed_rank("while-saving", 6, "--kill-while-saving", 12)}
+restarted = {
+    "killed after step 7": torchrun_with_a_killed_rank("after-step", 2, "--kill-after-step", 7),
+    "killed saving step 12": torchrun_with_a_killed_rank(
+        "while-saving", 6, "--kill-while-saving", 12
+    ),
+}
 for name, run in restarted.items():
-    print(f"--- {name}, a checkpoint every {run['every']} steps: what torchrun and the recipe printed")
+    print(
+        f"--- {name}, a checkpoint every {run['every']} steps: what torchrun and the recipe printed"
+    )
     for line in run["log"].splitlines():
-        if line.startswith("[killed_rank]") or any(key in line for key in ("--resume auto", "resumed from")):
+        if line.startswith("[killed_rank]") or any(
+            key in line for key in ("--resume auto", "resumed from")
+        ):
             print(line)
-        elif said := re.search(r"Sending process \d+ closing signal \w+|failed \(exitcode: -?\d+\) local_rank: \d+", line):
+        elif said := re.search(
+            r"Sending process \d+ closing signal \w+|failed \(exitcode: -?\d+\) local_rank: \d+",
+            line,
+        ):
             print("torchrun:", said[0])  # its agent's log (stderr, printed after the ranks' stdout)
 
 # %% [markdown]
@@ -151,22 +220,32 @@ def identical(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+        )
     return a == b
 
 
 last = f"step-{STEPS:08d}"
 reference = saved(workdir / "straight" / last)
-print(f"{'':24} {'resumed at':>10} {'steps redone':>12} {'restart s':>9}  losses and step {STEPS}'s checkpoint "
-      "= uninterrupted")
+print(
+    f"{'':24} {'resumed at':>10} {'steps redone':>12} {'restart s':>9}  losses and step {STEPS}'s checkpoint "
+    "= uninterrupted"
+)
 for name, run in restarted.items():
     log, summary = run["log"], run["summary"]
     resumed = summary["first_step"] - 1
-    killed, again = (float(log.split(f"[killed_rank] {what} at ")[1].split()[0])
-                     for what in ("rank 1 killed", "training again"))
-    same = summary["losses"] == straight["losses"][resumed:] and identical(saved(run["checkpoints"] / last), reference)
+    killed, again = (
+        float(log.split(f"[killed_rank] {what} at ")[1].split()[0])
+        for what in ("rank 1 killed", "training again")
+    )
+    same = summary["losses"] == straight["losses"][resumed:] and identical(
+        saved(run["checkpoints"] / last), reference
+    )
     run.update(redone=run["computed"] - resumed, restart=again - killed, same=same)
     print(f"{name:24} {resumed:10} {run['redone']:12} {run['restart']:9.1f}  {same}")
 
@@ -205,7 +284,6 @@ for name, run in restarted.items():
 import math
 
 
-
 def daly_interval(save: float, mtbf: float) -> float:
     """Daly's higher-order optimum compute time between checkpoints (FGCS 22(3), 2006), in the units given."""
     if save >= 2 * mtbf:
@@ -216,9 +294,13 @@ def daly_interval(save: float, mtbf: float) -> float:
 
 print(f"Daly's Fig. 3 (M = 24 h, δ = 5 min): τ = {daly_interval(5, 24 * 60):.0f} min")
 restart_seconds = sum(run["restart"] for run in restarted.values()) / len(restarted)
-print(f"measured here: a save δ = {save_seconds * 1000:.0f} ms, a step {step_seconds * 1000:.0f} ms, "
-      f"a restart R = {restart_seconds:.1f} s")
-print(f"{'failure every':>14} {'Young τ':>9} {'Daly τ':>9} {'= steps':>8} {'time lost (Daly τ)':>19}")
+print(
+    f"measured here: a save δ = {save_seconds * 1000:.0f} ms, a step {step_seconds * 1000:.0f} ms, "
+    f"a restart R = {restart_seconds:.1f} s"
+)
+print(
+    f"{'failure every':>14} {'Young τ':>9} {'Daly τ':>9} {'= steps':>8} {'time lost (Daly τ)':>19}"
+)
 for hours in (1, 8, 24):
     M = hours * 3600
     young, daly = math.sqrt(2 * save_seconds * M), daly_interval(save_seconds, M)
@@ -278,10 +360,28 @@ print(inspect.getsource(replicas.recoverable_state))
 # %%
 ft = workdir / "torchft"
 ft.mkdir()
-done = subprocess.run(loopback_only([sys.executable, "-m", "fsdp_guide.recipes.replicas", "--out", str(ft),
-                                     "--kill-at", "8", "--after-rejoin", "5", "--step-seconds", "0.1",
-                                     "--timeout", "240"]),
-                      capture_output=True, text=True, timeout=300)  # the driver stops itself first, and its groups
+done = subprocess.run(
+    loopback_only(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_guide.recipes.replicas",
+            "--out",
+            str(ft),
+            "--kill-at",
+            "8",
+            "--after-rejoin",
+            "5",
+            "--step-seconds",
+            "0.1",
+            "--timeout",
+            "240",
+        ]
+    ),
+    capture_output=True,
+    text=True,
+    timeout=300,
+)  # the driver stops itself first, and its groups
 assert done.returncode == 0, done.stderr[-3000:]
 logs = replicas.read_logs(ft)
 
@@ -298,7 +398,9 @@ def segments(quorums: dict) -> list[tuple[int, int, tuple, tuple]]:
     return runs
 
 
-quorums = replicas.quorums(logs)  # each step of the final weights: which groups averaged it, which received the state
+quorums = replicas.quorums(
+    logs
+)  # each step of the final weights: which groups averaged it, which received the state
 print(f"{'steps':>7}  {'gradients averaged from':24} {'receiving the state':20}")
 for first, last_step, averaged, healing in segments(quorums):
     groups = ", ".join(f"group {g}" for g in averaged)
@@ -322,14 +424,22 @@ for first, last_step, averaged, healing in segments(quorums):
 g0, killed_rank = logs[(0, 0)], logs[(1, 1)]
 death = [line for line in killed_rank if line["attempt"] == 0][-1]
 back = [line for line in logs[(1, 0)] if line["attempt"] == 1]
-alone = [line for line in g0 if death["step"] < line["step"] < back[0]["step"] and line["committed"]]
-computed_again = sum(not line["committed"] for line in g0)  # a step group 0 did not commit, then computed again
+alone = [
+    line for line in g0 if death["step"] < line["step"] < back[0]["step"] and line["committed"]
+]
+computed_again = sum(
+    not line["committed"] for line in g0
+)  # a step group 0 did not commit, then computed again
 pause, after = max((b["time"] - a["time"], a["step"]) for a, b in zip(g0, g0[1:]))
-print(f"group 1's rank 1 died after step {death['step']}; group 1 back at step {back[0]['step']}, "
-      f"{back[0]['time'] - death['time']:.1f} s later")
-print(f"group 0: steps {g0[0]['step']} to {g0[-1]['step']}, every line from its first attempt: "
-      f"{all(line['attempt'] == 0 for line in g0)}; {computed_again} computed again; "
-      f"{len(alone)} with its own gradients alone; its longest pause {pause:.1f} s, after step {after}")
+print(
+    f"group 1's rank 1 died after step {death['step']}; group 1 back at step {back[0]['step']}, "
+    f"{back[0]['time'] - death['time']:.1f} s later"
+)
+print(
+    f"group 0: steps {g0[0]['step']} to {g0[-1]['step']}, every line from its first attempt: "
+    f"{all(line['attempt'] == 0 for line in g0)}; {computed_again} computed again; "
+    f"{len(alone)} with its own gradients alone; its longest pause {pause:.1f} s, after step {after}"
+)
 
 # %% [markdown]
 # No rank of group 0 restarted, but group 0 did pause (its longest pause, printed). The
@@ -354,9 +464,14 @@ replayed = launch(replicas.replay, quorums, 2, world_size=2, output="none")
 same = []
 for rank in (0, 1):
     final = {group: torch.load(ft / f"final-group{group}-rank{rank}.pt") for group in (0, 1)}
-    per_group = [all(torch.equal(a, b) for a, b in zip(final[group], replayed[rank], strict=True)) for group in (0, 1)]
+    per_group = [
+        all(torch.equal(a, b) for a, b in zip(final[group], replayed[rank], strict=True))
+        for group in (0, 1)
+    ]
     same.extend(per_group)
-    print(f"rank {rank}: group 0's shards = the replay's: {per_group[0]}; group 1's = the replay's: {per_group[1]}")
+    print(
+        f"rank {rank}: group 0's shards = the replay's: {per_group[0]}; group 1's = the replay's: {per_group[1]}"
+    )
 
 # %% [markdown]
 # Bit for bit: the restarted group holds what the live group holds, and both hold what the
@@ -371,11 +486,17 @@ for rank in (0, 1):
 # move from run to run:
 
 # %%
-assert all(run["same"] for run in restarted.values()) and all(same), "a run did not end as it should (see above)"
+assert all(run["same"] for run in restarted.values()) and all(same), (
+    "a run did not end as it should (see above)"
+)
 print(f"{'':38} {'torchrun --max-restarts':>24} {'torchft':>10}")
-print(f"{'steps computed again':38} {', '.join(str(r['redone']) for r in restarted.values()):>24} "
-      f"{computed_again:>10}")
-print(f"{'seconds until the lost rank steps again':38} {restart_seconds:24.1f} {back[0]['time'] - death['time']:10.1f}")
+print(
+    f"{'steps computed again':38} {', '.join(str(r['redone']) for r in restarted.values()):>24} "
+    f"{computed_again:>10}"
+)
+print(
+    f"{'seconds until the lost rank steps again':38} {restart_seconds:24.1f} {back[0]['time'] - death['time']:10.1f}"
+)
 print(f"{'steps the other ranks took meanwhile':38} {'none: stopped':>24} {len(alone):>10}")
 
 # %% [markdown]

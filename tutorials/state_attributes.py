@@ -44,12 +44,11 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # ## One table per rank: `describe_sharding`
 
 # %%
+import fsdp_guide
 import torch.nn as nn
+from fsdp_guide import describe_sharding, launch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
-
-import fsdp_guide
-from fsdp_guide import describe_sharding, launch
 
 
 def make_model():
@@ -70,8 +69,10 @@ def fsdp1_model(device):
 
 def tables():
     device = fsdp_guide.device()
-    return {"FSDP2": describe_sharding(fsdp2_model()),
-            "FSDP1": describe_sharding(fsdp1_model(device))}
+    return {
+        "FSDP2": describe_sharding(fsdp2_model()),
+        "FSDP1": describe_sharding(fsdp1_model(device)),
+    }
 
 
 per_rank = launch(tables, world_size=2, output="none")
@@ -82,9 +83,14 @@ for api in ("FSDP2", "FSDP1"):
 import math
 import re
 
-from myst_nb import glue  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 
-fsdp2_rows, fsdp1_rows = ([{row.name: row for row in per_rank[rank][api]} for rank in (0, 1)] for api in ("FSDP2", "FSDP1"))
+fsdp2_rows, fsdp1_rows = (
+    [{row.name: row for row in per_rank[rank][api]} for rank in (0, 1)]
+    for api in ("FSDP2", "FSDP1")
+)
 
 
 def first_to_last(span):
@@ -97,8 +103,16 @@ glue("sa_small_rows_0", fsdp2_rows[0]["2.weight"].local_shape[0], display=False)
 glue("sa_small_rows_1", fsdp2_rows[1]["2.weight"].local_shape[0], display=False)
 glue("sa_large_rows_0", fsdp2_rows[0]["0.weight"].local_shape[0], display=False)
 glue("sa_large_rows_1", fsdp2_rows[1]["0.weight"].local_shape[0], display=False)
-glue("sa_flat_numel", sum(math.prod(row.local_shape) for rows in fsdp1_rows for row in rows.values()), display=False)
-glue("sa_flat_shard", sum(math.prod(row.local_shape) for row in fsdp1_rows[0].values()), display=False)
+glue(
+    "sa_flat_numel",
+    sum(math.prod(row.local_shape) for rows in fsdp1_rows for row in rows.values()),
+    display=False,
+)
+glue(
+    "sa_flat_shard",
+    sum(math.prod(row.local_shape) for row in fsdp1_rows[0].values()),
+    display=False,
+)
 glue("sa_r1_weight_elements", first_to_last(fsdp1_rows[1]["0.weight"].holds), display=False)
 glue("sa_r1_weight_at", first_to_last(fsdp1_rows[1]["0.weight"].placement), display=False)
 glue("sa_r1_bias_at", first_to_last(fsdp1_rows[1]["0.bias"].placement), display=False)
@@ -121,15 +135,20 @@ glue("sa_r1_bias_at", first_to_last(fsdp1_rows[1]["0.bias"].placement), display=
 #
 # ## FSDP2: parameters are DTensors
 
+
 # %%
 def dtensor_state():
     model = fsdp2_model()
     w = model[0].weight
-    return {"type": type(w).__name__, "placements": w.placements,
-            "mesh": str(w.device_mesh), "global shape": tuple(w.shape),
-            "to_local().shape": tuple(w.to_local().shape),
-            "full_tensor().shape": tuple(w.full_tensor().shape),
-            "module class": type(model[0]).__name__}
+    return {
+        "type": type(w).__name__,
+        "placements": w.placements,
+        "mesh": str(w.device_mesh),
+        "global shape": tuple(w.shape),
+        "to_local().shape": tuple(w.to_local().shape),
+        "full_tensor().shape": tuple(w.full_tensor().shape),
+        "module class": type(model[0]).__name__,
+    }
 
 
 for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
@@ -151,9 +170,11 @@ for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
 # `_full_param_padded` among others, and forward and backward set more (`_saved_grad_shard`,
 # for one).
 
+
 # %%
 def flat_param_attributes():
     flat = fsdp1_model(fsdp_guide.device())._handle.flat_param
+
     def text(value):  # a set prints in hash order: sort it, so the page is the same every run
         return repr(sorted(value, key=repr)) if isinstance(value, set) else repr(value)
 
@@ -164,8 +185,7 @@ def short(text, width=58):
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-for name, (kind, value) in launch(flat_param_attributes, world_size=2,
-                                  output="none")[0].items():
+for name, (kind, value) in launch(flat_param_attributes, world_size=2, output="none")[0].items():
     print(f"{name:26} {kind:9} {short(value)}")
 
 # %% [markdown]
@@ -218,15 +238,25 @@ def fsdp2_timeline():
             shards[when] = (local.data_ptr(), local.detach().cpu().clone())
         if w.grad is not None:
             grad_types[when] = type(w.grad).__name__
-        return (when, type(w).__name__, tuple(w.shape), local.untyped_storage().nbytes(),
-                None if grad is None else tuple(grad.shape))
+        return (
+            when,
+            type(w).__name__,
+            tuple(w.shape),
+            local.untyped_storage().nbytes(),
+            None if grad is None else tuple(grad.shape),
+        )
 
     rows = record_timeline(model, layer, snapshot, device)
     (ptr_before, values_before), (ptr_after, values_after) = (
-        shards["after backward"], shards["after optimizer step"])
-    return {"rows": rows, "grad type": grad_types["after backward"],
-            "same storage": ptr_before == ptr_after,
-            "values changed": not torch.equal(values_before, values_after)}
+        shards["after backward"],
+        shards["after optimizer step"],
+    )
+    return {
+        "rows": rows,
+        "grad type": grad_types["after backward"],
+        "same storage": ptr_before == ptr_after,
+        "values changed": not torch.equal(values_before, values_after),
+    }
 
 
 def show(rows, header):
@@ -238,8 +268,10 @@ def show(rows, header):
 fsdp2_rank0 = launch(fsdp2_timeline, world_size=2, output="none")[0]
 show(fsdp2_rank0["rows"], ["weight is a", "its shape", "bytes stored", "local grad"])
 print(f"after backward, weight.grad is a {fsdp2_rank0['grad type']}")
-print(f"optimizer step: the shard's storage is the same: {fsdp2_rank0['same storage']}, "
-      f"its values changed: {fsdp2_rank0['values changed']}")
+print(
+    f"optimizer step: the shard's storage is the same: {fsdp2_rank0['same storage']}, "
+    f"its values changed: {fsdp2_rank0['values changed']}"
+)
 
 fsdp2_when = {when: values for when, *values in fsdp2_rank0["rows"]}
 glue("sa_fsdp2_full_bytes", fsdp2_when["inside forward"][2], display=False)
@@ -253,6 +285,7 @@ glue("sa_fsdp2_shard_bytes", fsdp2_when["before forward"][2], display=False)
 # the optimizer step changes the shard's values in the same storage: it updates the shard in
 # place.
 
+
 # %%
 def fsdp1_timeline():
     device = fsdp_guide.device()
@@ -262,9 +295,14 @@ def fsdp1_timeline():
 
     def snapshot(when):
         w = layer.weight
-        return (when, type(w).__name__, tuple(w.shape), w.untyped_storage().nbytes(),
-                flat.untyped_storage().nbytes(),
-                None if flat.grad is None else tuple(flat.grad.shape))
+        return (
+            when,
+            type(w).__name__,
+            tuple(w.shape),
+            w.untyped_storage().nbytes(),
+            flat.untyped_storage().nbytes(),
+            None if flat.grad is None else tuple(flat.grad.shape),
+        )
 
     return record_timeline(model, layer, snapshot, device)
 

@@ -55,9 +55,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 import math
 
-import torch.nn as nn
-
 import fsdp_guide
+import torch.nn as nn
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
@@ -118,8 +117,10 @@ def reference_weights():
 
 
 reference = launch(reference_weights, world_size=2, output="none")[0]  # rank 0's
-print(f"{len(reference)} parameters (the tied one counted once), "
-      f"{sum(p.numel() for p in reference.values())} numbers")
+print(
+    f"{len(reference)} parameters (the tied one counted once), "
+    f"{sum(p.numel() for p in reference.values())} numbers"
+)
 
 # %% [markdown]
 # `init_weights` needs whole matrices: an orthogonal matrix is not a
@@ -130,9 +131,8 @@ print(f"{len(reference)} parameters (the tied one counted once), "
 
 # %%
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
 from fsdp_guide import describe_sharding, summon_full_params
+from torch.distributed.fsdp import fully_shard
 
 
 def shard_fsdp2(model):
@@ -155,9 +155,14 @@ def init_on_fsdp2(seed_per_rank=False):
     # we only look), as CPU tensors for the notebook.
     with summon_full_params(model, writeback=False):
         full = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    return {"outside": outside, "inside": inside, "tied_inside": tied,
-            "full": full, "dtensor_after": type(model.head.weight).__name__,
-            "tied_after": model.head.weight is model.embed.weight}
+    return {
+        "outside": outside,
+        "inside": inside,
+        "tied_inside": tied,
+        "full": full,
+        "dtensor_after": type(model.head.weight).__name__,
+        "tied_after": model.head.weight is model.embed.weight,
+    }
 
 
 fsdp2 = launch(init_on_fsdp2, world_size=2, output="none")
@@ -173,14 +178,14 @@ print("\n".join(str(fsdp2[0]["inside"]).splitlines()[:4]))
 
 # %%
 print("tied inside the context:", fsdp2[0]["tied_inside"])
-print("after the context:", fsdp2[0]["dtensor_after"],
-      "| still tied:", fsdp2[0]["tied_after"])
+print("after the context:", fsdp2[0]["dtensor_after"], "| still tied:", fsdp2[0]["tied_after"])
 
 # %% [markdown]
 # ## Bit for bit what one process computes
 #
 # Each rank initialised its full copy with the same seed and kept its own slice.
 # Together the slices are exactly the single-process initialisation:
+
 
 # %%
 def max_difference(weights):
@@ -189,8 +194,10 @@ def max_difference(weights):
 
 for rank, result in enumerate(fsdp2):
     exact = all(torch.equal(result["full"][n], reference[n]) for n in reference)
-    print(f"rank {rank}: FSDP2 init equals single process exactly: {exact}, "
-          f"max |difference| = {max_difference(result['full']):.1e}")
+    print(
+        f"rank {rank}: FSDP2 init equals single process exactly: {exact}, "
+        f"max |difference| = {max_difference(result['full']):.1e}"
+    )
     assert exact
 
 # %% [markdown]
@@ -199,6 +206,7 @@ for rank, result in enumerate(fsdp2):
 # Each rank draws its own full tensors and writes back its own slice. With a
 # different seed per rank, rank 0's rows come from one draw and rank 1's from
 # another: each half is a fine sample, but the matrix is no longer orthogonal.
+
 
 # %%
 def orthogonality_error(w):
@@ -226,14 +234,17 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 def init_on_fsdp1():
     device = fsdp_guide.device()
     torch.manual_seed(0)
-    model = FSDP(TinyLM(), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 device_id=device, use_orig_params=True)
+    model = FSDP(
+        TinyLM(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device, use_orig_params=True
+    )
     torch.manual_seed(INIT_SEED)
     with summon_full_params(model):
         init_weights(model.module)
     with summon_full_params(model, writeback=False):
-        full = {n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
-                for n, p in model.module.named_parameters()}
+        full = {
+            n.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+            for n, p in model.module.named_parameters()
+        }
     return full
 
 
@@ -260,17 +271,30 @@ def embed_outside_forward():
     said = {}
     for use_orig_params in (False, True):
         torch.manual_seed(0)
-        model = FSDP(TinyLM(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device,
-                     use_orig_params=use_orig_params)
-        model(tokens).sum().backward()  # a training step's forward and backward: every unit resharded
+        model = FSDP(
+            TinyLM(),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=device,
+            use_orig_params=use_orig_params,
+        )
+        model(
+            tokens
+        ).sum().backward()  # a training step's forward and backward: every unit resharded
         try:
-            out = model.module.embed(tokens)  # the embedding, called as generate() would, not through FSDP's forward
+            out = model.module.embed(
+                tokens
+            )  # the embedding, called as generate() would, not through FSDP's forward
             said[f"use_orig_params={use_orig_params}"] = f"ran: {tuple(out.shape)}"
         except RuntimeError as error:
-            said[f"use_orig_params={use_orig_params}"] = "".join(traceback.format_exception_only(error)).strip()
-        with FSDP.summon_full_params(model, recurse=False, writeback=False):  # the root unit gathered
+            said[f"use_orig_params={use_orig_params}"] = "".join(
+                traceback.format_exception_only(error)
+            ).strip()
+        with FSDP.summon_full_params(
+            model, recurse=False, writeback=False
+        ):  # the root unit gathered
             said[f"use_orig_params={use_orig_params}, in summon_full_params"] = tuple(
-                model.module.embed(tokens).shape)
+                model.module.embed(tokens).shape
+            )
     return said
 
 
@@ -355,8 +379,10 @@ same_objects, sharded_losses = launch(init_then_train, world_size=2, output="non
 single_losses = launch(single_process, world_size=2, output="none")[0]  # rank 0's, alone
 gap = largest_difference(zip(sharded_losses, single_losses, strict=True))
 print("the optimizer built before the context holds the model's parameters after it:", same_objects)
-print(f"loss {single_losses[0]:.4f} -> {single_losses[-1]:.4f} in {STEPS} steps; "
-      f"max |sharded - single| = {gap:.1e}")
+print(
+    f"loss {single_losses[0]:.4f} -> {single_losses[-1]:.4f} in {STEPS} steps; "
+    f"max |sharded - single| = {gap:.1e}"
+)
 assert same_objects and gap < 1e-5
 
 # %% [markdown]
@@ -372,6 +398,7 @@ assert same_objects and gap < 1e-5
 # the "full" tensor is the shard. Zero every weight inside each kind of context, on 2
 # ranks, and look at the shards afterwards:
 
+
 # %%
 def zero_inside(writeback):
     torch.manual_seed(0)
@@ -384,7 +411,9 @@ def zero_inside(writeback):
 
 for writeback in (False, True):
     zeroed = launch(zero_inside, writeback, world_size=2, output="none")
-    print(f"writeback={writeback!s:5}: every shard zero after the context, rank 0 / rank 1: {zeroed}")
+    print(
+        f"writeback={writeback!s:5}: every shard zero after the context, rank 0 / rank 1: {zeroed}"
+    )
 
 # %% [markdown]
 # (summon-tips)=

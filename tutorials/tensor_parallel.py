@@ -58,13 +58,12 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # process training on all of it is the reference.
 
 # %%
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
+from torch.distributed.device_mesh import init_device_mesh
 
 CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH = 8  # sequences in the global batch
@@ -90,9 +89,11 @@ def make_mesh(dp=2, tp=2):
 def whole_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
+
 # %% [markdown]
 # (tp-mesh)=
 # ## The mesh: 4 ranks as 2 x 2
+
 
 # %%
 def where_am_i():
@@ -141,13 +142,17 @@ from torch.distributed.tensor.parallel import (
 
 def apply_tp(model, tp_mesh, sequence_parallel=True):
     """Column-wise q, k, v and fc, row-wise projections; norms and residual stream along the sequence if asked."""
-    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream between sub-layers
+    between = (
+        Shard(1) if sequence_parallel else Replicate()
+    )  # the residual stream between sub-layers
     plan = {
         # a sub-layer needs the whole sequence: all-gather it on the way in (with sequence
         # parallelism), and hand q, k and v one DTensor, so their input gradients are summed
         # before a single collective in the backward
         "attn": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
         # the partial sums of the heads: reduce-scattered along the sequence, or all-reduced
         "attn.proj": RowwiseParallel(output_layouts=between),
         "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
@@ -158,12 +163,25 @@ def apply_tp(model, tp_mesh, sequence_parallel=True):
         plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
-    if sequence_parallel:  # into the blocks: keep this rank's part of the sequence; out of them: gather it
-        parallelize_module(model, tp_mesh, {
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-            "ln_f": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                       use_local_output=True)})
+    if (
+        sequence_parallel
+    ):  # into the blocks: keep this rank's part of the sequence; out of them: gather it
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                "blocks.0": PrepareModuleInput(
+                    input_layouts=(Replicate(),),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_output=True,
+                ),
+                "ln_f": PrepareModuleInput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+            },
+        )
 
 
 def apply_fsdp(model, dp_mesh):
@@ -189,6 +207,7 @@ def my_rows(mesh, step=0):
     device = fsdp_guide.device()
     return tokens[mine].to(device), targets[mine].to(device)
 
+
 # %% [markdown]
 # TP comes first: `parallelize_module` turns each planned `Linear`'s weight into a
 # `DTensor` sharded over `tp`; `fully_shard` over `dp` then shards what each rank holds
@@ -203,18 +222,24 @@ from fsdp_guide.describe import ShardingTable
 
 
 def what_each_rank_holds():
-    table = describe_sharding(parallelize(build_model(), mesh=make_mesh()))  # fully_shard(..., mesh=mesh["dp"])
+    table = describe_sharding(
+        parallelize(build_model(), mesh=make_mesh())
+    )  # fully_shard(..., mesh=mesh["dp"])
     return ShardingTable(row for row in table if not row.name.startswith("blocks.1"))
 
 
 tables = launch(what_each_rank_holds, world_size=4, output="none")
 print(tables[0])
 print()
-print(f"{'rank (dp, tp)':14} {'attn.q.weight':>14} {'attn.proj.weight':>17} {'ln_1.weight':>12} {'tok_emb.weight':>15}")
+print(
+    f"{'rank (dp, tp)':14} {'attn.q.weight':>14} {'attn.proj.weight':>17} {'ln_1.weight':>12} {'tok_emb.weight':>15}"
+)
 for rank, table in enumerate(tables):
     holds = {row.name: row.holds for row in table}
-    print(f"{rank} ({rank // 2}, {rank % 2}){'':7} {holds['blocks.0.attn.q.weight']:>14} "
-          f"{holds['blocks.0.attn.proj.weight']:>17} {holds['blocks.0.ln_1.weight']:>12} {holds['tok_emb.weight']:>15}")
+    print(
+        f"{rank} ({rank // 2}, {rank % 2}){'':7} {holds['blocks.0.attn.q.weight']:>14} "
+        f"{holds['blocks.0.attn.proj.weight']:>17} {holds['blocks.0.ln_1.weight']:>12} {holds['tok_emb.weight']:>15}"
+    )
 
 # %% [markdown]
 # - `attn.q.weight` (32 x 32, output features by rows) is split by TP into rows 0:16 (tp
@@ -250,8 +275,12 @@ for rank, table in enumerate(tables):
 from fsdp_guide.collectives import count_collectives
 from fsdp_guide.memory import measure, saved_for_backward
 
-SETUPS = {"FSDP alone (dp=4)": ((4, 1), True), "TP alone (tp=4)": ((1, 4), True),
-          "FSDP x TP (2 x 2)": ((2, 2), True), "FSDP x TP, no seq. parallel": ((2, 2), False)}
+SETUPS = {
+    "FSDP alone (dp=4)": ((4, 1), True),
+    "TP alone (tp=4)": ((1, 4), True),
+    "FSDP x TP (2 x 2)": ((2, 2), True),
+    "FSDP x TP, no seq. parallel": ((2, 2), False),
+}
 
 
 def one_step_counted(shape, sequence_parallel):
@@ -271,7 +300,12 @@ def one_step_counted(shape, sequence_parallel):
                 optimizer.step()
             optimizer.zero_grad()
     rows = [(dim, kind, n, nbytes / whole) for dim, kind, n, nbytes in seen.rows()]
-    return rows, sum(in_step.count.values()), measure(model).params / whole, saved.held_at_exit / 1024
+    return (
+        rows,
+        sum(in_step.count.values()),
+        measure(model).params / whole,
+        saved.held_at_exit / 1024,
+    )
 
 
 def every_setup():
@@ -279,16 +313,24 @@ def every_setup():
 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce")
-print(f"{'':28} {'dim':4}" + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS)
-      + f"{'in the step':>13}{'params held / P':>17}{'saved, KiB':>12}")
+print(
+    f"{'':28} {'dim':4}"
+    + "".join(f"{kind + 's (n, P)':>24}" for kind in KINDS)
+    + f"{'in the step':>13}{'params held / P':>17}{'saved, KiB':>12}"
+)
 setups = launch(every_setup, world_size=4, output="none")[0]
 for name, (rows, in_step, held, saved) in setups.items():
     for i, dim in enumerate(sorted({dim for dim, *_ in rows})):
         cells = {kind: f"{n:3} {size:6.2f}" for d, kind, n, size in rows if d == dim}
-        print(f"{name if i == 0 else '':28} {dim:4}" + "".join(f"{cells.get(kind, '-'):>24}" for kind in KINDS)
-              + (f"{in_step:13}{held:17.2f}{saved:12.0f}" if i == 0 else ""))
+        print(
+            f"{name if i == 0 else '':28} {dim:4}"
+            + "".join(f"{cells.get(kind, '-'):>24}" for kind in KINDS)
+            + (f"{in_step:13}{held:17.2f}{saved:12.0f}" if i == 0 else "")
+        )
 
-from myst_nb import glue  # the figures the text quotes, from this run's tables (JupyterLab shows glue's roles unrendered)
+from myst_nb import (
+    glue,
+)  # the figures the text quotes, from this run's tables (JupyterLab shows glue's roles unrendered)
 
 
 def counted(setup, dim, kind):
@@ -297,7 +339,11 @@ def counted(setup, dim, kind):
 
 
 FSDP, TP, BOTH, NO_SP = SETUPS  # the table's rows
-glue("tp_fsdp_moved", counted(FSDP, "dp", "all-gather")[1] + counted(FSDP, "dp", "reduce-scatter")[1], display=False)
+glue(
+    "tp_fsdp_moved",
+    counted(FSDP, "dp", "all-gather")[1] + counted(FSDP, "dp", "reduce-scatter")[1],
+    display=False,
+)
 glue("tp_fsdp_gathered", counted(FSDP, "dp", "all-gather")[1], display=False)
 glue("tp_alone_gathers", counted(TP, "tp", "all-gather")[0], display=False)
 glue("tp_alone_scatters", counted(TP, "tp", "reduce-scatter")[0], display=False)
@@ -373,7 +419,11 @@ from torch.distributed.tensor import DTensor
 
 
 def partial_gradients(model):
-    return [p for p in model.parameters() if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()]
+    return [
+        p
+        for p in model.parameters()
+        if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()
+    ]
 
 
 def norm_gradients_under_tp_alone():
@@ -382,7 +432,11 @@ def norm_gradients_under_tp_alone():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     model(*my_rows(mesh))[1].backward()
     grad = model.blocks[0].ln_1.weight.grad
-    found = {"placements": grad.placements, "partial": len(partial_gradients(model)), "local": grad.to_local().cpu()}
+    found = {
+        "placements": grad.placements,
+        "partial": len(partial_gradients(model)),
+        "local": grad.to_local().cpu(),
+    }
     with count_collectives(mesh) as left_partial:
         optimizer.step()
     optimizer.zero_grad()
@@ -392,29 +446,40 @@ def norm_gradients_under_tp_alone():
             p.grad = p.grad.redistribute(placements=[Replicate()])
     with count_collectives(mesh) as after:
         optimizer.step()
-    return found | {"step, left partial": left_partial.rows(), "reducing once": reducing.rows(),
-                    "step, reduced": after.rows()}
+    return found | {
+        "step, left partial": left_partial.rows(),
+        "reducing once": reducing.rows(),
+        "step, reduced": after.rows(),
+    }
 
 
 one = build_model()
 one(*global_batch())[1].backward()
 one_grad = one.blocks[0].ln_1.weight.grad
 found = launch(norm_gradients_under_tp_alone, world_size=4, output="none")
-print(f"blocks.0.ln_1.weight.grad: {found[0]['placements']}; parameters with a partial gradient: {found[0]['partial']}")
+print(
+    f"blocks.0.ln_1.weight.grad: {found[0]['placements']}; parameters with a partial gradient: {found[0]['partial']}"
+)
 misses = []
 for rank, on_rank in enumerate(found):
     difference = (on_rank["local"] - one_grad).abs().max()
     misses.append(difference.item())
     print(f"rank {rank}: to_local() vs one process's gradient, largest difference {difference:.1e}")
 summed = sum(on_rank["local"] for on_rank in found)
-print(f"the 4 ranks' to_local() summed: largest difference {(summed - one_grad).abs().max():.1e}"
-      f" (the gradient's largest entry: {one_grad.abs().max():.1e})")
+print(
+    f"the 4 ranks' to_local() summed: largest difference {(summed - one_grad).abs().max():.1e}"
+    f" (the gradient's largest entry: {one_grad.abs().max():.1e})"
+)
 for what in ("step, left partial", "reducing once", "step, reduced"):
     print(f"{what:20} (dim, kind, n, bytes): {found[0][what] or 'no collective'}")
-glue("tp_partial_miss", torch.tensor(misses).min().item(), display=False)  # the closest rank's (torch's min keeps a NaN)
+glue(
+    "tp_partial_miss", torch.tensor(misses).min().item(), display=False
+)  # the closest rank's (torch's min keeps a NaN)
 glue("tp_grad_largest", one_grad.abs().max().item(), display=False)
 glue("tp_partial_params", found[0]["partial"], display=False)
-glue("tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False)  # (dim, kind, n, bytes)
+glue(
+    "tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False
+)  # (dim, kind, n, bytes)
 glue("tp_partial_once_reduces", found[0]["reducing once"][0][2], display=False)
 
 # %% [markdown]
@@ -435,10 +500,13 @@ glue("tp_partial_once_reduces", found[0]["reducing once"][0][2], display=False)
 # Three AdamW steps on the 2 x 2 mesh, each `dp` rank on its half of the global batch and
 # both ranks of a TP group on the same half; and one process on the whole batch:
 
+
 # %%
 def full_parameters(model):
-    return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-            for name, p in model.named_parameters()}
+    return {
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def mean_over_dp(loss, mesh):
@@ -491,6 +559,7 @@ print(f"parameters after 3 steps: largest difference {apart(params_2d, one_param
 # own quarter of the batch, as plain data parallelism over 4 ranks would, so the two ranks
 # of a TP group compute one layer on different sequences.
 
+
 # %%
 def my_quarter(mesh, step=0):
     """Wrong under TP: a different quarter of the batch on every rank."""
@@ -509,12 +578,18 @@ def same_in_group(tensor, group):
 
 def batch_checks():
     mesh = make_mesh()
-    return {name: same_in_group(batch_for(mesh)[0], mesh.get_group("tp"))
-            for name, batch_for in (("dp rows", my_rows), ("rank quarters", my_quarter))}
+    return {
+        name: same_in_group(batch_for(mesh)[0], mesh.get_group("tp"))
+        for name, batch_for in (("dp rows", my_rows), ("rank quarters", my_quarter))
+    }
 
 
 wrong_losses, wrong_params = launch(train_2d, 3, my_quarter, world_size=4, output="none")[0]
-print("different batches in a TP group: losses", [f"{x:.6f}" for x in wrong_losses], "(no error raised)")
+print(
+    "different batches in a TP group: losses",
+    [f"{x:.6f}" for x in wrong_losses],
+    "(no error raised)",
+)
 print(f"parameters after 3 steps: largest difference {apart(wrong_params, one_params):.1e}")
 print("same batch across each TP group:", launch(batch_checks, world_size=4, output="none")[0])
 
@@ -543,7 +618,6 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 # dimensions: {ref}`below <tp-dp-mesh-dims>`.)
 
 # %%
-from torch.distributed.fsdp import FSDPModule
 
 
 def hsdp_by_mistake(model, mesh):
@@ -554,7 +628,9 @@ def hsdp_by_mistake(model, mesh):
 
 def q_output_width(model, mesh):
     widths = []
-    hook = model.blocks[0].attn.q.register_forward_hook(lambda m, i, out: widths.append(tuple(out.shape)))
+    hook = model.blocks[0].attn.q.register_forward_hook(
+        lambda m, i, out: widths.append(tuple(out.shape))
+    )
     model(*my_rows(mesh))
     hook.remove()
     return widths[0]
@@ -572,17 +648,27 @@ def both_ways():
         with count_collectives(mesh) as seen:
             _, loss = model(*my_rows(mesh, 1))
             loss.backward()
-        result[name] = (rows["blocks.0.attn.q.weight"], width, measure(model).params / whole,
-                        [(dim, kind, n) for dim, kind, n, _ in seen.rows()], mean_over_dp(loss, mesh))
+        result[name] = (
+            rows["blocks.0.attn.q.weight"],
+            width,
+            measure(model).params / whole,
+            [(dim, kind, n) for dim, kind, n, _ in seen.rows()],
+            mean_over_dp(loss, mesh),
+        )
     return result
 
 
 trap = launch(both_ways, world_size=4, output="none")[0]
 for name, (placement, width, held, collectives, loss) in trap.items():
-    print(f"{name}:\n  attn.q.weight  {placement}\n  q's output on a rank {width}; params held {held:.2f} P\n"
-          f"  collectives (dim, kind, n) {collectives}\n  loss {loss:.6f}")
-glue("tp_trap_gathers", next(n for dim, kind, n in trap["FSDP x TP"][3] if (dim, kind) == ("dp", "all-gather")),
-     display=False)
+    print(
+        f"{name}:\n  attn.q.weight  {placement}\n  q's output on a rank {width}; params held {held:.2f} P\n"
+        f"  collectives (dim, kind, n) {collectives}\n  loss {loss:.6f}"
+    )
+glue(
+    "tp_trap_gathers",
+    next(n for dim, kind, n in trap["FSDP x TP"][3] if (dim, kind) == ("dp", "all-gather")),
+    display=False,
+)
 
 # %% [markdown]
 # Both compute the same loss (one forward and backward, no optimizer step): HSDP is data
@@ -648,7 +734,9 @@ def split_over_y(name, module, mesh):
     """Tensor parallelism by placements alone: layer 0's rows and layer 2's columns over y."""
     for what, p in list(module.named_parameters(recurse=False)):
         over_y = Shard(0) if name == "0" else Shard(1) if what == "weight" else Replicate()
-        module.register_parameter(what, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), over_y])))
+        module.register_parameter(
+            what, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), over_y]))
+        )
 
 
 def as_replicated(module, inputs, mesh):
@@ -661,7 +749,9 @@ def train_on_named_dims(roles):
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("x", "y"))
     tp = roles.replicate is None and roles.shard == "x"
     model = small_mlp().to(device)
-    distribute_module(model, mesh, partition_fn=split_over_y if tp else None, input_fn=as_replicated)
+    distribute_module(
+        model, mesh, partition_fn=split_over_y if tp else None, input_fn=as_replicated
+    )
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh, dp_mesh_dims=roles)
     fully_shard(model, mesh=mesh, dp_mesh_dims=roles)
@@ -679,18 +769,24 @@ def one_process_small(batches):
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        (sum(model(small_batch(10 * step + b)).square().mean() for b in range(batches)) / batches).backward()
+        (
+            sum(model(small_batch(10 * step + b)).square().mean() for b in range(batches)) / batches
+        ).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 for name, roles in ROLES.items():
-    reference = one_process_small(2 if name.endswith("TP over y") else 4)  # here, in the notebook: one process
+    reference = one_process_small(
+        2 if name.endswith("TP over y") else 4
+    )  # here, in the notebook: one process
     placements, weights = launch(train_on_named_dims, roles, world_size=4, output="none")[0]
     error = largest_difference((weights[p], reference[p]) for p in reference)
-    print(f"{name}: {roles}\n  0.weight  {placements['0.weight']}\n  2.weight  {placements['2.weight']}\n"
-          f"  max |weights - one process| after 2 steps = {error:.1e}")
+    print(
+        f"{name}: {roles}\n  0.weight  {placements['0.weight']}\n  2.weight  {placements['2.weight']}\n"
+        f"  max |weights - one process| after 2 steps = {error:.1e}"
+    )
 
 # %% [markdown]
 # The same mesh, three layouts: HSDP's `Replicate()` over `x` and `Shard(dim=0)` over `y`
@@ -719,8 +815,7 @@ for name, roles in ROLES.items():
 # split as the plan says it should be:
 
 # %%
-import torch.nn as nn
-from torch.distributed.tensor import distribute_tensor
+
 
 def embedding():
     return nn.Embedding(CONFIG.vocab_size, CONFIG.n_embd)
@@ -731,12 +826,27 @@ def output_layer():
 
 
 EDGE_PLANS = {  # name: (module, plan, the layout its output should have over tp)
-    "embedding, vocabulary-split": (embedding, RowwiseParallel(input_layouts=Replicate()), Replicate()),
-    "  same, output along the sequence": (embedding, RowwiseParallel(input_layouts=Replicate(),
-                                                                     output_layouts=Shard(1)), Shard(1)),
+    "embedding, vocabulary-split": (
+        embedding,
+        RowwiseParallel(input_layouts=Replicate()),
+        Replicate(),
+    ),
+    "  same, output along the sequence": (
+        embedding,
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        Shard(1),
+    ),
     "embedding, dimension-split": (embedding, ColwiseParallel(), Shard(-1)),
-    "output layer, logits gathered": (output_layer, ColwiseParallel(output_layouts=Replicate()), Replicate()),
-    "output layer, logits left split": (output_layer, ColwiseParallel(use_local_output=False), Shard(-1)),
+    "output layer, logits gathered": (
+        output_layer,
+        ColwiseParallel(output_layouts=Replicate()),
+        Replicate(),
+    ),
+    "output layer, logits left split": (
+        output_layer,
+        ColwiseParallel(use_local_output=False),
+        Shard(-1),
+    ),
 }
 
 
@@ -750,7 +860,9 @@ def on_a_rank(t):
 def edge_layer_layouts():
     mesh = make_mesh()
     tokens, _ = my_rows(mesh)
-    hidden = torch.randn(*tokens.shape, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)).to(tokens.device)
+    hidden = torch.randn(
+        *tokens.shape, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)
+    ).to(tokens.device)
     result = {}
     for name, (make, plan, layout) in EDGE_PLANS.items():
         torch.manual_seed(0)
@@ -761,17 +873,28 @@ def edge_layer_layouts():
         with count_collectives(mesh) as seen:
             out = module(x)
         local = out.to_local() if isinstance(out, DTensor) else out
-        expected = distribute_tensor(whole, mesh["tp"], [layout], src_data_rank=None).to_local()  # this rank's piece
-        result[name] = (on_a_rank(module.weight), on_a_rank(out), seen.rows(), (local - expected).abs().max().item())
+        expected = distribute_tensor(
+            whole, mesh["tp"], [layout], src_data_rank=None
+        ).to_local()  # this rank's piece
+        result[name] = (
+            on_a_rank(module.weight),
+            on_a_rank(out),
+            seen.rows(),
+            (local - expected).abs().max().item(),
+        )
     return result
 
 
-print(f"{'':34} {'weight on a rank':23} {'output on a rank':26} {'tp collectives (kind, n, bytes)':33} vs unsharded")
+print(
+    f"{'':34} {'weight on a rank':23} {'output on a rank':26} {'tp collectives (kind, n, bytes)':33} vs unsharded"
+)
 edges = launch(edge_layer_layouts, world_size=4, output="none")[0]
 for name, (weight, out, rows, difference) in edges.items():
     collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in rows) or "none"
     print(f"{name:34} {weight:23} {out:26} {collectives:33} {difference:.0e}")
-glue("tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False)  # (dim, kind, n, bytes)
+glue(
+    "tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False
+)  # (dim, kind, n, bytes)
 glue("tp_logits_gather_bytes", edges["output layer, logits gathered"][2][0][3], display=False)
 
 # %% [markdown]
@@ -812,17 +935,26 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 def apply_vocab_parallel(model, tp_mesh, shard_logits=True):
     """The token embedding and the output layer split by vocabulary; logits left split (loss_parallel) or gathered."""
-    output_plan = ColwiseParallel(output_layouts=Shard(-1) if shard_logits else Replicate(),
-                                  use_local_output=not shard_logits)  # as torchtitan's apply_tp
-    parallelize_module(model, tp_mesh, {"tok_emb": RowwiseParallel(input_layouts=Replicate()), "lm_head": output_plan})
+    output_plan = ColwiseParallel(
+        output_layouts=Shard(-1) if shard_logits else Replicate(), use_local_output=not shard_logits
+    )  # as torchtitan's apply_tp
+    parallelize_module(
+        model,
+        tp_mesh,
+        {"tok_emb": RowwiseParallel(input_layouts=Replicate()), "lm_head": output_plan},
+    )
     untied = model.lm_head.weight is not model.tok_emb.weight
-    model.lm_head.weight = model.tok_emb.weight  # each plan made its own DTensor of the tied weight: tie them again
+    model.lm_head.weight = (
+        model.tok_emb.weight
+    )  # each plan made its own DTensor of the tied weight: tie them again
     return untied
 
 
 def full_gradients(model):
-    return {name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            for name, p in model.named_parameters()}
+    return {
+        name: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for name, p in model.named_parameters()
+    }
 
 
 def loss_with_output_plan(shape, shard_logits):
@@ -833,18 +965,32 @@ def loss_with_output_plan(shape, shard_logits):
     untied = shard_logits is not None and apply_vocab_parallel(model, mesh["tp"], shard_logits)
     if mesh["dp"].size() > 1:
         apply_fsdp(model, mesh["dp"])
-    with count_collectives(mesh) as seen, loss_parallel() if shard_logits else contextlib.nullcontext():
+    with (
+        count_collectives(mesh) as seen,
+        loss_parallel() if shard_logits else contextlib.nullcontext(),
+    ):
         logits, loss = model(*my_rows(mesh))
         loss.backward()  # inside loss_parallel too
     local = logits.to_local() if isinstance(logits, DTensor) else logits
     loss = mean_over_dp(loss.full_tensor() if isinstance(loss, DTensor) else loss, mesh)
     grads = {name: g.cpu() for name, g in full_gradients(model).items()}
-    return (untied, model.lm_head.weight is model.tok_emb.weight, local.nbytes, logits.numel() * logits.element_size(),
-            [row for row in seen.rows() if row[0] == "tp"], loss, grads if dist.get_rank() == 0 else None)
+    return (
+        untied,
+        model.lm_head.weight is model.tok_emb.weight,
+        local.nbytes,
+        logits.numel() * logits.element_size(),
+        [row for row in seen.rows() if row[0] == "tp"],
+        loss,
+        grads if dist.get_rank() == 0 else None,
+    )
 
 
-OUTPUT_PLANS = {"TP alone, this page's plan": ((1, 4), None), "TP alone, logits gathered": ((1, 4), False),
-                "TP alone, loss parallel": ((1, 4), True), "FSDP x TP, loss parallel": ((2, 2), True)}
+OUTPUT_PLANS = {
+    "TP alone, this page's plan": ((1, 4), None),
+    "TP alone, logits gathered": ((1, 4), False),
+    "TP alone, loss parallel": ((1, 4), True),
+    "FSDP x TP, loss parallel": ((2, 2), True),
+}
 
 
 def every_output_plan():
@@ -852,16 +998,23 @@ def every_output_plan():
 
 
 with torch.no_grad():
-    one_loss = one(*global_batch())[1].item()  # `one`: the model whose gradients the partial sums were checked against
+    one_loss = one(*global_batch())[
+        1
+    ].item()  # `one`: the model whose gradients the partial sums were checked against
 print(f"one process on the global batch: loss {one_loss:.7f}")
-print(f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, bytes)':>26}"
-      f" {'tp all-reduces (n, bytes)':>26} {'loss':>10} {'grads vs one process':>21}")
+print(
+    f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, bytes)':>26}"
+    f" {'tp all-reduces (n, bytes)':>26} {'loss':>10} {'grads vs one process':>21}"
+)
 results = launch(every_output_plan, world_size=4, output="none")[0]
 for name, (untied, tied, held, full, rows, loss, grads) in results.items():
     cells = {kind: f"{n} {nbytes}" for _, kind, n, nbytes in rows}
     difference = largest_difference((grads[n], p.grad) for n, p in one.named_parameters())
-    print(f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
-          f" {loss:10.7f} {difference:21.1e}" + (f"  (untied by the plans, tied again: {tied})" if untied else ""))
+    print(
+        f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
+        f" {loss:10.7f} {difference:21.1e}"
+        + (f"  (untied by the plans, tied again: {tied})" if untied else "")
+    )
 
 
 def tp_collectives(plan, kind):
@@ -870,13 +1023,24 @@ def tp_collectives(plan, kind):
 
 
 PAGE, GATHERED, PARALLEL, _ = OUTPUT_PLANS
-gathered_reduces, parallel_reduces = tp_collectives(GATHERED, "all-reduce"), tp_collectives(PARALLEL, "all-reduce")
+gathered_reduces, parallel_reduces = (
+    tp_collectives(GATHERED, "all-reduce"),
+    tp_collectives(PARALLEL, "all-reduce"),
+)
 glue("tp_logits_bytes", results[PAGE][2], display=False)  # the logits on a rank, this page's plan
-glue("tp_extra_gather_bytes", tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1],
-     display=False)
-glue("tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False)  # each all-reduce's
-glue("tp_lp_reduce_bytes", (parallel_reduces[1] - gathered_reduces[1]) // (parallel_reduces[0] - gathered_reduces[0]),
-     display=False)  # each of loss parallel's own all-reduces
+glue(
+    "tp_extra_gather_bytes",
+    tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1],
+    display=False,
+)
+glue(
+    "tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False
+)  # each all-reduce's
+glue(
+    "tp_lp_reduce_bytes",
+    (parallel_reduces[1] - gathered_reduces[1]) // (parallel_reduces[0] - gathered_reduces[0]),
+    display=False,
+)  # each of loss parallel's own all-reduces
 
 # %% [markdown]
 # - With this page's plan every rank computes all the logits of all 8 sequences
@@ -925,8 +1089,12 @@ class GroupedQueryAttention(nn.Module):
     def forward(self, x):
         B, T, _ = x.shape
         # -1: all the heads, or this rank's share under tensor parallelism
-        q, k, v = (t(x).view(B, T, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # a KV head per group of q heads
+        q, k, v = (
+            t(x).view(B, T, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )  # a KV head per group of q heads
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -935,14 +1103,24 @@ HEADS = ((4, 2), (6, 2), (4, 1), (6, 3))  # (query heads, KV heads)
 
 def gqa_under_tp():
     tp_mesh = make_mesh()["tp"]
-    x = torch.randn(2, 8, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)).to(fsdp_guide.device())
+    x = torch.randn(2, 8, CONFIG.n_embd, generator=torch.Generator().manual_seed(0)).to(
+        fsdp_guide.device()
+    )
     result = {}
     for n_head, n_kv_head in HEADS:
         torch.manual_seed(0)
         attention = GroupedQueryAttention(CONFIG.n_embd, n_head, n_kv_head).to(fsdp_guide.device())
         whole = attention(x)
-        parallelize_module(attention, tp_mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(),
-                                                "v": ColwiseParallel(), "proj": RowwiseParallel()})
+        parallelize_module(
+            attention,
+            tp_mesh,
+            {
+                "q": ColwiseParallel(),
+                "k": ColwiseParallel(),
+                "v": ColwiseParallel(),
+                "proj": RowwiseParallel(),
+            },
+        )
         try:
             outcome = f"runs; output vs unsharded {(attention(x) - whole).abs().max().item():.0e}"
         except RuntimeError as e:
@@ -952,7 +1130,9 @@ def gqa_under_tp():
 
 
 print(f"{'heads':>5} {'KV heads':>8}  {'k.weight on a rank':>18}  forward with a TP degree of 2")
-for (n_head, n_kv_head), (k_shape, outcome) in launch(gqa_under_tp, world_size=4, output="none")[0].items():
+for (n_head, n_kv_head), (k_shape, outcome) in launch(gqa_under_tp, world_size=4, output="none")[
+    0
+].items():
     print(f"{n_head:5} {n_kv_head:8}  {str(k_shape):>18}  {outcome}")
 
 # %% [markdown]
@@ -986,8 +1166,13 @@ def clip_grad_norm_across_meshes(parameters, max_norm):
     by_mesh = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
-            by_mesh[p.grad.device_mesh].append(p)  # torch's stack and _foreach_mul_ take one mesh per call
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor() for group in by_mesh.values()]
+            by_mesh[p.grad.device_mesh].append(
+                p
+            )  # torch's stack and _foreach_mul_ take one mesh per call
+    norms = [
+        torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor()
+        for group in by_mesh.values()
+    ]
     total = torch.linalg.vector_norm(torch.stack(norms))
     for group in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -1008,13 +1193,24 @@ def clip_both_ways():
     model = parallelize(build_model(), mesh)
     _, loss = model(*my_rows(mesh))
     loss.backward()
-    no_norm = torch.tensor(0.0, device=fsdp_guide.device())  # a total norm of 0 scales by 1: harmless if it ran
-    errors = {"clip_grad_norm_": first_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)),
-              "clip_grads_with_norm_": first_error(
-                  lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_NORM, no_norm))}
+    no_norm = torch.tensor(
+        0.0, device=fsdp_guide.device()
+    )  # a total norm of 0 scales by 1: harmless if it ran
+    errors = {
+        "clip_grad_norm_": first_error(
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        ),
+        "clip_grads_with_norm_": first_error(
+            lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_NORM, no_norm)
+        ),
+    }
     total = clip_grad_norm_across_meshes(model.parameters(), MAX_NORM).item()
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    return errors, total, {name: g.cpu() for name, g in grads.items()} if dist.get_rank() == 0 else None
+    return (
+        errors,
+        total,
+        {name: g.cpu() for name, g in grads.items()} if dist.get_rank() == 0 else None,
+    )
 
 
 reference = build_model()
@@ -1024,8 +1220,10 @@ errors, total, clipped = launch(clip_both_ways, world_size=4, output="none")[0]
 for call, error in errors.items():
     print(f"{call} on every parameter: {error}")
 print(f"one process total norm {one_norm:.7f}; across meshes {total:.7f}")
-print(f"clipped gradients vs one process's: largest difference "
-      f"{largest_difference((clipped[n], p.grad) for n, p in reference.named_parameters()):.1e}")
+print(
+    f"clipped gradients vs one process's: largest difference "
+    f"{largest_difference((clipped[n], p.grad) for n, p in reference.named_parameters()):.1e}"
+)
 
 # %% [markdown]
 # torch's `clip_grad_norm_` stacks the per-parameter norms into one tensor, and DTensor
@@ -1063,9 +1261,14 @@ def clip_and_step_under_tp_alone():
     model = parallelize(build_model(), mesh)
     model(*my_rows(mesh))[1].backward()
     kinds = sorted({type(p).__name__ for p in model.parameters()})
-    errors = {"clip_grad_norm_": first_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)),
-              "AdamW(foreach=True).step": first_error(
-                  torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step)}
+    errors = {
+        "clip_grad_norm_": first_error(
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        ),
+        "AdamW(foreach=True).step": first_error(
+            torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step
+        ),
+    }
     with implicit_replication():  # the plain tensors count as Replicate() over tp
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True).step()
@@ -1075,13 +1278,17 @@ def clip_and_step_under_tp_alone():
 
 
 kinds, errors, total, params = launch(clip_and_step_under_tp_alone, world_size=4, output="none")[0]
-torch.optim.AdamW(reference.parameters(), lr=1e-2).step()  # one process: clipped above, now one step
+torch.optim.AdamW(
+    reference.parameters(), lr=1e-2
+).step()  # one process: clipped above, now one step
 print("TP alone, parameter types:", kinds)
 for call, error in errors.items():
     print(f"{call:25} {error}")
 difference = apart(params, full_parameters(reference))
-print(f"under implicit_replication(): total norm {total:.7f} (one process {one_norm:.7f}); after clipping and the "
-      f"step, parameters vs one process's: largest difference {difference:.1e}")
+print(
+    f"under implicit_replication(): total norm {total:.7f} (one process {one_norm:.7f}); after clipping and the "
+    f"step, parameters vs one process's: largest difference {difference:.1e}"
+)
 
 # %% [markdown]
 # Both calls fail on the mix (clipping on every device: `_get_total_norm` in
@@ -1114,7 +1321,9 @@ from pathlib import Path
 
 from fsdp_guide import checkpoint
 
-scratch = tempfile.TemporaryDirectory(prefix="tensor-parallel-")  # deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(
+    prefix="tensor-parallel-"
+)  # deleted, with what the page wrote, when the kernel exits
 run_dir = Path(scratch.name)
 
 
@@ -1127,34 +1336,58 @@ def train_2d_and_save(directory):
         optimizer.step()
         optimizer.zero_grad()
     checkpoint.save(directory, 2, model, optimizer)
-    checkpoint.export_consolidated(model, Path(directory) / "model-2d.pt")  # gathered over dp and tp
-    optimizer_state = {name: optimizer.state[p]["exp_avg"].full_tensor().cpu() for name, p in model.named_parameters()}
+    checkpoint.export_consolidated(
+        model, Path(directory) / "model-2d.pt"
+    )  # gathered over dp and tp
+    optimizer_state = {
+        name: optimizer.state[p]["exp_avg"].full_tensor().cpu()
+        for name, p in model.named_parameters()
+    }
     return {name: p.cpu() for name, p in full_parameters(model).items()}, optimizer_state
 
 
 def load_on_1d_and_export(directory):
-    mesh = init_device_mesh(fsdp_guide.device().type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(
+        fsdp_guide.device().type, (dist.get_world_size(),), mesh_dim_names=("dp",)
+    )
     model = build_model()
     apply_fsdp(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = checkpoint.load(checkpoint.latest(directory), model, optimizer)
-    optimizer_state = {name: optimizer.state[p]["exp_avg"].full_tensor().cpu() for name, p in model.named_parameters()}
+    optimizer_state = {
+        name: optimizer.state[p]["exp_avg"].full_tensor().cpu()
+        for name, p in model.named_parameters()
+    }
     checkpoint.export_consolidated(model, Path(directory) / "model.pt")
     return step, {name: p.cpu() for name, p in full_parameters(model).items()}, optimizer_state
 
 
 saved_params, saved_moments = launch(train_2d_and_save, run_dir, world_size=4, output="none")[0]
-step, loaded_params, loaded_moments = launch(load_on_1d_and_export, run_dir, world_size=2, output="none")[0]
+step, loaded_params, loaded_moments = launch(
+    load_on_1d_and_export, run_dir, world_size=2, output="none"
+)[0]
 plain = GPT(CONFIG)
-print("exported file into a plain GPT:", plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True)))
-print(f"step {step}; 1D parameters equal the 2D ones exactly:",
-      all(torch.equal(loaded_params[n], p) for n, p in saved_params.items()))
-print("AdamW's first moments equal exactly:", all(torch.equal(loaded_moments[n], m) for n, m in saved_moments.items()))
-print("exported file equals the 2D parameters exactly:",
-      all(torch.equal(plain.state_dict()[n], p) for n, p in saved_params.items()))
+print(
+    "exported file into a plain GPT:",
+    plain.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True)),
+)
+print(
+    f"step {step}; 1D parameters equal the 2D ones exactly:",
+    all(torch.equal(loaded_params[n], p) for n, p in saved_params.items()),
+)
+print(
+    "AdamW's first moments equal exactly:",
+    all(torch.equal(loaded_moments[n], m) for n, m in saved_moments.items()),
+)
+print(
+    "exported file equals the 2D parameters exactly:",
+    all(torch.equal(plain.state_dict()[n], p) for n, p in saved_params.items()),
+)
 exported_2d = torch.load(run_dir / "model-2d.pt", weights_only=True)
-print("the 2D run's own export equals them exactly:",
-      all(torch.equal(exported_2d[n], p) for n, p in saved_params.items()))
+print(
+    "the 2D run's own export equals them exactly:",
+    all(torch.equal(exported_2d[n], p) for n, p in saved_params.items()),
+)
 
 # %% [markdown]
 # Nothing in the checkpoint ties it to the mesh that wrote it: DCP stores each tensor's
@@ -1179,6 +1412,7 @@ print("the 2D run's own export equals them exactly:",
 # it is given along the sequence, and replaces the attention kernels inside its block.
 # Here it is, on 2 ranks, around one causal attention:
 
+
 # %%
 def attention_split_by_sequence():
     from torch.distributed.tensor.experimental import context_parallel
@@ -1186,7 +1420,9 @@ def attention_split_by_sequence():
     device = fsdp_guide.device()
     mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 16, 8, device=device) for _ in range(3))  # batch, heads, sequence, head dim
+    q, k, v = (
+        torch.randn(1, 2, 16, 8, device=device) for _ in range(3)
+    )  # batch, heads, sequence, head dim
     try:
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -51,13 +51,12 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 import time
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
 import fsdp_guide
+import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.gpt import GPT, GPTConfig
 from fsdp_guide.memory import tensor_peak_rise
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512)
 BUCKET_BYTES = 16 * 2**20
@@ -106,6 +105,7 @@ def buckets(shapes, itemsize, limit):
 # The three ways to send, as the trainer's two ranks run them (both call every collective
 # among themselves; rank 0 alone sends to the engine), and the engine's side of each:
 
+
 # %%
 def send(how, model, link, dtype):
     """The trainer's side of one sync; returns how many messages rank 0 sent to the engine."""
@@ -119,7 +119,9 @@ def send(how, model, link, dtype):
             sends += 1
 
     if how == "gathered state dict":  # every parameter gathered into rank 0's CPU memory first
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if dist.get_rank() == 0:
             for name, _ in model.named_parameters():
                 to_engine(full[name].to(fsdp_guide.device()))
@@ -130,14 +132,23 @@ def send(how, model, link, dtype):
             del full  # freed before the next parameter is gathered
     elif how == "bucketed":  # gathered one at a time into a buffer reused for every bucket
         groups = buckets([p.shape for p in params], dtype.itemsize, BUCKET_BYTES)
-        buffer = torch.empty(max(sum(params[i].numel() for i in bucket) for bucket in groups), dtype=dtype,
-                             device=fsdp_guide.device()) if dist.get_rank() == 0 else None
+        buffer = (
+            torch.empty(
+                max(sum(params[i].numel() for i in bucket) for bucket in groups),
+                dtype=dtype,
+                device=fsdp_guide.device(),
+            )
+            if dist.get_rank() == 0
+            else None
+        )
         for bucket in groups:
             filled = 0
             for i in bucket:
                 full = params[i].full_tensor()  # both trainer ranks: the all-gather
                 if dist.get_rank() == 0:
-                    buffer[filled:filled + full.numel()].copy_(full.flatten())  # converted as it is copied
+                    buffer[filled : filled + full.numel()].copy_(
+                        full.flatten()
+                    )  # converted as it is copied
                 filled += full.numel()
                 del full  # freed before the next parameter is gathered
             if dist.get_rank() == 0:
@@ -151,12 +162,15 @@ def receive(how, engine, link):
     params = [p for _, p in engine.named_parameters()]
     if how == "bucketed":
         groups = buckets([p.shape for p in params], params[0].element_size(), BUCKET_BYTES)
-        buffer = torch.empty(max(sum(params[i].numel() for i in bucket) for bucket in groups),
-                             dtype=params[0].dtype, device=params[0].device)
+        buffer = torch.empty(
+            max(sum(params[i].numel() for i in bucket) for bucket in groups),
+            dtype=params[0].dtype,
+            device=params[0].device,
+        )
         for bucket in groups:
             sizes = [params[i].numel() for i in bucket]
-            dist.broadcast(buffer[:sum(sizes)], src=0, group=link)
-            for i, part in zip(bucket, buffer[:sum(sizes)].split(sizes)):
+            dist.broadcast(buffer[: sum(sizes)], src=0, group=link)
+            for i, part in zip(bucket, buffer[: sum(sizes)].split(sizes)):
                 params[i].copy_(part.view_as(params[i]))
     else:
         for p in params:
@@ -165,10 +179,15 @@ def receive(how, engine, link):
 
 def sync(how, dtype):
     device = fsdp_guide.device()
-    trainers, link = dist.new_group([0, 1]), dist.new_group([0, 2])  # every rank makes both, in this order
+    trainers, link = (
+        dist.new_group([0, 1]),
+        dist.new_group([0, 2]),
+    )  # every rank makes both, in this order
     if dist.get_rank() == 2:  # the engine
         engine = make_model().to(device, dtype).eval()  # the weights it had before: the old policy
-        for _ in range(3):  # the trainer's warm-up sync, the timed one, and the one its memory is counted in
+        for _ in range(
+            3
+        ):  # the trainer's warm-up sync, the timed one, and the one its memory is counted in
             receive(how, engine, link)
         with torch.no_grad():
             return {"logits": engine(TOKENS.to(device))[0].float().cpu()}
@@ -178,7 +197,9 @@ def sync(how, dtype):
     def timed():
         start = time.perf_counter()
         sends = send(how, model, link, dtype)
-        torch.get_device_module(device).synchronize()  # a GPU's collectives run on its streams; a no-op on CPU
+        torch.get_device_module(
+            device
+        ).synchronize()  # a GPU's collectives run on its streams; a no-op on CPU
         return sends, time.perf_counter() - start
 
     sends, seconds = timed()  # timed alone: counting tensors below slows every operation
@@ -197,19 +218,36 @@ def sync(how, dtype):
 # %%
 sizes = [p.numel() * 4 / 2**20 for p in make_model().parameters()]  # fp32 MiB, a tied weight once
 model_mib = sum(sizes)
-runs = {(how, dtype): launch(sync, how, dtype, world_size=3, output="none")
-        for how, dtype in [("gathered state dict", torch.bfloat16), ("per parameter", torch.bfloat16),
-                           ("bucketed", torch.bfloat16), ("per parameter", torch.float32)]}
+runs = {
+    (how, dtype): launch(sync, how, dtype, world_size=3, output="none")
+    for how, dtype in [
+        ("gathered state dict", torch.bfloat16),
+        ("per parameter", torch.bfloat16),
+        ("bucketed", torch.bfloat16),
+        ("per parameter", torch.float32),
+    ]
+}
 
-print(f"the model: {model_mib:.0f} MiB in fp32, {len(sizes)} parameters, its largest {max(sizes):.0f} MiB; "
-      "peak rise of the tensors each trainer rank holds while syncing, in MiB")
-print(f"{'':30} {'rank 0':>7} {'rank 1':>7} {'messages':>8} {'seconds':>8}  max |engine - trainer| logits")
+print(
+    f"the model: {model_mib:.0f} MiB in fp32, {len(sizes)} parameters, its largest {max(sizes):.0f} MiB; "
+    "peak rise of the tensors each trainer rank holds while syncing, in MiB"
+)
+print(
+    f"{'':30} {'rank 0':>7} {'rank 1':>7} {'messages':>8} {'seconds':>8}  max |engine - trainer| logits"
+)
 for (how, dtype), (r0, r1, engine) in runs.items():
     gap = (engine["logits"] - r0["logits"]).abs().max().item()
-    print(f"{how + ', ' + str(dtype).removeprefix('torch.'):30} {r0['peak']:7.1f} {r1['peak']:7.1f} "
-          f"{r0['sends']:8} {r0['seconds']:8.2f}  {gap:.1e}")
-engine_bf16 = [engine["logits"] for (how, dtype), (_, _, engine) in runs.items() if dtype == torch.bfloat16]
-print("the engine's bf16 logits are the same all three ways:", all(torch.equal(l, engine_bf16[0]) for l in engine_bf16))
+    print(
+        f"{how + ', ' + str(dtype).removeprefix('torch.'):30} {r0['peak']:7.1f} {r1['peak']:7.1f} "
+        f"{r0['sends']:8} {r0['seconds']:8.2f}  {gap:.1e}"
+    )
+engine_bf16 = [
+    engine["logits"] for (how, dtype), (_, _, engine) in runs.items() if dtype == torch.bfloat16
+]
+print(
+    "the engine's bf16 logits are the same all three ways:",
+    all(torch.equal(weights, engine_bf16[0]) for weights in engine_bf16),
+)
 
 # %% [markdown]
 # - **Gathered state dict** (`get_model_state_dict` with `full_state_dict=True,

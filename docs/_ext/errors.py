@@ -23,8 +23,10 @@ from docutils import nodes
 # An exception or warning class (possibly dotted: torch._dynamo.exc.Unsupported), an
 # optional "(details)" and the message. Not inside a longer word or a dotted name. A class
 # is a capitalised name ending in one of the suffixes, or dynamo's exactly ``Unsupported``.
-MESSAGE = re.compile(r"(?<![\w.])((?:[a-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Expired|Unsupported|Failed)"
-                     r"|Unsupported))(?: \([^)]*\))?: (\S.*)")
+MESSAGE = re.compile(
+    r"(?<![\w.])((?:[a-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Warning|Expired|Unsupported|Failed)"
+    r"|Unsupported))(?: \([^)]*\))?: (\S.*)"
+)
 
 # A class whose message starts on the line after a rule of "=", as torchrun's
 # ``ChildFailedError`` prints its summary box; the message is the box's first line.
@@ -65,7 +67,7 @@ def messages(text: str) -> list[tuple[str, str]]:
     while match := MESSAGE.search(text, at):
         at = match.end()
         line_start = text.rfind("\n", 0, match.start(1)) + 1
-        message, cut = _outside_its_quotes(match.group(2).strip(), text[line_start:match.start(1)])
+        message, cut = _outside_its_quotes(match.group(2).strip(), text[line_start : match.start(1)])
         if cut is not None:  # the rest of the repr may hold more messages: look there too
             at = match.start(2) + cut + 1
         elif message.endswith(":") and (details := INDENTED.match(text, match.end())):
@@ -104,7 +106,7 @@ def _outside_its_quotes(message: str, before: str) -> tuple[str, int | None]:
     ends = _unescaped(message, quote)
     if not ends:
         return message, None
-    return message[:ends[0]].replace("\\" + quote, quote), ends[0]
+    return message[: ends[0]].replace("\\" + quote, quote), ends[0]
 
 
 INDEX_PAGE = "docs/errors"
@@ -114,151 +116,153 @@ INDEX_PAGE = "docs/errors"
 FIXES = {
     # loading weights into a sharded model (before "got mixed ...", which this message contains)
     "While copying the parameter named": "A full state dict given to ``load_state_dict`` of a sharded model (its "
-        "parameters are DTensors): ``set_model_state_dict(model, full, options=StateDictOptions("
-        "full_state_dict=True))``, :ref:`llm-load-errors`.",
+    "parameters are DTensors): ``set_model_state_dict(model, full, options=StateDictOptions("
+    "full_state_dict=True))``, :ref:`llm-load-errors`.",
     "_orig_mod.": "A checkpoint saved through ``torch.compile(module)``'s wrapper: compile in place with "
-        "``module.compile()``, or drop the ``_orig_mod.`` from the names: :ref:`compile-names`.",
+    "``module.compile()``, or drop the ``_orig_mod.`` from the names: :ref:`compile-names`.",
     "size mismatch for": "Weights of other shapes: one rank's shards (load sharded checkpoints with DCP, which "
-        "reshards) or another model's (load into the model they were saved from): :ref:`llm-load-errors`.",
+    "reshards) or another model's (load into the model they were saved from): :ref:`llm-load-errors`.",
     "Missing key in checkpoint state_dict": "The model asks DCP for a key the checkpoint lacks: load into the model "
-        "it was saved from, then change it (or ``DefaultLoadPlanner(allow_partial_load=True)``): "
-        ":ref:`llm-load-errors`.",
+    "it was saved from, then change it (or ``DefaultLoadPlanner(allow_partial_load=True)``): "
+    ":ref:`llm-load-errors`.",
     "Size mismatch between saved": "The model's global shape differs from the checkpoint's: load into the model it "
-        "was saved from, then change it: :ref:`llm-load-errors`.",
+    "was saved from, then change it: :ref:`llm-load-errors`.",
     # starting the ranks
     "environment variable RANK expected, but not set": "A torchrun script started with ``python``: start it with "
-        "``torchrun --nproc-per-node=N`` (from a notebook, ``fsdp_guide.launch``): :ref:`cluster-launch-errors`.",
+    "``torchrun --nproc-per-node=N`` (from a notebook, ``fsdp_guide.launch``): :ref:`cluster-launch-errors`.",
     "Default process group has not been initialized": "A collective before ``init_process_group`` (or a script not "
-        "started by torchrun): :ref:`cluster-launch-errors`.",
+    "started by torchrun): :ref:`cluster-launch-errors`.",
     ".py FAILED": "torchrun's summary, not the error: find the root-cause rank in the box, then that rank's own "
-        "lines above it: :ref:`cluster-launch-errors`.",
-    "by peer": "Another rank exited in the middle of a collective (gloo's \"Connection closed by peer\" or "
-        "\"reset by peer\"): this is a consequence; find the rank that failed first (torchrun's root cause): "
-        ":ref:`cluster-launch-errors`.",
+    "lines above it: :ref:`cluster-launch-errors`.",
+    "by peer": 'Another rank exited in the middle of a collective (gloo\'s "Connection closed by peer" or '
+    '"reset by peer"): this is a consequence; find the rank that failed first (torchrun\'s root cause): '
+    ":ref:`cluster-launch-errors`.",
     "EADDRINUSE": "Another job holds ``MASTER_PORT``: a port of its own for each job, or ``torchrun --standalone`` "
-        "on one machine: :ref:`cluster-launch-errors`.",
+    "on one machine: :ref:`cluster-launch-errors`.",
     "waiting for clients": "Rank 0 waited for ranks that never connected: every node started, with the same "
-        "``--nnodes`` and endpoint, and able to reach it: :ref:`cluster-launch-errors`.",
+    "``--nnodes`` and endpoint, and able to reach it: :ref:`cluster-launch-errors`.",
     "while trying to connect to": "No store answers at ``MASTER_ADDR:MASTER_PORT``: rank 0 not started, or the "
-        "address wrong or unreachable: :ref:`cluster-launch-errors`.",
-    "doesn't have NCCL built in": "A torch without NCCL (a CPU build): ``gloo``, and ``\"cpu:gloo,cuda:nccl\"`` "
-        "only where CUDA is: :ref:`cluster-launch-errors`.",
+    "address wrong or unreachable: :ref:`cluster-launch-errors`.",
+    "doesn't have NCCL built in": 'A torch without NCCL (a CPU build): ``gloo``, and ``"cpu:gloo,cuda:nccl"`` '
+    "only where CUDA is: :ref:`cluster-launch-errors`.",
     "No backend type associated with device type cpu": "A collective on CPU tensors (CPU offload, ``full_tensor()`` "
-        "of CPU shards) in a group without a CPU backend (``\"nccl\"``, or no backend on a GPU machine): "
-        "``init_process_group(\"cpu:gloo,cuda:nccl\")``, :ref:`cluster-launch-errors`.",
+    'of CPU shards) in a group without a CPU backend (``"nccl"``, or no backend on a GPU machine): '
+    '``init_process_group("cpu:gloo,cuda:nccl")``, :ref:`cluster-launch-errors`.',
     "Mesh should not be bigger than default world size": "A mesh shape whose product is not the world size: "
-        "(nodes, ranks per node) for ``WORLD_SIZE`` ranks, :ref:`cluster-launch-errors`.",
+    "(nodes, ranks per node) for ``WORLD_SIZE`` ranks, :ref:`cluster-launch-errors`.",
     # models built on the meta device
     "should be materialized from meta device": "``to_empty(device=...)``, then initialise, before the first forward: "
-        ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
+    ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
     "Cannot copy out of meta tensor": "``to_empty(device=...)``, not ``.to(device)``, for a model on ``meta``: "
-        ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
+    ":ref:`a forward before to_empty, and .to() on meta <deterministic-init-meta-errors>`.",
     # FSDP1's FlatParameter
     "Must flatten tensors with uniform dtype": "FSDP1 flattens a unit into one dtype: the odd module a unit of its "
-        "own (or FSDP2, which asks it only of trainable parameters): :ref:`migration-fsdp1-errors`.",
+    "own (or FSDP2, which asks it only of trainable parameters): :ref:`migration-fsdp1-errors`.",
     "Must flatten tensors with uniform `requires_grad`": "Frozen and trainable parameters in one FSDP1 unit: "
-        "``use_orig_params=True`` (or FSDP2): :ref:`migration-fsdp1-errors`.",
+    "``use_orig_params=True`` (or FSDP2): :ref:`migration-fsdp1-errors`.",
     "Cannot flatten integer dtype tensors": "A quantised (integer) parameter in an FSDP1 unit: "
-        "``ignored_states=[it]``, or FSDP2: :ref:`migration-fsdp1-errors`.",
+    "``ignored_states=[it]``, or FSDP2: :ref:`migration-fsdp1-errors`.",
     "should only be called on the root FSDP instance": "Call ``clip_grad_norm_`` on the root FSDP1 module (FSDP2: "
-        "``torch.nn.utils.clip_grad_norm_``): :ref:`migration-fsdp1-errors`.",
-    "FSDP needs a non-CPU accelerator device": "FSDP1 on CPU ranks: ``device_id=torch.device(\"cpu\")`` with gloo: "
-        ":ref:`migration-fsdp1-errors`.",
+    "``torch.nn.utils.clip_grad_norm_``): :ref:`migration-fsdp1-errors`.",
+    "FSDP needs a non-CPU accelerator device": 'FSDP1 on CPU ranks: ``device_id=torch.device("cpu")`` with gloo: '
+    ":ref:`migration-fsdp1-errors`.",
     "switching to use `NO_SHARD`": "One rank has nothing to shard: test sharding on 2 ranks or more, "
-        ":ref:`migration-fsdp1-errors`.",
+    ":ref:`migration-fsdp1-errors`.",
     "'weight' must be 2-D": "An FSDP1 submodule called outside the root's forward (``generate``, a helper): run it "
-        "inside ``summon_full_params(model, recurse=False)``, :ref:`calls outside the root's forward <summon-outside-forward>`.",
+    "inside ``summon_full_params(model, recurse=False)``, "
+    ":ref:`calls outside the root's forward <summon-outside-forward>`.",
     "out of bounds for storage of size 0": "An FSDP1 parameter used outside the root's forward, its storage freed: "
-        "run the call inside ``summon_full_params(model, recurse=False)``, :ref:`calls outside the root's forward <summon-outside-forward>`.",
+    "run the call inside ``summon_full_params(model, recurse=False)``, "
+    ":ref:`calls outside the root's forward <summon-outside-forward>`.",
     # activation checkpointing
     "element 0 of tensors does not require grad": "Reentrant activation checkpointing where no input requires "
-        "grad (a frozen embedding): ``use_reentrant=False``, or ``enable_input_require_grads()``: "
-        ":ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
+    "grad (a frozen embedding): ``use_reentrant=False``, or ``enable_input_require_grads()``: "
+    ":ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
     "None of the inputs have requires_grad=True": "Reentrant activation checkpointing records no graph: "
-        "``use_reentrant=False``, :ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
+    "``use_reentrant=False``, :ref:`reentrant checkpointing on a frozen input <pitfalls-reentrant-frozen-input>`.",
     "_foreach_norm.Scalar got mixed torch.Tensor and DTensor": "Gradient clipping over DTensors and plain tensors "
-        "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
-        ":ref:`clipping beside ignored parameters <fsdp2-ignored-params-clipping>`, :ref:`tp-clipping`.",
+    "(ignored parameters, or parameters TP left plain): a norm per group, combined, each group scaled by it: "
+    ":ref:`clipping beside ignored parameters <fsdp2-ignored-params-clipping>`, :ref:`tp-clipping`.",
     "got mixed torch.Tensor and DTensor": "A method other than ``forward`` meets sharded parameters: "
-        ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
-        "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
+    ":ref:`register_fsdp_forward_method <fsdp2-register-fsdp-forward-method>`; under TP, plain tensors beside "
+    "DTensors: :ref:`implicit_replication <tp-implicit-replication>`.",
     "in-place operations that require placement changes": "Adafactor's in-place update of a partial DTensor norm "
-        "is refused: use a pointwise optimizer (:ref:`pitfalls-pointwise-optimizers`).",
+    "is refused: use a pointwise optimizer (:ref:`pitfalls-pointwise-optimizers`).",
     "Muon only supports 2D parameters": "FSDP1 hands Muon flat 1-D shards; FSDP2 keeps each parameter 2-D: "
-        ":ref:`pitfalls-pointwise-optimizers`.",
+    ":ref:`pitfalls-pointwise-optimizers`.",
     "returned a view tensor": "Here from ``CommDebugMode``'s hooks, harmless "
-        "(:ref:`pitfalls-checkpoint-inside-unit` explains); in your own model, modify outputs out of place, or "
-        "``.clone()`` them first.",
+    "(:ref:`pitfalls-checkpoint-inside-unit` explains); in your own model, modify outputs out of place, or "
+    "``.clone()`` them first.",
     "_scaled_dot_product_flash_attention_for_cpu": "Context parallelism replaces only the GPU attention kernels; "
-        "run it on GPUs: :ref:`tp-context-parallel`.",
+    "run it on GPUs: :ref:`tp-context-parallel`.",
     "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
-        "op: :ref:`tip-no-sharding-strategy`.",
+    "op: :ref:`tip-no-sharding-strategy`.",
     "Attempted to call function marked as skipped": "Under ``fullgraph=True``, dynamo met FSDP2's hooks (wrapped in "
-        "``torch._dynamo.disable``): compile each block after ``fully_shard``, not the root: :ref:`compile-where`.",
+    "``torch._dynamo.disable``): compile each block after ``fully_shard``, not the root: :ref:`compile-where`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "
-        ":ref:`beyond-ema`.",
+    ":ref:`beyond-ema`.",
     "Cannot access accelerator device": "``CPUOffloadPolicy(pin_memory=False)`` where there is no accelerator: "
-        ":ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
+    ":ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
     "PREMUL_SUM with Gloo": "``set_force_sum_reduction_for_comms(True)`` on gloo: "
-        ":ref:`set_force_sum_reduction_for_comms <fsdp2-fsdpmodule-set-force-sum-reduction-for-comms>`.",
+    ":ref:`set_force_sum_reduction_for_comms <fsdp2-fsdpmodule-set-force-sum-reduction-for-comms>`.",
     "uniform original parameter dtype": "One dtype among a unit's trainable parameters: "
-        ":ref:`tip-lora-dtypes` (three fixes executed in :ref:`lora-dtypes`).",
+    ":ref:`tip-lora-dtypes` (three fixes executed in :ref:`lora-dtypes`).",
     "got BFloat16 and Float": "Two dtypes met in one operation: find the bfloat16 operand. Shown here: a bfloat16 "
-        "output into a float32 unit, fixed by ``output_dtype=torch.float32`` on the first unit's policy "
-        "(:ref:`tip-mixed-policies-boundary`); an input, buffer or parameter outside FSDP's policy does the same.",
+    "output into a float32 unit, fixed by ``output_dtype=torch.float32`` on the first unit's policy "
+    "(:ref:`tip-mixed-policies-boundary`); an input, buffer or parameter outside FSDP's policy does the same.",
     "got Float and BFloat16": "Two dtypes met in one operation: find the float32 operand. Shown here: a float32 "
-        "input into a bfloat16 unit, fixed by keeping ``cast_forward_inputs=True`` (the default, "
-        ":ref:`tip-mixed-policies-boundary`); a buffer or parameter outside FSDP's policy does the same.",
+    "input into a bfloat16 unit, fixed by keeping ``cast_forward_inputs=True`` (the default, "
+    ":ref:`tip-mixed-policies-boundary`); a buffer or parameter outside FSDP's policy does the same.",
     "already managed by another FSDP group": "Tied weights go in one unit: ``fully_shard([embedding, output])``, "
-        ":ref:`tip-tied-weights-one-unit`.",
+    ":ref:`tip-tied-weights-one-unit`.",
     "is invalid for input of size": "A ``view`` or ``reshape`` to a shape the tensor does not have (torch's "
-        "generic message): check the shape against the tensor's size on this rank. Shown here under TP: head "
-        "counts that do not divide by the TP degree (:ref:`tip-tp-gqa-heads`).",
+    "generic message): check the shape against the tensor's size on this rank. Shown here under TP: head "
+    "counts that do not divide by the TP degree (:ref:`tip-tp-gqa-heads`).",
     "Use `set_gradient_divide_factor` instead": "Rename the call to ``set_gradient_divide_factor``: "
-        ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
+    ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
     "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 on a (world size, 1) mesh of replicate and "
-        "shard dims, which is what ``fsdp_guide.shard`` does for NO_SHARD: :ref:`tip-fsdp-config`.",
+    "shard dims, which is what ``fsdp_guide.shard`` does for NO_SHARD: :ref:`tip-fsdp-config`.",
     "Full backward hook is firing": "Here from ``CommDebugMode``'s backward hooks on a model whose input needs no "
-        "gradient, harmless (:ref:`pitfalls-checkpoint-inside-unit` explains).",
+    "gradient, harmless (:ref:`pitfalls-checkpoint-inside-unit` explains).",
     "_get_pg_default_device": "FSDP1's sharded state dicts: move to DCP's ``get_state_dict`` / ``set_state_dict`` "
-        "(:ref:`tip-migrate-fsdp1-fsdp2`).",
+    "(:ref:`tip-migrate-fsdp1-fsdp2`).",
     "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated": "Use DCP's ``get_state_dict`` / "
-        "``set_state_dict``: :ref:`tip-migrate-fsdp1-fsdp2`.",
+    "``set_state_dict``: :ref:`tip-migrate-fsdp1-fsdp2`.",
     "Multiple backends are registered with this ProcessGroup": "From FSDP1's sharded state dicts: move to DCP's "
-        "``get_state_dict`` (:ref:`tip-migrate-fsdp1-fsdp2`).",
+    "``get_state_dict`` (:ref:`tip-migrate-fsdp1-fsdp2`).",
     "deprecating ShardedTensor": "FSDP2's parameters are DTensors already: :ref:`tip-migrate-fsdp1-fsdp2`.",
     "must have the same mesh": "Clip across meshes in one call per mesh, then combine the norms: "
-        ":ref:`tip-clip-across-meshes`.",
+    ":ref:`tip-clip-across-meshes`.",
     "inputs with different meshes": "Clip across meshes in one call per mesh, then combine the norms: "
-        ":ref:`tip-clip-across-meshes`.",
+    ":ref:`tip-clip-across-meshes`.",
     "failed to pass monitoredBarrier": "A rank never reached the collective: find the branch that differs "
-        "between ranks, :ref:`tip-hangs-same-collectives`.",
+    "between ranks, :ref:`tip-hangs-same-collectives`.",
     "Detected mismatch between collectives": "The ranks called different collectives: make every rank run the "
-        "same ones in the same order, :ref:`tip-hangs-same-collectives`.",
+    "same ones in the same order, :ref:`tip-hangs-same-collectives`.",
     "did not finish within timeout": "A hang: dump the ranks' stacks and compare their collectives, "
-        ":ref:`tip-hangs-tools`.",
+    ":ref:`tip-hangs-tools`.",
     "DTensor random operators may not have complete support on cpu": "On a CPU mesh, initialise the full "
-        "weights and shard them, not the shards in place: :ref:`tip-meta-init-cpu`.",
+    "weights and shard them, not the shards in place: :ref:`tip-meta-init-cpu`.",
     "CPU parameters or buffers when `sync_module_states=True`": "``sync_module_states`` needs GPUs; on CPU, "
-        "initialise every rank from one seed before sharding: :ref:`tutorial-deterministic-init`.",
+    "initialise every rank from one seed before sharding: :ref:`tutorial-deterministic-init`.",
     "Received data size doesn't match": "Experts that get no tokens on a rank: "
-        ":ref:`set_reduce_scatter_unused_params(True) <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>`.",
+    ":ref:`set_reduce_scatter_unused_params(True) <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>`.",
     # fsdp_guide's own checks of an fsdp_config, each message naming the value that would be right
     "unknown fsdp_config key": "The key the message suggests; every key: :ref:`fsdp-config-reference`.",
     "expected one of": "One of the values the message lists: :ref:`fsdp-config-reference`.",
     "expected a number of parameters": "A number, not a string: :ref:`fsdp-config-reference`.",
     "needs a world size divisible by it": "A ``data_parallel_shard_degree`` that divides the world size: "
-        ":ref:`fsdp-config-reference`.",
+    ":ref:`fsdp-config-reference`.",
     "cannot be honoured by FSDP2": "What the message suggests (FSDP2 always prefetches one unit ahead): "
-        ":ref:`fsdp-config-reference`.",
+    ":ref:`fsdp-config-reference`.",
     "needs the ranks on an accelerator": "``api='fsdp2'``, whose ``CPUOffloadPolicy(pin_memory=False)`` runs on "
-        "CPU ranks: :ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
+    "CPU ranks: :ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
     "was killed by SIGKILL": "A rank died mid-save: the last complete checkpoint stays, resume from it "
-        "(:ref:`tip-exact-resume`).",
+    "(:ref:`tip-exact-resume`).",
     "Ignoring pin_memory flag for checkpoint staging": "DCP's ``DefaultStager`` on a CPU: pass "
-        "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
+    "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
     "Non-blocking copy requires that the current accelerator": "DCP's ``DefaultStager`` on a CPU: pass "
-        "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
+    "``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``, :ref:`tip-export-every-rank-writes`.",
 }
 
 
@@ -292,8 +296,9 @@ def setup(app):
             return [node]
 
     def outputs_text(cell) -> str:
-        return "\n".join(node.astext() for node in cell.findall(nodes.Element)
-                         if node.get("nb_element") == "cell_code_output")
+        return "\n".join(
+            node.astext() for node in cell.findall(nodes.Element) if node.get("nb_element") == "cell_code_output"
+        )
 
     def collect(app, doctree):
         env = app.env
@@ -342,7 +347,9 @@ def setup(app):
             item += nodes.paragraph("", "", nodes.literal(text=f"{kind}: {message}"))
             item += links
             key = fix_key(message)
-            item += fixes[key].deepcopy() if key else nodes.paragraph("", "fix: none written yet", classes=["errors-fix"])
+            item += (
+                fixes[key].deepcopy() if key else nodes.paragraph("", "fix: none written yet", classes=["errors-fix"])
+            )
             items += item
         return items
 

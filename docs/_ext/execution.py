@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -48,13 +50,24 @@ class Execution:
     ``submit`` returns a future of the executed notebook; at most ``workers`` pages run at
     once, and a cell tagged ``alone`` runs while no other page's cell does. A page whose
     code cells are already in the cache is not executed again. Call ``close`` (or use it as
-    a context manager) to wait for every page submitted.
+    a context manager) to wait for every page submitted. ``report``, if given, is called with
+    a line as each page starts and ends (the build's progress).
+
+    The kernels talk to this process over Unix sockets in a directory of the execution's own
+    (jupyter_client's ``ipc`` transport), removed when it closes: their channels listen on no
+    port, and no kernel warns that it is "running over TCP without encryption", as each did on
+    jupyter_client's default TCP transport, once per page, in the build's output.
     """
 
-    def __init__(self, cache_path: str | Path, workers: int = 2, timeout: int = 180):
+    def __init__(
+        self, cache_path: str | Path, workers: int = 2, timeout: int = 180, report: Callable[[str], None] | None = None
+    ):
         from jupyter_cache import get_cache
 
         self.cache, self.timeout = get_cache(str(cache_path)), timeout
+        self._report, self._ended, self._report_lock = report or (lambda line: None), 0, threading.Lock()
+        self._total = 0  # the pages submitted, or about to be (submit_all)
+        self._sockets = Path(tempfile.mkdtemp(prefix="fsdp-guide-kernels-"))
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
         self._machine = _Machine()
@@ -63,10 +76,15 @@ class Execution:
 
     def submit(self, page: Path) -> Future:
         if page not in self._futures:
+            with self._report_lock:
+                self._total = max(self._total, len(self._futures) + 1)
             self._futures[page] = self._pool.submit(self._execute, page)
         return self._futures[page]
 
     def submit_all(self, pages: Iterable[Path]) -> dict[Path, Future]:
+        pages = list(pages)
+        with self._report_lock:  # the count the progress lines show, before the first page can end
+            self._total = len(self._futures.keys() | set(pages))
         return {page: self.submit(page) for page in pages}
 
     def close(self, cancel: bool = False) -> None:
@@ -83,6 +101,7 @@ class Execution:
         except KeyboardInterrupt:
             self.stop()
             raise
+        shutil.rmtree(self._sockets, ignore_errors=True)
 
     def stop(self, within: float = 60) -> None:
         """Start no other page and end the running ones now: their kernels are killed (their ranks follow)."""
@@ -98,6 +117,8 @@ class Execution:
                     if "ipykernel_launcher" in child.cmdline():
                         child.kill()
             running = list(wait(running, timeout=0.2).not_done)
+        if not running:
+            shutil.rmtree(self._sockets, ignore_errors=True)
 
     def __enter__(self) -> Execution:
         return self
@@ -105,7 +126,24 @@ class Execution:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _ended_page(self, page: Path, how: str) -> None:
+        with self._report_lock:
+            self._ended += 1
+            self._report(f"[{self._ended:2}/{self._total}] {page.stem}: {how}")
+
     def _execute(self, page: Path):
+        try:
+            notebook, how = self._execute_or_read(page)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # named at once, not after the pages still running
+            said = [line for line in str(error).splitlines() if line.strip()]  # nbclient's report ends with the error
+            self._ended_page(page, f"failed: {said[-1][:300] if said else type(error).__name__}")
+            raise
+        self._ended_page(page, how)
+        return notebook
+
+    def _execute_or_read(self, page: Path):
         import jupytext
         from jupyter_cache.base import CacheBundleIn
         from jupyter_cache.executors.utils import single_nb_execution
@@ -114,9 +152,10 @@ class Execution:
         notebook = jupytext.read(page)  # as myst-nb's nb_custom_formats reads it: the cache keys on its code cells
         with self._cache_lock:
             try:
-                return self.cache.merge_match_into_notebook(notebook)[1]
+                return self.cache.merge_match_into_notebook(notebook)[1], "from the cache"
             except KeyError:
                 pass  # not executed yet
+
         # A page is executed once. (A failure that two launches at once showed, "Gloo
         # connectFullMesh failed ... Connection closed by peer", was retried here until its
         # cause was found: a rank tearing its group down while a peer was still setting it
@@ -129,26 +168,52 @@ class Execution:
                 if self._interrupted.is_set():
                     raise KeyboardInterrupt(f"{page}: the build was interrupted")
                 return before_cell(**kwargs)
+
             return hook
 
         if self._interrupted.is_set():
             raise KeyboardInterrupt(f"{page}: the build was interrupted")
+        self._report(f"        {page.stem}: executing")
         with self._machine.page() as before_cell:
             try:
-                result = single_nb_execution(jupytext.read(page), cwd=str(page.parent), timeout=self.timeout,
-                                             allow_errors=False, on_cell_execute=interruptible(before_cell),
-                                             extra_arguments=[KERNEL_FAULTHANDLER])
+                result = single_nb_execution(
+                    jupytext.read(page),
+                    cwd=str(page.parent),
+                    timeout=self.timeout,
+                    allow_errors=False,
+                    on_cell_execute=interruptible(before_cell),
+                    extra_arguments=[KERNEL_FAULTHANDLER],
+                    kernel_manager_class=_unix_socket_kernels(self._sockets / page.stem),
+                )
             except DeadKernelError as error:
                 if self._interrupted.is_set():  # killed by stop()
                     raise
-                raise PageFailed(f"{page}: its kernel process died ({error}); where each of its threads "
-                                 "was is in the build's error output, above (faulthandler)") from error
+                raise PageFailed(
+                    f"{page}: its kernel process died ({error}); where each of its threads "
+                    "was is in the build's error output, above (faulthandler)"
+                ) from error
         if result.err:  # nbclient's report: the cell's source, then its traceback, without the terminal's colours
             raise PageFailed(f"{page}: {ANSI_COLOUR.sub('', str(result.err))}")
         with self._cache_lock:
             self.cache.cache_notebook_bundle(
-                CacheBundleIn(result.nb, uri=str(page), data={"execution_seconds": result.time}), overwrite=True)
-        return result.nb
+                CacheBundleIn(result.nb, uri=str(page), data={"execution_seconds": result.time}), overwrite=True
+            )
+        return result.nb, f"executed in {result.time:.1f} s"
+
+
+def _unix_socket_kernels(prefix: Path) -> type:
+    """nbclient's kernel manager with the ``ipc`` transport, the kernel's sockets at ``prefix``-1 to -5.
+
+    A class, not an instance: nbclient shuts down and cleans up only the kernels of managers it made.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import CaselessStrEnum, Unicode
+
+    class UnixSocketKernelManager(AsyncKernelManager):
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+        ip = Unicode(str(prefix), config=True)
+
+    return UnixSocketKernelManager
 
 
 # The kernel's faulthandler, enabled as the kernel starts (ipykernel's exec_lines run before the
@@ -156,9 +221,11 @@ class Execution:
 # ipykernel points file descriptor 2 at a pipe it forwards to the notebook, which a dying
 # kernel no longer reads, so a native crash's stacks (a SIGSEGV, or libzmq's SIGABRT) would be
 # lost there. The build's own stderr is where a reader, or CI's log, sees them.
-KERNEL_FAULTHANDLER = ("--IPKernelApp.exec_lines=[\"import faulthandler, sys; faulthandler.enable("
-                       "getattr(sys.stderr, '_original_stdstream_copy', None) or sys.__stderr__, all_threads=True); "
-                       "del faulthandler, sys\"]")
+KERNEL_FAULTHANDLER = (
+    '--IPKernelApp.exec_lines=["import faulthandler, sys; faulthandler.enable('
+    "getattr(sys.stderr, '_original_stdstream_copy', None) or sys.__stderr__, all_threads=True); "
+    'del faulthandler, sys"]'
+)
 
 
 class _Machine:
@@ -245,8 +312,13 @@ def _execute_before_reading(app, env, docnames: list[str]) -> None:
     pages = [Path(env.doc2path(name)) for name in docnames]
     pages = execution_order([page for page in pages if page.suffix == ".py"], recorded_seconds(Path(app.srcdir)))
     logger = logging.getLogger(__name__)
-    with Execution(app.config.nb_execution_cache_path, app.config.execution_workers,
-                   app.config.nb_execution_timeout) as execution:
+    logger.info(f"executing {len(pages)} pages, {app.config.execution_workers} at a time (not those the cache holds)")
+    with Execution(
+        app.config.nb_execution_cache_path,
+        app.config.execution_workers,
+        app.config.nb_execution_timeout,
+        report=logger.info,
+    ) as execution:
         futures = execution.submit_all(pages)
     for page, future in futures.items():
         if future.exception() is None:

@@ -26,46 +26,79 @@ class Group(NamedTuple):
 
 
 GROUPS = {
-    "start": Group("Start here", "Shard a model, train it, and see that nothing changed.", {
-        "quickstart": ("Quickstart", "Shard a model on two processes; the losses match one process."),
-        "digits": ("A first real model", "A dataset split across ranks, a training loop, evaluation."),
-        "migration": ("From FSDP1 to FSDP2", "Every FSDP1 argument's FSDP2 form, the same losses, the checkpoint."),
-    }),
-    "right": Group("Get it right", "The mistakes that train silently wrong, and the rules that avoid them.", {
-        "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
-        "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
-        "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
-        "enable_wrap": ("Choosing units", "Mark units by hand or by policy; build a model that never exists whole."),
-        "state_attributes": ("What FSDP keeps", "The state on each parameter, before and after each step."),
-        "summon_full_params": ("Custom init", "Initialise a sharded model's weights in place."),
-    }),
-    "fast": Group("Fit it in memory and make it fast", "Bytes per rank, bytes on the wire, and the knobs.", {
-        "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
-        "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
-        "fsdp2_controls": ("FSDP2's controls", "Prefetching, placements, tied weights, a failed step."),
-        "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
-        "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
-        "compile": ("torch.compile", "Compile a sharded model, and what breaks the graph."),
-    }),
-    "tune": Group("Fine-tune and checkpoint", "Weights in from the Hub, training, weights out.", {
-        "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
-        "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
-        "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
-        "fsdp_config": ("A config dictionary", "A Composer-style fsdp_config: each strategy and precision preset run."),
-    }),
-    "scale": Group("Scale out", "Beyond one machine and beyond data parallelism.", {
-        "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
-        "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
-        "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
-        "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
-        "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
-        "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
-        "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
-    }),
-    "broken": Group("When it breaks", "Hangs, errors and wrong numbers, traced to their cause.", {
-        "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
-    }, also=(":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",
-             ":ref:`Symptoms <symptoms>`: out of memory, slow, hangs, wrong numbers; to the cells that show them.")),
+    "start": Group(
+        "Start here",
+        "Shard a model, train it, and see that nothing changed.",
+        {
+            "quickstart": ("Quickstart", "Shard a model on two processes; the losses match one process."),
+            "digits": ("A first real model", "A dataset split across ranks, a training loop, evaluation."),
+            "migration": ("From FSDP1 to FSDP2", "Every FSDP1 argument's FSDP2 form, the same losses, the checkpoint."),
+        },
+    ),
+    "right": Group(
+        "Get it right",
+        "The mistakes that train silently wrong, and the rules that avoid them.",
+        {
+            "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
+            "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
+            "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
+            "enable_wrap": (
+                "Choosing units",
+                "Mark units by hand or by policy; build a model that never exists whole.",
+            ),
+            "state_attributes": ("What FSDP keeps", "The state on each parameter, before and after each step."),
+            "summon_full_params": ("Custom init", "Initialise a sharded model's weights in place."),
+        },
+    ),
+    "fast": Group(
+        "Fit it in memory and make it fast",
+        "Bytes per rank, bytes on the wire, and the knobs.",
+        {
+            "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
+            "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
+            "fsdp2_controls": ("FSDP2's controls", "Prefetching, placements, tied weights, a failed step."),
+            "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
+            "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
+            "compile": ("torch.compile", "Compile a sharded model, and what breaks the graph."),
+        },
+    ),
+    "tune": Group(
+        "Fine-tune and checkpoint",
+        "Weights in from the Hub, training, weights out.",
+        {
+            "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
+            "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
+            "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
+            "fsdp_config": (
+                "A config dictionary",
+                "A Composer-style fsdp_config: each strategy and precision preset run.",
+            ),
+        },
+    ),
+    "scale": Group(
+        "Scale out",
+        "Beyond one machine and beyond data parallelism.",
+        {
+            "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
+            "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
+            "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
+            "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
+            "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
+            "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
+            "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
+        },
+    ),
+    "broken": Group(
+        "When it breaks",
+        "Hangs, errors and wrong numbers, traced to their cause.",
+        {
+            "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
+        },
+        also=(
+            ":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",
+            ":ref:`Symptoms <symptoms>`: out of memory, slow, hangs, wrong numbers; to the cells that show them.",
+        ),
+    ),
 }
 
 
@@ -112,9 +145,14 @@ def label(stem: str) -> str:
 def map_lines() -> list[str]:
     """The tutorials by goal: one sphinx-design card per group, a line per tutorial (reStructuredText)."""
     lines = [".. role:: needs", "", ".. grid:: 1 1 2 3", "   :gutter: 3", "   :class-container: goal-map", ""]
-    for key, group in GROUPS.items():
-        lines += [f"   .. grid-item-card:: {group.title}", "      :class-card: goal-card", "",
-                  f"      {group.blurb}", ""]
+    for group in GROUPS.values():
+        lines += [
+            f"   .. grid-item-card:: {group.title}",
+            "      :class-card: goal-card",
+            "",
+            f"      {group.blurb}",
+            "",
+        ]
         for stem, (title, outcome) in group.pages.items():
             lines += [f"      - :ref:`{title} <{label(stem)}>`: {outcome} :needs:`{footer(stem)}`", ""]
         lines += [f"      - {line}" for line in group.also] + [""]
@@ -133,7 +171,9 @@ def tips() -> list[tuple[str, str, str]]:
     """Every tip of docs/fsdp_tips.rst as (label, title, page stem of the first tutorial it links to)."""
     text = (ROOT / "docs" / "fsdp_tips.rst").read_text()
     labels, found = _labels(), []
-    for name, title, body in re.findall(r"^\.\. _(tip-[\w-]+):\n\n([^\n]+)\n-+\n(.*?)(?=^\.\. _tip-|\Z)", text, re.M | re.S):
+    for name, title, body in re.findall(
+        r"^\.\. _(tip-[\w-]+):\n\n([^\n]+)\n-+\n(.*?)(?=^\.\. _tip-|\Z)", text, re.M | re.S
+    ):
         pages = [labels[ref] for ref in re.findall(r":ref:`(?:[^`<]*<)?([\w-]+)>?`", body) if ref in labels]
         if not pages:
             raise ValueError(f"{name} links to no tutorial: a tip links to the cell that proves it")
@@ -149,7 +189,7 @@ def tips_lines() -> list[str]:
     """The tips as lists under the landing page's groups."""
     by_group = {key: [] for key in GROUPS}
     order = [stem for group in GROUPS.values() for stem in group.pages]
-    for name, title, stem in sorted(tips(), key=lambda tip: order.index(tip[2])):  # stable: the page's order within
+    for name, _title, stem in sorted(tips(), key=lambda tip: order.index(tip[2])):  # stable: the page's order within
         by_group[group_of(stem)].append(f"- :ref:`{name}` ({GROUPS[group_of(stem)].pages[stem][0]})")
     lines = []
     for key, items in by_group.items():

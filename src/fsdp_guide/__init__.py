@@ -9,7 +9,16 @@ from importlib import import_module
 
 from fsdp_guide.launcher import LaunchError, launch
 
-__all__ = ["launch", "LaunchError", "device", "executed_on", "summon_full_params", "auto_wrap", "describe_sharding", "shard"]
+__all__ = [
+    "launch",
+    "LaunchError",
+    "device",
+    "executed_on",
+    "summon_full_params",
+    "auto_wrap",
+    "describe_sharding",
+    "shard",
+]
 __version__ = "0.1.0"
 
 _LAZY = {

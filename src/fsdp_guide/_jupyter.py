@@ -58,8 +58,11 @@ RST_MEMBERS = re.compile(r"^\s+:members:\s+(?P<names>.+)$")
 # text may hold backslash escapes and [balanced] brackets but no lone one, so a "[" earlier
 # in the cell (an interval "[0, N)") cannot start a match; its url is percent-encoded (no
 # space or parenthesis to end it); its title is in double quotes, \" and \\ escaped.
-LINK = re.compile(r'\[(?P<text>(?:\\.|\[(?:\\.|[^][\\])*\]|[^][\\])*)\]'
-                  r'\((?P<url>[^\s()<>"\\]+) "(?P<title>(?:\\.|[^"\\])*)"\)', re.S)
+LINK = re.compile(
+    r"\[(?P<text>(?:\\.|\[(?:\\.|[^][\\])*\]|[^][\\])*)\]"
+    r'\((?P<url>[^\s()<>"\\]+) "(?P<title>(?:\\.|[^"\\])*)"\)',
+    re.S,
+)
 # A made link's title, unescaped: the reference as written, and the digest of the link's text as made.
 MADE = re.compile(r"(?P<written>.+) fsdp:(?P<digest>[0-9a-f]{8})", re.S)
 
@@ -67,6 +70,7 @@ MADE = re.compile(r"(?P<written>.+) fsdp:(?P<digest>[0-9a-f]{8})", re.S)
 def _digest(written: str, text: str) -> str:
     """What a made link's title records of its text (on one line), to tell an edited text from the one made."""
     return hashlib.sha256(f"{written}\0{' '.join(text.split())}".encode()).hexdigest()[:8]
+
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,7 @@ def _py_targets(path: str, lines: list[str]) -> dict[str, Target]:
             cell_label = None  # a new cell
         if match := PY_TARGET.match(line):
             cell_label = cell_label or match["label"]
-            heading = next((h for rest in lines[i + 1:i + 3] if (h := PY_HEADING.match(rest))), None)
+            heading = next((h for rest in lines[i + 1 : i + 3] if (h := PY_HEADING.match(rest))), None)
             title = _plain(heading["title"]) if heading else match["label"]
             on_top = heading is not None and heading[0].startswith("# # ")  # the page's title: open it at the top
             targets[match["label"]] = Target(path, title, "" if on_top else f"cell-id={cell_label}")
@@ -107,6 +111,7 @@ def _py_targets(path: str, lines: list[str]) -> dict[str, Target]:
 
 def _rst_targets(path: str, lines: list[str]) -> dict[str, Target]:
     """The labels, API entries and glossary terms of a reStructuredText page, each on its line."""
+
     def is_title(j: int) -> bool:
         return j + 1 < len(lines) and bool(lines[j].strip()) and bool(RST_UNDERLINE.match(lines[j + 1].strip()))
 
@@ -124,7 +129,9 @@ def _rst_targets(path: str, lines: list[str]) -> dict[str, Target]:
             in_glossary = True
         elif line and not line.startswith(" "):
             in_glossary = False
-        elif in_glossary and re.match(r"^   [^\s:]", line):  # a term: indented once (not an option); its definition, twice
+        elif in_glossary and re.match(
+            r"^   [^\s:]", line
+        ):  # a term: indented once (not an option); its definition, twice
             targets["term:" + line.strip().lower()] = Target(path, line.strip(), f"line={i}")
     top = next((j for j in range(len(lines)) if is_title(j)), None)
     targets["doc:" + path.rsplit(".", 1)[0]] = Target(path, _plain(lines[top]) if top is not None else path, "")
@@ -190,6 +197,7 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
     >>> to_jupyter("{func}`fsdp_guide.launch`", "tutorials/a.py", targets)
     '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch` fsdp:4225302a")'
     """
+
     def rewrite(match: re.Match) -> str:
         titled = TITLED.match(match["body"])
         title, name = (titled["title"], titled["target"]) if titled else (None, match["body"])
@@ -237,6 +245,7 @@ def from_jupyter(markdown: str) -> str:
     >>> from_jupyter('[a site](https://a.b "{ref}`tip-x`")')
     '[a site](https://a.b "{ref}`tip-x`")'
     """
+
     def rewrite(match: re.Match) -> str:
         made = MADE.fullmatch(re.sub(r'\\(["\\])', r"\1", match["title"]))
         if made is None or not ROLE.fullmatch(made["written"]):
@@ -271,7 +280,7 @@ def _contents_manager_class():
     from jupytext.async_contentsmanager import build_async_jupytext_contents_manager_class
 
     class ContentsManager(build_async_jupytext_contents_manager_class(AsyncLargeFileManager)):
-        """jupytext's contents manager; notebooks open through :func:`to_jupyter` and save through :func:`from_jupyter`."""
+        """jupytext's contents manager; notebooks open through :func:`to_jupyter`, save through :func:`from_jupyter`."""
 
         async def get(self, path, content=True, type=None, format=None, **kwargs):
             model = await super().get(path, content=content, type=type, format=format, **kwargs)

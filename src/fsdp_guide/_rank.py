@@ -7,7 +7,8 @@ pickled by reference against, exactly as the parent does (a source checkout on
 ``sys.path`` included). :func:`main` then reads the function and its arguments
 from ``RUN_DIR/payload.pkl``, joins the process group, runs the function and
 writes ``("ok", value, where, warnings)`` (``where``: :func:`where_this_rank_ran`;
-``warnings``: those it would have printed, when its output is not shown) or ``("error", ...)`` to ``RUN_DIR/rank{RANK}.pkl``.
+``warnings``: those it would have printed, when its output is not shown) or ``("error", ...)`` to
+``RUN_DIR/rank{RANK}.pkl``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def init_process_group(backend: str, *, store=None, timeout: float = 300.0) -> s
     import torch
     import torch.distributed as dist
 
-    from fsdp_guide.devices import backend as backend_for, device
+    from fsdp_guide.devices import backend as backend_for
+    from fsdp_guide.devices import device
 
     backend = backend_for(backend)
     dist.init_process_group(
@@ -68,13 +70,17 @@ def where_this_rank_ran(backend: str) -> dict:
     """What ``launch`` records of each rank: its backend, device, and torch's version."""
     import torch
 
+    from fsdp_guide import _warm
     from fsdp_guide.devices import placement
 
-    from fsdp_guide import _warm
-
     where = placement()
-    return {"backend": backend, "device": str(where.device), "shared": where.shared,
-            "torch": str(torch.__version__), "warm": _warm.forked}  # a plain str: unpickling TorchVersion imports torch
+    return {
+        "backend": backend,
+        "device": str(where.device),
+        "shared": where.shared,
+        "torch": str(torch.__version__),
+        "warm": _warm.forked,
+    }  # a plain str: unpickling TorchVersion imports torch
 
 
 def _store(rank: int, world_size: int, timeout: float):

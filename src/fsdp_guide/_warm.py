@@ -4,8 +4,8 @@ A cold rank is ``python -c BOOTSTRAP``: a new interpreter that spends seconds im
 torch before it does any work. The server here is Python's own ``multiprocessing``
 forkserver (an instance of its ``ForkServer``), started once per launching process, by
 its first launch, with torch preloaded (``set_forkserver_preload``): each rank is a
-fresh ``fork()`` of it, so it starts with torch imported and nothing else done. The server never initialises CUDA or a process
-group (it only imports), listens on a Unix socket only, and exits when the launching
+fresh ``fork()`` of it, so it starts with torch imported and nothing else done. The server
+never initialises CUDA or a process group (it only imports), listens on a Unix socket only, and exits when the launching
 process does (multiprocessing's "alive" pipe); the ranks follow through their stdin pipe,
 as cold ranks do.
 
@@ -37,8 +37,16 @@ WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
 # torch._dynamo: fully_shard imports it, and so does the first op on the meta device
 # (torch/_compile.py), so nearly every FSDP2 rank would import it itself (with sympy, and
 # triton in CUDA builds) in each launch: bench/bench_launch.py measures what this saves.
-PRELOAD = ["fsdp_guide._server_quiet", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "torch._dynamo", "cloudpickle"]
+PRELOAD = [
+    "fsdp_guide._server_quiet",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "cloudpickle",
+]
 # Libraries that take seconds to import on top of torch. The server imports the modules of
 # theirs that the launching process has imported by the time it starts (the functions it ships
 # are likely to need them), so a Hugging Face rank starts warm too. Imported later, a rank
@@ -66,8 +74,9 @@ def _what_torch_would_be() -> tuple:
     it would import them in (all of it but this package's own variables): if any of it changed, the
     server's imports are not the ones a cold rank would make, and the launch starts cold."""
     spec = importlib.util.find_spec("torch")  # finds, does not import
-    env = sorted((k, v) for k, v in os.environ.items()
-                 if not k.startswith(_RUN_TIME_ENV) and k not in _CHANGES_BY_ITSELF)
+    env = sorted(
+        (k, v) for k, v in os.environ.items() if not k.startswith(_RUN_TIME_ENV) and k not in _CHANGES_BY_ITSELF
+    )
     return sys.executable, spec.origin if spec else None, tuple(env)
 
 
@@ -140,9 +149,15 @@ def _start_resource_tracker_apart() -> None:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
                 process = subprocess.Popen(
-                    [spawn.get_executable(), *util._args_from_interpreter_flags(), "-c",
-                     f"from multiprocessing.resource_tracker import main;main({r})"],
-                    pass_fds=[r], start_new_session=True)
+                    [
+                        spawn.get_executable(),
+                        *util._args_from_interpreter_flags(),
+                        "-c",
+                        f"from multiprocessing.resource_tracker import main;main({r})",
+                    ],
+                    pass_fds=[r],
+                    start_new_session=True,
+                )
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         except BaseException:
@@ -160,8 +175,11 @@ _trackers: list[subprocess.Popen] = []
 def _preload() -> list[str]:
     """What the server imports: torch's modules, those of LIKELY that this process has, and last
     the module that freezes them all for the garbage collector (``fsdp_guide._server_frozen``)."""
-    return [*PRELOAD, *sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY),
-            "fsdp_guide._server_frozen"]
+    return [
+        *PRELOAD,
+        *sorted(name for name in list(sys.modules) if name.partition(".")[0] in LIKELY),
+        "fsdp_guide._server_frozen",
+    ]
 
 
 def _retire(server: forkserver.ForkServer) -> None:
@@ -211,8 +229,9 @@ def server_pids() -> list[int]:
 class WarmRank:
     """A rank forked by the server, with the part of ``subprocess.Popen``'s interface the launcher uses."""
 
-    def __init__(self, argv: list[str], env: dict, pass_fd: int | None = None,
-                 interrupted: threading.Event | None = None):
+    def __init__(
+        self, argv: list[str], env: dict, pass_fd: int | None = None, interrupted: threading.Event | None = None
+    ):
         stdin_r, stdin_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -273,8 +292,9 @@ class _Rank:
             os.close(fd)
         # Unbuffered, as PYTHONUNBUFFERED=1 makes a cold rank's streams.
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
-                                      errors="backslashreplace")
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True, errors="backslashreplace"
+        )
         sys.argv = ["-c", *self.argv]
 
         def prepare() -> None:  # inside main's error handling: a failure here is reported as the rank's
@@ -307,8 +327,9 @@ class _ProcessState:
 
         umask = os.umask(0o022)
         os.umask(umask)  # reading the umask means setting it: put it back at once
-        limits = {name: resource.getrlimit(getattr(resource, name))
-                  for name in dir(resource) if name.startswith("RLIMIT_")}
+        limits = {
+            name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")
+        }
         nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None
         blocked = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
         return cls(umask, limits, nice, blocked)
@@ -345,5 +366,7 @@ def _fresh_state() -> None:
     if "numpy.random" in sys.modules:  # imported by the server (transformers imports it): its global state too
         sys.modules["numpy.random"].seed()  # no argument: fresh entropy, as numpy seeds itself at import
     threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:  # 0 or junk: torch's default, as a cold rank's import takes it
+    if (
+        threads and threads.isdigit() and int(threads) > 0
+    ):  # 0 or junk: torch's default, as a cold rank's import takes it
         torch.set_num_threads(int(threads))  # the server imported torch before this launch chose the count

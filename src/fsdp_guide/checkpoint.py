@@ -126,8 +126,16 @@ def _key(name: str, rank: int | None) -> str:
     return name if rank is None else f"{name}{_PER_RANK}{rank}"
 
 
-def save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-         keep: int = 2, storage_writer=None, **stateful) -> Path:
+def save(
+    directory: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    keep: int = 2,
+    storage_writer=None,
+    **stateful,
+) -> Path:
     """Save everything needed to continue at ``step`` as ``directory/step-<step>``; every rank calls it.
 
     ``stateful`` are objects with ``state_dict``/``load_state_dict`` (DCP's ``Stateful``)
@@ -178,8 +186,16 @@ class PendingSave:
         return self.path
 
 
-def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-               keep: int = 2, storage_writer=None, **stateful) -> PendingSave:
+def async_save(
+    directory: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    keep: int = 2,
+    storage_writer=None,
+    **stateful,
+) -> PendingSave:
     """:func:`save`, returning once the state is copied to CPU memory; the files are written in the background.
 
     Training may change the model, optimizer and ``stateful`` objects as soon as it
@@ -210,11 +226,14 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
     state, partial, final = _prepare(directory, step, model, optimizer, keep, stateful)
     group = _checkpoint_group()
     try:
-        written = dcp.async_save(state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial),
-                                 process_group=group)
+        written = dcp.async_save(
+            state, storage_writer=(storage_writer or dcp.FileSystemWriter)(partial), process_group=group
+        )
         if not isinstance(written, Future):  # an AsyncSaveResponse: the writer staged in the background itself
-            raise TypeError(f"storage_writer={storage_writer!r} stages asynchronously itself; give async_save a "
-                            "writer that stages when called (DCP's FileSystemWriter does)")
+            raise TypeError(
+                f"storage_writer={storage_writer!r} stages asynchronously itself; give async_save a "
+                "writer that stages when called (DCP's FileSystemWriter does)"
+            )
     except BaseException:
         _release(partial)
         raise
@@ -223,8 +242,9 @@ def async_save(directory: str | os.PathLike, step: int, model: nn.Module, optimi
         _publish_and_clean(partial, final, step, keep)
 
     global _in_flight
-    _in_flight = PendingSave(final, _then(written, publish if _rank() == 0 else None, group, final,
-                                          lambda: _release(partial)))
+    _in_flight = PendingSave(
+        final, _then(written, publish if _rank() == 0 else None, group, final, lambda: _release(partial))
+    )
     return _in_flight
 
 
@@ -299,12 +319,15 @@ def _told_by_rank0(error: BaseException | None, group, what: str) -> BaseExcepti
     done and none waits in a collective for one that raised."""
     try:
         if group is not None:
-            outcome = [None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")]
+            outcome = [
+                None if error is None else (isinstance(error, CheckpointError), f"{type(error).__name__}: {error}")
+            ]
             dist.broadcast_object_list(outcome, src=0, group=group)
             if error is None and outcome[0] is not None:
                 ours, message = outcome[0]
-                error = CheckpointError(message.removeprefix("CheckpointError: ") if ours
-                                        else f"{what}: rank 0 failed with {message}")
+                error = CheckpointError(
+                    message.removeprefix("CheckpointError: ") if ours else f"{what}: rank 0 failed with {message}"
+                )
     except BaseException as failed:  # noqa: BLE001
         error = error or failed
     return error
@@ -331,13 +354,17 @@ def _prepare(directory, step: int, model: nn.Module, optimizer, keep: int, state
     except TypeError:
         step = None
     if step is None or step < 0:
-        raise ValueError(f"step={_given_step!r}: expected an int >= 0 (the training step this checkpoint continues from)")
+        raise ValueError(
+            f"step={_given_step!r}: expected an int >= 0 (the training step this checkpoint continues from)"
+        )
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"keep={keep!r}: expected an int >= 1 (this checkpoint and the ones before it to keep)")
     for name in stateful:
         if name in _RESERVED or "@" in name or "." in name:
-            raise ValueError(f"{name}=...: choose another keyword for this state (not {', '.join(sorted(_RESERVED))}, "
-                             "and without '.' or '@')")
+            raise ValueError(
+                f"{name}=...: choose another keyword for this state (not {', '.join(sorted(_RESERVED))}, "
+                "and without '.' or '@')"
+            )
     _wait_in_flight()
     directory, rank = Path(directory), _rank()
     final, partial = directory / f"step-{step:08d}", directory / f".partial-step-{step:08d}"
@@ -372,9 +399,11 @@ def _make_partial(final: Path, partial: Path, step: int) -> None:
     with _locked_directory(partial.parent):
         for path in (final, partial, _aside(final)):
             if path.exists() and not _is_ours(path, step):
-                raise CheckpointError(f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
-                                      f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
-                                      "into another directory")
+                raise CheckpointError(
+                    f"{path} exists and is not a checkpoint of fsdp_guide.checkpoint (it has no "
+                    f"{_MARKER} file for step {step}): nothing was written; move it away, or save "
+                    "into another directory"
+                )
         if partial.exists():  # ours (checked above): left by a crash during an earlier save, or another run's, writing
             _refuse_if_claimed(partial, final)
             shutil.rmtree(partial)  # what cannot be deleted is said as it is
@@ -407,8 +436,11 @@ def _flock(fd: int, flags: int) -> bool:
     except OSError as error:
         if error.errno not in _NO_FLOCK:
             raise
-        warnings.warn("the checkpoint directory's file system does not support flock: two runs saving one step "
-                      "into it are not kept apart; give each run a directory of its own", stacklevel=2)
+        warnings.warn(
+            "the checkpoint directory's file system does not support flock: two runs saving one step "
+            "into it are not kept apart; give each run a directory of its own",
+            stacklevel=2,
+        )
         return False
 
 
@@ -433,10 +465,12 @@ def _refuse_if_claimed(partial: Path, final: Path) -> None:
         _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _lock_holder(os.fstat(fd))
-        raise CheckpointError(f"{final} was not saved: {holder or 'another process'} is saving the same step into "
-                              f"{partial.parent} now ({partial.name} is its); two runs saving into one directory "
-                              "would publish each other's files: give each run a checkpoint directory of its "
-                              "own") from None
+        raise CheckpointError(
+            f"{final} was not saved: {holder or 'another process'} is saving the same step into "
+            f"{partial.parent} now ({partial.name} is its); two runs saving into one directory "
+            "would publish each other's files: give each run a checkpoint directory of its "
+            "own"
+        ) from None
     finally:
         os.close(fd)  # and with it the lock, if this call took it
 
@@ -517,7 +551,7 @@ def _remove(path: Path) -> None:
 
 
 def _remove_older(directory: Path, step: int, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints up to ``step``; later steps (another run's) are not this save's to delete."""
+    """Keep the newest ``keep`` checkpoints up to ``step``; later steps (another run's) are not this save's to drop."""
     older = sorted((s, p) for s, p in _complete(directory) if s < step)
     for _, path in older[: max(0, len(older) - (keep - 1))]:
         _remove(path)
@@ -530,8 +564,11 @@ def _complete(directory: Path) -> list[tuple[int, Path]]:
     found = {}
     for pattern, prefix in ((".old-step-*", ".old-"), ("step-*", "")):  # the published one wins over its .old- copy
         for path in directory.glob(pattern):
-            if (m := _NAME.fullmatch(path.name.removeprefix(prefix))) and _is_ours(path, int(m.group(1))) \
-                    and (path / ".metadata").is_file():
+            if (
+                (m := _NAME.fullmatch(path.name.removeprefix(prefix)))
+                and _is_ours(path, int(m.group(1)))
+                and (path / ".metadata").is_file()
+            ):
                 found[int(m.group(1))] = path
     return list(found.items())
 
@@ -569,14 +606,19 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     for name, obj in stateful.items():
         state[_key(name, _per_rank(path, metadata, name, world))] = obj  # Stateful: DCP loads into it
     state["step"] = 0
-    rng = {k: v for k, v in _rng_states(_rank()).items() if k in metadata.state_dict_metadata} \
-        if saved_ranks == world else {}
+    rng = (
+        {k: v for k, v in _rng_states(_rank()).items() if k in metadata.state_dict_metadata}
+        if saved_ranks == world
+        else {}
+    )
     state.update(rng)
     try:
         dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner())
     except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
-        raise CheckpointError(f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
-                              "or damaged; resume from another checkpoint") from error
+        raise CheckpointError(
+            f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
+            "or damaged; resume from another checkpoint"
+        ) from error
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     _set_rng_states(_rank(), {k: state[k] for k in rng})
     return int(state["step"])
@@ -595,8 +637,10 @@ def _saved_value(path: str | os.PathLike, key: str):
             warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
             dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=_SafeLoadPlanner(), no_dist=True)
     except (Exception, dcp.CheckpointException) as error:  # noqa: BLE001  (DCP's derives from BaseException)
-        raise CheckpointError(f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
-                              "or damaged; resume from another checkpoint") from error
+        raise CheckpointError(
+            f"{path}: its files could not be read ({_last_line(error)}): a file is missing "
+            "or damaged; resume from another checkpoint"
+        ) from error
     return state[key]
 
 
@@ -607,12 +651,16 @@ def _per_rank(path: Path, metadata, name: str, world: int) -> int | None:
         return None
     ranks = sorted(int(key.split(_PER_RANK, 1)[1]) for key in saved if key.startswith(f"{name}{_PER_RANK}"))
     if not ranks:
-        raise CheckpointError(f"{path}: the checkpoint holds no {name!r} state, which this run needs (it has "
-                              f"{', '.join(sorted(_names(saved)))}): it was saved by a run with other settings")
+        raise CheckpointError(
+            f"{path}: the checkpoint holds no {name!r} state, which this run needs (it has "
+            f"{', '.join(sorted(_names(saved)))}): it was saved by a run with other settings"
+        )
     if len(ranks) != world:
-        raise CheckpointError(f"{path}: {name!r} was saved per rank on {len(ranks)} ranks (its state differed "
-                              f"between ranks), and this run has {world}: resume on {len(ranks)} ranks, or "
-                              f"without {name!r}")
+        raise CheckpointError(
+            f"{path}: {name!r} was saved per rank on {len(ranks)} ranks (its state differed "
+            f"between ranks), and this run has {world}: resume on {len(ranks)} ranks, or "
+            f"without {name!r}"
+        )
     return _rank()
 
 
@@ -653,14 +701,16 @@ def _read_metadata(path: Path):
     if file.is_symlink():
         raise CheckpointError(f"{file} was refused: it is a link, and DCP writes a plain file; nothing was read")
     if not file.is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (it has no .metadata file); "
-                              f"complete ones are named step-N")
+        raise CheckpointError(
+            f"{path}: not a complete checkpoint (it has no .metadata file); complete ones are named step-N"
+        )
     try:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as error:
-        raise CheckpointError(f"{file} was refused ({error}): it is damaged, or was made to run code when "
-                              "loaded; nothing in it was run") from error
+        raise CheckpointError(
+            f"{file} was refused ({error}): it is damaged, or was made to run code when loaded; nothing in it was run"
+        ) from error
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(f"{file} cannot be read ({_last_line(error)})") from error
     if problem := _not_dcp_metadata(metadata) or _not_regular_files(path, metadata):
@@ -671,9 +721,15 @@ def _read_metadata(path: Path):
 def _not_dcp_metadata(metadata) -> str | None:
     """What in an unpickled ``.metadata`` is not the shape DCP writes, or None (what DCP's reader and planner use)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     if not isinstance(metadata, Metadata):
         return f"it holds a {type(metadata).__name__}, not DCP's Metadata"
@@ -681,17 +737,23 @@ def _not_dcp_metadata(metadata) -> str | None:
         return f"its storage_meta is a {type(metadata.storage_meta).__name__}"
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict) or not all(
-            isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
-            for k, v in entries.items()):
+        isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata)) for k, v in entries.items()
+    ):
         return "its state_dict_metadata is not a map from names to DCP's storage metadata"
     for key, entry in entries.items():
         if _PER_RANK in key and not re.fullmatch(rf"[^.@]+{_PER_RANK}\d+", key.split(".", 1)[0]):
             return f"its entry {key!r} is not one this package writes"
         if isinstance(entry, TensorStorageMetadata) and not (
-                isinstance(entry.properties, TensorProperties) and isinstance(entry.size, torch.Size)
-                and isinstance(entry.chunks, list) and all(
-                    isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
-                    and isinstance(c.sizes, torch.Size) for c in entry.chunks)):
+            isinstance(entry.properties, TensorProperties)
+            and isinstance(entry.size, torch.Size)
+            and isinstance(entry.chunks, list)
+            and all(
+                isinstance(c, ChunkStorageMetadata)
+                and isinstance(c.offsets, torch.Size)
+                and isinstance(c.sizes, torch.Size)
+                for c in entry.chunks
+            )
+        ):
             return f"its entry {key!r} is not a tensor's storage metadata"
     storage = metadata.storage_data
     if not isinstance(storage, dict):
@@ -763,34 +825,45 @@ class _SafeReader(dcp.FileSystemReader):
 
 def _check_model_matches(path: Path, metadata, model_state: dict) -> None:
     """Compare every parameter's global shape with the checkpoint's, before DCP reads anything."""
-    saved = {key[len("model."):]: meta for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.")}
+    saved = {
+        key[len("model.") :]: meta for key, meta in metadata.state_dict_metadata.items() if key.startswith("model.")
+    }
     for name, tensor in model_state.items():
         if name not in saved:
-            raise CheckpointError(f"{path}: this model has {name} {tuple(tensor.shape)}, the checkpoint has no "
-                                  "such parameter: it was saved from a different model")
+            raise CheckpointError(
+                f"{path}: this model has {name} {tuple(tensor.shape)}, the checkpoint has no "
+                "such parameter: it was saved from a different model"
+            )
         shape = tuple(getattr(saved[name], "size", ()))
         if shape != tuple(tensor.shape):
-            raise CheckpointError(f"{path}: {name} has shape {shape} in the checkpoint and {tuple(tensor.shape)} "
-                                  "in this model: it was saved from a different model shape")
+            raise CheckpointError(
+                f"{path}: {name} has shape {shape} in the checkpoint and {tuple(tensor.shape)} "
+                "in this model: it was saved from a different model shape"
+            )
     extra = sorted(set(saved) - set(model_state))
     if extra:
-        raise CheckpointError(f"{path}: the checkpoint has parameters this model lacks ({', '.join(extra[:3])}"
-                              f"{', ...' if len(extra) > 3 else ''}): it was saved from a different model")
+        raise CheckpointError(
+            f"{path}: the checkpoint has parameters this model lacks ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}): it was saved from a different model"
+        )
 
 
 def _check_optimizer_matches(path: Path, metadata, optim_state: dict) -> None:
-    """The saved optimizer state must have the kinds of state this optimizer keeps (AdamW's moments, not SGD's momentum)."""
+    """The saved optimizer state must have the kinds of state this optimizer keeps (AdamW's moments, not momentum)."""
     saved = metadata.state_dict_metadata
     if not any(key.startswith("optim.") for key in saved):
-        raise CheckpointError(f"{path}: the checkpoint holds no optimizer state, which this run needs: "
-                              "it was saved by a run with other settings")
+        raise CheckpointError(
+            f"{path}: the checkpoint holds no optimizer state, which this run needs: "
+            "it was saved by a run with other settings"
+        )
     expected = {name for per_param in optim_state.get("state", {}).values() for name in per_param}
     found = {key.rsplit(".", 1)[1] for key in saved if key.startswith("optim.state.")}
     if expected != found:
-        raise CheckpointError(f"{path}: the optimizer state saved there has {sorted(found) or 'nothing'} per "
-                              f"parameter, and this optimizer keeps {sorted(expected) or 'nothing'}: it was saved "
-                              "with a different optimizer (or other optimizer settings); the files are not damaged")
+        raise CheckpointError(
+            f"{path}: the optimizer state saved there has {sorted(found) or 'nothing'} per "
+            f"parameter, and this optimizer keeps {sorted(expected) or 'nothing'}: it was saved "
+            "with a different optimizer (or other optimizer settings); the files are not damaged"
+        )
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -820,8 +893,12 @@ class _MetadataUnpickler(pickle._Unpickler):
             value = getattr(torch, name)
         elif (module, name) == ("torch.serialization", "_get_layout"):  # turns "torch.strided" into the layout
             value = torch.serialization._get_layout
-        elif module in ("pathlib", "pathlib._local") and name in ("PosixPath", "WindowsPath", "PurePosixPath",
-                                                                  "PureWindowsPath"):
+        elif module in ("pathlib", "pathlib._local") and name in (
+            "PosixPath",
+            "WindowsPath",
+            "PurePosixPath",
+            "PureWindowsPath",
+        ):
             value = getattr(pathlib, name)  # pathlib._local: where Python 3.13 pickles them from
         elif (module, name) == ("collections", "OrderedDict"):
             import collections
@@ -841,11 +918,15 @@ class _MetadataUnpickler(pickle._Unpickler):
         if fields is None:  # a class, an enum member shared by the whole process, anything else
             raise pickle.UnpicklingError(f"it sets attributes on {target!r}, which DCP's metadata never does")
         # TensorProperties sets its fields from a tuple itself (5 of them before torch 2.15, 6 since)
-        own = (isinstance(state, tuple) if type(target) is TensorProperties
-               else isinstance(state, dict) and all(isinstance(k, str) for k in state) and state.keys() <= fields)
+        own = (
+            isinstance(state, tuple)
+            if type(target) is TensorProperties
+            else isinstance(state, dict) and all(isinstance(k, str) for k in state) and state.keys() <= fields
+        )
         if not own:
-            raise pickle.UnpicklingError(f"it fills a {type(target).__name__} with {type(state).__name__} state that "
-                                         "is not its fields")
+            raise pickle.UnpicklingError(
+                f"it fills a {type(target).__name__} with {type(state).__name__} state that is not its fields"
+            )
         pickle._Unpickler.load_build(self)
 
     def _no_extension(self) -> None:  # copyreg's extension codes name classes without find_class seeing them
@@ -862,8 +943,16 @@ def _dcp_dataclasses() -> tuple[type, ...]:
     from torch.distributed.checkpoint import metadata as m
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return (m.ChunkStorageMetadata, m.TensorProperties, m.TensorStorageMetadata, m.BytesStorageMetadata,
-            m.StorageMeta, m.Metadata, m.MetadataIndex, _StorageInfo)
+    return (
+        m.ChunkStorageMetadata,
+        m.TensorProperties,
+        m.TensorStorageMetadata,
+        m.BytesStorageMetadata,
+        m.StorageMeta,
+        m.Metadata,
+        m.MetadataIndex,
+        _StorageInfo,
+    )
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

@@ -102,8 +102,9 @@ class CollectiveCount(TorchDispatchMode):
             names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
             # By ranks, not by group: DTensor may run a mesh dimension's collectives on the
             # group of an earlier, equal mesh (same shape and names), which is the same ranks.
-            self._dims.update({frozenset(dist.get_process_group_ranks(mesh.get_group(i))): name
-                               for i, name in enumerate(names)})
+            self._dims.update(
+                {frozenset(dist.get_process_group_ranks(mesh.get_group(i))): name for i, name in enumerate(names)}
+            )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -41,8 +41,10 @@ def largest_difference(pairs: Iterable[tuple], relative: bool = False) -> float:
     for index, (a, b) in enumerate(pairs):
         a, b = _whole(a), _whole(b)
         if a.shape != b.shape:
-            raise ValueError(f"pair {index}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; "
-                             "compare tensors of one shape (each parameter with its own reference)")
+            raise ValueError(
+                f"pair {index}: shapes {tuple(a.shape)} and {tuple(b.shape)} differ; "
+                "compare tensors of one shape (each parameter with its own reference)"
+            )
         b = b.to(device=a.device, dtype=torch.promote_types(a.dtype, b.dtype))
         gap = (a.to(b.dtype) - b).abs().max() if a.numel() else torch.zeros((), dtype=b.dtype, device=a.device)
         if relative and b.numel():  # an exact match is 0 even against a reference of zeros (0 / 0 would be NaN)

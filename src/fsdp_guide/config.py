@@ -18,8 +18,9 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,9 @@ def _dtype(key: str, value: Any) -> torch.dtype | None:
 
 
 def _low_precision(value: Any) -> torch.dtype:
-    """``precision``: 'auto' is :func:`~fsdp_guide.precision.low_precision_dtype`: bf16 on any CPU and on CUDA from compute capability 8, else fp16."""
+    """``precision``: 'auto' is :func:`~fsdp_guide.precision.low_precision_dtype`.
+
+    That is bf16 on any CPU and on CUDA from compute capability 8, else fp16."""
     from fsdp_guide.precision import low_precision_dtype
 
     choice = _choice("precision", value, _PRECISIONS)
@@ -131,7 +134,9 @@ def _mixed_precision(value: Any, low: torch.dtype) -> dict:
     if isinstance(value, Mapping):
         unknown = [k for k in value if k not in _MP_KEYS]
         if unknown:
-            raise _bad("mixed_precision", value, f"a dict with keys among {', '.join(_MP_KEYS)}; unknown key {unknown[0]!r}")
+            raise _bad(
+                "mixed_precision", value, f"a dict with keys among {', '.join(_MP_KEYS)}; unknown key {unknown[0]!r}"
+            )
         return {k: _dtype(f"mixed_precision.{k}", value.get(k)) for k in _MP_KEYS}
     preset = MIXED_PRECISION_PRESETS[_choice("mixed_precision", value, _PRESETS)]
     return {k: low if dtype == "LOW" else dtype for k, dtype in preset.items()}
@@ -139,15 +144,22 @@ def _mixed_precision(value: Any, low: torch.dtype) -> dict:
 
 def _min_params(value: Any) -> int:
     # isfinite only on floats: math.isfinite(10**400) raises OverflowError
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or isinstance(value, float) and not math.isfinite(value) or value < 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or isinstance(value, float)
+        and not math.isfinite(value)
+        or value < 0
+    ):
         raise _bad("min_params", value, "a number of parameters >= 0, such as 1e8")
     return int(value)
 
 
 def _shard_degree(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
-        raise _bad("data_parallel_shard_degree", value, "a positive int (ranks per shard group), or -1 for the ranks per node")
+        raise _bad(
+            "data_parallel_shard_degree", value, "a positive int (ranks per shard group), or -1 for the ranks per node"
+        )
     return value
 
 
@@ -178,11 +190,17 @@ def validate(fsdp_config: Mapping[str, Any]) -> FsdpConfig:
         min_params=_min_params(c["min_params"]),
         cpu_offload=_flag("cpu_offload", c["cpu_offload"]),
         mixed_precision=_mixed_precision(c["mixed_precision"], low),
-        mixed_precision_name="custom" if isinstance(c["mixed_precision"], Mapping) else _choice("mixed_precision", c["mixed_precision"], _PRESETS),
+        mixed_precision_name="custom"
+        if isinstance(c["mixed_precision"], Mapping)
+        else _choice("mixed_precision", c["mixed_precision"], _PRESETS),
         precision=low,
-        backward_prefetch=_choice("backward_prefetch", "NONE" if c["backward_prefetch"] is None else c["backward_prefetch"], _PREFETCH),
+        backward_prefetch=_choice(
+            "backward_prefetch", "NONE" if c["backward_prefetch"] is None else c["backward_prefetch"], _PREFETCH
+        ),
         activation_checkpointing=_flag("activation_checkpointing", c["activation_checkpointing"]),
-        activation_checkpointing_reentrant=_flag("activation_checkpointing_reentrant", c["activation_checkpointing_reentrant"]),
+        activation_checkpointing_reentrant=_flag(
+            "activation_checkpointing_reentrant", c["activation_checkpointing_reentrant"]
+        ),
         activation_cpu_offload=_flag("activation_cpu_offload", c["activation_cpu_offload"]),
         data_parallel_shard_degree=_shard_degree(c["data_parallel_shard_degree"]),
         sync_module_states=_flag("sync_module_states", c["sync_module_states"]),
@@ -224,7 +242,9 @@ def shard(model: nn.Module, fsdp_config: Mapping[str, Any], *, api: str = "fsdp2
     if api not in _APIS:
         raise ValueError(f"api={api!r}: expected 'fsdp2' (fully_shard) or 'fsdp1' (FullyShardedDataParallel)")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("shard() needs the process group: call it on every rank, inside fsdp_guide.launch or torchrun")
+        raise RuntimeError(
+            "shard() needs the process group: call it on every rank, inside fsdp_guide.launch or torchrun"
+        )
     _check_combination(config, api)  # before anything changes the model
     if config.sync_module_states:
         _broadcast_from_rank_0(model)
@@ -256,21 +276,35 @@ def _check_combination(config: FsdpConfig, api: str) -> None:
     world = dist.get_world_size()
     if config.sharding_strategy == "HYBRID_SHARD":
         if world < 2:
-            raise ValueError("HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least "
-                             "2 ranks, and there is 1. Use FULL_SHARD, or launch more ranks.")
+            raise ValueError(
+                "HYBRID_SHARD shards within groups of ranks and replicates across them: it needs at least "
+                "2 ranks, and there is 1. Use FULL_SHARD, or launch more ranks."
+            )
         if world % _hybrid_shard_size(config):
-            raise ValueError(f"HYBRID_SHARD with data_parallel_shard_degree={_hybrid_shard_size(config)} needs a world "
-                             f"size divisible by it; it is {world}. Choose a divisor of {world}.")
-    if api == "fsdp2" and config.mixed_precision_name == "custom" and config.mixed_precision["buffer_dtype"] is not None:
-        raise ValueError("mixed_precision['buffer_dtype'] cannot be honoured by FSDP2: MixedPrecisionPolicy has no buffer "
-                         "dtype (buffers keep their own). Remove the key, or use api='fsdp1'.")
+            raise ValueError(
+                f"HYBRID_SHARD with data_parallel_shard_degree={_hybrid_shard_size(config)} needs a world "
+                f"size divisible by it; it is {world}. Choose a divisor of {world}."
+            )
+    if (
+        api == "fsdp2"
+        and config.mixed_precision_name == "custom"
+        and config.mixed_precision["buffer_dtype"] is not None
+    ):
+        raise ValueError(
+            "mixed_precision['buffer_dtype'] cannot be honoured by FSDP2: MixedPrecisionPolicy has no buffer "
+            "dtype (buffers keep their own). Remove the key, or use api='fsdp1'."
+        )
     if api == "fsdp2" and config.backward_prefetch == "NONE":
-        raise ValueError("backward_prefetch='NONE' cannot be honoured by FSDP2: it always prefetches the next unit in "
-                         "backward. Use 'BACKWARD_PRE' or 'BACKWARD_POST' (both mean that), or api='fsdp1'.")
+        raise ValueError(
+            "backward_prefetch='NONE' cannot be honoured by FSDP2: it always prefetches the next unit in "
+            "backward. Use 'BACKWARD_PRE' or 'BACKWARD_POST' (both mean that), or api='fsdp1'."
+        )
     if api == "fsdp1" and config.cpu_offload and device().type == "cpu":
-        raise ValueError("cpu_offload=True with api='fsdp1' needs the ranks on an accelerator: FSDP1 pins the host memory it offloads "
-                         "to, and on a CPU-only machine the parameters already live in host memory. Use api='fsdp2' "
-                         "(CPUOffloadPolicy(pin_memory=False)) or cpu_offload=False.")
+        raise ValueError(
+            "cpu_offload=True with api='fsdp1' needs the ranks on an accelerator: FSDP1 pins the host memory it "
+            "offloads to, and on a CPU-only machine the parameters already live in host memory. Use api='fsdp2' "
+            "(CPUOffloadPolicy(pin_memory=False)) or cpu_offload=False."
+        )
 
 
 def _hybrid_shard_size(config: FsdpConfig) -> int:
@@ -337,9 +371,11 @@ def _apply_activation_checkpointing(model: nn.Module, config: FsdpConfig, units:
 
     for name, module in model.named_modules():
         if module is not model and check(module) and contains_a_unit(module):
-            raise ValueError(f"activation_checkpointing_fn chose {name!r}, which contains FSDP units: the checkpoint "
-                             "would sit around them and gather them again in backward. Choose the units themselves, "
-                             "or modules inside them.")
+            raise ValueError(
+                f"activation_checkpointing_fn chose {name!r}, which contains FSDP units: the checkpoint "
+                "would sit around them and gather them again in backward. Choose the units themselves, "
+                "or modules inside them."
+            )
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=check)
     outermost = {}
     for module in model.modules():  # pre-order: an outer wrapper comes before the one inside it
@@ -378,9 +414,9 @@ def _shard_fsdp2(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
     pin = device().type == "cuda"  # pinning is for copies to an accelerator; ranks on the CPU compute in host memory
     settings = {
         "sharding_strategy": f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, reshard_after_forward={reshard}"
-                             + (" (the root: False)" if reshard else ""),
+        + (" (the root: False)" if reshard else ""),
         "mixed_precision": f"MixedPrecisionPolicy(param_dtype={_dtype_name(mp['param_dtype'])}, "
-                           f"reduce_dtype={_dtype_name(mp['reduce_dtype'])}); buffers keep their dtype",
+        f"reduce_dtype={_dtype_name(mp['reduce_dtype'])}); buffers keep their dtype",
         "cpu_offload": f"CPUOffloadPolicy(pin_memory={pin})" if config.cpu_offload else "OffloadPolicy() (none)",
         "backward_prefetch": "implicit: the next unit, like BACKWARD_PRE",
     }
@@ -418,7 +454,8 @@ def _shard_fsdp1(model: nn.Module, config: FsdpConfig, units: list[nn.Module]):
         device_mesh=_mesh(config) if hybrid else None,
     )
     settings = {
-        "sharding_strategy": f"ShardingStrategy.{config.sharding_strategy}" + (f", device_mesh {tuple(kwargs['device_mesh'].shape)}" if hybrid else ""),
+        "sharding_strategy": f"ShardingStrategy.{config.sharding_strategy}"
+        + (f", device_mesh {tuple(kwargs['device_mesh'].shape)}" if hybrid else ""),
         "mixed_precision": "MixedPrecision(" + ", ".join(f"{k}={_dtype_name(v)}" for k, v in mp.items()) + ")",
         "cpu_offload": f"CPUOffload(offload_params={config.cpu_offload})",
         "backward_prefetch": str(kwargs["backward_prefetch"]),
@@ -459,4 +496,3 @@ def _plan(model: nn.Module, api: str, settings: dict, sizes: dict) -> str:
         label = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "") or "(root)"
         lines.append(f"    {label:24} {kind:14} {sizes[unit]:>12,}  {' + '.join(wrappers)}".rstrip())
     return "\n".join(lines)
-

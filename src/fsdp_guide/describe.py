@@ -114,16 +114,24 @@ def _plain_row(name: str, p) -> ParamShard:
 
 def _dtensor_row(name: str, p: DTensor) -> ParamShard:
     local = p.to_local()
-    return ParamShard(name, tuple(p.shape), tuple(local.shape), _placements(p), _holds(p),
-                      local.numel() * local.element_size(), _dtype(p))
+    return ParamShard(
+        name,
+        tuple(p.shape),
+        tuple(local.shape),
+        _placements(p),
+        _holds(p),
+        local.numel() * local.element_size(),
+        _dtype(p),
+    )
 
 
 def _placements(p: DTensor) -> str:
     mesh = p.device_mesh
     if mesh.mesh_dim_names is None:
         return f"{', '.join(repr(pl) for pl in p.placements)} over mesh {'x'.join(map(str, mesh.shape))}"
-    return ", ".join(f"{pl!r} over {name}={size}"
-                     for pl, name, size in zip(p.placements, mesh.mesh_dim_names, mesh.shape))
+    return ", ".join(
+        f"{pl!r} over {name}={size}" for pl, name, size in zip(p.placements, mesh.mesh_dim_names, mesh.shape)
+    )
 
 
 def _holds(p: DTensor) -> str:
@@ -170,11 +178,17 @@ def _flat_param_rows(prefix: str, flat) -> list[ParamShard]:
         # intra_param_*_idx index the flattened original parameter (end inclusive);
         # offset_in_shard/numel_in_shard locate those elements in this rank's flat shard
         # (torch/distributed/fsdp/_flat_param.py, _ShardParamInfo).
-        where = (f"at [{info.offset_in_shard}:{info.offset_in_shard + info.numel_in_shard}] of this rank's flat shard"
-                 if info.in_shard else "none on this rank")
+        where = (
+            f"at [{info.offset_in_shard}:{info.offset_in_shard + info.numel_in_shard}] of this rank's flat shard"
+            if info.in_shard
+            else "none on this rank"
+        )
         name = _clean(f"{prefix}.{fqn}" if prefix else fqn)
-        holds = (f"elements {info.intra_param_start_idx}:{info.intra_param_end_idx + 1} (flattened)"
-                 if info.in_shard else "none")
+        holds = (
+            f"elements {info.intra_param_start_idx}:{info.intra_param_end_idx + 1} (flattened)"
+            if info.in_shard
+            else "none"
+        )
         rows.append(ParamShard(name, tuple(shape), (numel,), where, holds, numel * flat.element_size(), _dtype(flat)))
     return rows
 
@@ -184,8 +198,11 @@ def _name_of(root: nn.Module, target: nn.Module) -> str:
 
 
 def _clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("._fsdp_wrapped_module", "").replace(
-        "_fsdp_wrapped_module", "")
+    return (
+        name.replace("_fsdp_wrapped_module.", "")
+        .replace("._fsdp_wrapped_module", "")
+        .replace("_fsdp_wrapped_module", "")
+    )
 
 
 def _is_fsdp1_view(name: str) -> bool:

@@ -59,7 +59,9 @@ def _local_rank_and_size() -> tuple[int, int]:
 def _requested() -> str:
     value = os.environ.get(DEVICE_ENV, "").strip().lower()
     if value not in ("", "cpu", "cuda"):
-        raise ValueError(f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: expected 'cpu', 'cuda' or unset (choose by the rule)")
+        raise ValueError(
+            f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: expected 'cpu', 'cuda' or unset (choose by the rule)"
+        )
     return value
 
 
@@ -101,19 +103,25 @@ def placement() -> Placement:
         return Placement(cpu, False, f"{DEVICE_ENV}=cpu")
     if gpus == 0:
         if requested == "cuda":
-            raise ValueError(f"{DEVICE_ENV}=cuda but no GPU is visible to this process "
-                             "(torch.cuda.is_available() is False); unset it to compute on the CPU")
+            raise ValueError(
+                f"{DEVICE_ENV}=cuda but no GPU is visible to this process "
+                "(torch.cuda.is_available() is False); unset it to compute on the CPU"
+            )
         return Placement(cpu, False, "no GPU is visible")
     if requested != "cuda" and _gloo_only_group():
         return Placement(cpu, False, "the process group is gloo-only")
     if gpus >= local_size:
-        return Placement(torch.device("cuda", local_rank), False,
-                         f"{gpus} GPU(s) for {local_size} local rank(s): cuda:LOCAL_RANK")
+        return Placement(
+            torch.device("cuda", local_rank), False, f"{gpus} GPU(s) for {local_size} local rank(s): cuda:LOCAL_RANK"
+        )
     if gpus == 1 and _one_gpu_per_task():
         return Placement(torch.device("cuda", 0), False, "one GPU visible to this task (CUDA_VISIBLE_DEVICES)")
     if requested == "cuda":
-        return Placement(torch.device("cuda", local_rank % gpus), True,
-                         f"{DEVICE_ENV}=cuda with {gpus} GPU(s) for {local_size} local ranks: shared, cuda:LOCAL_RANK % {gpus}")
+        return Placement(
+            torch.device("cuda", local_rank % gpus),
+            True,
+            f"{DEVICE_ENV}=cuda with {gpus} GPU(s) for {local_size} local ranks: shared, cuda:LOCAL_RANK % {gpus}",
+        )
     return Placement(cpu, False, f"{gpus} GPU(s) for {local_size} local ranks: not one each")
 
 

@@ -65,8 +65,10 @@ def _launch_line(entries: list[dict]) -> str:
     if not entries:
         return "no ranks launched: every cell ran in the notebook's own process"
     kinds = collections.Counter((_where(e["ranks"]), e["world_size"]) for e in entries)
-    parts = [f"{where}, {size} rank{'s' if size > 1 else ''}" + (f" ({n} launches)" if n > 1 else " (1 launch)")
-             for (where, size), n in sorted(kinds.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    parts = [
+        f"{where}, {size} rank{'s' if size > 1 else ''}" + (f" ({n} launches)" if n > 1 else " (1 launch)")
+        for (where, size), n in sorted(kinds.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+    ]
     return "; ".join(parts)
 
 
@@ -83,8 +85,10 @@ def _seconds_running() -> float | None:
 def _gpu_line(run: dict) -> str:
     page = run["page"]
     result = "passed" if page["status"] == "pass" else f"FAILED ({page.get('error', 'see the record')})"
-    return (f"**On GPUs**: {result} on {run['gpu_count']} × {run['gpu']} (torch {run['torch']}, CUDA {run['cuda']}), "
-            f"{run['date']}: {page.get('where', run.get('mode', ''))}.")
+    return (
+        f"**On GPUs**: {result} on {run['gpu_count']} × {run['gpu']} (torch {run['torch']}, CUDA {run['cuda']}), "
+        f"{run['date']}: {page.get('where', run.get('mode', ''))}."
+    )
 
 
 def executed_on(page: str, *, record: str | Path | None = None) -> ExecutedOn:
@@ -108,13 +112,17 @@ def executed_on(page: str, *, record: str | Path | None = None) -> ExecutedOn:
     versions = sorted({r["torch"] for e in entries for r in e["ranks"]} or {torch.__version__})
     seconds = _seconds_running()
     took = f" The page took {seconds:.0f} s to execute, with {os.cpu_count()} CPU cores." if seconds else ""
-    lines = [f"**Executed on**: {_launch_line(entries)}; torch {', '.join(versions)}, "
-             f"Python {sys.version.split()[0]}, {platform.system()} {platform.machine()}.{took}"]
+    lines = [
+        f"**Executed on**: {_launch_line(entries)}; torch {', '.join(versions)}, "
+        f"Python {sys.version.split()[0]}, {platform.system()} {platform.machine()}.{took}"
+    ]
     runs = gpu_runs(page, record)
     if runs:
         lines.append(_gpu_line(runs[-1]))
     else:
-        lines.append("**On GPUs**: not verified. The code is written to run unchanged with each rank on "
-                     "its own GPU (NCCL), as `fsdp_guide.device()` decides, but no GPU run of this page "
-                     "has been recorded.")
+        lines.append(
+            "**On GPUs**: not verified. The code is written to run unchanged with each rank on "
+            "its own GPU (NCCL), as `fsdp_guide.device()` decides, but no GPU run of this page "
+            "has been recorded."
+        )
     return ExecutedOn(lines)

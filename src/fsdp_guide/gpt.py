@@ -142,11 +142,17 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (batch, time); greedy when ``temperature=0``."""
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
+            logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1].float()
             if temperature == 0:
                 next_token = logits.argmax(-1, keepdim=True)

@@ -35,9 +35,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 __all__ = ["from_pretrained", "save_pretrained"]
 
 
-def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=None, dtype: torch.dtype | None = None,
-                    mp_policy=None, reshard_after_forward: bool = True, mesh=None,
-                    adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    read: str = "rank0",
+    model_cls=None,
+    dtype: torch.dtype | None = None,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    mesh=None,
+    adapt: Callable[[nn.Module], nn.Module] | None = None,
+) -> nn.Module:
     """The model saved at ``path``, sharded with FSDP2 over every rank, its files read once.
 
     Every rank calls it after ``init_process_group``. How the files are read:
@@ -99,35 +107,47 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     from fsdp_guide.devices import device as rank_device
 
     if read not in ("rank0", "sharded"):
-        raise ValueError(f"read={read!r}: use 'rank0' (rank 0 reads, then broadcasts) or 'sharded' "
-                         f"(each rank reads its own slices; the files on every machine)")
+        raise ValueError(
+            f"read={read!r}: use 'rank0' (rank 0 reads, then broadcasts) or 'sharded' "
+            f"(each rank reads its own slices; the files on every machine)"
+        )
     path = Path(path)
     # Rank 0 reads the config; its error, if any, is raised on every rank (no rank left waiting).
     config = _on_rank0_for_all(lambda: _config(path, model_cls))
     model_cls = model_cls or AutoModelForCausalLM
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     with torch.device("meta"):
-        model = model_cls.from_config(config, dtype=dtype) if hasattr(model_cls, "from_config") \
+        model = (
+            model_cls.from_config(config, dtype=dtype)
+            if hasattr(model_cls, "from_config")
             else model_cls._from_config(config, dtype=dtype)
+        )
     saved = _on_rank0_for_all(lambda: _check_saved(path, model))  # the names in the files, once checked
     saved_as = {name: name for name in model.state_dict()}  # the model's name -> the name in the files
     added: dict[str, torch.Tensor] = {}  # what adapt added -> rank 0's initial value (empty on other ranks)
     added_names: list[str] = []
     if adapt is not None:
         model, saved_as, added_names = _adapted(model, adapt)
-        added = _on_rank0_for_all(lambda: _added_values(path, model_cls, dtype, adapt, added_names),
-                                  result_to_all=False)
+        added = _on_rank0_for_all(
+            lambda: _added_values(path, model_cls, dtype, adapt, added_names), result_to_all=False
+        )
 
     device = rank_device()
     mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
-              "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+    }
     for owner in _owners_training_in_another_dtype(model, set(added_names)):
         fully_shard(owner, **kwargs)  # FSDP2 reduces one dtype per unit: fp32 adapters apart from bf16 norms
     units = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
     if not units:
-        warnings.warn(f"{type(model).__name__} names no _no_split_modules: the whole model is one FSDP unit, "
-                      f"gathered whole for every forward", stacklevel=2)
+        warnings.warn(
+            f"{type(model).__name__} names no _no_split_modules: the whole model is one FSDP unit, "
+            f"gathered whole for every forward",
+            stacklevel=2,
+        )
     for unit in reversed(units):  # innermost first, as fully_shard expects
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)  # the root: embeddings, final norm and the (tied) output layer
@@ -137,8 +157,11 @@ def from_pretrained(path: str | os.PathLike, *, read: str = "rank0", model_cls=N
     if read == "sharded":
         _read_own_slices(path, model, saved_as, saved)
         if added_names:  # rank 0's values of what adapt added, one broadcast each (every rank takes part)
-            set_model_state_dict(model, added if dist.get_rank() == 0 else {},
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+            set_model_state_dict(
+                model,
+                added if dist.get_rank() == 0 else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+            )
     else:
         full = _on_rank0_for_all(lambda: {**_read_weights(path, model, saved_as), **added}, result_to_all=False)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -166,8 +189,10 @@ def _adapted(model: nn.Module, adapt) -> tuple[nn.Module, dict[str, str], list[s
     with torch.random.fork_rng(devices=[]):
         adapted = adapt(model)
     if not isinstance(adapted, nn.Module):
-        raise TypeError(f"adapt returned {type(adapted).__name__}: it must return the model to shard "
-                        f"(e.g. lambda model: peft.get_peft_model(model, config))")
+        raise TypeError(
+            f"adapt returned {type(adapted).__name__}: it must return the model to shard "
+            f"(e.g. lambda model: peft.get_peft_model(model, config))"
+        )
     saved_as, added = {}, []
     for key, (_, names) in _names_by_tensor(adapted).items():
         if key in before:  # a tensor of the saved model, perhaps renamed (peft: ...q_proj.base_layer.weight)
@@ -260,13 +285,17 @@ def _config(path: Path, model_cls):
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a saved model: it has no config.json. Pass the directory that "
-                                f"save_pretrained wrote (config.json and *.safetensors).")
+        raise FileNotFoundError(
+            f"{path} is not a saved model: it has no config.json. Pass the directory that "
+            f"save_pretrained wrote (config.json and *.safetensors)."
+        )
     config = AutoConfig.from_pretrained(path)
     expected = getattr(getattr(model_cls, "config_class", None), "model_type", None)
     if expected is not None and expected != config.model_type:
-        raise ValueError(f"{model_cls.__name__} is a {expected!r} model but {path} holds a {config.model_type!r} "
-                         f"model ({', '.join(config.architectures or [])}): pass that class, or leave model_cls out.")
+        raise ValueError(
+            f"{model_cls.__name__} is a {expected!r} model but {path} holds a {config.model_type!r} "
+            f"model ({', '.join(config.architectures or [])}): pass that class, or leave model_cls out."
+        )
     return config
 
 
@@ -279,13 +308,21 @@ def _weight_map(index: Path, then: str) -> dict[str, str]:
         problem = f"it is not JSON ({error})"
     else:
         weight_map = content.get("weight_map") if isinstance(content, dict) else None
-        if isinstance(weight_map, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        if isinstance(weight_map, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
             return weight_map
-        problem = (f"it holds a JSON {type(content).__name__}, not an object" if not isinstance(content, dict)
-                   else 'it has no "weight_map"' if "weight_map" not in content
-                   else 'its "weight_map" is not an object from tensor names to file names')
-    raise ValueError(f'{index} is damaged: {problem}. A safetensors index, as save_pretrained writes it, is a JSON '
-                     f'object whose "weight_map" names the .safetensors file of each tensor; {then}.')
+        problem = (
+            f"it holds a JSON {type(content).__name__}, not an object"
+            if not isinstance(content, dict)
+            else 'it has no "weight_map"'
+            if "weight_map" not in content
+            else 'its "weight_map" is not an object from tensor names to file names'
+        )
+    raise ValueError(
+        f"{index} is damaged: {problem}. A safetensors index, as save_pretrained writes it, is a JSON "
+        f'object whose "weight_map" names the .safetensors file of each tensor; {then}.'
+    )
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -301,9 +338,11 @@ def _weight_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if len(files) != 1:
-        raise FileNotFoundError(f"{path} has {'no' if not files else len(files)} *.safetensors files and no "
-                                f"model.safetensors.index.json saying which hold the model: pass the directory "
-                                f"save_pretrained wrote.")
+        raise FileNotFoundError(
+            f"{path} has {'no' if not files else len(files)} *.safetensors files and no "
+            f"model.safetensors.index.json saying which hold the model: pass the directory "
+            f"save_pretrained wrote."
+        )
     return files
 
 
@@ -343,19 +382,24 @@ def _check_saved(path: Path, model: nn.Module) -> set[str]:
         for name in headers.keys() & set(names):
             file, shape, dtype = headers[name]
             if shape != tensor.shape:
-                mismatches.append(f"size mismatch between saved {shape} and current: {tensor.shape} for {name} "
-                                  f"in {file.name}")
+                mismatches.append(
+                    f"size mismatch between saved {shape} and current: {tensor.shape} for {name} in {file.name}"
+                )
             elif dtype.startswith(("F", "BF")) != tensor.is_floating_point():  # F32, BF16, F8_E4M3; I64, BOOL
-                mismatches.append(f"dtype mismatch between saved {dtype} and current: {tensor.dtype} for {name} "
-                                  f"in {file.name} (loading would cast it)")
+                mismatches.append(
+                    f"dtype mismatch between saved {dtype} and current: {tensor.dtype} for {name} "
+                    f"in {file.name} (loading would cast it)"
+                )
     if mismatches:
-        raise ValueError(f"the weights in {path} do not match the model its config describes: "
-                         f"{'; '.join(mismatches[:5])}{' ...' if len(mismatches) > 5 else ''}")
+        raise ValueError(
+            f"the weights in {path} do not match the model its config describes: "
+            f"{'; '.join(mismatches[:5])}{' ...' if len(mismatches) > 5 else ''}"
+        )
     return set(headers)
 
 
 def _read_weights(path: Path, model: nn.Module, saved_as: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Rank 0: every tensor in the safetensors files under the model's names, each tied name filled from the one saved."""
+    """Rank 0: every tensor in the safetensors files under the model's names, each tied name filled from the saved."""
     from safetensors.torch import load_file
 
     weights = {}
@@ -372,10 +416,12 @@ def _read_weights(path: Path, model: nn.Module, saved_as: dict[str, str]) -> dic
 def _check_names(path: Path, saved: set[str], expected: set[str]) -> None:
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if missing or unexpected:
-        raise KeyError(f"the weights in {path} do not match the model its config describes: missing "
-                       f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
-                       f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. fsdp_guide.hf loads the names "
-                       f"as saved; checkpoints whose names transformers converts on load are not supported.")
+        raise KeyError(
+            f"the weights in {path} do not match the model its config describes: missing "
+            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. fsdp_guide.hf loads the names "
+            f"as saved; checkpoints whose names transformers converts on load are not supported."
+        )
 
 
 def _read_own_slices(path: Path, model: nn.Module, saved_as: dict[str, str], saved: set[str]) -> None:
@@ -439,12 +485,16 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, write: str = "
     path = Path(path)
     adapters = hasattr(model, "peft_config")
     if write not in ("rank0", "sharded"):
-        raise ValueError(f"write={write!r}: expected 'rank0' (gather to rank 0, which writes) or 'sharded' "
-                         "(every rank writes its shards with DCP, rank 0 consolidates them)")
+        raise ValueError(
+            f"write={write!r}: expected 'rank0' (gather to rank 0, which writes) or 'sharded' "
+            "(every rank writes its shards with DCP, rank 0 consolidates them)"
+        )
     if write == "sharded":
         if adapters:
-            raise ValueError("write='sharded' writes a whole model; a peft model's adapters are small and saved in "
-                             "peft's own format: use write='rank0', which gathers only them")
+            raise ValueError(
+                "write='sharded' writes a whole model; a peft model's adapters are small and saved in "
+                "peft's own format: use write='rank0', which gathers only them"
+            )
         return _save_sharded(model, path)
     if adapters:  # gather only what peft's save_pretrained will pick out of the state dict
         from peft import get_peft_model_state_dict
@@ -453,8 +503,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, write: str = "
         wanted = {id(t) for t in get_peft_model_state_dict(model, state_dict=state).values()}
         full = {name: _full_on_cpu(t) for name, t in state.items() if id(t) in wanted}
     else:
-        full = _tied_again(model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                                       cpu_offload=True)))
+        full = _tied_again(
+            model, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        )
 
     def write():
         _exported_files(path, adapters)  # a damaged index there: refused before anything is written
@@ -488,8 +539,10 @@ def _save_sharded(model: nn.Module, path: Path) -> Path:
     # safetensors refuses two names for one tensor in a file: keep the first name, as transformers does
     aliases = {alias for names in _tied_names(model, {name: name for name in state}) for alias in names[1:]}
     try:
-        dcp.save({name: t for name, t in state.items() if name not in aliases},
-                 storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True))
+        dcp.save(
+            {name: t for name, t in state.items() if name not in aliases},
+            storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True, enable_consolidation=True),
+        )
     except dcp.CheckpointException:  # DCP raises a rank's failure on every rank: all can clean up together
         _on_rank0_for_all(lambda: shutil.rmtree(partial, ignore_errors=True))
         raise
@@ -554,15 +607,27 @@ def _move_into(partial: Path, path: Path, adapters: bool) -> None:
 
 def _exported_files(path: Path, adapters: bool) -> list[Path]:
     """The files in ``path`` that an export of a full model (or of adapters) replaces, the index before its shards."""
-    from transformers.utils import (ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME,
-                                    SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME)
+    from transformers.utils import (
+        ADAPTER_CONFIG_NAME,
+        ADAPTER_SAFE_WEIGHTS_NAME,
+        ADAPTER_WEIGHTS_NAME,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+    )
 
     names = [ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME]
     if not adapters:
         index = path / SAFE_WEIGHTS_INDEX_NAME
         # A damaged index is refused, not replaced: the export would overwrite a file it did not write.
-        named = _weight_map(index, "the export writes an index of its own there and overwrites no file it did "
-                                   "not write: move or delete this one").values() if index.is_file() else ()
+        named = (
+            _weight_map(
+                index,
+                "the export writes an index of its own there and overwrites no file it did "
+                "not write: move or delete this one",
+            ).values()
+            if index.is_file()
+            else ()
+        )
         # only weight files in path itself: an index is no licence to delete anything else
         shards = sorted({name for name in named if Path(name).name == name and name.endswith(".safetensors")})
         names = [SAFE_WEIGHTS_INDEX_NAME, *shards, SAFE_WEIGHTS_NAME, *names]

@@ -30,8 +30,8 @@ import contextlib
 import json
 import math
 import os
-import re
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -40,8 +40,9 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -85,8 +86,19 @@ class LaunchError(RuntimeError):
             most recent call first, as ``faulthandler`` prints it.
     """
 
-    def __init__(self, message: str, *, rank=None, ranks=(), exit_code=None, remote_traceback=None, output=(),
-                 stacks=None, failed=None, crashes=None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank=None,
+        ranks=(),
+        exit_code=None,
+        remote_traceback=None,
+        output=(),
+        stacks=None,
+        failed=None,
+        crashes=None,
+    ):
         super().__init__(message)
         self.rank = rank
         self.failed = dict(failed or {})
@@ -132,7 +144,8 @@ def launch(
     its own environment, and its ranks come from the new one. One difference cannot be
     undone in a fork: warm ranks share the server's string hash seed, so a ``set`` of
     strings iterates in the same order on every warm rank, where cold ranks and
-    torchrun's (each a new interpreter, ``PYTHONHASHSEED`` unset) differ; collectives issued while iterating a set then work here and hang under
+    torchrun's (each a new interpreter, ``PYTHONHASHSEED`` unset) differ; collectives issued while iterating a set then
+    work here and hang under
     torchrun. Iterate ``sorted(...)`` (:ref:`debugging-hangs-set-order`). Set
     ``FSDP_GUIDE_WARM=0`` to start every launch cold: to debug what happens at import, or
     after replacing the installed torch (the server keeps the torch it imported).
@@ -202,8 +215,13 @@ def launch(
     with _interrupts_noted() as interrupted, tempfile.TemporaryDirectory(prefix="fsdp_guide-") as run_dir:
         run_dir = Path(run_dir)
         (run_dir / "payload.pkl").write_bytes(payload)
-        config = {"world_size": world_size, "backend": backend, "collective_timeout": collective_timeout,
-                  "sys_path": list(sys.path), "output": output}
+        config = {
+            "world_size": world_size,
+            "backend": backend,
+            "collective_timeout": collective_timeout,
+            "sys_path": list(sys.path),
+            "output": output,
+        }
         (run_dir / "config.pkl").write_bytes(pickle.dumps(config))
         _warm.start_server()  # a no-op once it runs for this environment; the ranks wait for its imports
         ranks = _Ranks(run_dir, world_size, output, warm=_warm.can_start(), interrupted=interrupted)
@@ -230,8 +248,10 @@ def _interrupts_noted():
     nothing. Only Python's own handler is replaced (in the main thread, where signals
     arrive); a handler of the caller's own stays, and what it raises is caught as before."""
     noted = threading.Event()
-    takes_over = (threading.current_thread() is threading.main_thread()
-                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    takes_over = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
     if takes_over:
         signal.signal(signal.SIGINT, lambda signum, frame: noted.set())
     try:
@@ -269,8 +289,11 @@ def _record(fn, world_size: int, ranks: list[dict]) -> None:
             with open(log, "a") as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError as exc:  # the launch's results are not lost for a log line
-            warnings.warn(f"{_LAUNCH_LOG_ENV}={log!r}: this launch could not be recorded there ({exc})",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{_LAUNCH_LOG_ENV}={log!r}: this launch could not be recorded there ({exc})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _check_launch_log() -> None:
@@ -280,10 +303,17 @@ def _check_launch_log() -> None:
         return
     folder = Path(log).parent
     if Path(log).is_dir() or not folder.is_dir() or not os.access(folder if not Path(log).exists() else log, os.W_OK):
-        what = ("is a directory" if Path(log).is_dir() else
-                f"is in {folder}, which does not exist" if not folder.is_dir() else "cannot be written")
-        raise ValueError(f"{_LAUNCH_LOG_ENV}={log!r} {what}: name a file this process can append to "
-                         f"(its folder must exist), or unset {_LAUNCH_LOG_ENV}")
+        what = (
+            "is a directory"
+            if Path(log).is_dir()
+            else f"is in {folder}, which does not exist"
+            if not folder.is_dir()
+            else "cannot be written"
+        )
+        raise ValueError(
+            f"{_LAUNCH_LOG_ENV}={log!r} {what}: name a file this process can append to "
+            f"(its folder must exist), or unset {_LAUNCH_LOG_ENV}"
+        )
 
 
 def _show_warnings(per_rank: list[list[tuple]]) -> None:
@@ -322,11 +352,13 @@ def _restart_hazard(environ) -> str | None:
     """
     restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return (f"torchrun --max-restarts={restarts} shares its rendezvous store with the workers (torch's default), "
-                "so a restarted worker can read an address a worker of the previous attempt published and fail in "
-                "init_process_group ('Gloo connectFullMesh failed' on gloo; pytorch/pytorch#135712 reports NCCL "
-                "failing to connect the same way). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
-                "environment: each attempt then gets a store of its own.")
+        return (
+            f"torchrun --max-restarts={restarts} shares its rendezvous store with the workers (torch's default), "
+            "so a restarted worker can read an address a worker of the previous attempt published and fail in "
+            "init_process_group ('Gloo connectFullMesh failed' on gloo; pytorch/pytorch#135712 reports NCCL "
+            "failing to connect the same way). Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment: each attempt then gets a store of its own."
+        )
     return None
 
 
@@ -336,8 +368,10 @@ def _world_size(asked: int | None) -> int:
         return 2 if asked is None else asked
     world = int(os.environ["WORLD_SIZE"])
     if asked is not None and asked != world:
-        raise ValueError(f"launch(world_size={asked!r}) under torchrun, which started WORLD_SIZE={world} ranks: "
-                         f"leave world_size out under torchrun, or pass {world}")
+        raise ValueError(
+            f"launch(world_size={asked!r}) under torchrun, which started WORLD_SIZE={world} ranks: "
+            f"leave world_size out under torchrun, or pass {world}"
+        )
     return world
 
 
@@ -357,8 +391,13 @@ def _run_in_this_process(fn, args, kwargs, backend, timeout):
         if created and dist.is_initialized():  # no rank tears the group down while a peer still sets it up
             from torch.distributed.distributed_c10d import _get_default_store
 
-            wait_for_every_rank(_get_default_store(), f"fsdp_guide/returned/{_torchrun_launches}",
-                                dist.get_rank(), dist.get_world_size(), timeout)
+            wait_for_every_rank(
+                _get_default_store(),
+                f"fsdp_guide/returned/{_torchrun_launches}",
+                dist.get_rank(),
+                dist.get_world_size(),
+                timeout,
+            )
         return result
     finally:
         if created and dist.is_initialized():  # fn may have torn it down itself
@@ -388,15 +427,17 @@ def _check_options(world_size, backend, timeout, collective_timeout, output) -> 
     _seconds("collective_timeout", collective_timeout, none_ok=False)
     # A timedelta past ~10**9 days overflows (OverflowError on every rank): refuse it here.
     if collective_timeout > 10**9:
-        raise ValueError(f"collective_timeout={collective_timeout!r} s is too long for torch's timedelta; "
-                         "use at most 1e9 s")
+        raise ValueError(
+            f"collective_timeout={collective_timeout!r} s is too long for torch's timedelta; use at most 1e9 s"
+        )
     if "nccl" in backend:
         from fsdp_guide.devices import _gpu_count  # only here (it imports torch): asking for NCCL is asking for CUDA
 
         gpus = _gpu_count()
         if gpus < world_size:
             raise RuntimeError(
-                f'backend={backend!r} needs one GPU per rank (NCCL refuses two ranks on one GPU): world_size={world_size} but {gpus} GPU(s) are visible; '
+                f"backend={backend!r} needs one GPU per rank (NCCL refuses two ranks on one GPU): "
+                f"world_size={world_size} but {gpus} GPU(s) are visible; "
                 'use backend="gloo" (CPU) or backend="auto", or a smaller world_size'
             )
 
@@ -433,8 +474,10 @@ def _threads_per_rank(world_size: int) -> int:
 # Torch 2.8 to 2.10 print this from gloo for every process group they create (2.11 no
 # longer does). When the two counts agree it carries no news, and it would fill the output
 # of every cell on those releases: the launcher drops it then, and shows a mismatch.
-_GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-                             r"Expected number of connected peer ranks is : (\d+)\s*$")
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)\s*$"
+)
 
 
 def _says_nothing(line: str) -> bool:
@@ -446,8 +489,14 @@ def _says_nothing(line: str) -> bool:
 class _Ranks:
     """The rank processes of one launch: start them, stream their output, wait, stop."""
 
-    def __init__(self, run_dir: Path, world_size: int, output: str, warm: bool = False,
-                 interrupted: threading.Event | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        world_size: int,
+        output: str,
+        warm: bool = False,
+        interrupted: threading.Event | None = None,
+    ):
         self.run_dir = run_dir
         self.interrupted = interrupted or threading.Event()  # set by SIGINT: stop waiting
         self.warm = warm  # forked from the pre-imported server (fsdp_guide._warm), or a new interpreter
@@ -485,8 +534,12 @@ class _Ranks:
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
         if self.warm:
-            proc = _warm.WarmRank([str(self.run_dir), str(rank)], env, pass_fd=sock.fileno() if rank == 0 else None,
-                                  interrupted=self.interrupted)
+            proc = _warm.WarmRank(
+                [str(self.run_dir), str(rank)],
+                env,
+                pass_fd=sock.fileno() if rank == 0 else None,
+                interrupted=self.interrupted,
+            )
         else:
             proc = self._start_cold(rank, env, sock)
         self._background(self._forward, rank, proc.stdout, "stdout")
@@ -597,7 +650,11 @@ class _Ranks:
                 f"rank {rank} returned a value this process cannot rebuild: {type(exc).__name__}: {exc}. "
                 "Return plain data (numbers, strings, lists, dicts, tensors), or objects of modules this "
                 "process imports too (a module only the rank imported cannot be unpickled here).",
-                rank=rank, ranks=[rank], exit_code=0, output=list(self.tails[rank])) from None
+                rank=rank,
+                ranks=[rank],
+                exit_code=0,
+                output=list(self.tails[rank]),
+            ) from None
 
     def _timeout(self, timeout: float) -> LaunchError:
         with self.exited:
@@ -663,14 +720,23 @@ class _Ranks:
             message += f"\n\nTraceback from rank {rank}:\n{remote_tb}"
         message += self._crash_text(rank, crashes) + self._last_output(rank)
         for other in failed[1:]:
-            message += (f"\nThen rank {other} {self._how(other)}" + self._crash_text(other, crashes)
-                        + self._last_output(other))
+            message += (
+                f"\nThen rank {other} {self._how(other)}" + self._crash_text(other, crashes) + self._last_output(other)
+            )
         stopped = [r for r in range(self.world_size) if r not in failed]
         if stopped:
             message += f"\nThe other ranks ({', '.join(map(str, stopped))}) were stopped." + _where(stacks)
-        return LaunchError(message, rank=rank, ranks=[rank], exit_code=code, remote_traceback=remote_tb,
-                           output=list(self.tails[rank]), stacks=stacks, crashes=crashes,
-                           failed={r: self.exits[r][1] for r in failed})
+        return LaunchError(
+            message,
+            rank=rank,
+            ranks=[rank],
+            exit_code=code,
+            remote_traceback=remote_tb,
+            output=list(self.tails[rank]),
+            stacks=stacks,
+            crashes=crashes,
+            failed={r: self.exits[r][1] for r in failed},
+        )
 
     def _root_cause_first(self, failed: list[int]) -> list[int]:
         """The failed ranks, the root cause first (see ``LaunchError.rank``).
@@ -720,8 +786,9 @@ class _Ranks:
     def _crash_text(rank: int, crashes: dict[int, str]) -> str:
         if rank not in crashes:
             return ""
-        return (f"\nPython stacks of rank {rank} at the signal (faulthandler, most recent call first):\n"
-                + "\n".join(f"  {line}" for line in crashes[rank].splitlines()))
+        return f"\nPython stacks of rank {rank} at the signal (faulthandler, most recent call first):\n" + "\n".join(
+            f"  {line}" for line in crashes[rank].splitlines()
+        )
 
     def _traceback(self, rank: int) -> str | None:
         """The traceback this rank sent if it raised, else None."""
@@ -783,7 +850,8 @@ def _where(stacks: dict[int, str]) -> str:
     if not stacks:
         return ""
     return "\nWhere each rank still running was (most recent call first):\n" + "\n".join(
-        f"[rank{r}]\n" + "\n".join(f"  {line}" for line in stack.splitlines()) for r, stack in sorted(stacks.items()))
+        f"[rank{r}]\n" + "\n".join(f"  {line}" for line in stack.splitlines()) for r, stack in sorted(stacks.items())
+    )
 
 
 def _exit_code_leaving_a_zombie(proc: subprocess.Popen) -> int:
@@ -845,8 +913,11 @@ def _signal_group(proc, sig: int, *, exited: bool) -> None:
 # (gloo's pair.cc "Connection reset by peer" / "Connection closed by peer", a write into
 # it "Broken pipe"; the TCPStore's client the same, or its recv "got 0 bytes"), or NCCL
 # aborted the communicator. Such a rank is a consequence of another rank's failure.
-_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed"
-                        r"|failed to recv, got 0 bytes|NCCL communicator was aborted|ncclRemoteError", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Socket closed"
+    r"|failed to recv, got 0 bytes|NCCL communicator was aborted|ncclRemoteError",
+    re.IGNORECASE,
+)
 
 
 def _describe_exit(code: int) -> str:

@@ -18,8 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryBreakdown", "estimate", "host_peak_rise", "measure", "saved_for_backward", "tensor_peak_rise",
-           "STRATEGIES"]
+__all__ = [
+    "MemoryBreakdown",
+    "estimate",
+    "host_peak_rise",
+    "measure",
+    "saved_for_backward",
+    "tensor_peak_rise",
+    "STRATEGIES",
+]
 
 STRATEGIES = ("DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
 _STATES_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
@@ -39,8 +46,9 @@ class MemoryBreakdown:
 
     def __str__(self) -> str:
         gb = lambda n: f"{n / 1e9:.4g} GB"  # noqa: E731  (decimal GB, as the ZeRO paper uses)
-        return (f"params {gb(self.params)}, grads {gb(self.grads)}, optimizer {gb(self.optimizer)}, "
-                f"total {gb(self.total)}")
+        return (
+            f"params {gb(self.params)}, grads {gb(self.grads)}, optimizer {gb(self.optimizer)}, total {gb(self.total)}"
+        )
 
 
 def _itemsize(dtype: torch.dtype, name: str) -> int:
@@ -117,7 +125,9 @@ def _fsdp2_param_groups(model: nn.Module) -> list:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()  # private: there is no public way to reach them
-            groups += filter(None, getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)])
+            groups += filter(
+                None, getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            )
     return groups
 
 
@@ -215,12 +225,21 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
     storages = _Storages()
     params = list(model.parameters()) + _fsdp2_sharded_params(model)
     param_bytes = storages.bytes(params + _fsdp1_flat_shards(model))
-    grad_bytes = storages.bytes([p.grad for p in params if p.is_leaf]  # a non-leaf (a view) has no .grad of its own
-                                + _fsdp2_accumulating_grads(model))
-    state = [] if optimizer is None else [
-        t for per_param in optimizer.state.values() for t in per_param.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    ] + [p for group in optimizer.param_groups for p in group["params"]]  # the model's own are counted already
+    grad_bytes = storages.bytes(
+        [p.grad for p in params if p.is_leaf]  # a non-leaf (a view) has no .grad of its own
+        + _fsdp2_accumulating_grads(model)
+    )
+    state = (
+        []
+        if optimizer is None
+        else [
+            t
+            for per_param in optimizer.state.values()
+            for t in per_param.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        ]
+        + [p for group in optimizer.param_groups for p in group["params"]]
+    )  # the model's own are counted already
     return MemoryBreakdown(param_bytes, grad_bytes, storages.bytes(state))
 
 
@@ -334,7 +353,7 @@ def host_peak_rise(fn):
 
 
 def tensor_peak_rise(fn):
-    """Run ``fn()``; return its result and the peak, in MiB, of the tensors it created and held, on every device together.
+    """Run ``fn()``; return its result and the peak, in MiB, of the tensors it created and held, on all devices at once.
 
     Counted by torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, private),
     a dispatch mode that follows each tensor's storage from its creation until it is

@@ -54,7 +54,7 @@ def _part(device_name: str) -> str | None:
     found = _FAMILY.search(upper)
     if found is None:
         return None
-    family, rest = found[1], upper[:found.start()] + " " + upper[found.end():]
+    family, rest = found[1], upper[: found.start()] + " " + upper[found.end() :]
     words = [w for w in re.split(r"[\s-]+", rest) if w and not _SAME_PART.fullmatch(w)]
     if family == "A100":
         return family if words in ([], ["PCIE"]) else None
@@ -72,15 +72,17 @@ def peak_flops(device_name: str) -> float:
     756.0
     >>> peak_flops("NVIDIA H200 NVL") / 1e12
     835.0
-    >>> peak_flops("cpu")
+    >>> peak_flops("cpu")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: no dense bf16 peak known for 'cpu' (known: A100, H100 SXM, H100 NVL, H100 PCIe, H200 SXM, H200 NVL, B200); pass the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s
+    ValueError: no dense bf16 peak known for 'cpu' (known: A100, H100 SXM, ...); pass the peak from the accelerator's...
     """
     part = _part(device_name)
     if part is None:
-        raise ValueError(f"no dense bf16 peak known for {device_name!r} (known: {', '.join(PEAK_BF16_DENSE)}); pass "
-                         "the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s")
+        raise ValueError(
+            f"no dense bf16 peak known for {device_name!r} (known: {', '.join(PEAK_BF16_DENSE)}); pass "
+            "the peak from the accelerator's datasheet, dense (without sparsity), in FLOP/s"
+        )
     return PEAK_BF16_DENSE[part]
 
 
@@ -88,8 +90,11 @@ def matmul_parameters(model: nn.Module) -> int:
     """The model's parameters that take part in a matmul: all of them (whole, also when
     sharded), less the embeddings that are only looked up (not tied to a Linear)."""
     linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    lookups = {id(m.weight): m.weight.numel() for m in model.modules()
-               if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights}
+    lookups = {
+        id(m.weight): m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
+    }
     return sum(p.numel() for p in model.parameters()) - sum(lookups.values())
 
 
@@ -122,6 +127,8 @@ def mfu(tokens_per_second: float, flops_per_token: int, peak: float | str, devic
     if isinstance(peak, str):
         peak = peak_flops(peak)
     if tokens_per_second < 0 or peak <= 0 or devices < 1:
-        raise ValueError(f"mfu: tokens_per_second={tokens_per_second}, peak={peak}, devices={devices}: expected "
-                         "tokens_per_second >= 0, a positive peak in FLOP/s and at least one device")
+        raise ValueError(
+            f"mfu: tokens_per_second={tokens_per_second}, peak={peak}, devices={devices}: expected "
+            "tokens_per_second >= 0, a positive peak in FLOP/s and at least one device"
+        )
     return tokens_per_second * flops_per_token / (peak * devices)

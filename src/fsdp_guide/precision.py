@@ -32,7 +32,9 @@ _KINDS = {
     "aten::mse_loss": "loss",
     "aten::nll_loss_forward": "loss",  # cross_entropy's
 }
-_COLLECTIVES = {name: found for name, found in _OPS.items() if found[0] in ("all-gather", "reduce-scatter", "all-reduce")}
+_COLLECTIVES = {
+    name: found for name, found in _OPS.items() if found[0] in ("all-gather", "reduce-scatter", "all-reduce")
+}
 
 
 def _first_tensor(value):

@@ -33,8 +33,9 @@ def python_docs_corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
 
 
-def repeating_tokens(seed: int, simulated_size_in_batches: int, batch_size: int, block_size: int,
-                     vocab_size: int = 256):
+def repeating_tokens(
+    seed: int, simulated_size_in_batches: int, batch_size: int, block_size: int, vocab_size: int = 256
+):
     """A function ``batch(i)`` of random token rows that starts over after ``simulated_size_in_batches`` batches."""
     if simulated_size_in_batches < 1:
         raise ValueError(f"simulated_size_in_batches={simulated_size_in_batches!r}: expected a positive int")
@@ -49,8 +50,10 @@ def repeating_tokens(seed: int, simulated_size_in_batches: int, batch_size: int,
 def _windows(corpus: torch.Tensor, seed: int, batch_size: int, block_size: int):
     """A function ``batch(i)`` of ``batch_size`` random windows of ``block_size + 1`` tokens from ``corpus``."""
     if corpus.dim() != 1 or corpus.numel() <= block_size + 1:
-        raise ValueError(f"corpus: expected a 1-D tensor longer than block_size + 1 = {block_size + 1} tokens, "
-                         f"got shape {tuple(corpus.shape)}")
+        raise ValueError(
+            f"corpus: expected a 1-D tensor longer than block_size + 1 = {block_size + 1} tokens, "
+            f"got shape {tuple(corpus.shape)}"
+        )
     offsets = torch.arange(block_size + 1)
 
     def batch(i: int) -> torch.Tensor:
@@ -86,11 +89,21 @@ class TokenBatches:
     True
     """
 
-    def __init__(self, corpus: torch.Tensor | None, *, batch_size: int, block_size: int, seed: int = 0,
-                 simulated_size_in_batches: int = 16, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        corpus: torch.Tensor | None,
+        *,
+        batch_size: int,
+        block_size: int,
+        seed: int = 0,
+        simulated_size_in_batches: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if batch_size % world_size:
-            raise ValueError(f"batch_size={batch_size} does not split evenly over {world_size} ranks: "
-                             f"use a multiple of {world_size}")
+            raise ValueError(
+                f"batch_size={batch_size} does not split evenly over {world_size} ranks: use a multiple of {world_size}"
+            )
         self.corpus, self.batch_size, self.block_size = corpus, batch_size, block_size
         self.simulated_size_in_batches = simulated_size_in_batches
         self.rows = slice(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)

@@ -9,7 +9,8 @@ already accept ``wrapper_cls=fully_shard``, so they need nothing here.)
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard

@@ -90,18 +90,27 @@ def _positive(text: str) -> int:
 
 def _parse(argv: list[str]) -> tuple[str, int, list[str]]:
     """(how, step, the recipe's flags), or a usage error (exit status 2) as the recipe's own."""
-    parser = argparse.ArgumentParser(prog="python -m fsdp_guide.recipes.killed_rank", allow_abbrev=False,
-                                     description="The LLM recipe under torchrun --max-restarts=1, with rank 1 killed "
-                                                 "in the first attempt; the other flags are the recipe's.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_guide.recipes.killed_rank",
+        allow_abbrev=False,
+        description="The LLM recipe under torchrun --max-restarts=1, with rank 1 killed "
+        "in the first attempt; the other flags are the recipe's.",
+    )
     how = parser.add_mutually_exclusive_group(required=True)
     how.add_argument("--kill-after-step", type=_positive, metavar="N", help="rank 1 dies once its step N is computed")
-    how.add_argument("--kill-while-saving", type=_positive, metavar="N",
-                     help="rank 1 dies once it has written its part of checkpoint N")
+    how.add_argument(
+        "--kill-while-saving",
+        type=_positive,
+        metavar="N",
+        help="rank 1 dies once it has written its part of checkpoint N",
+    )
     args, recipe = parser.parse_known_args(argv)
     missing = [name for name in ("TORCHELASTIC_RESTART_COUNT", "RANK") if name not in os.environ]
     if missing:
-        parser.error(f"{' and '.join(missing)} not set: run it under torchrun, e.g. torchrun --nproc-per-node=2 "
-                     "--max-restarts=1 -m fsdp_guide.recipes.killed_rank --kill-after-step 3 <the recipe's flags>")
+        parser.error(
+            f"{' and '.join(missing)} not set: run it under torchrun, e.g. torchrun --nproc-per-node=2 "
+            "--max-restarts=1 -m fsdp_guide.recipes.killed_rank --kill-after-step 3 <the recipe's flags>"
+        )
     if args.kill_after_step is not None:
         return "--kill-after-step", args.kill_after_step, recipe
     return "--kill-while-saving", args.kill_while_saving, recipe

@@ -38,14 +38,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdp_guide.devices import backend, device as rank_device
+from fsdp_guide.devices import backend
+from fsdp_guide.devices import device as rank_device
 from fsdp_guide.recipes.train_llm import TrainConfig, build_model, build_optimizer, compute_dtype
 from fsdp_guide.tokens import TokenBatches
 
 # The LLM tests' small GPT; the schedule spans MAX_STEPS, of which a run takes as many as it needs.
 MAX_STEPS = 400
-CONFIG = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=MAX_STEPS, warmup=2,
-                     data="repeating", progress=False)
+CONFIG = TrainConfig(
+    n_layer=2,
+    n_head=2,
+    n_embd=32,
+    block_size=32,
+    batch_size=8,
+    steps=MAX_STEPS,
+    warmup=2,
+    data="repeating",
+    progress=False,
+)
 RANKS_PER_GROUP = 2
 
 
@@ -55,9 +65,15 @@ def batch(step: int, group: int, rank: int, groups: int, device: torch.device):
     A function of the step alone, so a group that rejoins at step N reads step N's rows:
     the data position is the step torchft hands it, not a state to recover.
     """
-    rows = TokenBatches(None, batch_size=CONFIG.batch_size, block_size=CONFIG.block_size, seed=CONFIG.seed,
-                        simulated_size_in_batches=CONFIG.simulated_size_in_batches,
-                        rank=group * RANKS_PER_GROUP + rank, world_size=groups * RANKS_PER_GROUP)
+    rows = TokenBatches(
+        None,
+        batch_size=CONFIG.batch_size,
+        block_size=CONFIG.block_size,
+        seed=CONFIG.seed,
+        simulated_size_in_batches=CONFIG.simulated_size_in_batches,
+        rank=group * RANKS_PER_GROUP + rank,
+        world_size=groups * RANKS_PER_GROUP,
+    )
     rows.load_state_dict({"seed": CONFIG.seed, "position": step})
     return tuple(t.to(device) for t in next(rows))
 
@@ -99,14 +115,23 @@ def recoverable_state(model, optimizer, scheduler):
     def load_state_dict(state: dict) -> None:  # torchft calls it in should_commit, before the optimizer step
         def sharded(name, shard):  # the peer's shard of `name`, placed as this rank's parameter is
             p = params[name]
-            return DTensor.from_local(shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
-                                      run_check=False)
+            return DTensor.from_local(
+                shard, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+            )
 
-        optim = {"param_groups": state["optim"]["param_groups"],
-                 "state": {name: {k: sharded(name, v) if k != "step" else v for k, v in kept.items()}
-                           for name, kept in state["optim"]["state"].items()}}
-        set_state_dict(model, optimizer, model_state_dict={n: sharded(n, t) for n, t in state["model"].items()},
-                       optim_state_dict=optim)  # the optimizer's load_state_dict creates AdamW's state from the peer's
+        optim = {
+            "param_groups": state["optim"]["param_groups"],
+            "state": {
+                name: {k: sharded(name, v) if k != "step" else v for k, v in kept.items()}
+                for name, kept in state["optim"]["state"].items()
+            },
+        }
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict={n: sharded(n, t) for n, t in state["model"].items()},
+            optim_state_dict=optim,
+        )  # the optimizer's load_state_dict creates AdamW's state from the peer's
         scheduler.load_state_dict(state["scheduler"])
 
     return state_dict, load_state_dict
@@ -133,8 +158,10 @@ def _wait_for_every_worker(out: Path, groups: int, group: int, rank: int, timeou
     deadline = time.monotonic() + timeout
     while len(list(out.glob("ready-group*-rank*"))) < groups * RANKS_PER_GROUP:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"fsdp_guide.recipes.replicas: not every group's workers were up within {timeout:g} s "
-                               f"(ready files in {out}: {sorted(path.name for path in out.glob('ready-*'))})")
+            raise RuntimeError(
+                f"fsdp_guide.recipes.replicas: not every group's workers were up within {timeout:g} s "
+                f"(ready files in {out}: {sorted(path.name for path in out.glob('ready-*'))})"
+            )
         time.sleep(0.05)
 
 
@@ -146,8 +173,10 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
     device = rank_device()
     dtype = compute_dtype(CONFIG.precision, device)
     if dtype == torch.float16:
-        raise ValueError("fsdp_guide.recipes.replicas: fp16 (a GPU without bf16) needs a gradient scaler, which this "
-                         "loop does not have; run it where the recipe computes in bf16 or fp32")
+        raise ValueError(
+            "fsdp_guide.recipes.replicas: fp16 (a GPU without bf16) needs a gradient scaler, which this "
+            "loop does not have; run it where the recipe computes in bf16 or fp32"
+        )
     dist.init_process_group(backend())  # this group's ranks: FSDP2 shards over them
     rank = dist.get_rank()
     model = build_model(CONFIG, device, dtype)  # every group: the same weights
@@ -158,10 +187,20 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
     # across groups, on the backend used inside them; torchft reconfigures it for each quorum
     across = (ProcessGroupNCCL if backend() == "nccl" else ProcessGroupGloo)(timeout=timeout)
     manager = Manager(
-        pg=across, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-        replica_id=f"group{group}", rank=rank, world_size=dist.get_world_size(), hostname="127.0.0.1",
-        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], init_sync=False, timeout=timeout, quorum_timeout=timeout,
+        pg=across,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"group{group}",
+        rank=rank,
+        world_size=dist.get_world_size(),
+        hostname="127.0.0.1",
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
+        init_sync=False,
+        timeout=timeout,
+        quorum_timeout=timeout,
         # the state to a rejoining group over the process group (HTTPTransport would serve it on every interface)
         checkpoint_transport=PGTransport(across, timeout=timeout, device=device),
     )
@@ -183,8 +222,18 @@ def worker(out: Path, groups: int, kill_at: int, step_seconds: float) -> None:
             optimizer.zero_grad()
         # The quorum's id tells two quorums of one step apart (the Lighthouse numbers each new
         # membership); torchft 0.2 has no public accessor for it.
-        _log(out, group, rank, step=step, quorum=manager._quorum_id, participants=manager.num_participants(),
-             participating=manager.is_participating(), committed=committed, loss=loss, attempt=attempt)
+        _log(
+            out,
+            group,
+            rank,
+            step=step,
+            quorum=manager._quorum_id,
+            participants=manager.num_participants(),
+            participating=manager.is_participating(),
+            committed=committed,
+            loss=loss,
+            attempt=attempt,
+        )
         if group == 1 and rank == 1 and attempt == 0 and step >= kill_at:  # >=: group 1 may join or heal past it
             os.kill(os.getpid(), signal.SIGKILL)  # as a crash: no exception, no goodbye to the quorum
         # A step of a real model takes a while: the tiny one's would race through hundreds while group 1 restarts.
@@ -221,7 +270,7 @@ def read_logs(out: Path) -> dict[tuple[int, int], list[dict]]:
     for path in Path(out).glob("group*-rank*.jsonl"):
         group, rank = map(int, re.fullmatch(r"group(\d+)-rank(\d+)", path.stem).groups())
         text = path.read_text()
-        logs[(group, rank)] = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+        logs[(group, rank)] = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
     return dict(sorted(logs.items()))
 
 
@@ -238,12 +287,19 @@ def quorums(logs: dict) -> dict[int, tuple[list[int], list[int]]]:
     one in different quorums (their weights differ, which torchft does not check), or where
     the quorum's divisor was not the number of groups it averaged.
     """
-    committed = {group: [line for line in lines if line["committed"]]
-                 for (group, rank), lines in sorted(logs.items()) if rank == 0}
+    committed = {
+        group: [line for line in lines if line["committed"]]
+        for (group, rank), lines in sorted(logs.items())
+        if rank == 0
+    }
 
     def members(line: dict) -> dict[int, int]:  # group -> index of its line, for each group in line's quorum
-        return {group: i for group, lines in committed.items() for i, other in enumerate(lines)
-                if (other["step"], other["quorum"]) == (line["step"], line["quorum"])}
+        return {
+            group: i
+            for group, lines in committed.items()
+            for i, other in enumerate(lines)
+            if (other["step"], other["quorum"]) == (line["step"], line["quorum"])
+        }
 
     found, group, at = {}, 0, len(committed[0]) - 1
     while at >= 0:
@@ -253,16 +309,23 @@ def quorums(logs: dict) -> dict[int, tuple[list[int], list[int]]]:
         found[step] = (averaged, sorted(set(quorum) - set(averaged)))
         divisors = {committed[g][i]["participants"] for g, i in quorum.items()}
         if divisors != {len(averaged)}:  # torchft's divisor: the replay divides by len(averaged)
-            raise ValueError(f"step {step}: groups {averaged} averaged their gradients, but the quorum divided "
-                             f"by {sorted(divisors)}: the replay cannot reproduce it")
+            raise ValueError(
+                f"step {step}: groups {averaged} averaged their gradients, but the quorum divided "
+                f"by {sorted(divisors)}: the replay cannot reproduce it"
+            )
         if not averaged or step == 0:
             break
-        before = {(committed[g][i - 1]["step"], committed[g][i - 1]["quorum"]) if i else None
-                  for g, i in quorum.items() if g in averaged}
+        before = {
+            (committed[g][i - 1]["step"], committed[g][i - 1]["quorum"]) if i else None
+            for g, i in quorum.items()
+            if g in averaged
+        }
         if len(before) != 1 or None in before or next(iter(before))[0] != step - 1:
-            raise ValueError(f"step {step}: groups {averaged} averaged their gradients without having computed "
-                             f"step {step - 1} in one quorum ({sorted(before, key=str)}): their weights differ, "
-                             "which torchft does not check")
+            raise ValueError(
+                f"step {step}: groups {averaged} averaged their gradients without having computed "
+                f"step {step - 1} in one quorum ({sorted(before, key=str)}): their weights differ, "
+                "which torchft does not check"
+            )
         group = averaged[0]  # the group itself, or the one whose state it received
         at = quorum[group] - 1
     if min(found) != 0 or len(found) != max(found) + 1:
@@ -280,9 +343,16 @@ def _back_for(logs: dict, steps: int) -> bool:
     return sum(1 for line in logs.get((1, 0), []) if line["attempt"] == 1 and line["committed"]) >= steps
 
 
-def run(out: Path, groups: int = 2, kill_at: int = 5, after_rejoin: int = 10, rejoin_after: float = 0.0,
-        step_seconds: float = 0.1, timeout: float = 240) -> None:
-    """The driver: a Lighthouse, ``groups`` torchrun jobs, and the stop once group 1 is back for ``after_rejoin`` steps."""
+def run(
+    out: Path,
+    groups: int = 2,
+    kill_at: int = 5,
+    after_rejoin: int = 10,
+    rejoin_after: float = 0.0,
+    step_seconds: float = 0.1,
+    timeout: float = 240,
+) -> None:
+    """The driver: a Lighthouse, ``groups`` torchrun jobs, and the stop once group 1 is back ``after_rejoin`` steps."""
     from torchft.coordination import LighthouseServer
 
     from fsdp_guide.launcher import _threads_per_rank
@@ -293,27 +363,50 @@ def run(out: Path, groups: int = 2, kill_at: int = 5, after_rejoin: int = 10, re
     jobs = []
     try:
         for group in range(groups):
-            env = {**os.environ, "REPLICA_GROUP": str(group), "GLOO_SOCKET_IFNAME": "lo",
-                   "REJOIN_AFTER": str(rejoin_after),
-                   # the threads launch(world_size=2) gives a rank: replay's arithmetic, bit for bit
-                   "OMP_NUM_THREADS": str(_threads_per_rank(RANKS_PER_GROUP)),
-                   # its address as a number: the lighthouse advertises the host's name
-                   "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a store per attempt (fsdp_guide.launcher._restart_hazard)
+            env = {
+                **os.environ,
+                "REPLICA_GROUP": str(group),
+                "GLOO_SOCKET_IFNAME": "lo",
+                "REJOIN_AFTER": str(rejoin_after),
+                # the threads launch(world_size=2) gives a rank: replay's arithmetic, bit for bit
+                "OMP_NUM_THREADS": str(_threads_per_rank(RANKS_PER_GROUP)),
+                # its address as a number: the lighthouse advertises the host's name
+                "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            }  # a store per attempt (fsdp_guide.launcher._restart_hazard)
             if torch.cuda.is_available():  # each group its own GPUs: both groups' local rank 0 would pick the first
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(group * RANKS_PER_GROUP + r) for r in range(RANKS_PER_GROUP))
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS_PER_GROUP}",
-                       "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-                       "--local-addr=127.0.0.1", "-m", "fsdp_guide.recipes.replicas", "--worker", "--out", str(out),
-                       "--groups", str(groups), "--kill-at", str(kill_at), "--step-seconds", str(step_seconds)]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={RANKS_PER_GROUP}",
+                "--max-restarts=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+                "--local-addr=127.0.0.1",
+                "-m",
+                "fsdp_guide.recipes.replicas",
+                "--worker",
+                "--out",
+                str(out),
+                "--groups",
+                str(groups),
+                "--kill-at",
+                str(kill_at),
+                "--step-seconds",
+                str(step_seconds),
+            ]
             # To a file, not a pipe: torchft logs every step, and an unread pipe fills and blocks the group.
             with open(out / f"group{group}.log", "w") as log:
                 jobs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         while not (out / "stop").exists():
             if time.monotonic() > deadline or any(job.poll() is not None for job in jobs):
-                raise RuntimeError(f"the replica groups did not get group 1 back within {timeout} s, or one ended "
-                                   f"early (exit codes {[job.poll() for job in jobs]}): see {out}/group*.log")
+                raise RuntimeError(
+                    f"the replica groups did not get group 1 back within {timeout} s, or one ended "
+                    f"early (exit codes {[job.poll() for job in jobs]}): see {out}/group*.log"
+                )
             logs = read_logs(out)
             if _back_for(logs, after_rejoin):
                 last = max(line["step"] for lines in logs.values() for line in lines)
@@ -325,8 +418,11 @@ def run(out: Path, groups: int = 2, kill_at: int = 5, after_rejoin: int = 10, re
         for group, job in enumerate(jobs):
             try:
                 code = job.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"replica group {group} still running after {timeout} s: see {out}/group{group}.log")
+            except subprocess.TimeoutExpired as still_running:
+                log = f"{out}/group{group}.log"
+                raise RuntimeError(
+                    f"replica group {group} still running after {timeout} s: see {log}"
+                ) from still_running
             if code != 0:
                 raise RuntimeError(f"replica group {group} exited with {code}: see {out}/group{group}.log")
         ends = {key: lines[-1]["step"] for key, lines in read_logs(out).items()}
@@ -345,7 +441,9 @@ def run(out: Path, groups: int = 2, kill_at: int = 5, after_rejoin: int = 10, re
 
 
 # The files a run writes into --out (worker, _wait_for_every_worker, run): another run's would mix with them.
-_RUN_FILES = re.compile(r"group\d+(\.log|-rank\d+\.jsonl)|final-group\d+-rank\d+\.pt|ready-group\d+-rank\d+|stop(\.tmp)?")
+_RUN_FILES = re.compile(
+    r"group\d+(\.log|-rank\d+\.jsonl)|final-group\d+-rank\d+\.pt|ready-group\d+-rank\d+|stop(\.tmp)?"
+)
 
 
 def _previous_run(out: Path) -> list[str]:
@@ -354,8 +452,9 @@ def _previous_run(out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, type=Path,
-                        help="an existing directory for the logs, holding no previous run")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="an existing directory for the logs, holding no previous run"
+    )
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=5, help="group 1's rank 1 dies after this step")
     parser.add_argument("--after-rejoin", type=int, default=10, help="steps to run once group 1 is back")
@@ -368,18 +467,25 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: not a directory; create it first")
     if args.groups < 2 or not 0 <= args.kill_at < MAX_STEPS:
         parser.error(f"expected --groups 2 or more and --kill-at 0 to {MAX_STEPS - 1}")
-    if args.after_rejoin < 1 or not (0 <= args.rejoin_after < math.inf and 0 <= args.step_seconds < math.inf
-                                     and 0 < args.timeout < math.inf):  # written so that NaN fails each too
-        parser.error(f"expected --after-rejoin 1 or more (got {args.after_rejoin}), --rejoin-after and --step-seconds "
-                     f"0 or more, finite (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0, finite "
-                     f"(got {args.timeout:g})")
+    if args.after_rejoin < 1 or not (
+        0 <= args.rejoin_after < math.inf and 0 <= args.step_seconds < math.inf and 0 < args.timeout < math.inf
+    ):  # written so that NaN fails each too
+        parser.error(
+            f"expected --after-rejoin 1 or more (got {args.after_rejoin}), --rejoin-after and --step-seconds "
+            f"0 or more, finite (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0, finite "
+            f"(got {args.timeout:g})"
+        )
     if not args.worker and (previous := _previous_run(args.out)):
-        parser.error(f"--out {args.out} holds a previous run's files ({', '.join(previous[:3])}"
-                     f"{', ...' if len(previous) > 3 else ''}): the two would mix; pass an empty directory")
-    if (interfaces := sorted({name for _, name in socket.if_nameindex()} - {"lo"})):
-        parser.error(f"interfaces other than loopback exist ({', '.join(interfaces)}), and torchft's manager listens "
-                     "on every interface: run it where only lo exists, e.g. in a network namespace of its own, "
-                     "fsdp_guide.isolation.loopback_only([sys.executable, '-m', 'fsdp_guide.recipes.replicas', ...])")
+        parser.error(
+            f"--out {args.out} holds a previous run's files ({', '.join(previous[:3])}"
+            f"{', ...' if len(previous) > 3 else ''}): the two would mix; pass an empty directory"
+        )
+    if interfaces := sorted({name for _, name in socket.if_nameindex()} - {"lo"}):
+        parser.error(
+            f"interfaces other than loopback exist ({', '.join(interfaces)}), and torchft's manager listens "
+            "on every interface: run it where only lo exists, e.g. in a network namespace of its own, "
+            "fsdp_guide.isolation.loopback_only([sys.executable, '-m', 'fsdp_guide.recipes.replicas', ...])"
+        )
     if args.worker:
         if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
             time.sleep(float(os.environ["REJOIN_AFTER"]))  # a slow restart: a new node, a long import

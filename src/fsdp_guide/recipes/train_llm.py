@@ -99,6 +99,7 @@ def _naming(values: dict, cli: bool):
     In a notebook the reader wrote TrainConfig's fields, ``stop_at=50``; on the command
     line the flags, ``--stop-at 50``: the same checks speak to each in its own terms.
     """
+
     def name(field: str) -> str:
         return "--" + field.replace("_", "-") if cli else field
 
@@ -131,8 +132,18 @@ def _problem(v: dict, cli: bool) -> str | None:
         return f"{given('data')}: expected one of {', '.join(DATA)}"
     if v["precision"] not in PRECISIONS:
         return f"{given('precision')}: expected one of {', '.join(PRECISIONS)}"
-    for field in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "steps", "log_every",
-                  "simulated_size_in_batches", "keep"):
+    for field in (
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "batch_size",
+        "grad_accum",
+        "steps",
+        "log_every",
+        "simulated_size_in_batches",
+        "keep",
+    ):
         if not _is_int(v[field]) or v[field] < 1:
             return f"{given(field)}: expected a positive int"
     if v["n_embd"] % v["n_head"]:  # each head attends over an equal slice of the embedding
@@ -156,8 +167,10 @@ def _problem(v: dict, cli: bool) -> str | None:
     if v["resume"] in ("latest", "auto") and not v["checkpoint_dir"]:
         return f"{given('resume')} needs {name('checkpoint_dir')}, the directory to take the newest checkpoint from"
     if v["async_checkpoint"] and not v["checkpoint_every"]:  # else it would do nothing, silently
-        return (f"{name('async_checkpoint')} needs {name('checkpoint_every')} and {name('checkpoint_dir')}: "
-                "without them there is no checkpoint to write in the background")
+        return (
+            f"{name('async_checkpoint')} needs {name('checkpoint_every')} and {name('checkpoint_dir')}: "
+            "without them there is no checkpoint to write in the background"
+        )
     return None
 
 
@@ -197,16 +210,19 @@ def _command_problem(args: dict) -> str | None:
         from fsdp_guide import checkpoint
 
         if checkpoint.latest(directory) is None:  # asked to resume: never a silent fresh start
-            return (f"{given('resume')}: no complete checkpoint (step-N) in {given('checkpoint_dir')} "
-                    "written by fsdp_guide.checkpoint (its marker file names its step) "
-                    "to resume from; leave --resume out to start afresh")
+            return (
+                f"{given('resume')}: no complete checkpoint (step-N) in {given('checkpoint_dir')} "
+                "written by fsdp_guide.checkpoint (its marker file names its step) "
+                "to resume from; leave --resume out to start afresh"
+            )
     elif resume == "auto":
         pass  # the newest checkpoint if there is one, else a fresh start: both are right
     elif resume and not Path(resume).is_dir():
         return f"{given('resume')}: no such checkpoint directory; expected 'latest', 'auto' or a checkpoint's path"
     elif resume and not (Path(resume) / ".metadata").is_file():  # DCP writes it last: the sign of a complete one
-        return (f"{given('resume')}: not a complete checkpoint (it has no .metadata file); "
-                "complete ones are named step-N")
+        return (
+            f"{given('resume')}: not a complete checkpoint (it has no .metadata file); complete ones are named step-N"
+        )
     if resume:
         from fsdp_guide import checkpoint
 
@@ -286,8 +302,7 @@ def init_sharded(model: nn.Module, seed: int) -> None:
 
 def build_optimizer(model: nn.Module, config: TrainConfig):
     """AdamW, and a linear warm-up to ``lr`` followed by a cosine decay to 10% of it."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
     def schedule(step: int) -> float:
         if step < config.warmup:
@@ -302,9 +317,15 @@ def make_batches(config: TrainConfig):
     from fsdp_guide.tokens import TokenBatches, python_docs_corpus
 
     corpus = python_docs_corpus() if config.data == "python-docs" else None
-    return TokenBatches(corpus, batch_size=config.batch_size, block_size=config.block_size, seed=config.seed,
-                        simulated_size_in_batches=config.simulated_size_in_batches,
-                        rank=dist.get_rank(), world_size=dist.get_world_size())  # it checks batch_size splits
+    return TokenBatches(
+        corpus,
+        batch_size=config.batch_size,
+        block_size=config.block_size,
+        seed=config.seed,
+        simulated_size_in_batches=config.simulated_size_in_batches,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+    )  # it checks batch_size splits
 
 
 def train_step(model, optimizer, scheduler, scaler, batches, config: TrainConfig, device) -> float:
@@ -350,8 +371,18 @@ def _peak_memory(device: torch.device) -> tuple[str, float]:
 # their order, the precision, must be the checkpoint's: a usage error names any that differ.
 # The schedule and the optimiser's settings may change, and are applied (a longer run, a lower
 # rate); the rest (when to stop, save, log, export) is the command's alone.
-_SAME_RUN = ("n_layer", "n_head", "n_embd", "block_size", "data", "batch_size", "grad_accum",
-             "simulated_size_in_batches", "seed", "precision")
+_SAME_RUN = (
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "data",
+    "batch_size",
+    "grad_accum",
+    "simulated_size_in_batches",
+    "seed",
+    "precision",
+)
 _APPLIED = ("steps", "lr", "warmup", "weight_decay", "clip")
 _SETTINGS = "settings.values"  # RunSettings' entry in a checkpoint, as DCP flattens it
 
@@ -382,26 +413,31 @@ def _saved_settings(path: Path) -> dict | None:
         if not isinstance(settings, dict):
             raise TypeError(f"a JSON {type(settings).__name__}")
     except (TypeError, ValueError) as error:
-        raise checkpoint.CheckpointError(f"{path}: its saved settings cannot be read ({error}): it is damaged, or "
-                                         "was not saved by this recipe") from error
+        raise checkpoint.CheckpointError(
+            f"{path}: its saved settings cannot be read ({error}): it is damaged, or was not saved by this recipe"
+        ) from error
     return {**settings, "step": checkpoint._saved_value(path, "step")}
 
 
 def _resume_problem(saved: dict, values: dict, path: Path, cli: bool) -> str | None:
-    """What of the run the checkpoint at ``path`` continues the settings ``values`` change, in one line; None if nothing."""
+    """What of the run the checkpoint at ``path`` continues the settings ``values`` change, in a line; None if none."""
     name, given = _naming(values, cli)
     # the repeating data's period only makes the data when that is the data
     same_run = [f for f in _SAME_RUN if f != "simulated_size_in_batches" or values["data"] == "repeating"]
     changed = [field for field in same_run if field in saved and saved[field] != values[field]]
     if not changed:
         if isinstance(saved.get("step"), int) and saved["step"] > values["steps"]:
-            return (f"{given('steps')}: {path} is at step {saved['step']}, past the end of that run; expected "
-                    f"{name('steps')} {saved['step']} or more")
+            return (
+                f"{given('steps')}: {path} is at step {saved['step']}, past the end of that run; expected "
+                f"{name('steps')} {saved['step']} or more"
+            )
         return None
     what = ", ".join(f"{given(field)} (the checkpoint's: {saved[field]})" for field in changed)
-    return (f"{what}: {path} continues a run with other settings, and a resume continues that run; leave "
-            f"{'them' if len(changed) > 1 else 'it'} as {'they were' if len(changed) > 1 else 'it was'}, "
-            f"or start afresh without {name('resume')}")
+    return (
+        f"{what}: {path} continues a run with other settings, and a resume continues that run; leave "
+        f"{'them' if len(changed) > 1 else 'it'} as {'they were' if len(changed) > 1 else 'it was'}, "
+        f"or start afresh without {name('resume')}"
+    )
 
 
 def _apply_changed_settings(saved: dict, config: TrainConfig, optimizer, scheduler) -> dict:
@@ -421,15 +457,17 @@ def _apply_changed_settings(saved: dict, config: TrainConfig, optimizer, schedul
 
 
 def _checkpoint_to_resume(config: TrainConfig) -> Path | None:
-    """The checkpoint ``--resume`` names; None for a fresh start (no ``--resume``, or ``auto`` before the first save)."""
+    """The checkpoint ``--resume`` names; None for a fresh start (no ``--resume``, or ``auto`` before a first save)."""
     from fsdp_guide import checkpoint
 
     if config.resume not in ("latest", "auto"):
         return Path(config.resume) if config.resume else None
     path = checkpoint.latest(config.checkpoint_dir)
     if path is None and config.resume == "latest":  # asked to resume: never a silent fresh start
-        raise checkpoint.CheckpointError(f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from, "
-                                         "of those fsdp_guide.checkpoint writes (its marker file names its step)")
+        raise checkpoint.CheckpointError(
+            f"{config.checkpoint_dir}: no complete checkpoint (step-N) to resume from, "
+            "of those fsdp_guide.checkpoint writes (its marker file names its step)"
+        )
     return path
 
 
@@ -464,8 +502,10 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
         start = checkpoint.load(path, model, optimizer, **stateful)
         changed = _apply_changed_settings(saved_with, config, optimizer, scheduler)
         if rank == 0:
-            print(f"resumed from {path} at step {start}"
-                  + "".join(f"; {f} {now} (the checkpoint's: {was})" for f, (was, now) in changed.items()))
+            print(
+                f"resumed from {path} at step {start}"
+                + "".join(f"; {f} {now} (the checkpoint's: {was})" for f, (was, now) in changed.items())
+            )
     elif config.resume == "auto" and rank == 0:  # a restarted job's first attempt: nothing saved yet
         print(f"no complete checkpoint in {config.checkpoint_dir}: starting at step 1 (--resume auto)")
     stateful["settings"] = RunSettings(config)  # saved with every checkpoint of this run, never loaded
@@ -485,13 +525,23 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
             last_log, last_time = step, now
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             if rank == 0:  # tqdm.write prints above the bar, or plainly when there is none
-                tqdm.write(f"step {step:4} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.1e} "
-                           f"| {tokens_per_s:8,.0f} tokens/s", file=sys.stdout)
+                tqdm.write(
+                    f"step {step:4} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.1e} "
+                    f"| {tokens_per_s:8,.0f} tokens/s",
+                    file=sys.stdout,
+                )
         if config.checkpoint_every and step % config.checkpoint_every == 0:
             save = checkpoint.async_save if config.async_checkpoint else checkpoint.save
             stall = time.perf_counter()  # how long training waits for the save
-            saved = save(config.checkpoint_dir, step, model, optimizer, keep=config.keep,
-                         storage_writer=storage_writer, **stateful)
+            saved = save(
+                config.checkpoint_dir,
+                step,
+                model,
+                optimizer,
+                keep=config.keep,
+                storage_writer=storage_writer,
+                **stateful,
+            )
             stalls.append(time.perf_counter() - stall)
     if isinstance(saved, checkpoint.PendingSave):  # the last one is published before the run ends
         stall = time.perf_counter()
@@ -508,20 +558,35 @@ def train(config: TrainConfig, *, storage_writer=None) -> dict:
     if rank == 0:
         print(f"peak memory per rank, {what}: " + ", ".join(f"rank{r} {mib:,.0f} MiB" for r, mib in enumerate(peaks)))
         print(f"MFU {utilisation:.1%} (fsdp_guide.mfu)" if why_not is None else f"MFU not computed: {why_not}")
-    return dict(first_step=start + 1, losses=losses, lrs=lrs, dtype=str(dtype).removeprefix("torch."),
-                peak_memory_mib=peaks, peak_memory_is=what, tokens_per_s=tokens_per_s, mfu=utilisation,
-                checkpoint=str(saved) if saved else None, save_stall_s=stalls)
+    return dict(
+        first_step=start + 1,
+        losses=losses,
+        lrs=lrs,
+        dtype=str(dtype).removeprefix("torch."),
+        peak_memory_mib=peaks,
+        peak_memory_is=what,
+        tokens_per_s=tokens_per_s,
+        mfu=utilisation,
+        checkpoint=str(saved) if saved else None,
+        save_stall_s=stalls,
+    )
 
 
-def model_flops_utilisation(model: nn.Module, config: TrainConfig, tokens_per_s: float,
-                            device: torch.device) -> tuple[float | None, str | None]:
+def model_flops_utilisation(
+    model: nn.Module, config: TrainConfig, tokens_per_s: float, device: torch.device
+) -> tuple[float | None, str | None]:
     """The run's MFU on GPUs (:mod:`fsdp_guide.mfu`: the whole model's FLOPs per token, all
     ranks' tokens over all ranks' dense peak), or None and why not."""
     if device.type != "cuda":
         # A CPU has no dense bf16 tensor-core peak to divide by, and the recipe runs fp32 there.
         return None, f"on {device.type}, which has no dense bf16 peak in fsdp_guide.mfu.PEAK_BF16_DENSE"
-    per_token = flops_per_token(model, n_layers=config.n_layer, n_heads=config.n_head,
-                                head_dim=config.n_embd // config.n_head, seq_len=config.block_size)
+    per_token = flops_per_token(
+        model,
+        n_layers=config.n_layer,
+        n_heads=config.n_head,
+        head_dim=config.n_embd // config.n_head,
+        seq_len=config.block_size,
+    )
     try:
         return mfu(tokens_per_s, per_token, torch.cuda.get_device_name(device), devices=dist.get_world_size()), None
     except ValueError as error:  # a GPU the table does not know
@@ -538,10 +603,12 @@ _HELP = {
     "checkpoint_every": "save every N steps into --checkpoint-dir (0: never)",
     "keep": "how many checkpoints to keep in --checkpoint-dir, the newest (at least 1)",
     "async_checkpoint": "write each checkpoint in the background (DCP's async_save) while training goes on",
-    "resume": ("'latest' (the newest complete checkpoint in --checkpoint-dir), 'auto' (that, or a fresh start "
-               "when there is none yet: what a job restarted by torchrun --max-restarts needs), or a checkpoint's path; "
-               "the model, data, seed and precision flags must be the checkpoint's, --steps, --lr, --warmup, "
-               "--weight-decay and --clip are applied"),
+    "resume": (
+        "'latest' (the newest complete checkpoint in --checkpoint-dir), 'auto' (that, or a fresh start "
+        "when there is none yet: what a job restarted by torchrun --max-restarts needs), or a checkpoint's path; "
+        "the model, data, seed and precision flags must be the checkpoint's, --steps, --lr, --warmup, "
+        "--weight-decay and --clip are applied"
+    ),
     "export": "write the consolidated model (one torch.save file) here at the end",
 }
 
@@ -551,17 +618,23 @@ def _parse(argv) -> tuple[TrainConfig, int, str | None, float | None]:
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
         if field.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
-                                help=_HELP.get(field.name))
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=_HELP.get(field.name)
+            )
         else:
             kind = {"int": int, "float": float}.get(str(field.type), str)
             choices = {"data": DATA, "precision": PRECISIONS}.get(field.name)
             parser.add_argument(flag, type=kind, default=field.default, choices=choices, help=_HELP.get(field.name))
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to start when not under torchrun (default 2; under torchrun, its WORLD_SIZE)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to start when not under torchrun (default 2; under torchrun, its WORLD_SIZE)",
+    )
     parser.add_argument("--out", help="rank 0 writes the summary (losses, memory) to this JSON file")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="stop the ranks after this many seconds (default: no limit)")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="stop the ranks after this many seconds (default: no limit)"
+    )
     args = vars(parser.parse_args(argv))
     # Every check before any rank starts: a usage error (exit status 2, one line naming the flag).
     if problem := _problem(args, cli=True) or _command_problem(args):
