@@ -153,6 +153,18 @@ def test_the_build_names_each_page_as_it_starts_and_ends_a_failure_at_once_and_i
     assert not list(Path(tempfile.gettempdir()).glob(f"fsdp-guide-kernels-*/{ok.stem}-1"))  # its sockets removed
 
 
+@HANG
+def test_a_warning_from_an_installed_package_shows_the_packages_path_not_the_build_machines(tmp_path):
+    warns = (
+        "import warnings, torch.distributed.fsdp.wrap as w\nwarnings.warn_explicit('x', FutureWarning, w.__file__, 9)"
+    )
+    page = _cells(tmp_path, "warns", (False, warns))
+    with execution.Execution(tmp_path / "cache") as run:
+        shown = "".join(output.get("text", "") for output in run.submit(page).result().cells[1].outputs)
+    assert "torch/distributed/fsdp/wrap.py:9: FutureWarning: x" in shown
+    assert not any(path in shown for path in execution.build_paths()), shown
+
+
 def test_the_pages_with_a_recorded_time_run_longest_first_after_those_without_one():
     pages = [ROOT / "tutorials" / f"{stem}.py" for stem in ("quickstart", "communication", "compile", "new_page")]
     order = execution.execution_order(pages, {"quickstart": 10.0, "communication": 20.0, "compile": 50.0})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html as htmllib
 import re
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -281,6 +282,20 @@ def test_each_download_shows_the_outputs_the_page_shows_once(site, tutorial):
                 text = re.sub(r"\x1b\[[0-9;]*m", "", out["text"]).strip()  # the page renders ANSI colours
                 assert any(text in block for block in shown), text[:200]
     assert streams > 0
+
+
+def _build_paths() -> list[str]:
+    """Where this checkout, its Python and its temporary files are: what a page must not show."""
+    import tempfile
+
+    return [str(ROOT), sys.prefix, sys.base_prefix, "site-packages", f"{Path.home()}/", f"{tempfile.gettempdir()}/"]
+
+
+@pytest.mark.parametrize("page", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_page_shows_a_path_of_the_machine_that_built_it(site, page):
+    shown = _shown_blocks((site / page.parent.name / f"{page.stem}.html").read_text())
+    found = [(path, line) for block in shown for line in block.splitlines() for path in _build_paths() if path in line]
+    assert not found, "\n".join(f"{path!r} in: {line[:200]}" for path, line in found)
 
 
 def _anchors(page) -> set[str]:

@@ -184,16 +184,19 @@ for name, run in restarted.items():
     print(
         f"--- {name}, a checkpoint every {run['every']} steps: what torchrun and the recipe printed"
     )
-    for line in run["log"].splitlines():
-        if line.startswith("[killed_rank]") or any(
-            key in line for key in ("--resume auto", "resumed from")
-        ):
+    # Shown without what changes from run to run: the folder (relative to this run's own), the
+    # clock's time (the restart time is computed from it below) and the process ids.
+    for line in run["log"].replace(f"{workdir}/", "").splitlines():
+        if line.startswith("[killed_rank]"):
+            print(re.sub(r" at [\d.]+$", "", line))
+        elif any(key in line for key in ("--resume auto", "resumed from")):
             print(line)
         elif said := re.search(
             r"Sending process \d+ closing signal \w+|failed \(exitcode: -?\d+\) local_rank: \d+",
             line,
         ):
-            print("torchrun:", said[0])  # its agent's log (stderr, printed after the ranks' stdout)
+            # its agent's log (stderr, printed after the ranks' stdout)
+            print("torchrun:", re.sub(r"process \d+", "process (its pid)", said[0]))
 
 # %% [markdown]
 # The first attempt found no checkpoint and started at step 1; rank 1 died (torchrun saw

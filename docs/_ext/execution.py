@@ -21,6 +21,10 @@ on a core of its own, which a concurrent page's ranks would take (its idle fract
 drifted by more than 0.1 once, with another page running beside it). The rest of such a
 page (its kernel's start, its imports, its other cells) shares the machine as any page
 does: only the tagged cells keep the other pages waiting.
+
+An executed page's outputs name files of the machine that ran it where a warning or a
+traceback does; they are cached (and shown) with those paths shortened to the part any
+reader's machine shares (``without_build_paths``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: docs/_ext/ is two folders down
 ALONE = "alone"  # the tag of a cell that runs with no other page's cell running
 
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -194,11 +199,48 @@ class Execution:
                 ) from error
         if result.err:  # nbclient's report: the cell's source, then its traceback, without the terminal's colours
             raise PageFailed(f"{page}: {ANSI_COLOUR.sub('', str(result.err))}")
+        without_build_paths(result.nb)
         with self._cache_lock:
             self.cache.cache_notebook_bundle(
                 CacheBundleIn(result.nb, uri=str(page), data={"execution_seconds": result.time}), overwrite=True
             )
         return result.nb, f"executed in {result.time:.1f} s"
+
+
+def build_paths() -> list[str]:
+    """The folders of this machine that outputs name (a warning's file, a traceback's frames), longest first.
+
+    The pages' kernels and ranks run this Python: its packages' and standard library's folders, and the checkout's.
+    """
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    folders = {*site.getsitepackages(), paths["purelib"], paths["platlib"], paths["stdlib"], str(ROOT)}
+    return sorted(folders, key=len, reverse=True)
+
+
+def without_build_paths(notebook) -> None:
+    """The outputs with each path of :func:`build_paths` shortened to the part a reader's machine shares.
+
+    ``/.../site-packages/torch/distributed/fsdp/wrap.py:91: FutureWarning`` becomes
+    ``torch/distributed/fsdp/wrap.py:91: FutureWarning``; a file of the checkout is named from its root.
+    """
+    folders = re.compile("|".join(re.escape(folder.rstrip("/") + "/") for folder in build_paths()))
+
+    def shorter(value):
+        if isinstance(value, str):
+            return folders.sub("", value)
+        return [shorter(item) for item in value] if isinstance(value, list) else value
+
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            for key in ("text", "evalue", "traceback"):
+                if key in output:
+                    output[key] = shorter(output[key])
+            for kind, value in output.get("data", {}).items():
+                if kind.startswith("text/"):
+                    output["data"][kind] = shorter(value)
 
 
 def _unix_socket_kernels(prefix: Path) -> type:
