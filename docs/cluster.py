@@ -211,6 +211,42 @@ for name, op in (
 ):
     glue(name, ranks[0]["collectives"].get(op, 0), display=False)
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The 2 by 2 mesh as the ranks reported it: ranks 0 and 1 in one shard group and ranks 2 and 3 in the other, each rank holding half of the first layer's weight; ranks 0 and 2, and ranks 1 and 3, in the replicate groups that hold the same half."}}
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyBboxPatch
+
+
+def draw_mesh(ranks):
+    """Each rank at (its shard group, its place in it), as the ranks' own groups say."""
+    shard_groups = sorted({tuple(r["shard_group"]) for r in ranks})
+    where = {rank: (row, group.index(rank)) for row, group in enumerate(shard_groups) for rank in group}
+    for r in ranks:  # a replicate group is a column: the same place in each shard group
+        assert len({where[rank][1] for rank in r["replicate_group"]}) == 1, "not a 2-D mesh"
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for rank, (row, col) in where.items():
+        rows = ranks[rank]["local_shape"][0]
+        box = (col * 2.2, -row * 2)
+        ax.add_patch(FancyBboxPatch(box, 1.8, 1, "round,pad=0.05", fc="#eef"))
+        label = f"rank {rank}\nrows {col * rows}-{(col + 1) * rows - 1}"
+        ax.text(box[0] + 0.9, box[1] + 0.5, label, ha="center", va="center")
+    for row, group in enumerate(shard_groups):
+        frame = FancyBboxPatch((-0.15, -row * 2 - 0.15), 4.1, 1.3, "round,pad=0.05", fill=False, ec="tab:blue", lw=2)
+        ax.add_patch(frame)
+        label = f"shard group {list(group)}:\nall-gather, reduce-scatter"
+        ax.text(4.2, -row * 2 + 0.5, label, color="tab:blue", va="center")
+    for col in range(len(shard_groups[0])):
+        members = sorted(rank for rank, (_, c) in where.items() if c == col)
+        x = col * 2.2 + 0.9
+        for row in range(len(shard_groups) - 1):  # in the gap between the shard groups' frames
+            ax.plot([x, x], [-row * 2 - 0.25, -row * 2 - 0.95], color="tab:orange", lw=2.5, ls="--")
+            label = f"replicate {members}:\nall-reduce"
+            ax.text(x + 0.1, -row * 2 - 0.6, label, color="tab:orange", va="center", fontsize=9)
+    ax.set(xlim=(-0.3, 7.2), ylim=(-2.3, 1.3), title="model[0].weight, 64 rows, on the (replicate, shard) mesh")
+    ax.axis("off")
+    return fig
+
+
+figure = draw_mesh(ranks)  # shown by the inline backend, once
 # %% [markdown]
 # Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold halves of it, as do
 # ranks 2 and 3) and `Replicate()` across the replicate groups (ranks 0 and 2 hold the same

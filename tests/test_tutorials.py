@@ -1228,6 +1228,8 @@ def test_cluster_page_runs_hsdp_on_a_2x2_mesh(executed):
     assert "   3  [2, 3]       [1, 3]           (Replicate(), Shard(dim=0))" in text
     assert "{'_allgather_base_': 4, '_reduce_scatter_base_': 2, 'allreduce_': 2}" in text
     assert _glued(executed["cluster"]).keys() >= {"hsdp_all_gathers", "hsdp_reduce_scatters", "hsdp_all_reduces"}
+    drawn = next(c for c in executed["cluster"].cells if "figure = draw_mesh(ranks)" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the mesh, drawn once
     line = next(ln for ln in text.splitlines() if ln.startswith("HSDP on a 2 x 2 mesh vs one process"))
     assert float(line.rsplit("=", 1)[1]) < 1e-6
     script = next(c.source for c in executed["cluster"].cells if "#SBATCH" in c.source)
