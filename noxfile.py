@@ -69,7 +69,8 @@ TORCH = {"oldest": ["torch==2.9.1", "torchao==0.16.0"], "newest": ["--upgrade", 
 # browser, the pages' code, the pages in JupyterLab), the install-alone test (it installs the
 # pinned torch), the GPU-run script (it executes the pages), the noxfile's own checks (nox is
 # not installed there), and torchft's live recovery (torchft is the pages' library, not the
-# package's; it passed on 2.9.1 and on 2.15 when added, and costs half a minute a session).
+# package's; it passed on 2.9.1 and on 2.15 when added, and costs half a minute a session), and
+# the pages' torchrun scripts (the pages' code, run on the pinned torch the pages executed with).
 SITE_TESTS = [
     "test_tutorials.py",
     "test_execution.py",
@@ -81,6 +82,7 @@ SITE_TESTS = [
     "test_jupyter.py",
     "test_torchft.py",
     "test_noxfile.py",
+    "test_scripts.py",
 ]
 # Also left out: the launcher's handling of processes that start fresh interpreters (a
 # script's __main__, a killed parent, a Jupyter kernel, import hygiene, the warm server's

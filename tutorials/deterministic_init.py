@@ -31,6 +31,7 @@
 # is written to run unchanged with one GPU per rank (NCCL), except two demonstrations that
 # are about the CPU and stay on it on purpose. The tips it demonstrates are listed
 # {ref}`at the end <deterministic-init-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`deterministic-init-script` ({download}`download <scripts/deterministic_init.py>`).
 
 # %%
 import sys
@@ -370,7 +371,24 @@ for name, fix in FIXES.items():
 # | 2. FSDP1 `param_init_fn` on `meta` | FSDP1, large models | shards + one full unit | none |
 # | 3. broadcast from rank 0 (`sync_module_states` on GPU) | init that only rank 0 can do (e.g. loading weights) | the whole model, until sharded | one broadcast of the model |
 # | 4. `meta` + `to_empty` + init in `summon_full_params` | FSDP2, large models, CPU or GPU | shards + one full unit | one all-gather of the model |
+
+# %% [markdown]
+# (deterministic-init-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/deterministic_init.py`.
+# `torchrun --nproc-per-node=2 deterministic_init.py` builds the model on `meta`, shards it,
+# allocates the shards with `to_empty` and fills them as fix 4 does, without the guide's
+# `summon_full_params`: one layer at a time, every rank draws the full tensors with the same seed
+# and keeps its slice. Rank 0 prints the largest difference from one process's model built with
+# that seed; the tests run it on 2 CPU ranks and check that the difference is 0
+# (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/deterministic_init.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (deterministic-init-tips)=
 # ## What this showed, and the tips behind it
 #

@@ -31,6 +31,7 @@
 # {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each rank has one,
 # else the CPU (as on the machine that executed this page). The tips it demonstrates are
 # listed {ref}`at the end <enable-wrap-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`enable-wrap-script` ({download}`download <scripts/enable_wrap.py>`).
 
 # %%
 import sys
@@ -317,6 +318,23 @@ for per_rank in measured.values():
     assert per_rank[0][1] == per_rank[1][1] == full_model // 2  # same shards every way
 assert measured["wrap as you build"][0][0] < 0.6 * baseline
 assert measured["meta device, shard, to_empty"][0][0] == full_model // 2
+
+# %% [markdown]
+# (enable-wrap-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/enable_wrap.py`.
+# Its three ways of building cut to the one to copy: `torchrun --nproc-per-node=2 enable_wrap.py`
+# builds a 16-block model on every rank twice, once whole and then sharded, once with each block
+# `wrap`-ped into `fully_shard` as it is built (the last block overriding the context's
+# `reshard_after_forward`), and rank 0 prints the most parameter bytes a rank held while building
+# each way, as a fraction of the model, and that both give the same output. The tests run it on
+# 2 CPU ranks and check that wrapping as you build stays under 0.6 of the model, building first
+# holds all of it, a rank holds half once sharded, and the outputs agree (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/enable_wrap.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (enable-wrap-tips)=

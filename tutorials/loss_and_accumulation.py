@@ -31,6 +31,7 @@
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <loss-and-accumulation-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`loss-and-accumulation-script` ({download}`download <scripts/loss_and_accumulation.py>`).
 
 # %%
 import sys
@@ -559,7 +560,23 @@ glue("hsdp_held_reduced_once", max(held_reduced_once), display=False)
 # - Either way, divide each micro-batch's summed loss by the step's **global token count**,
 #   counted before the first micro-batch, and undo FSDP's average (divide factor 1, or
 #   times the number of data-parallel ranks: replicas x shards on HSDP).
+
+# %% [markdown]
+# (loss-and-accumulation-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/loss_and_accumulation.py`.
+# `torchrun --nproc-per-node=2 loss_and_accumulation.py` trains on padded sequences, each rank its
+# rows as 2 micro-batches with the gradient sync off until the last, every micro-batch's summed
+# loss divided by the step's global token count and multiplied by the number of ranks. Rank 0
+# prints the largest loss difference from one process trained on the whole batches; the tests run
+# it on 2 CPU ranks and check that it is at most 1e-5 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/loss_and_accumulation.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (loss-and-accumulation-tips)=
 # ## The tips behind this
 #

@@ -26,6 +26,7 @@
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips it demonstrates are listed {ref}`at the end <migration-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`migration-script` ({download}`download <scripts/migration.py>`).
 
 # %%
 import sys
@@ -408,7 +409,23 @@ for with_optimizer in (True, False):
 # restart from zero, its first steps are full-size again, and the losses part ways. From here on, save with
 # `get_state_dict`/`set_state_dict` (they work for both APIs, and
 # {func}`fsdp_guide.checkpoint.save` wraps them with an atomic publish and exact resume).
+
+# %% [markdown]
+# (migration-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/migration.py`.
+# `torchrun --nproc-per-node=2 migration.py` trains the same model twice on the same batches: with
+# `FullyShardedDataParallel` (an `auto_wrap_policy`, `MixedPrecision`, `device_id`), then with
+# `fully_shard` on each block and the root (`MixedPrecisionPolicy`), both in bfloat16 with float32
+# gradient reduction, and rank 0 prints the largest difference between their losses. The tests run
+# it on 2 CPU ranks and check that the difference is at most 1e-6 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/migration.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (migration-tips)=
 # ## The tips behind this
 #

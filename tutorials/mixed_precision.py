@@ -31,6 +31,7 @@
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips are listed {ref}`at the end <mixed-precision-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`mixed-precision-script` ({download}`download <scripts/mixed_precision.py>`).
 
 # %%
 import sys
@@ -447,6 +448,22 @@ for rank, (own_finite, unchanged, old, new) in enumerate(
         f"rank {rank}: its own gradient shards finite: {own_finite}; step skipped: {unchanged}, "
         f"scale {old:g} -> {new:g}"
     )
+
+# %% [markdown]
+# (mixed-precision-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/mixed_precision.py`.
+# `torchrun --nproc-per-node=2 mixed_precision.py` shards a small model with
+# `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` on each unit and
+# trains it; rank 0 prints the dtypes it saw (bfloat16 forward weights and output, float32 shards
+# and gradients) and the largest relative difference from the same training in float32 in one
+# process. The tests run this file under torchrun on 2 CPU ranks and check those dtypes and that
+# the difference is below 2e-2 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/mixed_precision.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (mixed-precision-tips)=

@@ -26,6 +26,7 @@
 # **What you need**: a CPU is enough. The notebook starts 2 processes that talk over gloo on
 # 127.0.0.1; the same code is written to run unchanged with one GPU per rank (NCCL), because every
 # rank asks {func}`fsdp_guide.device` where to compute. It runs in about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed {ref}`at the end <quickstart-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`quickstart-script` ({download}`download <scripts/quickstart.py>`).
 #
 # This page was executed with (where its ranks ran is in the box at the end of the page):
 
@@ -273,6 +274,20 @@ ax.set(
 )
 ax.legend()
 fig.tight_layout()
+
+# %% [markdown]
+# (quickstart-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/quickstart.py`.
+# `torchrun --nproc-per-node=2 quickstart.py` starts the ranks; each sets up its process group and
+# its device, shards the model and trains on its slice of every batch, and rank 0 prints the
+# largest difference from the same training in one process. The tests run this file under
+# torchrun on 2 CPU ranks and check that the difference is at most 1e-5 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/quickstart.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (quickstart-tips)=

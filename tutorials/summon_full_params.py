@@ -27,6 +27,7 @@
 # **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL). The tips it demonstrates are
 # listed {ref}`at the end <summon-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`summon-script` ({download}`download <scripts/summon_full_params.py>`).
 
 # %%
 import sys
@@ -414,6 +415,21 @@ for writeback in (False, True):
     print(
         f"writeback={writeback!s:5}: every shard zero after the context, rank 0 / rank 1: {zeroed}"
     )
+
+# %% [markdown]
+# (summon-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/summon_full_params.py`.
+# `torchrun --nproc-per-node=2 summon_full_params.py` shards a small model, then runs an
+# orthogonal init recipe inside a torch-only `summon_full_params` for FSDP2 (`full_tensor()` in,
+# each rank's slice copied back into its shard on exit); rank 0 prints the shapes it saw and the
+# largest difference from the same recipe in one process. The tests run this file under torchrun
+# on 2 CPU ranks and check that the difference is exactly 0 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/summon_full_params.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (summon-tips)=
