@@ -117,7 +117,7 @@ def _check_link(link: re.Match, root, page, manager) -> None:
         else:  # an API name: its entry, or its class's for a member
             assert line[0].startswith(".. auto") and role["name"].startswith(line[0].split("::")[1].strip())
     else:  # a whole page, opened at its top
-        assert not link["fragment"] and role["role"] in ("ref", "doc"), (
+        assert not link["fragment"] and role["role"] in ("ref", "doc", "download"), (
             f"{link[0]}: a fragment JupyterLab does not follow"
         )
 

@@ -44,8 +44,8 @@ __all__ = ["Target", "find_targets", "to_jupyter", "from_jupyter"]  # and Conten
 PAGES = ("*.rst", "docs/*.rst", "docs/*.py", "tutorials/*.py")
 
 LABEL = r"(?P<label>[A-Za-z0-9_-]{1,64})"  # a label that is also a valid notebook cell id
-ROLE = re.compile(r"\{(?P<role>ref|doc|term|func|class|meth|exc|attr|mod)\}`(?P<body>[^`]+)`")
-PLAIN = ("ref", "doc", "term")  # roles Sphinx shows as text; the others show an API name, as code
+ROLE = re.compile(r"\{(?P<role>ref|doc|term|download|func|class|meth|exc|attr|mod)\}`(?P<body>[^`]+)`")
+PLAIN = ("ref", "doc", "term", "download")  # roles Sphinx shows as text; the others show an API name, as code
 TITLED = re.compile(r"(?P<title>.*?)\s*<(?P<target>[^<>]+)>$", re.S)
 TARGET_LINE = re.compile(rf"^\({LABEL}\)=$", re.M)  # a MyST target, in a markdown cell
 PY_TARGET = re.compile(rf"^# \({LABEL}\)=$")  # the same, in the py:percent file
@@ -183,6 +183,8 @@ def _reference(role: str, title: str | None, name: str, page: str) -> tuple[str,
         return "doc:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)).lstrip("/"), title
     if role == "term":
         return "term:" + name.lower(), title or name
+    if role == "download":  # a file, relative to the page (a page's script): Sphinx shows its name as written
+        return "file:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)), title or name
     return "py:" + name.lstrip(".!~").removesuffix("()"), f"`{title}`" if title else f"`{_api_name(role, name)}`"
 
 
@@ -196,13 +198,15 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
     'See [A \\\\[1\\\\] tip](../docs/fsdp_tips.rst#line=10 "{ref}`tip-x` fsdp:025e43f8") and {ref}`here`.'
     >>> to_jupyter("{func}`fsdp_guide.launch`", "tutorials/a.py", targets)
     '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch` fsdp:4225302a")'
+    >>> to_jupyter("{download}`scripts/a.py`", "tutorials/a.py", {})  # a file beside the page
+    '[scripts/a.py](scripts/a.py "{download}`scripts/a.py` fsdp:473a3e05")'
     """
 
     def rewrite(match: re.Match) -> str:
         titled = TITLED.match(match["body"])
         title, name = (titled["title"], titled["target"]) if titled else (None, match["body"])
         key, text = _reference(match["role"], title, name, page)
-        target = targets.get(key)
+        target = Target(key.removeprefix("file:"), text, "") if key.startswith("file:") else targets.get(key)
         if target is None or target.path == page:
             return match[0]  # within the page (jupyterlab-myst links it), or not found: as written
         if match["role"] in PLAIN:  # text, where a bracket would end the link's: escaped
