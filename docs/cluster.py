@@ -194,12 +194,16 @@ def hsdp_step():
     )
 
 
+from IPython.display import display
+
+from fsdp_guide.table import Table
+
 ranks = launch(hsdp_step, world_size=4, output="none")
-print(f"{'rank':4}  {'shard group':11}  {'replicate group':15}  {'model[0].weight':34}  local shape")
-for rank, r in enumerate(ranks):
-    print(
-        f"{rank:4}  {str(r['shard_group']):11}  {str(r['replicate_group']):15}  {r['placements']:34}  {r['local_shape']}"
-    )
+header = ["rank", "shard group", "replicate group", "model[0].weight", "local shape"]
+rows = [
+    [rank, r["shard_group"], r["replicate_group"], r["placements"], r["local_shape"]] for rank, r in enumerate(ranks)
+]
+display(Table(header, rows))  # an HTML table on the site; aligned text where there is no HTML
 print("collectives in forward + backward, per rank:", ranks[0]["collectives"])
 
 from myst_nb import glue  # the counts the text quotes, from this run (JupyterLab shows glue's roles unrendered)
