@@ -153,9 +153,8 @@ for setting, (rows, after, (plain, plain_after)) in evaluation.items():
         f"{after:16.2f}   {plain:3} {plain_after:3}"
     )
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("bts_eval_default_held", evaluation[None][0][-1][1], display=False)  # after forward 3
 glue("bts_eval_shards", evaluation[None][1], display=False)  # after reshard()
@@ -231,17 +230,15 @@ def evaluate(model, loader):
     device = fsdp_guide.device()
     most = torch.tensor(len(loader), device=device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest batch count of any rank
-    empty = [
-        torch.zeros(0, CONFIG.block_size, dtype=torch.long)
-    ] * 2  # no rows: the forward, not the data
+    # no rows: the forward, not the data
+    empty = [torch.zeros(0, CONFIG.block_size, dtype=torch.long)] * 2
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # summed loss, tokens, examples
     batches = iter(loader)
     with torch.no_grad():
         for _ in range(int(most)):  # the same number of forwards on every rank
             x, y = next(batches, empty)
-            totals[0] += summed_loss(
-                model, x.to(device), y.to(device)
-            ).double()  # stays on the device: no sync
+            # stays on the device: no sync
+            totals[0] += summed_loss(model, x.to(device), y.to(device)).double()
             totals[1] += y.numel()
             totals[2] += len(x)
     dist.all_reduce(totals)  # once, at the end
@@ -490,14 +487,12 @@ def ema_sharded():
     device = fsdp_guide.device()
     model = shard_model(build_model())
     ema_model = copy_of(model, shard_model(build_model()))  # the same layout, the model's values
-    rows = slice(
-        2 * dist.get_rank(), 2 * dist.get_rank() + 2
-    )  # this rank's half of each global batch
+    # this rank's half of each global batch
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
     ema_collectives = train_with_ema(model, ema_model, device, rows)
     per_rank = measure(ema_model).total / whole_bytes(ema_model)
-    options = StateDictOptions(
-        full_state_dict=True, cpu_offload=True
-    )  # whole tensors, on rank 0's CPU
+    # whole tensors, on rank 0's CPU
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full, trained = (
         get_model_state_dict(ema_model, options=options),
         get_model_state_dict(model, options=options),
@@ -507,9 +502,8 @@ def ema_sharded():
 
 one = build_model()
 one_ema = copy_of(one, build_model())
-train_with_ema(
-    one, one_ema, torch.device("cpu")
-)  # cpu-only: the one-process reference runs in the notebook
+# cpu-only: the one-process reference runs in the notebook
+train_with_ema(one, one_ema, torch.device("cpu"))
 (exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
 
 
@@ -532,10 +526,8 @@ torch.save(exported, path)  # rank 0's export, loaded into a plain model:
 plain = build_model()
 print("loads into a plain GPT:", plain.load_state_dict(torch.load(path)))
 
-one, two = (
-    torch.tensor(1.0),
-    torch.tensor(2.0),
-)  # one EMA update at decay 0.999, from 1 towards 2, in each dtype
+# one EMA update at decay 0.999, from 1 towards 2, in each dtype
+one, two = (torch.tensor(1.0), torch.tensor(2.0))
 print(
     f"one update at decay 0.999 from 1 towards 2: {torch.lerp(one, two, 1 - 0.999).item():.4f} in fp32, "
     f"{torch.lerp(one.bfloat16(), two.bfloat16(), 1 - 0.999).item():.4f} in bf16"

@@ -84,9 +84,8 @@ def loopback_bytes():
 def sent_around(fn):
     """Bytes on lo from rank 0's first read to its second: fn() and the barriers around it."""
     dist.barrier()  # the previous traffic is over
-    before = (
-        loopback_bytes()
-    )  # no rank starts fn before this: all wait for rank 0 in the next barrier
+    # no rank starts fn before this: all wait for rank 0 in the next barrier
+    before = loopback_bytes()
     dist.barrier()
     fn()
     dist.barrier()  # every rank has received its part, so every rank has sent its part
@@ -124,11 +123,8 @@ def one_collective_each():
     }
 
 
-RING = {
-    "all-reduce": 2,
-    "all-gather": 1,
-    "reduce-scatter": 1,
-}  # x (N - 1) S in all: the optimal algorithms
+# x (N - 1) S in all: the optimal algorithms
+RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}
 print(f"lo's MTU: {int(Path('/sys/class/net/lo/mtu').read_text()) // 1024} KiB")
 print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
 for world in (2, 4):
@@ -226,9 +222,8 @@ def one_step(strategy):
     step()  # the first step builds DDP's buckets and FSDP's state
     buckets.clear()
     with record_dtypes() as seen:
-        wire = (
-            measured(step, warm_up=False, repeats=1) * S / P
-        )  # one step: the counts below are per step
+        # one step: the counts below are per step
+        wire = measured(step, warm_up=False, repeats=1) * S / P
     counts = {}
     for (_phase, kind), n in seen.count.items():
         if kind in ("all-gather", "reduce-scatter", "all-reduce"):
@@ -271,9 +266,8 @@ glue("ddp_buckets", len(steps["DDP"][2]), display=False)
 glue("shard_grad_op_gathers", steps["SHARD_GRAD_OP"][0]["all-gather"], display=False)
 glue("shard_grad_op_scatters", steps["SHARD_GRAD_OP"][0]["reduce-scatter"], display=False)
 glue("full_shard_gathers", steps["FULL_SHARD"][0]["all-gather"], display=False)
-glue(
-    "shard_grad_op_vs_ddp", steps["SHARD_GRAD_OP"][1] / steps["DDP"][1], display=False
-)  # the "vs DDP" column
+# the "vs DDP" column
+glue("shard_grad_op_vs_ddp", steps["SHARD_GRAD_OP"][1] / steps["DDP"][1], display=False)
 glue("full_shard_vs_ddp", steps["FULL_SHARD"][1] / steps["DDP"][1], display=False)
 
 # %% [markdown]
@@ -335,9 +329,8 @@ def timeline(setting):
             layer.set_modules_to_backward_prefetch([model[j] for j in (i - 1, i - 2) if j >= 0])
     x = torch.randn(8, WIDTH).to(device)
     model(x).sum().backward()  # lazy initialisation out of the way
-    with profile(
-        activities=[ProfilerActivity.CPU]
-    ) as prof:  # the host's events: the order of issue
+    # the host's events: the order of issue
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         model(x).sum().backward()
     events = []
     for e in prof.events():
@@ -483,10 +476,8 @@ class RecordedReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype, device):
         if not self.pooled:
             return torch.empty(*size, dtype=dtype, device=device)
-        if (
-            tuple(size),
-            dtype,
-        ) not in self.pool:  # the mistake: a buffer handed out again and again
+        # the mistake: a buffer handed out again and again
+        if (tuple(size), dtype) not in self.pool:
             self.pool[tuple(size), dtype] = torch.empty(*size, dtype=dtype, device=device)
         return self.pool[tuple(size), dtype]
 
@@ -650,9 +641,8 @@ def microbatches():
     for microbatch in range(3):
         model.set_is_last_backward(microbatch == 2)
         waits.append(reduce_scatter_waits(lambda: model(x).sum().backward()))
-        kept.append(
-            len(model._get_fsdp_state()._comm_ctx.post_forward_order)
-        )  # private: FSDP's own list
+        # private: FSDP's own list
+        kept.append(len(model._get_fsdp_state()._comm_ctx.post_forward_order))
     return waits, kept
 
 
@@ -661,10 +651,8 @@ def two_roots(shared):
 
     device = fsdp_guide.device()
     model, x = make_model().to(device), batch_of(dist.get_rank()).to(device)
-    first, second = (
-        wrap(model[:2], "FULL_SHARD", device),
-        wrap(model[2:], "FULL_SHARD", device),
-    )  # units 0-1, 2-3
+    # units 0-1, 2-3
+    first, second = (wrap(model[:2], "FULL_SHARD", device), wrap(model[2:], "FULL_SHARD", device))
     if shared:
         share_comm_ctx([first, second])
     second(first(x)).sum().backward()

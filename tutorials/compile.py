@@ -136,9 +136,8 @@ class CompileLog:
             self.runs += 1
             return compiled(*args)
 
-        run._boxed_call = getattr(
-            compiled, "_boxed_call", False
-        )  # keep the backend's calling convention
+        # keep the backend's calling convention
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
         return run
 
 
@@ -576,9 +575,8 @@ def trimmed(lines):
     """The lines that say what and where, with this machine's install paths cut."""
     lines = [re.sub(r"[^\s(\"']*/(site-packages|src)/", "", line) for line in lines]
     kept = [i for i, line in enumerate(lines) if any(key in line for key in KEEP)]
-    kept += [
-        i + 1 for i in kept if lines[i].strip().startswith("File ")
-    ]  # and the line of code it names
+    # and the line of code it names
+    kept += [i + 1 for i in kept if lines[i].strip().startswith("File ")]
     return [lines[i] for i in sorted(set(kept))]
 
 
@@ -664,9 +662,8 @@ for order in ("checkpointing, eager", "checkpoint, then compile"):
     )
     print(f"saved for backward, {order}: {kinds}")
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue(
     "compile_ac_extra_kib",
@@ -726,15 +723,10 @@ glue(
 from torch._dynamo import compiled_autograd
 from torch.distributed.tensor import DTensor
 
-ROOT_PARAMS = (
-    "tok_emb.weight",
-    "pos_emb.weight",
-    "ln_f.weight",
-    "ln_f.bias",
-)  # the root's own (the head is tied)
-ONE_BLOCK = GPTConfig(
-    block_size=32, n_layer=1, n_head=2, n_embd=32
-)  # compiled autograd compiles slowly on a CPU
+# the root's own (the head is tied)
+ROOT_PARAMS = ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias")
+# compiled autograd compiles slowly on a CPU
+ONE_BLOCK = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32)
 
 
 def full(grad):
@@ -801,9 +793,8 @@ blocks = largest_difference(
 )
 print(f"block parameters' gradients vs eager: {blocks:.1e}")
 for name in ROOT_PARAMS:
-    mean = sum(rank[1]["grads"][name] for rank in ranks) / len(
-        ranks
-    )  # what a reduce-scatter would average
+    # what a reduce-scatter would average
+    mean = sum(rank[1]["grads"][name] for rank in ranks) / len(ranks)
     rank0 = (compiled["grads"][name] - eager["grads"][name]).abs().max().item()
     over_ranks = (mean - eager["grads"][name]).abs().max().item()
     print(f"{name:15} gradient vs eager: rank 0's {rank0:.1e}, mean over ranks {over_ranks:.1e}")
@@ -858,11 +849,8 @@ for name in ROOT_PARAMS:
 # one):
 
 # %%
-COLLECTIVE_OPS = (
-    "c10d::",
-    "_c10d_functional::",
-    "c10d_functional::",
-)  # eager c10d, and the functional form graphs use
+# eager c10d, and the functional form graphs use
+COLLECTIVE_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")
 
 
 def collectives_in(fn):

@@ -126,9 +126,8 @@ def evaluate(batches_on_rank_1, monitored=None, dumps=None):
     device = fsdp_guide.device()
     model = sharded_mlp()
     if dumps is not None:
-        dump_flight_recorder_after(
-            2, dumps, then_stop=True
-        )  # defined below, with the flight recorder
+        # defined below, with the flight recorder
+        dump_flight_recorder_after(2, dumps, then_stop=True)
     batches = 2 if dist.get_rank() == 0 else batches_on_rank_1
     total = torch.zeros(1, device=device)
     with torch.no_grad():
@@ -151,9 +150,8 @@ print(
     default_pg_timeout,
 )
 try:
-    launch(
-        evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none"
-    )  # time enough to reach the hang
+    # time enough to reach the hang
+    launch(evaluate, 3, world_size=2, backend="gloo", timeout=6, output="none")
 except LaunchError as error:
     print(f"{type(error).__name__}: {str(error).splitlines()[0][:110]} ...")
     for rank, stack in sorted(error.stacks.items()):
@@ -183,9 +181,8 @@ try:
     launch(evaluate, 3, world_size=2, backend="gloo", timeout=30, output="none")
 except LaunchError as error:
     report = str(error).splitlines()[0]
-    print(
-        report.split(" raised ", 1)[1].split(". Rank")[0]
-    )  # the exception's class and its first sentence
+    # the exception's class and its first sentence
+    print(report.split(" raised ", 1)[1].split(". Rank")[0])
     for rank, sequence, op in re.findall(
         r"Rank (\d) is running collective: CollectiveFingerPrint\("
         r"SequenceNumber=(\d+), OpType=(\w+)",
@@ -326,9 +323,8 @@ def fr_trace(dumps):
 
 
 failure = fr_trace(workdir / "hang1").strip().splitlines()[-1]
-looked_up = re.fullmatch(
-    r"(\w+): \('(\w*)', \d+\)", failure
-)  # (group, the rank it read first: file order)
+# (group, the rank it read first: file order)
+looked_up = re.fullmatch(r"(\w+): \('(\w*)', \d+\)", failure)
 print(
     "torchfrtrace on gloo's dumps:",
     f"{looked_up[1]} looking up group {looked_up[2]!r}" if looked_up else failure,
@@ -359,9 +355,8 @@ print("the group its entries name:        ", trace["entries"][0]["process_group"
 def name_the_group(dumps, named):
     """Copies of gloo's dumps whose group table carries the name and description their entries use."""
     Path(named).mkdir(exist_ok=True)
-    for dump in sorted(
-        Path(dumps).iterdir()
-    ):  # the file names are kept: the analyser reads them as listed
+    # the file names are kept: the analyser reads them as listed
+    for dump in sorted(Path(dumps).iterdir()):
         trace = pickle.loads(dump.read_bytes())
         name, desc = trace["entries"][0]["process_group"]
         (ranks,) = [group["ranks"] for group in trace["pg_config"].values()]
@@ -399,9 +394,8 @@ print(
 )
 print("by rank:", verdict(report))
 
-from myst_nb import (
-    glue,
-)  # the numbers the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the numbers the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 
 def mismatched(report):
@@ -666,10 +660,11 @@ def train_every_unit_everywhere():
     fully_shard(expert)
     loss_with_every_unit(body, expert, rank).backward()
     reduced = expert.weight.grad.full_tensor()  # this rank's reduced shard, gathered
+    # one process, each rank's batch
     per_rank = [
         torch.autograd.grad(loss_with_every_unit(*one_process, r), one_process[1].weight)[0]
         for r in range(ranks)
-    ]  # one process, each rank's batch
+    ]
     mean = torch.stack(per_rank).mean(0)
     own = per_rank[rank]
     return (
@@ -738,11 +733,12 @@ print(
     sep="\n",
 )
 print(subprocess.run([find_py_spy(), "--version"], capture_output=True, text=True).stdout.strip())
+# refused before it attaches to anything
 both = subprocess.run(
     [find_py_spy(), "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
     capture_output=True,
     text=True,
-)  # refused before it attaches to anything
+)
 print(
     f"asked for both (exit status {both.returncode}):",
     no_colours(both.stdout + both.stderr).strip(),
@@ -869,9 +865,8 @@ def save_everywhere_write_on_rank_0(where):
     return len(full)
 
 
-(workdir / "model.pt").unlink(
-    missing_ok=True
-)  # the hang above may have left none; make sure this one writes it
+# the hang above may have left none; make sure this one writes it
+(workdir / "model.pt").unlink(missing_ok=True)
 print(
     "tensors in the saved state dict:",
     launch(save_everywhere_write_on_rank_0, str(workdir), world_size=2, timeout=30, output="none")[
@@ -911,9 +906,8 @@ def reduce_per_name(in_order):
     import torch.distributed as dist
 
     names = {f"blocks.{i}.weight" for i in range(16)}
-    value = {
-        name: float(i) for i, name in enumerate(sorted(names))
-    }  # every rank adds the same per name
+    # every rank adds the same per name
+    value = {name: float(i) for i, name in enumerate(sorted(names))}
     order = sorted(names) if in_order else list(names)
     summed = {}
     for name in order:

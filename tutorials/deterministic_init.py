@@ -259,9 +259,8 @@ def fsdp1_param_init_fn():
 # %%
 def fsdp1_sync_module_states_on_cpu():
     try:
-        FSDP(
-            make_model(), sync_module_states=True, device_id=torch.device("cpu")
-        )  # cpu-only: shows FSDP1's refusal on CPU
+        # cpu-only: shows FSDP1's refusal on CPU
+        FSDP(make_model(), sync_module_states=True, device_id=torch.device("cpu"))
     except ValueError as err:
         return f"{type(err).__name__}: {err}"
 

@@ -41,9 +41,8 @@ print(
     f"{tuple(train_set[0][0].shape)}; classes {sorted(set(test_set.tensors[1].tolist()))}"
 )
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("digits_train_images", len(train_set), display=False)
 

@@ -98,9 +98,7 @@ def fsdp2_units():
     device = fsdp_guide.device()
     with enable_wrap(wrapper_cls=fully_shard, reshard_after_forward=False):
         model = nn.Sequential(
-            wrap(block()),
-            wrap(block()),
-            wrap(block(), reshard_after_forward=True),
+            wrap(block()), wrap(block()), wrap(block(), reshard_after_forward=True)
         )
     fully_shard(model)
     model(torch.randn(2, 8).to(device))
@@ -289,9 +287,8 @@ for name, per_rank in measured.items():
     peak, after = per_rank[0]
     print(f"{name:30} {peak:>43,} {peak / baseline:>6.2f} {after:>15,}")
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("wrap_build_first", baseline / full_model, display=False)
 glue("wrap_as_you_build", measured["wrap as you build"][0][0] / baseline, display=False)

@@ -87,9 +87,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, DIM)
         score, expert = self.router(tokens).softmax(-1).max(-1)
         order = expert.argsort(stable=True)  # the tokens grouped by expert
-        self.sent = torch.bincount(
-            expert, minlength=self.n_experts
-        )  # tokens per expert, from this rank
+        # tokens per expert, from this rank
+        self.sent = torch.bincount(expert, minlength=self.n_experts)
         if self.ep is None:
             out = self.experts(tokens[order], self.sent.tolist())
         else:
@@ -114,9 +113,8 @@ class MoE(nn.Module):
         # arrived: by source rank, then by expert; the experts want them by expert
         runs = arrived.split([n for row in received_host for n in row])
         by_expert = [source * local + e for e in range(local) for source in range(ranks)]
-        self.computed = [
-            sum(row[e] for row in received_host) for e in range(local)
-        ]  # per local expert
+        # per local expert
+        self.computed = [sum(row[e] for row in received_host) for e in range(local)]
         out = self.experts(torch.cat([runs[i] for i in by_expert]), self.computed)
         out_runs = dict(zip(by_expert, out.split([runs[i].shape[0] for i in by_expert])))
         back = torch.cat([out_runs[i] for i in range(ranks * local)])  # by source rank again
@@ -153,9 +151,8 @@ def make_model(ep_group=None, n_experts=EXPERTS):
     return model
 
 
-BATCH = torch.randint(
-    0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(11)
-)  # 4 ranks x 2 sequences
+# 4 ranks x 2 sequences
+BATCH = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(11))
 
 
 def loss_of(model, batch):
@@ -175,9 +172,8 @@ def every_expert_on_every_token(moe, x):
     tokens = x.reshape(-1, DIM)
     score, expert = moe.router(tokens).softmax(-1).max(-1)
     w1, w2 = moe.experts.w1, moe.experts.w2
-    all_outputs = torch.stack(
-        [F.gelu(tokens @ w1[e]) @ w2[e] for e in range(moe.n_experts)], 1
-    )  # tokens, experts, dim
+    # tokens, experts, dim
+    all_outputs = torch.stack([F.gelu(tokens @ w1[e]) @ w2[e] for e in range(moe.n_experts)], 1)
     picked = (F.one_hot(expert, moe.n_experts)[:, :, None] * all_outputs).sum(1)
     return (score[:, None] * picked).reshape(x.shape)
 
@@ -243,9 +239,8 @@ def sharded(reduction, n_experts=EXPERTS, experts_on_dim=0):
         mesh=experts_mesh["edp"],
         shard_placement_fn=lambda p: Shard(experts_on_dim),
     )
-    fully_shard(
-        model, mesh=dense_mesh
-    )  # the rest: the experts are already sharded, and left to their mesh
+    # the rest: the experts are already sharded, and left to their mesh
+    fully_shard(model, mesh=dense_mesh)
     factors = {
         "average": {},
         "divide factor": {model.moe.experts: dense_mesh.size()},
@@ -268,9 +263,8 @@ def one_step(reduction, n_experts=EXPERTS, experts_on_dim=0):
     with count_collectives(dense_mesh, experts_mesh) as seen:
         loss = loss_of(model, batch)
         if reduction == "sum, global tokens":
-            loss = (
-                loss * tokens / all_tokens
-            )  # this rank's summed token losses over every rank's tokens
+            # this rank's summed token losses over every rank's tokens
+            loss = loss * tokens / all_tokens
         loss.backward()
     return {
         "loss": loss.item(),

@@ -43,9 +43,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing i
 
 import warnings
 
-warnings.filterwarnings(
-    "ignore", message="IProgress not found"
-)  # tqdm's notebook import: no widgets here
+# tqdm's notebook import: no widgets here
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 from fsdp_guide.fp8 import quiet_torchao
 
@@ -82,9 +81,8 @@ def save_llama(path, hidden_size, layers):
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(
-        path
-    )  # the dtype most checkpoints on the Hub are stored in
+    # the dtype most checkpoints on the Hub are stored in
+    model.to(torch.bfloat16).save_pretrained(path)
     return model
 
 
@@ -128,9 +126,8 @@ def every_rank_reads(path):
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    )  # the whole model, on every rank
+    # the whole model, on every rank
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -473,9 +470,8 @@ def save_in_background(source, out, options):
         stager = DefaultStager(StagingOptions(**options))
     except AssertionError as error:  # shown below
         return f"{type(error).__name__}: {error}"
-    group = dist.new_group(
-        backend="gloo"
-    )  # the background's collectives apart from training's (NCCL on GPUs)
+    # the background's collectives apart from training's (NCCL on GPUs)
+    group = dist.new_group(backend="gloo")
     saving = dcp.async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
     saving.staging_completion.result()  # from here on, training may change the model
     saving.upload_completion.result()  # the files are written and consolidated

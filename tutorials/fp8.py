@@ -204,9 +204,8 @@ for mode in MODES:
     matmuls = results[mode]["collectives"]
     print(f"{mode:9} {matmuls[('forward', 'matmul')][0]:14} | {matmuls[('backward', 'matmul')][0]}")
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue(
     "fp8_fp32_gathered", results["fp32"]["collectives"][("forward", "all-gather")][2], display=False
@@ -284,9 +283,8 @@ for mode in MODES:
         f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}"
     )
 glue("fp8_params", sum(p.numel() for p in make_model().parameters()), display=False)
-glue(
-    "fp8_rank_params", results["fp32"]["states"].params // 4, display=False
-)  # float32: 4 bytes each
+# float32: 4 bytes each
+glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)
 
 # %% [markdown]
 # Model states are the same in every mode ({glue:text}`fp8_params:,` parameters:
@@ -410,9 +408,8 @@ master, bf16_states = (
     measured[name][0].total / (num_params / 2)
     for name in ("fp8, master-weight AdamW", "bf16, AdamW")
 )
-glue(
-    "fp8_master_bytes", master, display=False
-)  # model-state bytes per parameter, as the table's column
+# model-state bytes per parameter, as the table's column
+glue("fp8_master_bytes", master, display=False)
 glue("fp8_bf16_bytes", bf16_states, display=False)
 glue("fp8_master_ratio", master / bf16_states, display=False)
 

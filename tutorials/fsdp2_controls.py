@@ -88,9 +88,8 @@ def my_half(batch):
 
 
 def loss_of(model, batch):
-    logits = model(batch.reshape(-1)).view(
-        *batch.shape, VOCAB
-    )  # flat ids: every unit returns a new tensor
+    # flat ids: every unit returns a new tensor
+    logits = model(batch.reshape(-1)).view(*batch.shape, VOCAB)
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
@@ -464,9 +463,8 @@ for case, shifts in SHIFTS.items():
                 f"= {error:.1e}"
                 for r, (missing, error) in enumerate(ranks)
             )
-        except (
-            fsdp_guide.LaunchError
-        ) as failure:  # which ranks failed on their own, and gloo's words for why
+        # which ranks failed on their own, and gloo's words for why
+        except fsdp_guide.LaunchError as failure:
             aborted = [rank for rank, code in failure.failed.items() if code == -signal.SIGABRT]
             result = (
                 f"{type(failure).__name__}: ranks killed by SIGABRT: {aborted}; "
@@ -555,9 +553,8 @@ def train_experts(split_rows, sharded=True):
     }
     if not sharded:
         return [], weights
-    table = str(
-        fsdp_guide.describe_sharding(model)
-    ).splitlines()  # the header, the experts' weight, the total
+    # the header, the experts' weight, the total
+    table = str(fsdp_guide.describe_sharding(model)).splitlines()
     return [table[0], *(line for line in table if line.startswith(("weight ", "total")))], weights
 
 
@@ -649,9 +646,8 @@ for units in ("a unit each", "one unit for both", "the root holds both"):
             f"{units:20} still tied: {tied}; max |weight - one process| after 3 steps = "
             f"{(weight - alone).abs().max():.1e}"
         )
-    except (
-        fsdp_guide.LaunchError
-    ) as failure:  # every rank raised it: the one that exited first is chance
+    # every rank raised it: the one that exited first is chance
+    except fsdp_guide.LaunchError as failure:
         print(
             f"{units:20} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}"
         )

@@ -141,11 +141,12 @@ def one_step(model, x, y):
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     loss = F.mse_loss(model(x), y)  # after the step
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    # c10d's names and the functional ones
     kinds = {
         "all-gather": ("allgather", "all_gather"),
         "reduce-scatter": ("reduce_scatter",),
         "all-reduce": ("allreduce", "all_reduce"),
-    }  # c10d's names and the functional ones
+    }
     sent = {
         kind: sum(n for op, n in counts.items() if any(name in op for name in names))
         for kind, names in kinds.items()
@@ -167,11 +168,12 @@ def strategy_table(api):
     my_rows = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
     rows = []
     for strategy in STRATEGIES:
+        # HYBRID_SHARD: 2 groups of 2 ranks
         config = {
             "sharding_strategy": strategy,
             "mixed_precision": "FULL",
             "data_parallel_shard_degree": 2,
-        }  # HYBRID_SHARD: 2 groups of 2 ranks
+        }
         model = shard(Model(), config, api=api)
         share = stored_share(model)  # between steps
         loss, sent = one_step(model, x[my_rows], y[my_rows])
@@ -248,9 +250,8 @@ def preset_dtypes(api):
         model = shard(Model(), config, api=api)
         seen = {}
 
-        def buffer_dtype(
-            module, args, seen=seen, model=model
-        ):  # in the root's forward, after FSDP's casts
+        # in the root's forward, after FSDP's casts
+        def buffer_dtype(module, args, seen=seen, model=model):
             seen["buffer"] = model.temperature.dtype
 
         model.head.register_forward_pre_hook(buffer_dtype)

@@ -120,9 +120,8 @@ MiB = 2**20
 
 
 def full_bytes(params):
-    return sum(
-        p.numel() * p.element_size() for p in params
-    )  # a DTensor's numel is the whole tensor's
+    # a DTensor's numel is the whole tensor's
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def most_held_in_full(model, initialise):
@@ -200,9 +199,8 @@ from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.recipes.train_llm import train
 
-scratch = tempfile.TemporaryDirectory(
-    prefix="llm-"
-)  # deleted, with what the page wrote, when the kernel exits
+# deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(prefix="llm-")
 workdir = Path(scratch.name)
 straight = launch(
     train,
@@ -218,9 +216,8 @@ for step in range(10, 41, 10):
     print(f"step {step:2}: loss {straight['losses'][step - 1]:.4f}")
 print("checkpoints kept:", sorted(p.name for p in (workdir / "straight").iterdir()))
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("llm_final_loss", straight["losses"][39], display=False)  # step 40's, printed above
 
@@ -513,12 +510,10 @@ def sharded(width=8, head=False):
 
 def loading_mistakes(folder):
     model = sharded()  # fully_shard puts it on the mesh's device: fsdp_guide.device()'s
-    full = {
-        name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()
-    }  # a torch.save'd file
-    local = {
-        name: tensor.to_local() for name, tensor in model.state_dict().items()
-    }  # each rank's own shards
+    # a torch.save'd file
+    full = {name: tensor.full_tensor().cpu() for name, tensor in model.state_dict().items()}
+    # each rank's own shards
+    local = {name: tensor.to_local() for name, tensor in model.state_dict().items()}
     dcp.save({"model": model.state_dict()}, checkpoint_id=folder)
 
     def outcome(attempt):
@@ -675,9 +670,8 @@ from fsdp_guide.fp8 import quiet_torchao
 from fsdp_guide.mfu import flops_per_token, matmul_parameters, mfu
 
 quiet_torchao()  # transformers imports torchao, whose import logs about CUDA kernels a CPU cannot load
-warnings.filterwarnings(
-    "ignore", message="IProgress not found"
-)  # tqdm's notebook import: no widgets here
+# tqdm's notebook import: no widgets here
+warnings.filterwarnings("ignore", message="IProgress not found")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 llama_3_1_8b = LlamaConfig(

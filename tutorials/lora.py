@@ -48,9 +48,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing i
 
 import warnings
 
-warnings.filterwarnings(
-    "ignore", message="IProgress not found"
-)  # tqdm's notebook import: no widgets here
+# tqdm's notebook import: no widgets here
+warnings.filterwarnings("ignore", message="IProgress not found")
 # peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
 
@@ -146,10 +145,8 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
         given.append(parameters_of(model, path))  # for the page: what each call is given
         config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
         model = get_peft_model(model, config, autocast_adapter_dtype=not cast_adapters)
-        for (
-            name,
-            p,
-        ) in model.named_parameters():  # optionally the RMSNorm weights too, in the base's dtype
+        # optionally the RMSNorm weights too, in the base's dtype
+        for name, p in model.named_parameters():
             p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
         return model
 
@@ -226,9 +223,8 @@ for rank, r in enumerate(fp32["LoRA"]):
             f"the pretrained weights: {pretrained}"
         )
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue(
     "lora_loaded_mib",
@@ -313,9 +309,8 @@ def first_forward(train_norms):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    model = LlamaForCausalLM(small).to(
-        fsdp_guide.device(), torch.bfloat16
-    )  # a bf16 checkpoint, loaded
+    # a bf16 checkpoint, loaded
+    model = LlamaForCausalLM(small).to(fsdp_guide.device(), torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     for name, p in model.named_parameters():
         p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
@@ -472,9 +467,8 @@ def accumulation_traffic(path, mode):
 
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
-            unit.register_forward_pre_hook(
-                held_now
-            )  # runs after FSDP's own, which gathers the unit
+            # runs after FSDP's own, which gathers the unit
+            unit.register_forward_pre_hook(held_now)
     tokens = torch.randint(
         0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank())
     )
@@ -482,9 +476,8 @@ def accumulation_traffic(path, mode):
         gathered, gathers, reductions, in_forward, between = [], 0, 0, 0, []
         for micro in range(MICRO):
             last = micro == MICRO - 1
-            model.set_requires_gradient_sync(
-                last
-            )  # adapters: reduce their gradients once, at the end
+            # adapters: reduce their gradients once, at the end
+            model.set_requires_gradient_sync(last)
             if mode == "kept gathered across micro-batches":
                 model.set_reshard_after_backward(last)
             batch = tokens[micro].to(device)
@@ -540,9 +533,8 @@ for mode, r in traffic.items():
         f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}"
     )
 resharded, kept = traffic["reshard after forward"], traffic["kept from forward to backward"]
-glue(
-    "lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False
-)  # micro-batch 1
+# micro-batch 1
+glue("lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False)
 glue("lora_resharded_held", resharded["in forward"] / resharded["base"], display=False)
 glue("lora_kept_gathered", kept["gathered"][0] / kept["base"], display=False)
 glue("lora_kept_held", kept["in forward"] / kept["base"], display=False)
@@ -551,9 +543,8 @@ glue(
     traffic["replicated"]["in forward"] / traffic["replicated"]["base"],
     display=False,
 )
-glue(
-    "lora_resharded_gathers", resharded["gathers"] // MICRO, display=False
-)  # per micro-batch (the table: per step)
+# per micro-batch (the table: per step)
+glue("lora_resharded_gathers", resharded["gathers"] // MICRO, display=False)
 glue("lora_reductions", resharded["reductions"], display=False)
 
 # %% [markdown]

@@ -204,27 +204,25 @@ print(f"{'loss formed as':32} {'logged loss':>12} {'gradient error vs one proces
 for how, (logged, grads) in results.items():
     print(f"{how:32} {logged:12.6f} {relative_error(grads):30.1e}")
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("per_rank_error", relative_error(results["per-rank mean"][1]), display=False)
 glue("per_rank_logged", results["per-rank mean"][0], display=False)
-glue(
-    "rank0_tokens", rank_tokens[0], display=False
-)  # the counts printed with the batch, and the weights they give
+# the counts printed with the batch, and the weights they give
+glue("rank0_tokens", rank_tokens[0], display=False)
 glue("rank1_tokens", rank_tokens[1], display=False)
-glue(
-    "rank0_weight", 2 * rank_tokens[0], display=False
-)  # a mean of two means: 1 / (2 x the rank's count)
+# a mean of two means: 1 / (2 x the rank's count)
+glue("rank0_weight", 2 * rank_tokens[0], display=False)
 glue("rank1_weight", 2 * rank_tokens[1], display=False)
 glue("all_tokens", sum(rank_tokens), display=False)
 glue("one_process_loss", reference_loss, display=False)
+# torch's max keeps a NaN
 glue(
     "global_count_error",
     torch.tensor([relative_error(results[how][1]) for how in WAYS[1:]]).max().item(),
     display=False,
-)  # torch's max keeps a NaN
+)
 
 # %% [markdown]
 # `set_force_sum_reduction_for_comms(True)` is there for gloo. With a divide factor other
@@ -305,9 +303,8 @@ def accumulated_gradients(how):
     rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
     micro_batches = list(zip(tokens[rows].chunk(MICRO), targets[rows].chunk(MICRO)))
     counts = [int((t != IGNORE).sum()) for _, t in micro_batches]
-    global_count = sum_over_ranks(
-        torch.tensor(sum(counts), device=device)
-    )  # the whole step's tokens
+    # the whole step's tokens
+    global_count = sum_over_ranks(torch.tensor(sum(counts), device=device))
     if how == "global count, divide factor 1":
         set_divide_factor(model, 1.0)
     for i, (x, y) in enumerate(micro_batches):
@@ -387,9 +384,8 @@ def accumulation_costs(mode, mesh_shape):
     model = shard_model(init_device_mesh(device.type, mesh_shape, mesh_dim_names=names))
     set_divide_factor(model, 1.0)  # the loss below is already over the global count
     P = sum(p.numel() * p.element_size() for p in model.parameters())  # whole (unsharded) bytes
-    step_tokens, step_targets = global_batch(
-        seed=1 + dist.get_rank()
-    )  # 8 rows of its own: 4 micro-batches of 2
+    # 8 rows of its own: 4 micro-batches of 2
+    step_tokens, step_targets = global_batch(seed=1 + dist.get_rank())
     global_count = sum_over_ranks(torch.tensor(int((step_targets != IGNORE).sum()), device=device))
     held = []
     with record_dtypes() as seen:
@@ -400,9 +396,8 @@ def accumulation_costs(mode, mesh_shape):
             if mode == "no sync until the last":
                 model.set_requires_gradient_sync(last)
             elif mode == "no all-reduce until the last":
-                model.set_requires_all_reduce(
-                    last
-                )  # HSDP: reduce-scatter every time, all-reduce once
+                # HSDP: reduce-scatter every time, all-reduce once
+                model.set_requires_all_reduce(last)
             loss_sum, _ = summed_loss(model, x.to(device), y.to(device))
             (loss_sum / global_count).backward()
             held.append(measure(model).grads / P)
@@ -421,9 +416,8 @@ def costs(modes, mesh_shape):
 
 
 def print_costs(measured, world):
-    batches = [
-        global_batch(seed=1 + rank) for rank in range(world)
-    ]  # every rank's rows of the step
+    # every rank's rows of the step
+    batches = [global_batch(seed=1 + rank) for rank in range(world)]
     _, step_reference = one_process_gradients(
         torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
     )

@@ -62,9 +62,8 @@ for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
         f"{m.total / 1e9:9.1f}"
     )
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 glue("mem_zero_ddp", zero["DDP"], display=False)
 glue("mem_zero_stage2", zero["SHARD_GRAD_OP"], display=False)

@@ -259,9 +259,8 @@ def fsdp1_mistakes():
             "",
         )
     )
-    if (
-        device.type == "cpu"
-    ):  # cpu-only: FSDP1 without device_id computes on the current accelerator
+    # cpu-only: FSDP1 without device_id computes on the current accelerator
+    if device.type == "cpu":
         rows.append(
             (
                 "no device_id on a CPU-only machine",
@@ -270,9 +269,8 @@ def fsdp1_mistakes():
                 outcome(lambda: FSDP(make_model(), device_id=device)),
             )
         )
-    with warnings.catch_warnings(
-        record=True
-    ) as caught:  # a group of one rank, as a one-GPU run has
+    # a group of one rank, as a one-GPU run has
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         FSDP(make_model(), process_group=dist.new_group([dist.get_rank()]), device_id=device)
     rows.append(
@@ -333,9 +331,8 @@ for mistake, message, fix, after in launch(fsdp1_mistakes, output="none")[0]:
 # %%
 import tempfile
 
-scratch = tempfile.TemporaryDirectory(
-    prefix="fsdp1-checkpoint-"
-)  # deleted, with what the page wrote, when the kernel exits
+# deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(prefix="fsdp1-checkpoint-")
 CHECKPOINT = scratch.name
 
 
@@ -358,9 +355,8 @@ def fsdp1_saves_then_continues(path):
         "optim": "0.fc.weight" in state["optim"]["state"],
         "wrapped": sum("_fsdp_wrapped_module" in key for key in saved_keys),
     }
-    return train(
-        model, optimizer, range(STEPS, 2 * STEPS), device
-    ), names  # what FSDP1 would have done next
+    # what FSDP1 would have done next
+    return train(model, optimizer, range(STEPS, 2 * STEPS), device), names
 
 
 def fsdp2_loads_and_continues(path, with_optimizer=True):

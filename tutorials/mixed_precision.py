@@ -430,9 +430,8 @@ def overflow_on_rank_0_only():
     scaler.scale(model(torch.ones(2, 32, device=device)).float().sum()).backward()
     if dist.get_rank() == 0:
         next(model.parameters()).grad.to_local()[0, 0] = float("inf")
-    own_finite = all(
-        p.grad.to_local().isfinite().all().item() for p in model.parameters()
-    )  # this rank's shards
+    # this rank's shards
+    own_finite = all(p.grad.to_local().isfinite().all().item() for p in model.parameters())
     before = [p.full_tensor() for p in model.parameters()]
     scale_before = scaler.get_scale()
     scaler.step(optimizer)

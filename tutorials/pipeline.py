@@ -179,9 +179,8 @@ from fsdp_guide.collectives import count_collectives
 from fsdp_guide.compare import largest_difference
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
-BATCH = torch.randint(
-    0, 256, (16, 33), generator=torch.Generator().manual_seed(1)
-)  # the global batch
+# the global batch
+BATCH = torch.randint(0, 256, (16, 33), generator=torch.Generator().manual_seed(1))
 
 
 def pipelined_step(schedule, reshard_after_forward, n_microbatches):
@@ -219,14 +218,13 @@ def pipelined_step(schedule, reshard_after_forward, n_microbatches):
     losses = []
     with count_collectives(mesh) as seen:
         step(losses)
+    # FSDP units of this stage
     return {
         "stage": pp,
         "losses": [loss.item() for loss in losses],
         "grads": {name: p.grad.full_tensor().cpu() for name, p in module.named_parameters()},
         "collectives": {f"{dim} {kind}": (n, nbytes) for dim, kind, n, nbytes in seen.rows()},
-        "units": sum(
-            isinstance(m, FSDPModule) for m in module.modules()
-        ),  # FSDP units of this stage
+        "units": sum(isinstance(m, FSDPModule) for m in module.modules()),
         "spans": [(k, chunk, params, grads) for k, chunk, _, _, params, grads in stage.spans],
     }
 

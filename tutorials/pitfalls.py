@@ -504,9 +504,8 @@ def compare_checkpoint_placements():
     rows = []
     for api, impl, where in itertools.product(wraps, CheckpointImpl, PLACEMENTS):
         counts, model = one_sgd_step(checkpointed(wraps[api], impl, where), my_slice(x))
-        all_gathers = sum(
-            n for op, n in counts.items() if "allgather" in op
-        )  # every c10d all-gather op
+        # every c10d all-gather op
+        all_gathers = sum(n for op, n in counts.items() if "allgather" in op)
         error = (full_weights(model) - full_weights(reference)).abs().max().item()
         reduce_scatters = counts["_reduce_scatter_base_"]
         rows.append((api, impl.name.lower(), where, all_gathers, reduce_scatters, error))
@@ -571,9 +570,8 @@ def checkpointed_blocks_on_a_frozen_input(impl):
     for i, block in enumerate(model):
         model[i] = fully_shard(checkpoint_wrapper(block, checkpoint_impl=impl))
     fully_shard(model)
-    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(
-        device
-    )  # needs no grad
+    # needs no grad
+    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -672,9 +670,8 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
         error = largest_difference(zip(weights, alone))
         largest = torch.stack([w.norm(dim=1).max() for w in weights]).max().item()  # a NaN shows
         print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
-    except (
-        fsdp_guide.LaunchError
-    ) as failure:  # every rank raised it: the one that exited first is chance
+    # every rank raised it: the one that exited first is chance
+    except fsdp_guide.LaunchError as failure:
         print(
             f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}"
         )

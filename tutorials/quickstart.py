@@ -199,9 +199,8 @@ print(
 
 # %%
 def max_abs_difference(a, b):
-    return largest_difference(
-        zip(a, b, strict=True)
-    )  # a NaN anywhere shows as NaN (Python's max would skip it)
+    # a NaN anywhere shows as NaN (Python's max would skip it)
+    return largest_difference(zip(a, b, strict=True))
 
 
 diff2 = max_abs_difference(rank0["losses"], baseline)

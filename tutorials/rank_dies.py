@@ -79,9 +79,8 @@ straight = launch(
     world_size=2,
     output="none",
 )[0]
-run_seconds = (
-    STEPS * SMALL["batch_size"] * SMALL["block_size"] / straight["tokens_per_s"]
-)  # saves included
+# saves included
+run_seconds = STEPS * SMALL["batch_size"] * SMALL["block_size"] / straight["tokens_per_s"]
 save_seconds = sum(straight["save_stall_s"]) / len(straight["save_stall_s"])
 step_seconds = (run_seconds - sum(straight["save_stall_s"])) / STEPS
 print(
@@ -363,6 +362,7 @@ print(inspect.getsource(replicas.recoverable_state))
 # %%
 ft = workdir / "torchft"
 ft.mkdir()
+# the driver stops itself first, and its groups
 done = subprocess.run(
     loopback_only(
         [
@@ -384,7 +384,7 @@ done = subprocess.run(
     capture_output=True,
     text=True,
     timeout=300,
-)  # the driver stops itself first, and its groups
+)
 assert done.returncode == 0, done.stderr[-3000:]
 logs = replicas.read_logs(ft)
 
@@ -401,9 +401,8 @@ def segments(quorums: dict) -> list[tuple[int, int, tuple, tuple]]:
     return runs
 
 
-quorums = replicas.quorums(
-    logs
-)  # each step of the final weights: which groups averaged it, which received the state
+# each step of the final weights: which groups averaged it, which received the state
+quorums = replicas.quorums(logs)
 print(f"{'steps':>7}  {'gradients averaged from':24} {'receiving the state':20}")
 for first, last_step, averaged, healing in segments(quorums):
     groups = ", ".join(f"group {g}" for g in averaged)
@@ -430,9 +429,8 @@ back = [line for line in logs[(1, 0)] if line["attempt"] == 1]
 alone = [
     line for line in g0 if death["step"] < line["step"] < back[0]["step"] and line["committed"]
 ]
-computed_again = sum(
-    not line["committed"] for line in g0
-)  # a step group 0 did not commit, then computed again
+# a step group 0 did not commit, then computed again
+computed_again = sum(not line["committed"] for line in g0)
 pause, after = max((b["time"] - a["time"], a["step"]) for a, b in zip(g0, g0[1:]))
 print(
     f"group 1's rank 1 died after step {death['step']}; group 1 back at step {back[0]['step']}, "

@@ -83,9 +83,8 @@ for api in ("FSDP2", "FSDP1"):
 import math
 import re
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 fsdp2_rows, fsdp1_rows = (
     [{row.name: row for row in per_rank[rank][api]} for rank in (0, 1)]

@@ -278,21 +278,18 @@ def embed_outside_forward():
             device_id=device,
             use_orig_params=use_orig_params,
         )
-        model(
-            tokens
-        ).sum().backward()  # a training step's forward and backward: every unit resharded
+        # a training step's forward and backward: every unit resharded
+        model(tokens).sum().backward()
         try:
-            out = model.module.embed(
-                tokens
-            )  # the embedding, called as generate() would, not through FSDP's forward
+            # the embedding, called as generate() would, not through FSDP's forward
+            out = model.module.embed(tokens)
             said[f"use_orig_params={use_orig_params}"] = f"ran: {tuple(out.shape)}"
         except RuntimeError as error:
             said[f"use_orig_params={use_orig_params}"] = "".join(
                 traceback.format_exception_only(error)
             ).strip()
-        with FSDP.summon_full_params(
-            model, recurse=False, writeback=False
-        ):  # the root unit gathered
+        # the root unit gathered
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
             said[f"use_orig_params={use_orig_params}, in summon_full_params"] = tuple(
                 model.module.embed(tokens).shape
             )

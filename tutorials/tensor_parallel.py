@@ -142,9 +142,8 @@ from torch.distributed.tensor.parallel import (
 
 def apply_tp(model, tp_mesh, sequence_parallel=True):
     """Column-wise q, k, v and fc, row-wise projections; norms and residual stream along the sequence if asked."""
-    between = (
-        Shard(1) if sequence_parallel else Replicate()
-    )  # the residual stream between sub-layers
+    # the residual stream between sub-layers
+    between = Shard(1) if sequence_parallel else Replicate()
     plan = {
         # a sub-layer needs the whole sequence: all-gather it on the way in (with sequence
         # parallelism), and hand q, k and v one DTensor, so their input gradients are summed
@@ -163,9 +162,8 @@ def apply_tp(model, tp_mesh, sequence_parallel=True):
         plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
-    if (
-        sequence_parallel
-    ):  # into the blocks: keep this rank's part of the sequence; out of them: gather it
+    # into the blocks: keep this rank's part of the sequence; out of them: gather it
+    if sequence_parallel:
         parallelize_module(
             model,
             tp_mesh,
@@ -222,9 +220,8 @@ from fsdp_guide.describe import ShardingTable
 
 
 def what_each_rank_holds():
-    table = describe_sharding(
-        parallelize(build_model(), mesh=make_mesh())
-    )  # fully_shard(..., mesh=mesh["dp"])
+    # fully_shard(..., mesh=mesh["dp"])
+    table = describe_sharding(parallelize(build_model(), mesh=make_mesh()))
     return ShardingTable(row for row in table if not row.name.startswith("blocks.1"))
 
 
@@ -328,9 +325,8 @@ for name, (rows, in_step, held, saved) in setups.items():
             + (f"{in_step:13}{held:17.2f}{saved:12.0f}" if i == 0 else "")
         )
 
-from myst_nb import (
-    glue,
-)  # the figures the text quotes, from this run's tables (JupyterLab shows glue's roles unrendered)
+# the figures the text quotes, from this run's tables (JupyterLab shows glue's roles unrendered)
+from myst_nb import glue
 
 
 def counted(setup, dim, kind):
@@ -472,14 +468,12 @@ print(
 )
 for what in ("step, left partial", "reducing once", "step, reduced"):
     print(f"{what:20} (dim, kind, n, bytes): {found[0][what] or 'no collective'}")
-glue(
-    "tp_partial_miss", torch.tensor(misses).min().item(), display=False
-)  # the closest rank's (torch's min keeps a NaN)
+# the closest rank's (torch's min keeps a NaN)
+glue("tp_partial_miss", torch.tensor(misses).min().item(), display=False)
 glue("tp_grad_largest", one_grad.abs().max().item(), display=False)
 glue("tp_partial_params", found[0]["partial"], display=False)
-glue(
-    "tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False
-)  # (dim, kind, n, bytes)
+# (dim, kind, n, bytes)
+glue("tp_partial_step_reduces", found[0]["step, left partial"][0][2], display=False)
 glue("tp_partial_once_reduces", found[0]["reducing once"][0][2], display=False)
 
 # %% [markdown]
@@ -778,9 +772,8 @@ def one_process_small(batches):
 
 
 for name, roles in ROLES.items():
-    reference = one_process_small(
-        2 if name.endswith("TP over y") else 4
-    )  # here, in the notebook: one process
+    # here, in the notebook: one process
+    reference = one_process_small(2 if name.endswith("TP over y") else 4)
     placements, weights = launch(train_on_named_dims, roles, world_size=4, output="none")[0]
     error = largest_difference((weights[p], reference[p]) for p in reference)
     print(
@@ -873,9 +866,8 @@ def edge_layer_layouts():
         with count_collectives(mesh) as seen:
             out = module(x)
         local = out.to_local() if isinstance(out, DTensor) else out
-        expected = distribute_tensor(
-            whole, mesh["tp"], [layout], src_data_rank=None
-        ).to_local()  # this rank's piece
+        # this rank's piece
+        expected = distribute_tensor(whole, mesh["tp"], [layout], src_data_rank=None).to_local()
         result[name] = (
             on_a_rank(module.weight),
             on_a_rank(out),
@@ -892,9 +884,8 @@ edges = launch(edge_layer_layouts, world_size=4, output="none")[0]
 for name, (weight, out, rows, difference) in edges.items():
     collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in rows) or "none"
     print(f"{name:34} {weight:23} {out:26} {collectives:33} {difference:.0e}")
-glue(
-    "tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False
-)  # (dim, kind, n, bytes)
+# (dim, kind, n, bytes)
+glue("tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False)
 glue("tp_logits_gather_bytes", edges["output layer, logits gathered"][2][0][3], display=False)
 
 # %% [markdown]
@@ -935,18 +926,18 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 def apply_vocab_parallel(model, tp_mesh, shard_logits=True):
     """The token embedding and the output layer split by vocabulary; logits left split (loss_parallel) or gathered."""
+    # as torchtitan's apply_tp
     output_plan = ColwiseParallel(
         output_layouts=Shard(-1) if shard_logits else Replicate(), use_local_output=not shard_logits
-    )  # as torchtitan's apply_tp
+    )
     parallelize_module(
         model,
         tp_mesh,
         {"tok_emb": RowwiseParallel(input_layouts=Replicate()), "lm_head": output_plan},
     )
     untied = model.lm_head.weight is not model.tok_emb.weight
-    model.lm_head.weight = (
-        model.tok_emb.weight
-    )  # each plan made its own DTensor of the tied weight: tie them again
+    # each plan made its own DTensor of the tied weight: tie them again
+    model.lm_head.weight = model.tok_emb.weight
     return untied
 
 
@@ -998,9 +989,8 @@ def every_output_plan():
 
 
 with torch.no_grad():
-    one_loss = one(*global_batch())[
-        1
-    ].item()  # `one`: the model whose gradients the partial sums were checked against
+    # `one`: the model whose gradients the partial sums were checked against
+    one_loss = one(*global_batch())[1].item()
 print(f"one process on the global batch: loss {one_loss:.7f}")
 print(
     f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, bytes)':>26}"
@@ -1033,14 +1023,14 @@ glue(
     tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1],
     display=False,
 )
-glue(
-    "tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False
-)  # each all-reduce's
+# each all-reduce's
+glue("tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False)
+# each of loss parallel's own all-reduces
 glue(
     "tp_lp_reduce_bytes",
     (parallel_reduces[1] - gathered_reduces[1]) // (parallel_reduces[0] - gathered_reduces[0]),
     display=False,
-)  # each of loss parallel's own all-reduces
+)
 
 # %% [markdown]
 # - With this page's plan every rank computes all the logits of all 8 sequences
@@ -1092,9 +1082,8 @@ class GroupedQueryAttention(nn.Module):
         q, k, v = (
             t(x).view(B, T, -1, self.head_dim).transpose(1, 2) for t in (self.q, self.k, self.v)
         )
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=True
-        )  # a KV head per group of q heads
+        # a KV head per group of q heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -1166,9 +1155,8 @@ def clip_grad_norm_across_meshes(parameters, max_norm):
     by_mesh = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
-            by_mesh[p.grad.device_mesh].append(
-                p
-            )  # torch's stack and _foreach_mul_ take one mesh per call
+            # torch's stack and _foreach_mul_ take one mesh per call
+            by_mesh[p.grad.device_mesh].append(p)
     norms = [
         torch.nn.utils.get_total_norm([p.grad for p in group]).full_tensor()
         for group in by_mesh.values()
@@ -1193,9 +1181,8 @@ def clip_both_ways():
     model = parallelize(build_model(), mesh)
     _, loss = model(*my_rows(mesh))
     loss.backward()
-    no_norm = torch.tensor(
-        0.0, device=fsdp_guide.device()
-    )  # a total norm of 0 scales by 1: harmless if it ran
+    # a total norm of 0 scales by 1: harmless if it ran
+    no_norm = torch.tensor(0.0, device=fsdp_guide.device())
     errors = {
         "clip_grad_norm_": first_error(
             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -1278,9 +1265,8 @@ def clip_and_step_under_tp_alone():
 
 
 kinds, errors, total, params = launch(clip_and_step_under_tp_alone, world_size=4, output="none")[0]
-torch.optim.AdamW(
-    reference.parameters(), lr=1e-2
-).step()  # one process: clipped above, now one step
+# one process: clipped above, now one step
+torch.optim.AdamW(reference.parameters(), lr=1e-2).step()
 print("TP alone, parameter types:", kinds)
 for call, error in errors.items():
     print(f"{call:25} {error}")
@@ -1321,9 +1307,8 @@ from pathlib import Path
 
 from fsdp_guide import checkpoint
 
-scratch = tempfile.TemporaryDirectory(
-    prefix="tensor-parallel-"
-)  # deleted, with what the page wrote, when the kernel exits
+# deleted, with what the page wrote, when the kernel exits
+scratch = tempfile.TemporaryDirectory(prefix="tensor-parallel-")
 run_dir = Path(scratch.name)
 
 
@@ -1336,9 +1321,8 @@ def train_2d_and_save(directory):
         optimizer.step()
         optimizer.zero_grad()
     checkpoint.save(directory, 2, model, optimizer)
-    checkpoint.export_consolidated(
-        model, Path(directory) / "model-2d.pt"
-    )  # gathered over dp and tp
+    # gathered over dp and tp
+    checkpoint.export_consolidated(model, Path(directory) / "model-2d.pt")
     optimizer_state = {
         name: optimizer.state[p]["exp_avg"].full_tensor().cpu()
         for name, p in model.named_parameters()
@@ -1420,9 +1404,8 @@ def attention_split_by_sequence():
     device = fsdp_guide.device()
     mesh = init_device_mesh(device.type, (2,), mesh_dim_names=("cp",))
     torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 2, 16, 8, device=device) for _ in range(3)
-    )  # batch, heads, sequence, head dim
+    # batch, heads, sequence, head dim
+    q, k, v = (torch.randn(1, 2, 16, 8, device=device) for _ in range(3))
     try:
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -146,9 +146,8 @@ def send(how, model, link, dtype):
             for i in bucket:
                 full = params[i].full_tensor()  # both trainer ranks: the all-gather
                 if dist.get_rank() == 0:
-                    buffer[filled : filled + full.numel()].copy_(
-                        full.flatten()
-                    )  # converted as it is copied
+                    # converted as it is copied
+                    buffer[filled : filled + full.numel()].copy_(full.flatten())
                 filled += full.numel()
                 del full  # freed before the next parameter is gathered
             if dist.get_rank() == 0:
@@ -179,15 +178,12 @@ def receive(how, engine, link):
 
 def sync(how, dtype):
     device = fsdp_guide.device()
-    trainers, link = (
-        dist.new_group([0, 1]),
-        dist.new_group([0, 2]),
-    )  # every rank makes both, in this order
+    # every rank makes both, in this order
+    trainers, link = (dist.new_group([0, 1]), dist.new_group([0, 2]))
     if dist.get_rank() == 2:  # the engine
         engine = make_model().to(device, dtype).eval()  # the weights it had before: the old policy
-        for _ in range(
-            3
-        ):  # the trainer's warm-up sync, the timed one, and the one its memory is counted in
+        # the trainer's warm-up sync, the timed one, and the one its memory is counted in
+        for _ in range(3):
             receive(how, engine, link)
         with torch.no_grad():
             return {"logits": engine(TOKENS.to(device))[0].float().cpu()}
@@ -197,9 +193,8 @@ def sync(how, dtype):
     def timed():
         start = time.perf_counter()
         sends = send(how, model, link, dtype)
-        torch.get_device_module(
-            device
-        ).synchronize()  # a GPU's collectives run on its streams; a no-op on CPU
+        # a GPU's collectives run on its streams; a no-op on CPU
+        torch.get_device_module(device).synchronize()
         return sends, time.perf_counter() - start
 
     sends, seconds = timed()  # timed alone: counting tensors below slows every operation

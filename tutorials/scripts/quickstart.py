@@ -43,9 +43,8 @@ def batch(step):
 
 def train(model, device, rows=slice(None)):
     """AdamW on the rows ``rows`` of each global batch; the loss of each step."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=LR
-    )  # after sharding: it updates the shards
+    # after sharding: it updates the shards
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = (t.to(device)[rows] for t in batch(step))
