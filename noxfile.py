@@ -241,9 +241,8 @@ def lab(session: nox.Session) -> None:
     Arguments after `--` go to `jupyter lab` (e.g. `nox -s lab -- --no-browser --port 8890`).
     """
     session.install(*uv_options(session), "-c", "constraints.txt", "-e", ".[docs,jupyter]")
-    as_root = (
-        ["--allow-root"] if os.geteuid() == 0 else []
-    )  # containers often run as root; Jupyter refuses it otherwise
+    # containers often run as root; Jupyter refuses it otherwise
+    as_root = ["--allow-root"] if os.geteuid() == 0 else []
     session.run("jupyter", "lab", *LAB, *as_root, *session.posargs)
 
 

@@ -23,10 +23,11 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE_TIMES = RESULTS / "page_times.json"
+# every page that executes
 PAGES = [
     *sorted((Path(__file__).resolve().parent.parent / "tutorials").glob("*.py")),
     Path(__file__).resolve().parent.parent / "docs" / "cluster.py",
-]  # every page that executes
+]
 
 # "about 55 seconds on 2 CPU cores", possibly wrapped over comment lines of a py:percent
 # page, with the link to the recorded measurement this module adds after it.

@@ -18,9 +18,8 @@ import sklearn  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.py"))
-NOTEBOOKS = TUTORIALS + sorted(
-    (ROOT / "docs").glob("*.py")
-)  # pages that execute code: the tutorials and the cluster page
+# pages that execute code: the tutorials and the cluster page
+NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))
 
 
 # The pages are executed as the site build executes them (docs/_ext/execution.py): two

@@ -115,9 +115,8 @@ def test_shard_grad_op_keeps_fsdp2_parameters_gathered_between_forward_and_backw
 def _dtypes(api, mixed_precision, precision):
     model = shard(Blocks(), {"mixed_precision": mixed_precision, "precision": precision, "min_params": 200}, api=api)
     forward = []
-    first_linear = next(
-        m for m in model.modules() if isinstance(m, nn.Linear)
-    )  # inside the unit, not the FSDP1 wrapper
+    # inside the unit, not the FSDP1 wrapper
+    first_linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
     first_linear.register_forward_pre_hook(lambda module, args: forward.append(module.weight.dtype))
     with record_dtypes() as dtypes:
         model(torch.ones(2, 16)).float().sum().backward()
@@ -416,10 +415,11 @@ def _buffer_dtype_in_forward(api):
 
 
 def test_fsdp1_casts_buffers_to_the_preset_dtype_and_fsdp2_keeps_them():
+    # FSDP2's MixedPrecisionPolicy has no buffer dtype
     assert launch(lambda: [_buffer_dtype_in_forward(api) for api in APIS], output="none")[0] == [
         "torch.float32",
         "torch.bfloat16",
-    ]  # FSDP2's MixedPrecisionPolicy has no buffer dtype
+    ]
 
 
 def _model_after_a_refused_config():

@@ -139,11 +139,12 @@ def test_the_build_names_each_page_as_it_starts_and_ends_a_failure_at_once_and_i
     with execution.Execution(tmp_path / "cache", workers=1, report=lines.append) as run:
         futures = run.submit_all([failing, ok])
     assert futures[ok].result().cells[1].outputs[0].text == "ipc\n"
+    # the failure named before the next page ran
     assert lines[:3] == [
         "        failing: executing",
         "[ 1/2] failing: failed: ValueError: the cell that fails",
         "        ok: executing",
-    ]  # the failure named before the next page ran
+    ]
     assert re.fullmatch(r"\[ 2/2\] ok: executed in \d+\.\d s", lines[3]) and len(lines) == 4
     lines.clear()
     with execution.Execution(tmp_path / "cache", report=lines.append) as run:

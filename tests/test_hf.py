@@ -546,9 +546,10 @@ def test_a_damaged_index_is_named_by_a_load_and_refused_by_either_export_which_w
         with pytest.raises(LaunchError, match=re.escape(f"{out / index.name} is damaged: {problem}")) as raised:
             launch(export, path, [out] if export is _export else out, world_size=2, output="none", timeout=120)
         assert "overwrites no file it did not write: move or delete this one" in str(raised.value)
+        # nothing written, nothing partial left
         assert _files(out) == before and sorted(p.name for p in out.iterdir()) == sorted(
             {name.split("/")[0] for name in before}
-        )  # nothing written, nothing partial left
+        )
 
 
 def _unpicklable_error_on_rank_0():

@@ -86,10 +86,11 @@ def test_running_and_saving_a_page_in_jupyter_keeps_the_py_and_the_outputs_in_an
     assert ignored, f"git would track {in_repository}"
 
 
+# a made link's title: the reference, a digest
 LINK = re.compile(
     r"\[(?P<text>[^\]]+)\]\((?P<file>[^)#\s]+)(?:#(?P<fragment>[^)\s]*))?"
     r'(?: "(?P<written>[^"]+?) fsdp:[0-9a-f]{8}")?\)'
-)  # a made link's title: the reference, a digest
+)
 ROLE = re.compile(r"\{(?P<role>[a-z]+)\}`(?:(?P<title>[^`<]*?)\s*<)?(?P<name>[^`<>]+)>?`")
 
 
@@ -244,6 +245,7 @@ def test_a_link_whose_text_the_reader_edited_saves_as_the_reference_with_that_te
     root = _site(tmp_path, {"tutorials/page.py": page})
 
     def edit(markdown: str) -> str:
+        # texts no reference can have
         texts = iter(
             [
                 r"[the odd \[1\] tip]",
@@ -252,14 +254,15 @@ def test_a_link_whose_text_the_reader_edited_saves_as_the_reference_with_that_te
                 "[the `odd` tip]",
                 "[a < b]",
             ]
-        )  # texts no reference can have
+        )
         markdown = re.sub(r"\[An odd tip\]", lambda _: next(texts), markdown)
+        # over two lines
         for old, new in [
             ("[Old words]", "[New words]"),
             ("[`launch()`]", "[`pkg.launch()`]"),
             ("[odd term]", "[an odd term]"),
             ("[My tips]", "[the tips\npage]"),
-        ]:  # over two lines
+        ]:
             markdown = markdown.replace(old, new)
         return markdown
 

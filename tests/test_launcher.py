@@ -1203,9 +1203,8 @@ def test_warm_ranks_draw_different_numpy_numbers_as_cold_ones_do(monkeypatch):
 
     from fsdp_guide.launcher import launches
 
-    monkeypatch.setenv(
-        "TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex
-    )  # a new server, started after transformers was imported
+    # a new server, started after transformers was imported
+    monkeypatch.setenv("TORCH_FSDP_GUIDE_TEST", uuid.uuid4().hex)
     launch(len, [], world_size=2, output="none")
     draws = launch(_numpy_draw, world_size=2, output="none") + launch(_numpy_draw, world_size=2, output="none")
     assert all(rank["warm"] for rank in launches()[-1]["ranks"])
@@ -1281,9 +1280,10 @@ def test_a_notebook_kernel_that_launched_shuts_down_by_itself():
 
     manager, client = start_new_kernel(kernel_name="python3")
     try:
+        # the server starts; both warm
         reply = client.execute_interactive(
             "from fsdp_guide import launch\nlaunch(len, [], world_size=2)\nlaunch(len, [], world_size=2)", timeout=60
-        )  # the server starts; both warm
+        )
         assert reply["content"]["status"] == "ok"
         kernel = manager.provisioner.process
     finally:

@@ -12,10 +12,12 @@ import sys
 import psutil
 import pytest
 import torch
+
+# torchrun's store listens on every interface: run it where only lo exists
 from isolation import (
     linux_only,
     loopback_only,
-)  # torchrun's store listens on every interface: run it where only lo exists
+)
 
 from fsdp_guide import LaunchError, launch
 from fsdp_guide.checkpoint import latest
@@ -227,11 +229,12 @@ def test_resuming_from_a_missing_corrupt_or_other_shape_checkpoint_is_a_clear_er
     )
 
     wider = dataclasses.replace(SMALL, n_embd=48, resume=str(latest(saved_at_k)))
+    # the recipe's check, first
     with pytest.raises(
         LaunchError,
         match=rf"ValueError: n_embd=48 \(the checkpoint's: 32\): {latest(saved_at_k)} "
         "continues a run with other settings",
-    ):  # the recipe's check, first
+    ):
         launch(train, wider, world_size=2, output="none")
     # what the checkpoint itself refuses, where the recipe's check has no saved settings to compare
     message = _resume_error(wider, _as_if_saved_without_settings)

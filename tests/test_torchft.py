@@ -38,9 +38,8 @@ def test_a_replica_group_that_loses_a_rank_rejoins_with_the_live_state_and_all_e
     done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300)
     logs = "\n".join(f"{p.name}:\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("group?.log")))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:] + logs
-    assert (
-        "failed (exitcode: -9) local_rank: 1" in (tmp_path / "group1.log").read_text()
-    )  # the SIGKILL, as torchrun saw it
+    # the SIGKILL, as torchrun saw it
+    assert "failed (exitcode: -9) local_rank: 1" in (tmp_path / "group1.log").read_text()
 
     steps = replicas.read_logs(tmp_path)
     made = replicas.quorums(steps)  # step -> (groups averaged, groups receiving) in the final weights' history

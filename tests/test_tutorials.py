@@ -119,9 +119,10 @@ def test_finetune_hf_exports_from_every_rank_with_dcp_and_stages_on_a_cpu(execut
     assert all(peak > 1.0 for peak in gathered.values())  # "more than the model", on any number of ranks
     assert 0.8 <= every[2] <= 1.4 and 0.4 <= every[4] <= 0.75  # "about twice its shard" (1/2, 1/4 of the model)
     assert every[2] >= 0.75 * gathered[2] and every[4] <= 0.6 * gathered[4]  # "no better" on 2, "about half" on 4
+    # the standard files, DCP's per-rank files gone
     assert (
         "['config.json', 'generation_config.json', 'model-00001-of-00001.safetensors', 'model.safetensors.index.json']"
-    ) in text  # the standard files, DCP's per-rank files gone
+    ) in text
     assert "tied after loading: True | logits equal the sharded model's: True" in text
     assert "StagingOptions(**{}): AssertionError: Non-blocking copy requires that the current accelerator" in text
     assert "Ignoring pin_memory flag" in text
@@ -266,18 +267,18 @@ def test_debugging_hangs_shows_every_tool_on_real_hangs_and_the_fixes(executed):
     assert glued["hang1_mismatch"] == rank0[0] and glued["hang2_parted"] == glued["hang2_detail_mismatch"] == str(
         parted
     )
-    assert (
-        glued["hang2_mismatch"] == str(parted + 1) and glued["hang2_matched"] == glued["hang2_parted"]
-    )  # the pair that matched
+    # the pair that matched
+    assert glued["hang2_mismatch"] == str(parted + 1) and glued["hang2_matched"] == glued["hang2_parted"]
     assert (
         f"torchfrtrace, by rank: collective {parted + 1} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
         "rank 1 ran all_gather"
     ) in text
     rows = {int(line.split()[0]): line for line in lines if re.match(r"\d+ +all_(gather|reduce) \[", line)}
     assert all(rows[n].count("pre_forward, y = body(x)") == 2 for n in range(1, parted))
+    # the recorder's stacks show where the ranks parted
     assert re.search(
         r"pre_forward, y = expert\(y\) +all_gather \[136\], pre_backward, y\.sum\(\)\.backward\(\)", rows[parted]
-    )  # the recorder's stacks show where the ranks parted
+    )
     assert "all_reduce [272], post_backward" in rows[parted + 1]
     # the fix: the expert's gradient is the mean over the ranks' batches, not the rank's own
     grads = [
@@ -406,9 +407,8 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     assert float(default[6]) > 0.6 and float(kept[4]) == 1.5 and default[9] == kept[7] == "0.50"  # reshard() frees
     # the prose's claims: the default holds its shards plus the root whole, False the whole model beside its shards
     assert float(default[9]) < float(default[6]) < 1 and float(kept[4]) == pytest.approx(1 + float(kept[7]), abs=0.011)
-    assert (
-        default[6:9] == ["0.77"] * 3
-    )  # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
+    # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
+    assert default[6:9] == ["0.77"] * 3
     n_params = int(text.split("plain tensors among the ")[1].split()[0])
     assert 0 < int(default[10]) < n_params and int(kept[8]) == n_params  # gathered: plain tensors in parameters()
     assert default[11] == kept[9] == "0"  # and shards again after reshard()
@@ -498,9 +498,8 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     both = lines.index(next(line for line in lines if line.startswith("FSDP x TP (2 x 2)")))
     dp_row, tp_row = numbers("FSDP x TP (2 x 2)"), [float(x) for x in lines[both + 1].split()[1:]]
     assert dp_row[0] == 5 and dp_row[2:4] == [3, 0.63] and 0.25 < dp_row[-2] < 0.4  # held: glued, about a third
-    assert (
-        0.5 * fsdp[1] < dp_row[1] < fsdp[1]
-    )  # glued: smaller all-gathers than FSDP alone, blocks half-size, root whole
+    # glued: smaller all-gathers than FSDP alone, blocks half-size, root whole
+    assert 0.5 * fsdp[1] < dp_row[1] < fsdp[1]
     assert dp_row[-3] == 0  # FSDP reduces the partial norms' gradients before the step
     # TP alone: each rank's to_local() of a norm's gradient is one term; the 4 sum to one process's
     assert "blocks.0.ln_1.weight.grad: (Partial(sum),); parameters with a partial gradient: 8" in text
@@ -559,9 +558,8 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
             "FSDP x TP, loss parallel",
         )
     }
-    page, gathered, parallel, with_fsdp = (
-        plans.values()
-    )  # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
+    # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
+    page, gathered, parallel, with_fsdp = plans.values()
     assert page[:2] == gathered[:2] == [131072, 131072] and parallel[:2] == [32768, 131072]
     assert with_fsdp[:2] == [32768, 65536]
     assert gathered[2:4] == [page[2] + 1, page[3] + 131072] and parallel[2:4] == page[2:4]  # no logits all-gather
@@ -764,9 +762,8 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         assert own > 1e-3 and mean < 1e-7  # this rank's own gradient; the average is eager's
     # the compiled optimizer step: one graph on DTensors, run every step, no collectives, close to eager
     assert "compiled optimizer.step: 1 graph(s), with [14] DTensor inputs, for 14 parameters" in text
-    assert (
-        "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text
-    )  # the real group's flag: set on GPUs only
+    # the real group's flag: set on GPUs only
+    assert "the compiled graph ran 3x in 3 steps" in text and "capturable: [False]" in text
     # no collective of any kind, counted by a count that sees an all-reduce when one runs
     assert "collectives in the compiled steps: none (around one all-reduce: {'c10d::allreduce_': 1})" in text
     difference = float(text.split("parameters after 3 steps vs eager AdamW: max |difference| ")[1].split()[0])
@@ -1018,9 +1015,10 @@ def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
     policies = dict(re.findall(r"((?:CPU)?OffloadPolicy\([^)]*\)):\n+((?:    .*\n)+)", text))
     for policy in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)"):
         rows = dict((line[4:26].strip(), line[26:].strip()) for line in policies[policy].splitlines())
+        # CPU ranks: nothing to offload from
         assert {
             rows[k] for k in ("batch", "gathered for forward", "parameter shards", "gradients", "optimizer state")
-        } == {"cpu"}  # CPU ranks: nothing to offload from
+        } == {"cpu"}
     measured = [
         re.search(r"measure\s+(.*)", policies[p])[1] for p in ("OffloadPolicy()", "CPUOffloadPolicy(pin_memory=False)")
     ]
@@ -1106,12 +1104,13 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
         line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))
     }
     per_param = {name: int(v[4]) for name, v in setups.items()}
+    # one fp32 copy, either way
     assert per_param == {
         "bf16, AdamW": 16,
         "fp8, master-weight AdamW": 20,  # FSDP's fp32 shard + the optimizer's
         "fp8, AdamW": 16,
         "fp8, bf16 stored, master AdamW": 16,
-    }  # one fp32 copy, either way
+    }
     assert {v[5] for v in setups.values()} == {"1.0000"}  # measured exactly as estimated
     assert "measured - estimated, bytes, each set-up: [0, 0, 0, 0]" in text  # "exactly"
     assert _glued(executed["fp8"]).keys() >= {
@@ -1165,9 +1164,8 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
     assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
     assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"
-    refused = boundary[
-        "body bf16, output_dtype=float32, cast_forward_inputs=False"
-    ]  # the float32 input reached the bf16 body
+    # the float32 input reached the bf16 body
+    refused = boundary["body bf16, output_dtype=float32, cast_forward_inputs=False"]
     assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
 
 

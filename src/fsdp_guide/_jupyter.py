@@ -129,9 +129,8 @@ def _rst_targets(path: str, lines: list[str]) -> dict[str, Target]:
             in_glossary = True
         elif line and not line.startswith(" "):
             in_glossary = False
-        elif in_glossary and re.match(
-            r"^   [^\s:]", line
-        ):  # a term: indented once (not an option); its definition, twice
+        # a term: indented once (not an option); its definition, twice
+        elif in_glossary and re.match(r"^   [^\s:]", line):
             targets["term:" + line.strip().lower()] = Target(path, line.strip(), f"line={i}")
     top = next((j for j in range(len(lines)) if is_title(j)), None)
     targets["doc:" + path.rsplit(".", 1)[0]] = Target(path, _plain(lines[top]) if top is not None else path, "")

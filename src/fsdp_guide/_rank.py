@@ -74,13 +74,14 @@ def where_this_rank_ran(backend: str) -> dict:
     from fsdp_guide.devices import placement
 
     where = placement()
+    # a plain str: unpickling TorchVersion imports torch
     return {
         "backend": backend,
         "device": str(where.device),
         "shared": where.shared,
         "torch": str(torch.__version__),
         "warm": _warm.forked,
-    }  # a plain str: unpickling TorchVersion imports torch
+    }
 
 
 def _store(rank: int, world_size: int, timeout: float):

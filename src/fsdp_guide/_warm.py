@@ -366,7 +366,6 @@ def _fresh_state() -> None:
     if "numpy.random" in sys.modules:  # imported by the server (transformers imports it): its global state too
         sys.modules["numpy.random"].seed()  # no argument: fresh entropy, as numpy seeds itself at import
     threads = os.environ.get("OMP_NUM_THREADS")
-    if (
-        threads and threads.isdigit() and int(threads) > 0
-    ):  # 0 or junk: torch's default, as a cold rank's import takes it
+    # 0 or junk: torch's default, as a cold rank's import takes it
+    if threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # the server imported torch before this launch chose the count

@@ -84,9 +84,10 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
 
     # Before fully_shard: afterwards the weights are DTensors and the swap fails
     # ("aten.mm.default got mixed torch.Tensor and DTensor").
+    # returns a new root if the root is a Linear
     model = convert_to_float8_training(
         model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True), module_filter_fn=fp8_capable
-    )  # returns a new root if the root is a Linear
+    )
 
     units = [m for m in model.modules() if isinstance(m, Float8Linear) and m is not model]
     for unit in units + [model]:  # the root last

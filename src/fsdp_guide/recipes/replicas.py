@@ -126,12 +126,13 @@ def recoverable_state(model, optimizer, scheduler):
                 for name, kept in state["optim"]["state"].items()
             },
         }
+        # the optimizer's load_state_dict creates AdamW's state from the peer's
         set_state_dict(
             model,
             optimizer,
             model_state_dict={n: sharded(n, t) for n, t in state["model"].items()},
             optim_state_dict=optim,
-        )  # the optimizer's load_state_dict creates AdamW's state from the peer's
+        )
         scheduler.load_state_dict(state["scheduler"])
 
     return state_dict, load_state_dict
@@ -372,8 +373,8 @@ def run(
                 "OMP_NUM_THREADS": str(_threads_per_rank(RANKS_PER_GROUP)),
                 # its address as a number: the lighthouse advertises the host's name
                 "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            }  # a store per attempt (fsdp_guide.launcher._restart_hazard)
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # a store per attempt (fsdp_guide.launcher._restart_hazard)
+            }
             if torch.cuda.is_available():  # each group its own GPUs: both groups' local rank 0 would pick the first
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(group * RANKS_PER_GROUP + r) for r in range(RANKS_PER_GROUP))
             command = [
@@ -467,9 +468,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out {args.out}: not a directory; create it first")
     if args.groups < 2 or not 0 <= args.kill_at < MAX_STEPS:
         parser.error(f"expected --groups 2 or more and --kill-at 0 to {MAX_STEPS - 1}")
+    # written so that NaN fails each too
     if args.after_rejoin < 1 or not (
         0 <= args.rejoin_after < math.inf and 0 <= args.step_seconds < math.inf and 0 < args.timeout < math.inf
-    ):  # written so that NaN fails each too
+    ):
         parser.error(
             f"expected --after-rejoin 1 or more (got {args.after_rejoin}), --rejoin-after and --step-seconds "
             f"0 or more, finite (got {args.rejoin_after:g}, {args.step_seconds:g}), --timeout above 0, finite "

@@ -317,6 +317,7 @@ def make_batches(config: TrainConfig):
     from fsdp_guide.tokens import TokenBatches, python_docs_corpus
 
     corpus = python_docs_corpus() if config.data == "python-docs" else None
+    # it checks batch_size splits
     return TokenBatches(
         corpus,
         batch_size=config.batch_size,
@@ -325,7 +326,7 @@ def make_batches(config: TrainConfig):
         simulated_size_in_batches=config.simulated_size_in_batches,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-    )  # it checks batch_size splits
+    )
 
 
 def train_step(model, optimizer, scheduler, scaler, batches, config: TrainConfig, device) -> float:
