@@ -284,6 +284,28 @@ def test_each_download_shows_the_outputs_the_page_shows_once(site, tutorial):
     assert streams > 0
 
 
+def test_a_result_table_is_an_html_table_on_the_page_and_aligned_text_in_the_notebook(site, executed):
+    html = (site / "docs" / "cluster.html").read_text()
+    table = re.search(r'<table class="fsdp-guide-table">.*?</table>', html, re.S)
+    assert table and table[0].count("<tr>") == 5  # the header and the 4 ranks
+    assert '<th class="numeric">rank</th><th>shard group</th>' in table[0]
+    assert "<pre" not in table[0]
+    text = next(
+        out["data"]["text/plain"] for cell in executed["cluster"].cells for out in cell.get("outputs", [])
+        if "text/html" in out.get("data", {}) and "fsdp-guide-table" in out["data"]["text/html"]
+    )  # fmt: skip
+    assert text.splitlines()[0].split() == [
+        "rank",
+        "shard",
+        "group",
+        "replicate",
+        "group",
+        "model[0].weight",
+        "local",
+        "shape",
+    ]
+
+
 def _build_paths() -> list[str]:
     """Where this checkout, its Python and its temporary files are: what a page must not show."""
     import tempfile
