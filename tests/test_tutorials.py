@@ -15,6 +15,8 @@ def _text_outputs(notebook) -> str:
         for out in cell.get("outputs", []):
             if "scrapbook" in out.get("metadata", {}):
                 continue  # a value glued for the prose (myst_nb.glue), shown in the text, not as output
+            if "image/png" in out.get("data", {}):
+                continue  # a figure: its text/plain is "<Figure size ...>", not text the page printed
             chunks.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
     return "".join(chunks)
 
