@@ -77,6 +77,66 @@ def _fsdp1_fsdp2_losses(out: str) -> None:
     assert found and float(found[1]) <= 1e-6, out  # NaN fails the comparison
 
 
+def _state_timeline(out: str) -> None:
+    shard = "DTensor (Shard(dim=0),) local (32, 16)"
+    timeline = (
+        f"layers.0.weight (64, 16) on rank 0 of 2: between steps: {shard}; in forward: Parameter (64, 16); "
+        f"grad after backward: {shard}; AdamW exp_avg: {shard}; after the step: {shard}, updated in place True"
+    )
+    assert timeline in out, out  # shapes, placements and types: none of it varies run to run
+
+
+def _states_against_zero3(out: str) -> None:
+    found = re.search(
+        r"rank 0 of 2: holds \d+ bytes of model states; measured / ZeRO-3 estimate \(total / 2\): "
+        r"params (\S+), grads (\S+), AdamW state (\S+)",
+        out,
+    )
+    assert found and all(float(r) == 1 for r in found.groups()), out  # even shards: exact; NaN fails
+
+
+def _digits_accuracy(out: str) -> None:
+    found = re.search(
+        r"FSDP2 on 2 ranks, \d+ epochs: test accuracy summed over ranks (\d+)/(\d+), "
+        r"gathered model in 1 process (\d+)/(\d+)",
+        out,
+    )
+    assert found, out
+    right, total, alone, total_alone = map(int, found.groups())
+    assert total == total_alone == 360 and right / total >= 0.97 and right == alone, out  # the page's 97%
+
+
+def _engine_holds_trainer_weights(out: str) -> None:
+    found = re.search(
+        r"FSDP2 trainer on ranks 0-1 -> engine on rank 2, \d+ parameters: max \|weight difference\| = (\S+), "
+        r"max \|output difference\| = (\S+); the step moved the weights by up to (\S+)",
+        out,
+    )
+    assert found, out
+    weights, outputs, moved = map(float, found.groups())
+    assert weights == 0 and outputs == 0 and moved > 0, out  # fp32: exact, and a real update; NaN fails
+
+
+def _config_applied(out: str) -> None:
+    applied = (
+        "'mixed_precision': 'DEFAULT', 'cpu_offload': False}: computes in torch.bfloat16, freed after forward: True"
+    )
+    assert applied in out, out
+    found = re.search(
+        r"fsdp_config on 2 ranks vs float32 in 1 process, \d+ steps: max relative loss difference = (\S+)", out
+    )
+    assert found and float(found[1]) < 2e-2, out  # bfloat16 follows float32; NaN fails the comparison
+
+
+def _optimizer_after_sharding(out: str) -> None:
+    found = re.search(r"optimizer built after fully_shard: (\d+) of its (\d+) parameters are DTensor shards", out)
+    assert found and found[1] == found[2] != "0", out  # every parameter it steps is a shard
+    found = re.search(
+        r"FSDP2 on 2 ranks vs 1 process, \d+ steps, loss \S+ -> \S+: max \|loss difference\| = (\S+)", out
+    )
+    assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -86,6 +146,12 @@ CLAIMS = {
     "loss_and_accumulation": (2, _accumulated_loss_difference),
     "enable_wrap": (2, _same_model_less_memory),
     "migration": (2, _fsdp1_fsdp2_losses),
+    "state_attributes": (2, _state_timeline),
+    "memory": (2, _states_against_zero3),
+    "digits": (2, _digits_accuracy),
+    "weight_sync": (3, _engine_holds_trainer_weights),
+    "fsdp_config": (2, _config_applied),
+    "pitfalls": (2, _optimizer_after_sharding),
 }
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
@@ -98,9 +164,8 @@ LIBRARIES = {
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
 WITHOUT_A_SCRIPT_YET = {
-    "beyond_the_step", "cluster", "communication", "compile", "debugging_hangs", "digits", "experts", "finetune_hf",
-    "fp8", "fsdp2_controls", "fsdp_config", "llm", "lora", "memory", "pipeline", "pitfalls", "rank_dies",
-    "state_attributes", "tensor_parallel", "weight_sync",
+    "beyond_the_step", "cluster", "communication", "compile", "debugging_hangs", "experts", "finetune_hf", "fp8",
+    "fsdp2_controls", "llm", "lora", "pipeline", "rank_dies", "tensor_parallel",
 }  # fmt: skip
 
 

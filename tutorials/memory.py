@@ -28,6 +28,7 @@
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips are listed {ref}`at the end <memory-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`memory-script` ({download}`download <scripts/memory.py>`).
 
 # %%
 import sys
@@ -282,6 +283,21 @@ for policy in (OffloadPolicy(), CPUOffloadPolicy(pin_memory=False), CPUOffloadPo
 # all-gather and a device-to-host copy of every gradient, and an optimizer step on the
 # CPU: it is for a model whose sharded states do not fit in device memory.
 
+
+# %% [markdown]
+# (memory-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/memory.py`.
+# After one training step with AdamW, each rank counts the bytes of the parameters, gradients and
+# optimizer moments it holds, from the storages of its shards, and rank 0 prints each as a
+# fraction of ZeRO-3's estimate, their total divided by the number of ranks. The tests run this
+# file under torchrun on 2 CPU ranks and check that all three fractions are 1
+# (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/memory.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (memory-tips)=

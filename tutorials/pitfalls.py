@@ -32,6 +32,7 @@
 # the CPU (as on the machine that executed this page). Batches are built on the CPU from
 # seeded generators, so their numbers do not depend on the device, and moved there with
 # `.to(device)`, inputs and targets alike. The tips are listed {ref}`at the end <pitfalls-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`pitfalls-script` ({download}`download <scripts/pitfalls.py>`).
 
 # %%
 import itertools
@@ -688,6 +689,23 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
 # without an error. `register_sharding` is experimental in torch 2.13 (its
 # docstring).
 
+
+# %% [markdown]
+# (pitfalls-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/pitfalls.py`.
+# It avoids the pitfall a training script meets first,
+# {ref}`the second <pitfalls-optimizer-after-sharding>`: it builds the optimizer after `fully_shard`
+# and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
+# shards, then the largest difference of the losses from one process's. The tests run it on 2 CPU
+# ranks and check that all of them are shards and that the difference is at most 1e-5
+# (`tests/test_scripts.py`): built before sharding, the optimizer holds no shard, and the loss
+# never moves.
+#
+# ```{literalinclude} scripts/pitfalls.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (pitfalls-tips)=

@@ -30,8 +30,10 @@
 # is written to run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the
 # timeline's input come from {func}`fsdp_guide.device`, the rank's own GPU
 # (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the machine that
-# executed this page). Private attributes change between torch versions; this page was
-# executed with:
+# executed this page).
+# Its idea as a plain torchrun script to copy: {ref}`state-attributes-script` ({download}`download <scripts/state_attributes.py>`).
+#
+# Private attributes change between torch versions; this page was executed with:
 
 # %%
 import sys
@@ -328,7 +330,23 @@ glue("sa_fsdp1_full_bytes", fsdp1_when["inside forward"][3], display=False)
 # computation and at the full {glue:text}`sa_flat_numel` numbers ({glue:text}`sa_fsdp1_full_bytes`
 # bytes) inside it, and its gradient is a flat shard too. To read or change weights outside
 # forward, use {func}`fsdp_guide.summon_full_params`.
+
+# %% [markdown]
+# (state-attributes-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/state_attributes.py`.
+# It shards a small model with `fully_shard`, trains it one step, and rank 0 prints in one line
+# what the first layer's weight is between steps (a `DTensor`, `Shard(dim=0)`, its local rows),
+# inside its forward (the gathered `Parameter`), what its gradient and AdamW's state are, and
+# whether the step updated the shard in place. The tests run this file under torchrun on 2 CPU
+# ranks and check that line (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/state_attributes.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (state-attributes-tips)=
 # ## What this showed, and the tips behind it
 #

@@ -29,6 +29,7 @@
 # **What you need**: a CPU; 3 processes on gloo: 2 train, 1 serves; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): every tensor
 # lives on {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <weight-sync-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`weight-sync-script` ({download}`download <scripts/weight_sync.py>`).
 
 # %%
 import sys
@@ -288,7 +289,23 @@ print(
 # own forward. In fp32 they are equal, bit for bit: the engine computes with exactly the
 # trainer's weights. In bf16 the engine's weights and arithmetic are bf16, and its logits
 # are the same whichever way the weights came.
+
+# %% [markdown]
+# (weight-sync-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script: {download}`scripts/weight_sync.py` (torch alone).
+# `torchrun --nproc-per-node=3 weight_sync.py` trains a small model for one step on ranks 0 and 1,
+# sharded over their own mesh, then sends it to rank 2 one gathered parameter at a time, in fp32;
+# rank 0 prints the largest differences between the engine's weights and output and the trainer's,
+# and how far the step moved the weights. The tests run this file under torchrun on 3 CPU ranks and
+# check that the engine holds exactly the trainer's new weights (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/weight_sync.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (weight-sync-tips)=
 # ## The tips behind this
 #

@@ -1,0 +1,104 @@
+"""The pitfall a training script meets first, as a torchrun script: the optimizer after sharding.
+
+    torchrun --nproc-per-node=2 pitfalls.py
+
+fully_shard replaces each parameter with a new one, a DTensor shard. An optimizer built before
+holds the old tensors, which never receive a gradient: it steps nothing, silently, and the loss
+never moves. Built after sharding (and before any forward), it holds the shards. Rank 0 prints what
+the optimizer holds, then trains the unsharded model on the whole batch, alone, and prints the
+largest difference between the losses of the two runs. Needs torch alone; each rank computes on its
+accelerator (GPU) where there is one, else on the CPU (over gloo).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+GLOBAL_BATCH, STEPS, LR = 64, 40, 1e-2
+
+
+class MLP(nn.Module):
+    def __init__(self, dim=16, hidden=64, out=4):
+        super().__init__()
+        sizes = [dim, hidden, hidden, out]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = F.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+def batch(step):
+    """The global batch of a step: the same on every rank, whatever its device."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 16, generator=g)
+    y = torch.stack(
+        [x[:, :4].sum(1), x[:, 4:8].prod(1), x[:, 8:].sin().sum(1), x.norm(dim=1)], dim=1
+    )
+    return x, y
+
+
+def train(model, optimizer, device, rows=slice(None)):
+    """``optimizer`` on the rows ``rows`` of each global batch; the loss of each step."""
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device)[rows] for t in batch(step))
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def main():
+    # The rank's device: its own accelerator where there is one, else the CPU.
+    accelerator = torch.accelerator.current_accelerator()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
+    if accelerator:
+        torch.accelerator.set_device_index(local_rank)
+    backend = dist.get_default_backend_for_device(device)  # NCCL on GPUs, gloo on the CPU
+    dist.init_process_group(backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # the same weights on every rank
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)  # one unit per layer
+    fully_shard(model)  # the root
+    # Only now are model.parameters() the shards. And before any forward: after one, the root's
+    # parameters are its gathered copies until its backward (else call model.reshard() first).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    held = optimizer.param_groups[0]["params"]
+    shards = sum(isinstance(p, DTensor) for p in held)
+    per_rank = GLOBAL_BATCH // world_size
+    losses = train(model, optimizer, device, rows=slice(rank * per_rank, (rank + 1) * per_rank))
+    dist.all_reduce(losses)  # the mean over the ranks is the loss of the whole batch
+    losses /= world_size
+
+    if rank == 0:
+        print(
+            f"optimizer built after fully_shard: {shards} of its {len(held)} parameters "
+            "are DTensor shards"
+        )
+        torch.manual_seed(0)
+        one = MLP().to(device)  # one process, the whole batch
+        alone = train(one, torch.optim.AdamW(one.parameters(), lr=LR), device)
+        difference = (losses - alone).abs().max().item()
+        print(
+            f"FSDP2 on {world_size} ranks vs 1 process, {STEPS} steps, loss "
+            f"{losses[0].item():.4f} -> {losses[-1].item():.4f}: "
+            f"max |loss difference| = {difference:.2e}"
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
