@@ -34,6 +34,7 @@
 # The worker code is written to run unchanged with one GPU per rank (NCCL): every tensor
 # and mesh is on {func}`fsdp_guide.device`.
 # The tips it demonstrates are listed {ref}`at the end <experts-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`experts-script` ({download}`download <scripts/experts.py>`).
 
 # %%
 import sys
@@ -499,7 +500,24 @@ for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
 # - **Top-k routing** (each token to k experts): the tokens are repeated k times before
 #   the dispatch and the outputs summed with their scores after, so the all-to-alls carry
 #   k times the bytes. This page routes top-1.
+
+# %% [markdown]
+# (experts-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/experts.py`.
+# `torchrun --nproc-per-node=4 experts.py` shards the experts over `edp` and routes the tokens
+# over `ep` with the all-to-alls above, divides the experts' gradients by all 4 data ranks,
+# trains 10 SGD steps (SGD, where a gradient twice too large shows in the loss), and rank 0
+# prints the largest difference from the same training in one process with every expert. The
+# tests run this file under torchrun on 4 CPU ranks and check that the difference is at most
+# 1e-5 (`tests/test_scripts.py`); without the divide factor it is about 4e-2.
+#
+# ```{literalinclude} scripts/experts.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (experts-tips)=
 # ## The tips behind this
 #

@@ -32,6 +32,7 @@
 # config with a fixed seed. The same worker code is written to run unchanged with one GPU
 # per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are listed
 # {ref}`at the end <finetune-hf-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`finetune-hf-script` ({download}`download <scripts/finetune_hf.py>`).
 
 # %%
 import os
@@ -517,6 +518,22 @@ print(
 import shutil
 
 shutil.rmtree(workdir)
+
+# %% [markdown]
+# (finetune-hf-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch and `transformers`:
+# {download}`scripts/finetune_hf.py`. Every rank builds the same small Llama, shards it and
+# trains it a few steps on its slice of the batch; the full weights are gathered to rank 0, which
+# writes them with `save_pretrained` to a temporary directory, loads them back with
+# `from_pretrained`, and prints the largest differences of the weights and of the logits from
+# the sharded model's. The tests run this file under torchrun on 2 CPU ranks and check that the
+# loss fell and that both differences are 0: the round trip is exact (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/finetune_hf.py
+# :language: python
+# ```
 
 # %% [markdown]
 # (finetune-hf-tips)=

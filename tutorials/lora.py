@@ -37,6 +37,7 @@
 # seed, as in {ref}`tutorial-finetune-hf`. The worker code is written to run unchanged with
 # one GPU per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are
 # listed {ref}`at the end <lora-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`lora-script` ({download}`download <scripts/lora.py>`).
 
 # %%
 import os
@@ -689,7 +690,24 @@ print(
 # the merged model computes `x (W + sBA)ᵀ`, with `s = lora_alpha / r = 2`, where the adapted
 # one computes `xWᵀ + s(xAᵀ)Bᵀ`: the same function, rounded in another order, hence differences at fp32's
 # last digits rather than none.
+
+# %% [markdown]
+# (lora-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch, `transformers` and `peft`:
+# {download}`scripts/lora.py`. Every rank builds the same small Llama, adds the adapters, then
+# shards it, one unit per decoder layer and the root, and trains the adapters alone on its slice
+# of the batch; rank 0 prints how many parameters train (all of them shards), then the largest
+# relative difference from the same training in one process. The tests run this file under
+# torchrun on 2 CPU ranks and check that every trainable parameter is a shard and that the
+# difference is at most 1e-5, the page's "fp32 rounding" (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/lora.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (lora-tips)=
 # ## The tips behind this
 #
