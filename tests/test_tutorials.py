@@ -17,7 +17,10 @@ def _text_outputs(notebook) -> str:
                 continue  # a value glued for the prose (myst_nb.glue), shown in the text, not as output
             if "image/png" in out.get("data", {}):
                 continue  # a figure: its text/plain is "<Figure size ...>", not text the page printed
-            chunks.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+            if "text" in out:  # a stream, as printed
+                chunks.append(out["text"])
+            elif "text/plain" in out.get("data", {}):  # a displayed object (a Table): lines of its own
+                chunks.append(out["data"]["text/plain"].rstrip("\n") + "\n")
     return "".join(chunks)
 
 
