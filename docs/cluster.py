@@ -33,6 +33,7 @@
 #
 # **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
+# Its idea as a plain torchrun script to copy: {ref}`cluster-script` ({download}`download <../tutorials/scripts/cluster.py>`).
 #
 # ## One machine, then several
 #
@@ -289,7 +290,23 @@ print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight differ
 # With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
 # builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the
 # number of GPUs per node.
+
+# %% [markdown]
+# (cluster-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone:
+# {download}`../tutorials/scripts/cluster.py`. `torchrun --nproc-per-node=4 cluster.py` starts
+# the ranks; each builds the (replicate, shard) mesh, shards the model over it and trains on its
+# slice of every batch, and rank 0 prints its groups and its shard, then the largest differences
+# in losses and final weights from the same training in one process. The tests run this file
+# under torchrun on 4 CPU ranks and check that both are at most 1e-5 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} ../tutorials/scripts/cluster.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (cluster-launch-errors)=
 # ## When the launch itself fails: the messages, reproduced
 #

@@ -176,6 +176,39 @@ def _float8_follows_float32(out: str) -> None:
     assert found and float(found[1]) <= 1e-2, out  # the page's 1%; NaN fails the comparison
 
 
+def _hsdp(out: str) -> None:
+    assert "rank 0: shard group [0, 1], replicate group [0, 2], holds (32, 16) of layers.0.weight (64, 16)" in out, out
+    found = re.search(
+        r"HSDP on a 2 x 2 mesh vs 1 process, \d+ steps: "
+        r"max \|loss difference\| = (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparison
+
+
+def _pipeline(out: str) -> None:
+    found = re.search(
+        r"Schedule1F1B, 2 stages x FSDP2 on 2 ranks, 4 micro-batches, vs 1 process, \d+ steps: "
+        r"max \|loss difference\| = (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparison
+
+
+def _uneven_eval_like_one_process(out: str) -> None:
+    found = re.search(
+        r"sharded eval on 2 ranks, batches per rank \[3, 2\], 9 of 9 examples, vs 1 process: "
+        r"\|loss difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5, out  # every example once; NaN fails the comparison
+
+
+def _hang_named(out: str) -> None:
+    found = re.search(r"hang caught as \w+: rank 0 in #(\d+) ALLREDUCE, rank 1 in #(\d+) _ALLGATHER_BASE", out)
+    assert found and found[1] == found[2], out  # both ranks' collectives, at the same position
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -195,6 +228,10 @@ CLAIMS = {
     "finetune_hf": (2, _save_pretrained_round_trip),
     "experts": (4, _experts_loss_difference),
     "fp8": (2, _float8_follows_float32),
+    "cluster": (4, _hsdp),
+    "pipeline": (4, _pipeline),
+    "beyond_the_step": (2, _uneven_eval_like_one_process),
+    "debugging_hangs": (2, _hang_named),
 }
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
@@ -207,8 +244,7 @@ LIBRARIES = {
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
 WITHOUT_A_SCRIPT_YET = {
-    "beyond_the_step", "cluster", "communication", "compile", "debugging_hangs", "fsdp2_controls", "llm", "pipeline",
-    "rank_dies", "tensor_parallel",
+    "communication", "compile", "fsdp2_controls", "llm", "rank_dies", "tensor_parallel",
 }  # fmt: skip
 
 

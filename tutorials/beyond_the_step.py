@@ -32,6 +32,7 @@
 # worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
 # {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <beyond-the-step-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`beyond-the-step-script` ({download}`download <scripts/beyond_the_step.py>`).
 
 # %%
 import sys
@@ -637,7 +638,24 @@ glue("bts_teacher_resharded_held", teachers[True]["teacher"][1], display=False)
 # require gradients too, autograd saves the teacher's activations, and FSDP registers the
 # hooks that gather its units again in backward (`FSDPState._register_pre_backward_hook` in
 # `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`).
+
+# %% [markdown]
+# (beyond-the-step-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/beyond_the_step.py`.
+# It evaluates a sharded model on 9 examples split unevenly over 2 ranks, each example once,
+# every rank running as many forwards as the rank with the most batches (an empty batch where its
+# data has run out) and the summed losses and token counts all-reduced once at the end; rank 0
+# prints the batches per rank, the examples counted and the difference from one process's loss
+# over the whole set. The tests run this file under torchrun on 2 CPU ranks and check that every
+# example counted once and that the difference is at most 1e-5 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/beyond_the_step.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (beyond-the-step-tips)=
 # ## The tips behind this
 #

@@ -39,6 +39,7 @@
 # (the stacks below find each rank on that line), where an NCCL rank would run on and hang
 # later ({ref}`on GPUs <debugging-hangs-gpu>`). The models are built on
 # {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <debugging-hangs-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`debugging-hangs-script` ({download}`download <scripts/debugging_hangs.py>`).
 
 # %%
 import inspect
@@ -1064,7 +1065,23 @@ print("torch.distributed.constants.default_pg_nccl_timeout on this build:", defa
 # | "who is late?" | `dist.monitored_barrier` | the ranks that did not arrive | (on a gloo group) |
 # | an NCCL job killed after 10 minutes, or stuck | the flight recorder's dumps (written on timeout by default per torch's source, to `torch/comm_lib_trace_rank_<rank>` under `$XDG_CACHE_HOME` or `~/.cache` unless `TORCH_FR_DUMP_TEMP_FILE` says where), `TORCH_NCCL_DESYNC_DEBUG`, a shorter `timeout` (cited, not run here) | the flight recorder's dumps; the ranks that did not join | (the fix of the hang the dumps point to) |
 # | hangs or wrong sums under torchrun, not in the notebook | `FSDP_GUIDE_WARM=0` (cold ranks, as torchrun's) | a loop over a `set` or `dict` of strings issuing collectives | iterate `sorted(...)` |
+
+# %% [markdown]
+# (debugging-hangs-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/debugging_hangs.py`.
+# It runs hang 1 (one rank with an evaluation batch more) with the debug level `DETAIL` and a
+# 10-second collective timeout, so that, instead of hanging, every rank raises the
+# collective-mismatch error and exits; rank 0 prints each rank's collective, by number and
+# operation. The tests run this file under torchrun on 2 CPU ranks and check that it ends and
+# names rank 0's `ALLREDUCE` and rank 1's `_ALLGATHER_BASE` (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/debugging_hangs.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (debugging-hangs-tips)=
 # ## The tips behind this
 #

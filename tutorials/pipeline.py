@@ -35,6 +35,7 @@
 # the stages are built on {func}`fsdp_guide.device`. This page shows what runs, what is
 # exact and what the schedules do, not speed.
 # The tips it demonstrates are listed {ref}`at the end <pipeline-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`pipeline-script` ({download}`download <scripts/pipeline.py>`).
 
 # %%
 import sys
@@ -572,7 +573,23 @@ for key in [("GPipe", 4), ("1F1B", 4)]:
 # Schedules with several stages per rank (`ScheduleInterleaved1F1B`) and those that split
 # each backward into its input and weight gradients (the zero-bubble ones) shrink the
 # bubble further; they are not run here.
+
+# %% [markdown]
+# (pipeline-script)=
+# ## The script to copy
 #
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/pipeline.py`.
+# `torchrun --nproc-per-node=4 pipeline.py` starts the ranks on a 2 x 2 (`pp`, `dp`) mesh; each
+# shards its stage over `dp`, kept gathered, and trains with `Schedule1F1B` on 4 micro-batches of
+# its half of every batch, and rank 0 prints the largest differences in losses and weights (every
+# rank checking its own stage) from the uncut model trained in one process. The tests run this
+# file under torchrun on 4 CPU ranks and check that both are at most 1e-5 (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/pipeline.py
+# :language: python
+# ```
+
+# %% [markdown]
 # (pipeline-tips)=
 # ## The tips behind this
 #
