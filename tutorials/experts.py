@@ -511,7 +511,7 @@ for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
 # trains 10 SGD steps (SGD, where a gradient twice too large shows in the loss), and rank 0
 # prints the largest difference from the same training in one process with every expert. The
 # tests run this file under torchrun on 4 CPU ranks and check that the difference is at most
-# 1e-5 (`tests/test_scripts.py`); without the divide factor it is about 4e-2.
+# 1e-5 (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/experts.py
 # :language: python

@@ -219,13 +219,14 @@ def pipelined_step(schedule, reshard_after_forward, n_microbatches):
     losses = []
     with count_collectives(mesh) as seen:
         step(losses)
-    # FSDP units of this stage
     return {
         "stage": pp,
         "losses": [loss.item() for loss in losses],
         "grads": {name: p.grad.full_tensor().cpu() for name, p in module.named_parameters()},
         "collectives": {f"{dim} {kind}": (n, nbytes) for dim, kind, n, nbytes in seen.rows()},
-        "units": sum(isinstance(m, FSDPModule) for m in module.modules()),
+        "units": sum(
+            isinstance(m, FSDPModule) for m in module.modules()
+        ),  # this stage's FSDP units
         "spans": [(k, chunk, params, grads) for k, chunk, _, _, params, grads in stage.spans],
     }
 

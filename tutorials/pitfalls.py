@@ -700,8 +700,7 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
 # and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
 # shards, then the largest difference of the losses from one process's. The tests run it on 2 CPU
 # ranks and check that all of them are shards and that the difference is at most 1e-5
-# (`tests/test_scripts.py`): built before sharding, the optimizer holds no shard, and the loss
-# never moves.
+# (`tests/test_scripts.py`). The wrong way is {ref}`above <pitfalls-optimizer-after-sharding>`.
 #
 # ```{literalinclude} scripts/pitfalls.py
 # :language: python

@@ -30,6 +30,8 @@ reader's machine shares (``without_build_paths``).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import re
 import shutil
 import tempfile
@@ -73,6 +75,7 @@ class Execution:
         self._report, self._ended, self._report_lock = report or (lambda line: None), 0, threading.Lock()
         self._total = 0  # the pages submitted, or about to be (submit_all)
         self._sockets = Path(tempfile.mkdtemp(prefix="fsdp-guide-kernels-"))
+        self._kernels = itertools.count()  # short socket names: a Unix socket's path has ~100 bytes at most
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
         self._machine = _Machine()
@@ -188,7 +191,7 @@ class Execution:
                     allow_errors=False,
                     on_cell_execute=interruptible(before_cell),
                     extra_arguments=[KERNEL_FAULTHANDLER],
-                    kernel_manager_class=_unix_socket_kernels(self._sockets / page.stem),
+                    kernel_manager_class=_unix_socket_kernels(self._sockets / str(next(self._kernels))),
                 )
             except DeadKernelError as error:
                 if self._interrupted.is_set():  # killed by stop()
@@ -217,6 +220,7 @@ def build_paths() -> list[str]:
 
     paths = sysconfig.get_paths()
     folders = {*site.getsitepackages(), paths["purelib"], paths["platlib"], paths["stdlib"], str(ROOT)}
+    folders |= {os.path.realpath(folder) for folder in folders}  # as written, and through any symlink
     return sorted(folders, key=len, reverse=True)
 
 
@@ -226,7 +230,9 @@ def without_build_paths(notebook) -> None:
     ``/.../site-packages/torch/distributed/fsdp/wrap.py:91: FutureWarning`` becomes
     ``torch/distributed/fsdp/wrap.py:91: FutureWarning``; a file of the checkout is named from its root.
     """
-    folders = re.compile("|".join(re.escape(folder.rstrip("/") + "/") for folder in build_paths()))
+    # A folder where a path starts, not within another path or a URL ("https://host/app/...").
+    starts = "|".join(re.escape(folder.rstrip("/") + "/") for folder in build_paths())
+    folders = re.compile(rf"(?<![\w.~/-])(?:{starts})")
 
     def shorter(value):
         if isinstance(value, str):

@@ -182,8 +182,10 @@ def _reference(role: str, title: str | None, name: str, page: str) -> tuple[str,
         return "doc:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)).lstrip("/"), title
     if role == "term":
         return "term:" + name.lower(), title or name
-    if role == "download":  # a file, relative to the page (a page's script): Sphinx shows its name as written
-        return "file:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)), title or name
+    if role == "download":  # a file, relative to the page or the root (a page's script): shown as written
+        if "://" in name:
+            return "url:" + name, title  # a remote file: no target, left as written
+        return "file:" + posixpath.normpath(posixpath.join(posixpath.dirname(page), name)).lstrip("/"), title or name
     return "py:" + name.lstrip(".!~").removesuffix("()"), f"`{title}`" if title else f"`{_api_name(role, name)}`"
 
 
@@ -199,6 +201,8 @@ def to_jupyter(markdown: str, page: str, targets: dict[str, Target]) -> str:
     '[`fsdp_guide.launch()`](../docs/my%20api.rst#line=350 "{func}`fsdp_guide.launch` fsdp:4225302a")'
     >>> to_jupyter("{download}`scripts/a.py`", "tutorials/a.py", {})  # a file beside the page
     '[scripts/a.py](scripts/a.py "{download}`scripts/a.py` fsdp:473a3e05")'
+    >>> to_jupyter("{download}`/docs/x.py`", "tutorials/a.py", {})  # from the root
+    '[/docs/x.py](../docs/x.py "{download}`/docs/x.py` fsdp:e82f5082")'
     """
 
     def rewrite(match: re.Match) -> str:

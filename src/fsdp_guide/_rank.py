@@ -74,12 +74,11 @@ def where_this_rank_ran(backend: str) -> dict:
     from fsdp_guide.devices import placement
 
     where = placement()
-    # a plain str: unpickling TorchVersion imports torch
     return {
         "backend": backend,
         "device": str(where.device),
         "shared": where.shared,
-        "torch": str(torch.__version__),
+        "torch": str(torch.__version__),  # a plain str: unpickling TorchVersion imports torch
         "warm": _warm.forked,
     }
 

@@ -229,7 +229,6 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
         [p.grad for p in params if p.is_leaf]  # a non-leaf (a view) has no .grad of its own
         + _fsdp2_accumulating_grads(model)
     )
-    # the model's own are counted already
     state = (
         []
         if optimizer is None
@@ -239,6 +238,7 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) ->
             for t in per_param.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0
         ]
+        # the parameters it holds: the model's own, counted already, so left out of the sum
         + [p for group in optimizer.param_groups for p in group["params"]]
     )
     return MemoryBreakdown(param_bytes, grad_bytes, storages.bytes(state))

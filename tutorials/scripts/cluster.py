@@ -60,20 +60,27 @@ def train(model, device, rows=slice(None)):
 
 
 def main():
-    # The rank's device: its own accelerator where there is one, else the CPU.
-    accelerator = torch.accelerator.current_accelerator()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
-    if accelerator:
+    # The rank's device: an accelerator of its own where each rank on this machine has one, else
+    # the CPU (is_available: a CUDA build of torch on a machine without a GPU has none).
+    local_rank, local_ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    if accelerator and torch.accelerator.device_count() >= local_ranks:
+        device = torch.device(accelerator.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
+    else:
+        device = torch.device("cpu")
     backend = dist.get_default_backend_for_device(device)  # NCCL on GPUs, gloo on the CPU
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    # (nodes, ranks per node): its product must be the world size torchrun started.
-    mesh = init_device_mesh(
-        device.type, (2, world_size // 2), mesh_dim_names=("replicate", "shard")
-    )
+    # (nodes, ranks per node): shard within a node, replicate across nodes. On one machine, as
+    # here, its ranks stand for 2 nodes.
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    nodes = world_size // per_node
+    shape = (nodes, per_node) if nodes > 1 else (2, world_size // 2)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)  # the same weights on every rank
     model = MLP()
     for layer in model.layers:
@@ -99,7 +106,7 @@ def main():
         gaps = [(w - a).abs().max() for w, a in zip(weights, alone.parameters())]
         weight_gap = torch.stack(gaps).max().item()  # torch's max keeps a NaN; Python's may not
         print(
-            f"HSDP on a 2 x {world_size // 2} mesh vs 1 process, {STEPS} steps: "
+            f"HSDP on a {shape[0]} x {shape[1]} mesh vs 1 process, {STEPS} steps: "
             f"max |loss difference| = {loss_gap:.2e}, max |weight difference| = {weight_gap:.2e}"
         )
     dist.destroy_process_group()

@@ -22,12 +22,17 @@ from torch.distributed.fsdp import fully_shard
 
 
 def main():
-    # The rank's device: its own accelerator where there is one, else the CPU.
-    accelerator = torch.accelerator.current_accelerator()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(accelerator.type, local_rank) if accelerator else torch.device("cpu")
-    if accelerator:
+    # The rank's device: an accelerator of its own where each rank on this machine has one, else
+    # the CPU (is_available: a CUDA build of torch on a machine without a GPU has none).
+    local_rank, local_ranks = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    if accelerator and torch.accelerator.device_count() >= local_ranks:
+        device = torch.device(accelerator.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
+    else:
+        device = torch.device("cpu")
     backend = dist.get_default_backend_for_device(device)  # NCCL on GPUs, gloo on the CPU
     # Before the process group exists: DETAIL wraps it in a checker (a debug run: it slows
     # every collective). The short timeout ends any wait it does not catch.
