@@ -503,8 +503,7 @@ def ema_sharded():
 
 one = build_model()
 one_ema = copy_of(one, build_model())
-# cpu-only: the one-process reference runs in the notebook
-train_with_ema(one, one_ema, torch.device("cpu"))
+train_with_ema(one, one_ema, torch.device("cpu"))  # cpu-only: the reference runs here
 (exported, trained), ema_collectives, per_rank = launch(ema_sharded, output="none")[0]
 
 

@@ -259,8 +259,8 @@ def fsdp1_param_init_fn():
 # %%
 def fsdp1_sync_module_states_on_cpu():
     try:
-        # cpu-only: shows FSDP1's refusal on CPU
-        FSDP(make_model(), sync_module_states=True, device_id=torch.device("cpu"))
+        cpu = torch.device("cpu")  # cpu-only: shows FSDP1's refusal on CPU
+        FSDP(make_model(), sync_module_states=True, device_id=cpu)
     except ValueError as err:
         return f"{type(err).__name__}: {err}"
 

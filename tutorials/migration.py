@@ -259,8 +259,7 @@ def fsdp1_mistakes():
             "",
         )
     )
-    # cpu-only: FSDP1 without device_id computes on the current accelerator
-    if device.type == "cpu":
+    if device.type == "cpu":  # cpu-only: without device_id, FSDP1 uses the accelerator
         rows.append(
             (
                 "no device_id on a CPU-only machine",
