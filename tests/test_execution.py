@@ -8,6 +8,7 @@ import re
 
 import execution  # docs/_ext, put on sys.path by conftest
 import nbformat
+import psutil
 import pytest
 from conftest import ROOT
 
@@ -152,6 +153,39 @@ def test_the_build_names_each_page_as_it_starts_and_ends_a_failure_at_once_and_i
         run.submit(ok).result()
     assert lines == ["[ 1/1] ok: from the cache"]
     assert "without encryption" not in capfd.readouterr().err  # jupyter_client's TCP transport warned once per kernel
+
+
+@HANG
+def test_the_pages_launches_share_one_warm_server_per_environment_and_it_ends_with_the_build(tmp_path):
+    """A server per environment for the whole build (fsdp_guide._warm.ServerBroker), not one per kernel."""
+    page = """# %%
+import json, os, psutil
+from fsdp_guide import launch
+
+def server():  # a warm rank is a child of the server it was forked from
+    return os.getppid()
+
+servers = [launch(server, world_size=2, output="none")[0] for _ in range(2)]
+os.environ["TORCH_FSDP_GUIDE_TEST"] = "other"  # another environment: another server
+servers.append(launch(server, world_size=2, output="none")[0])
+kernel = psutil.Process()
+own = [p.pid for p in kernel.children(recursive=True) if "forkserver" in " ".join(p.cmdline())]
+print(json.dumps([servers, own, kernel.pid]))
+"""
+    pages = [tmp_path / "a.py", tmp_path / "b.py"]
+    for path in pages:
+        path.write_text(page)
+    with execution.Execution(tmp_path / "cache", workers=2) as run:
+        broker = run._broker
+        futures = run.submit_all(pages)
+        results = [json.loads(futures[path].result().cells[0].outputs[0].text) for path in pages]
+        assert broker.servers() == 2
+    (a, a_own, a_kernel), (b, b_own, b_kernel) = results
+    assert a[0] == a[1] == b[0] == b[1] and a[2] == b[2] != a[0]  # one server per environment, for both pages
+    assert a_own == b_own == []  # neither kernel started a server of its own
+    assert not {a[0], a[2]} & {a_kernel, b_kernel}
+    for pid in (a[0], a[2]):
+        assert not psutil.pid_exists(pid)  # ended, and reaped, with the build
 
 
 @HANG

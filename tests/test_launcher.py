@@ -604,6 +604,12 @@ def _interrupt_once_both_ranks_run(folder: Path, stop: threading.Event) -> None:
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C and Jupyter's interrupt send
 
 
+def _temp_in(folder: Path) -> dict:
+    """The environment for a launching process the test kills: its temporary files (multiprocessing's
+    forkserver socket, which only a process that exits can remove) go into the test's own folder."""
+    return {**os.environ, "TMPDIR": str(folder)}
+
+
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
     stop = threading.Event()
     interrupter = threading.Thread(target=_interrupt_once_both_ranks_run, args=(tmp_path, stop))
@@ -641,7 +647,7 @@ def test_interrupts_that_keep_coming_while_the_ranks_are_stopped_change_nothing(
             time.sleep(300)
     """)
     )
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_temp_in(tmp_path))
     try:
         run_dir = Path(parent.stdout.readline().split()[-1])
         deadline = time.monotonic() + 60
@@ -999,7 +1005,7 @@ def test_a_killed_parent_leaves_no_rank_no_grandchild_and_no_run_directory(tmp_p
         launch(work, world_size=2, output="rank0")
     """)
     )
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_temp_in(tmp_path))
     run_dir = Path(parent.stdout.readline().split()[-1])
     deadline = time.monotonic() + 60
     while len(_processes_with(token)) < 2 and time.monotonic() < deadline:
@@ -1259,7 +1265,7 @@ def test_killing_the_launching_process_ends_the_server_the_warm_ranks_and_their_
         launch(work, world_size=2)  # warm ranks
     """)
     )
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=_temp_in(tmp_path))
     server = psutil.Process(int(parent.stdout.readline()))
     deadline = time.monotonic() + 60
     while len(_processes_with(token)) < 2 and time.monotonic() < deadline:

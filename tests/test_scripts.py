@@ -282,7 +282,9 @@ def test_the_script_runs_under_torchrun_and_prints_what_its_page_says(name, tmp_
     ranks, check = CLAIMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(SCRIPTS / f"{name}.py")]  # fmt: skip
-    # In a folder of its own, as a reader's copy would run (what a script writes lands there).
-    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # In a folder of its own, as a reader's copy would run (what a script writes lands there), with
+    # its temporary files there too: torchrun leaves a torchelastic_* folder behind in TMPDIR.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     check(done.stdout)

@@ -41,6 +41,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from fsdp_guide._warm import ServerBroker
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: docs/_ext/ is two folders down
 ALONE = "alone"  # the tag of a cell that runs with no other page's cell running
 
@@ -75,6 +77,9 @@ class Execution:
         self._report, self._ended, self._report_lock = report or (lambda line: None), 0, threading.Lock()
         self._total = 0  # the pages submitted, or about to be (submit_all)
         self._sockets = Path(tempfile.mkdtemp(prefix="fsdp-guide-kernels-"))
+        # One warm server per environment for every page's launches (fsdp_guide._warm.ServerBroker),
+        # where each kernel would start its own and import torch again: seconds of CPU per page.
+        self._broker = ServerBroker(self._sockets)
         self._kernels = itertools.count()  # short socket names: a Unix socket's path has ~100 bytes at most
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
@@ -109,6 +114,7 @@ class Execution:
         except KeyboardInterrupt:
             self.stop()
             raise
+        self._broker.close()
         shutil.rmtree(self._sockets, ignore_errors=True)
 
     def stop(self, within: float = 60) -> None:
@@ -126,6 +132,7 @@ class Execution:
                         child.kill()
             running = list(wait(running, timeout=0.2).not_done)
         if not running:
+            self._broker.close()
             shutil.rmtree(self._sockets, ignore_errors=True)
 
     def __enter__(self) -> Execution:
@@ -191,7 +198,9 @@ class Execution:
                     allow_errors=False,
                     on_cell_execute=interruptible(before_cell),
                     extra_arguments=[KERNEL_FAULTHANDLER],
-                    kernel_manager_class=_unix_socket_kernels(self._sockets / str(next(self._kernels))),
+                    kernel_manager_class=_unix_socket_kernels(
+                        self._sockets / str(next(self._kernels)), self._broker.environ()
+                    ),
                 )
             except DeadKernelError as error:
                 if self._interrupted.is_set():  # killed by stop()
@@ -249,8 +258,9 @@ def without_build_paths(notebook) -> None:
                     output["data"][kind] = shorter(value)
 
 
-def _unix_socket_kernels(prefix: Path) -> type:
-    """nbclient's kernel manager with the ``ipc`` transport, the kernel's sockets at ``prefix``-1 to -5.
+def _unix_socket_kernels(prefix: Path, environ: dict[str, str]) -> type:
+    """nbclient's kernel manager with the ``ipc`` transport, the kernel's sockets at ``prefix``-1 to -5,
+    and ``environ`` added to the kernel's environment.
 
     A class, not an instance: nbclient shuts down and cleans up only the kernels of managers it made.
     """
@@ -260,6 +270,10 @@ def _unix_socket_kernels(prefix: Path) -> type:
     class UnixSocketKernelManager(AsyncKernelManager):
         transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
         ip = Unicode(str(prefix), config=True)
+
+        async def _async_pre_start_kernel(self, **kw):
+            kw["env"] = {**kw.get("env", os.environ), **environ}
+            return await super()._async_pre_start_kernel(**kw)
 
     return UnixSocketKernelManager
 

@@ -22,18 +22,21 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
-from multiprocessing import forkserver, reduction
+from multiprocessing import forkserver, reduction, spawn, util
 
-__all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV"]
+__all__ = ["enabled", "can_start", "start_server", "WarmRank", "WARM_ENV", "ServerBroker", "BROKER_ENV"]
 
 WARM_ENV = "FSDP_GUIDE_WARM"  # "0": every launch starts cold ranks
+BROKER_ENV = "FSDP_GUIDE_WARM_BROKER"  # where a ServerBroker (the site build's) starts servers for this process
 # torch._dynamo: fully_shard imports it, and so does the first op on the meta device
 # (torch/_compile.py), so nearly every FSDP2 rank would import it itself (with sympy, and
 # triton in CUDA builds) in each launch: bench/bench_launch.py measures what this saves.
@@ -102,6 +105,10 @@ def start_server() -> None:
         if _server is not None:  # torch's environment changed: this launch needs a new server
             _retire(_server)
         _start_resource_tracker_apart()
+        borrowed = _from_broker()
+        if borrowed is not None:
+            _server, _server_for = borrowed, _what_torch_would_be()
+            return
         server = forkserver.ForkServer()
         server.set_forkserver_preload(_preload())
         python_path = os.environ.get("PYTHONPATH")
@@ -184,7 +191,10 @@ def _preload() -> list[str]:
 
 def _retire(server: forkserver.ForkServer) -> None:
     """Let an outdated server go: it exits once the ranks forked from it have (they hold its "alive" pipe too),
-    and its reaper (``_reap_when_it_exits``) waits for it."""
+    and its reaper (``_reap_when_it_exits``) waits for it. A borrowed one is the broker's to end."""
+    if isinstance(server, _Borrowed):
+        os.close(server._forkserver_alive_fd)
+        return
     _retiring.add(server._forkserver_pid)
     os.close(server._forkserver_alive_fd)
     server._forkserver_alive_fd = None
@@ -222,8 +232,171 @@ def server_pids() -> list[int]:
     multiprocessing's resource tracker."""
     from multiprocessing import resource_tracker
 
-    pids = [_server._forkserver_pid if _server else None, resource_tracker._resource_tracker._pid, *_retiring]
+    own = _server._forkserver_pid if _server and not isinstance(_server, _Borrowed) else None
+    pids = [own, resource_tracker._resource_tracker._pid, *_retiring]
     return [pid for pid in pids if pid is not None]
+
+
+def _broker_supported() -> bool:
+    """A broker starts servers the way Python 3.10 to 3.13's ``ForkServer.ensure_running`` does; 3.14's
+    forkserver authenticates its clients with a key this module does not pass (each process starts its own)."""
+    import inspect
+
+    return "authkey_r" not in inspect.signature(forkserver.main).parameters
+
+
+class _Borrowed(forkserver.ForkServer):
+    """A server a :class:`ServerBroker` started for this process's environment: only its address is ours.
+
+    ``connect_to_new_process`` sends each rank an "alive" file descriptor (multiprocessing's own
+    servers exit when the last holder closes it); the broker holds the real one, so a rank gets
+    one that keeps nothing alive."""
+
+    def __init__(self, address: str, pid: int):
+        super().__init__()
+        self._forkserver_address, self.pid = address, pid
+        self._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+
+    def ensure_running(self) -> None:
+        """Nothing: the broker runs it (``connect_to_new_process`` calls this first, and multiprocessing's
+        own would start a server of this process's when it has no pid of one)."""
+
+
+def _from_broker() -> _Borrowed | None:
+    """The server the broker named in :data:`BROKER_ENV` runs for this process's environment, or None (no
+    broker, or it did not answer: this process starts its own)."""
+    address = os.environ.get(BROKER_ENV)
+    if not address or not _broker_supported():
+        return None
+    executable, _, env = _what_torch_would_be()
+    request = {"executable": executable, "env": dict(env), "preload": _preload(), "sys_path": sys.path}
+    try:
+        with socket.socket(socket.AF_UNIX) as broker:
+            broker.settimeout(30)
+            broker.connect(address)
+            broker.sendall(json.dumps(request).encode())
+            broker.shutdown(socket.SHUT_WR)
+            reply = json.loads(b"".join(iter(lambda: broker.recv(65536), b"")))
+    except (OSError, ValueError):
+        return None
+    return _Borrowed(reply["address"], reply["pid"]) if "address" in reply else None
+
+
+class ServerBroker:
+    """Warm servers for other processes: a site build's notebook kernels, which would each start their own.
+
+    A kernel that has :data:`BROKER_ENV` set to :attr:`address` asks here, at its first launch, for a
+    server of its environment (interpreter, variables, ``sys.path``, the modules to preload); the
+    broker starts one per distinct request and keeps it until :meth:`close`, so the pages of a build
+    share one import of torch instead of paying for one each. What a server is for is exactly what
+    the kernel's own would be (:func:`start_server`), so a rank forked from it is the same.
+
+    Written by hand: ``ForkServer.ensure_running`` starts a server with the calling process's
+    environment only; this is its command, run with the asking kernel's environment.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder, ServerBroker(folder) as broker:
+    ...     broker.environ() == {BROKER_ENV: broker.address}
+    True
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = os.fspath(folder)
+        self.address = os.path.join(self.folder, "broker")
+        self._listener = _listening(self.address)
+        self._lock = threading.Lock()
+        self._servers: dict[str, tuple[str, int, int, subprocess.Popen]] = {}  # request: address, pid, alive, process
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="warm-server-broker").start()
+
+    def environ(self) -> dict[str, str]:
+        """The variable to set in the environment of the processes this broker serves."""
+        return {BROKER_ENV: self.address}
+
+    def servers(self) -> int:
+        with self._lock:
+            return len(self._servers)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            try:
+                request = json.loads(b"".join(iter(lambda: connection.recv(65536), b"")))
+                reply = self._server_for(request)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                reply = {"error": f"{type(error).__name__}: {error}"}
+            with contextlib.suppress(OSError):
+                connection.sendall(json.dumps(reply).encode())
+
+    def _server_for(self, request: dict) -> dict:
+        if request["executable"] != sys.executable:  # it starts this interpreter only
+            return {"error": f"this broker starts {sys.executable}, not {request['executable']}"}
+        key = json.dumps(request, sort_keys=True)
+        with self._lock:
+            if self._closed:
+                return {"error": "closed"}
+            if key not in self._servers:
+                self._servers[key] = self._start(request, os.path.join(self.folder, f"s{len(self._servers)}"))
+            address, pid, _, _ = self._servers[key]
+        return {"address": address, "pid": pid}
+
+    @staticmethod
+    def _start(request: dict, address: str) -> tuple[str, int, int, subprocess.Popen]:
+        env = {**request["env"], "PYTHONPATH": os.pathsep.join(p for p in request["sys_path"] if p)}
+        command = "from multiprocessing.forkserver import main; main(%d, %d, %r, **%r)"
+        with _listening(address) as listener:
+            alive_r, alive_w = os.pipe()
+            try:
+                args = command % (listener.fileno(), alive_r, request["preload"], {"sys_path": request["sys_path"]})
+                process = subprocess.Popen(
+                    [spawn.get_executable(), *util._args_from_interpreter_flags(), "-c", args],
+                    pass_fds=(listener.fileno(), alive_r),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # a terminal's Ctrl-C is the build's, not the server's mid-import
+                )
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        return address, process.pid, alive_w, process
+
+    def close(self) -> None:
+        """Stop answering, and end every server: each exits when its "alive" pipe closes."""
+        with self._lock:
+            self._closed = True
+            servers, self._servers = list(self._servers.values()), {}
+        self._listener.close()
+        for _, _, alive_w, _ in servers:
+            os.close(alive_w)
+        for _, _, _, process in servers:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def __enter__(self) -> ServerBroker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _listening(address: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    return listener
 
 
 class WarmRank:
