@@ -159,6 +159,25 @@ def test_every_page_fits_a_phone_without_horizontal_scrolling(site, base_url, br
     assert too_wide == {}  # pixels past the screen's edge, per page
 
 
+@pytest.mark.parametrize("width", [1400, 390], ids=["laptop", "phone"])
+def test_no_cell_output_scrolls_sideways(site, base_url, browser, width):
+    """Every line an executed cell printed is on the screen: nothing scrolls inside its output box."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    wider = {}
+    for path in _pages(site):
+        page.goto(base_url + path)
+        page.evaluate("document.fonts.ready.then(() => null)")
+        hidden = page.evaluate(
+            """() => [...document.querySelectorAll("div.cell_output pre, div.cell_output table")]
+                .filter(box => box.scrollWidth > box.clientWidth + 1)
+                .map(box => box.innerText.split("\\n").sort((a, b) => b.length - a.length)[0].slice(0, 80))"""
+        )
+        if hidden:
+            wider[path] = hidden
+    page.close()
+    assert wider == {}  # per page, the longest line of each output that scrolls
+
+
 def _search(page, base_url: str, words: str) -> None:
     """Sphinx's search page for ``words``, once it has listed every result (it adds them one by one, then says so)."""
     page.goto(base_url + f"search.html?q={words}")
