@@ -199,9 +199,9 @@ for setting, (totals, equals, error) in comms.items():
 # there (on GPUs, FSDP's note on overlapping the next copy-in, `_fsdp_param_group.py`,
 # expects each output in different memory). With `set_separate_reduce_scatter_group()` the
 # reduce-scatters run on a process group of their own over the same ranks
-# (`group_desc="fsdp_reduce_scatter"`): per its docstring, so that on a GPU a reduce-scatter
-# progresses while the next all-gather is in flight, one NCCL communicator running one
-# collective at a time (not measured here).
+# (`group_desc="fsdp_reduce_scatter"`). Per its docstring, one NCCL communicator runs one
+# collective at a time, so a second lets a reduce-scatter progress on a GPU while the next
+# all-gather is in flight (not measured here).
 #
 # ## Reduce-scatters in flight
 #
