@@ -210,6 +210,35 @@ def _hang_named(out: str) -> None:
     assert found and found[1] == found[2], out  # both ranks' collectives, at the same position
 
 
+def _step_bytes_against_parameters(out: str) -> None:
+    # per step: each unit gathered twice (forward, backward) or once, and reduced once
+    expected = {"FULL_SHARD": (8, 2.0, 4, 1.0), "SHARD_GRAD_OP": (4, 1.0, 4, 1.0)}
+    for strategy, (gathers, gathered, scatters, reduced) in expected.items():
+        found = re.search(
+            rf"{strategy}, 4 units on 2 ranks, one step: (\d+) all-gathers of (\S+) P in all, "
+            rf"(\d+) reduce-scatters of (\S+) P in all \(P: the parameters' bytes\); "
+            rf"CommDebugMode counted (\d+) and (\d+)",
+            out,
+        )
+        assert found, out
+        assert (int(found[1]), int(found[3])) == (gathers, scatters) == (int(found[5]), int(found[6])), out
+        assert float(found[2]) == gathered and float(found[4]) == reduced, out  # even shards: exact; NaN fails
+
+
+def _summing_reduce_scatter(out: str) -> None:
+    found = dict(
+        re.findall(
+            r"summing reduce-scatter on 2 ranks, (.+?): 4 calls; (unit i's gradient is the one-process sum's .+)",
+            out,
+        )
+    )
+    assert found.keys() == {"a fresh buffer each call", "one buffer handed out again"}, out
+    fresh, reused = (found[k] for k in ("a fresh buffer each call", "one buffer handed out again"))
+    error = {k: float(v.rsplit("=", 1)[1]) for k, v in found.items()}
+    assert "of unit [0, 1, 2, 3]" in fresh and error["a fresh buffer each call"] <= 1e-5, out  # NaN fails
+    assert "of unit [0, 0, 0, 0]" in reused and error["one buffer handed out again"] > 1e-4, out  # the last reduced
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -233,6 +262,8 @@ CLAIMS = {
     "pipeline": (4, _pipeline),
     "beyond_the_step": (2, _uneven_eval_like_one_process),
     "debugging_hangs": (2, _hang_named),
+    "communication": (2, _step_bytes_against_parameters),
+    "collective_hooks": (2, _summing_reduce_scatter),
 }
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
@@ -245,7 +276,7 @@ LIBRARIES = {
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
 WITHOUT_A_SCRIPT_YET = {
-    "communication", "compile", "fsdp2_controls", "llm", "rank_dies", "tensor_parallel",
+    "compile", "fsdp2_controls", "llm", "rank_dies", "tensor_parallel",
 }  # fmt: skip
 
 

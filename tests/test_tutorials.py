@@ -38,6 +38,7 @@ def _glued(notebook) -> dict:
 def test_every_tutorial_is_tested():
     assert [t.stem for t in TUTORIALS] == [
         "beyond_the_step",
+        "collective_hooks",
         "communication",
         "compile",
         "debugging_hangs",
@@ -1325,8 +1326,6 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
         "full_shard_gathers",
         "shard_grad_op_vs_ddp",
         "full_shard_vs_ddp",
-        "forwards_kept_first",
-        "forwards_kept_second",
     }
     held = {name: [float(x) for x in line.split()[-2:]] for name, line in steps.items()}  # params, grads / P
     assert held["DDP"] == held["replicate"] == [1.0, 1.0]  # the whole model and gradient on each of 2 ranks
@@ -1337,8 +1336,8 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
     assert "AG0 AG1 AG2 AG3 B3 RS3 B2 RS2 B1 RS1 B0 RS0" in text  # no backward all-gathers
 
 
-def test_communication_tutorial_takes_over_fsdp2s_collectives(executed):
-    text = _text_outputs(executed["communication"])
+def test_collective_hooks_replaces_fsdp2s_collectives_counts_the_buffers_in_flight_and_reduces_by_hand(executed):
+    text = _text_outputs(executed["collective_hooks"])
     comms = dict(re.findall(r"(torch's default|recorded[^:\n]*):\n(.*\n.*)$", text, re.M))
     assert "calls seen: none" in comms["torch's default"]
     for setting in ("recorded", "recorded, one buffer per size"):  # each unit gathered twice, reduced once
@@ -1364,6 +1363,7 @@ def test_communication_tutorial_takes_over_fsdp2s_collectives(executed):
     )
     assert waits["two roots, each its own context"] == "waits before units: [2, 0]"
     assert waits["two roots, share_comm_ctx"] == "waits before units: [2, 1]"  # unit 1 waits for the other root's
+    assert _glued(executed["collective_hooks"]).keys() >= {"forwards_kept_first", "forwards_kept_second"}
     hooks = {ln.split()[1]: ln for ln in text.splitlines() if ln.startswith("hook: ")}
     apart = {k: float(v.split("differ by ")[1].split(";")[0]) for k, v in hooks.items()}
     error = {k: float(v.rsplit("=", 1)[1]) for k, v in hooks.items()}

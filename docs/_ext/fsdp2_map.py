@@ -91,7 +91,7 @@ MAP = {
     "FSDPModule.set_is_last_backward": Entry(
         "2.9",
         "Whether the next backward is the step's last: only then does FSDP wait for reductions and clear its state.",
-        page="communication",
+        page="collective_hooks",
     ),
     "FSDPModule.set_reshard_after_forward": Entry(
         "2.9",
@@ -120,7 +120,7 @@ MAP = {
         "2.9", "Divides reduced gradients by this factor instead of the data-parallel size.", "loss_and_accumulation"
     ),
     "FSDPModule.set_reduce_scatter_divide_factor": Entry(
-        "2.9", "Deprecated name of set_gradient_divide_factor (it warns and calls it).", page="communication"
+        "2.9", "Deprecated name of set_gradient_divide_factor (it warns and calls it).", page="collective_hooks"
     ),
     "FSDPModule.set_force_sum_reduction_for_comms": Entry(
         "2.9",
@@ -135,25 +135,25 @@ MAP = {
     "FSDPModule.set_custom_all_gather": Entry(
         "2.9",
         "Replaces the all-gather with your object: its buffer allocation and its collective.",
-        page="communication",
+        page="collective_hooks",
     ),
     "FSDPModule.set_custom_reduce_scatter": Entry(
         "2.9",
         "Replaces the gradient reduce-scatter with your object: its buffer allocation and its collective.",
-        page="communication",
+        page="collective_hooks",
     ),
     "FSDPModule.set_all_reduce_hook": Entry(
         "2.9",
         "A hook on each reduced gradient: after the reduce-scatter (FSDP) or the all-reduce (HSDP).",
-        page="communication",
+        page="collective_hooks",
     ),
     "FSDPModule.set_separate_reduce_scatter_group": Entry(
         "2.13",
         "Gives the gradient reduce-scatter its own process group, so it can overlap the all-gathers.",
-        page="communication",
+        page="collective_hooks",
     ),
     "FSDPModule.set_reduce_scatter_max_input_buffers": Entry(
-        "2.13", "How many reduce-scatter input buffers may be in flight at once (default 1).", page="communication"
+        "2.13", "How many reduce-scatter input buffers may be in flight at once (default 1).", page="collective_hooks"
     ),
     "FSDPModule.set_post_optim_event": Entry(
         "2.9",
@@ -218,7 +218,7 @@ MAP = {
     "share_comm_ctx": Entry(
         "2.10",
         "Lets several FSDP roots (pipeline stages) share one set of communication streams and state.",
-        page="communication",
+        page="collective_hooks",
     ),
     "GradientReductionHandle": Entry("2.15", "What finalize_backward(async_op=True) returns."),
     "GradientReductionHandle.wait": Entry("2.15", "Waits for the gradient reductions and frees their buffers."),

@@ -56,6 +56,10 @@ GROUPS = {
         {
             "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
             "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
+            "collective_hooks": (
+                "Your own collectives",
+                "Custom all-gather and reduce-scatter, buffers in flight, hooks.",
+            ),
             "fsdp2_controls": ("FSDP2's controls", "Prefetching, placements, tied weights, a failed step."),
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
