@@ -56,7 +56,9 @@ GROUPS = {
         {
             "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
             "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
-            "fsdp2_controls": ("FSDP2's controls", "Prefetching, placements, tied weights, a failed step."),
+            "fsdp2_controls": ("Prefetching by hand", "Start all-gathers earlier; skip one backward does not need."),
+            "failed_step": ("A failed step", "Catch an exception mid-backward and train on as one process does."),
+            "placements": ("Choosing placements", "Shard along dim 1, keep tied weights in one unit, ignore one."),
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
             "compile": ("torch.compile", "Compile a sharded model, and what breaks the graph."),
@@ -84,6 +86,7 @@ GROUPS = {
             "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
             "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
             "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
+            "uneven_experts": ("Uneven experts", "The load, experts a rank never calls, fewer experts than ranks."),
             "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
             "cluster": ("On a cluster", "torchrun and SLURM commands; HSDP on a 2 x 2 mesh, executed."),
         },
