@@ -45,7 +45,7 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # The experts page's model: 8 experts, top-1 routing, 4 ranks, the experts split over pairs
 # of ranks (`ep`) and each pair of copies sharded over `edp`, the rest over all 4 ranks
 # (`dp`), the experts' gradients divided by all 4 data ranks. One step, whose gradients
-# match one process's ({func}`fsdp_guide.moe.one_step` returns what each rank sent,
+# match one process's (`fsdp_guide.moe.one_step` returns what each rank sent,
 # computed and communicated):
 
 # %%
@@ -129,14 +129,13 @@ print(
 #   keeps the root gathered after forward when `reshard_after_forward` is left to its
 #   default (`_lazy_init` in
 #   [`torch/distributed/fsdp/_fully_shard/_fsdp_state.py`](https://github.com/pytorch/pytorch/blob/main/torch/distributed/fsdp/_fully_shard/_fsdp_state.py)).
-#
 
 # %% [markdown]
 # ## An expert not called on a rank
 #
 # The layer above calls every expert, on an empty run when it gets no token. A layer that
-# skips an expert with no rows leaves its parameters with no gradient on that rank. The layer is one FSDP unit, called on every
-# rank, so the all-gathers match; the reduce-scatter after backward does not: each rank
+# skips an expert with no rows leaves its parameters with no gradient on that rank. The
+# layer is one FSDP unit, called on every rank, so the all-gathers match; the reduce-scatter after backward does not: each rank
 # reduces the gradients it has. Two experts, a router by the sign of each row's mean, and two
 # ways the data can fall: rank 1 routes every row to expert 0 while rank 0 uses both, or
 # each rank routes every row to a different expert. The reference is one process
