@@ -239,6 +239,49 @@ def _summing_reduce_scatter(out: str) -> None:
     assert "of unit [0, 0, 0, 0]" in reused and error["one buffer handed out again"] > 1e-4, out  # the last reduced
 
 
+def _forward_prefetch_and_no_embedding_gather(out: str) -> None:
+    found = re.search(r"forward, in order of issue \(F: a unit's forward, AG: its all-gather\): (.+)$", out, re.M)
+    assert found and found[1] == "F0 AG0 AG1 F1 AG2 F2 AG3 F3 AG4 F4", out  # each next gather before its forward
+    found = re.search(
+        r"all-gathers in one step: (\d+) with the embedding gathered in backward, (\d+) with "
+        r"set_unshard_in_backward\(False\)",
+        out,
+    )
+    assert found and (int(found[1]), int(found[2])) == (10, 9), out  # one all-gather fewer per step
+    found = re.search(
+        r"FSDP2 with prefetching on 2 ranks vs 1 process, \d+ steps: max \|weight difference\| = (\S+)", out
+    )
+    assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
+
+
+def _failed_step_recovered(out: str) -> None:
+    assert "caught a non-finite gradient in steps [1]; then every parameter sharded: True" in out, out
+    found = re.search(
+        r"FSDP2 on 2 ranks vs 1 process \(which caught steps \[1\]\), \d+ steps: max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5, out  # the stale gradients dropped; NaN fails the comparison
+
+
+def _placements_like_one_process(out: str) -> None:
+    assert (
+        "experts' weight (3, 32, 32), (Shard(dim=1),): the ranks hold [(3, 16, 32), (3, 16, 32)]; "
+        "scale a Parameter; still tied: True"
+    ) in out, out  # rows of every expert on each rank, the scale left whole, the tie kept
+    found = re.search(r"FSDP2 on 2 ranks vs 1 process, \d+ steps: max \|weight difference\| = (\S+)", out)
+    assert found and float(found[1]) <= 1e-5, out  # the ignored scale reduced by hand; NaN fails
+
+
+def _unused_experts_reduced(out: str) -> None:
+    assert "rows per expert in step 0: rank 0 [3, 5], rank 1 [8, 0]" in out, out  # expert 1 unused on rank 1
+    found = re.search(
+        r"FSDP2 with experts unused on a rank, on 2 ranks vs 1 process, \d+ steps: "
+        r"max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -257,6 +300,10 @@ CLAIMS = {
     "lora": (2, _lora_like_one_process),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "experts": (4, _experts_loss_difference),
+    "uneven_experts": (2, _unused_experts_reduced),
+    "fsdp2_controls": (2, _forward_prefetch_and_no_embedding_gather),
+    "failed_step": (2, _failed_step_recovered),
+    "placements": (2, _placements_like_one_process),
     "fp8": (2, _float8_follows_float32),
     "cluster": (4, _hsdp),
     "pipeline": (4, _pipeline),
@@ -275,9 +322,7 @@ LIBRARIES = {
 }
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {
-    "compile", "fsdp2_controls", "llm", "rank_dies", "tensor_parallel",
-}  # fmt: skip
+WITHOUT_A_SCRIPT_YET = {"compile", "llm", "rank_dies", "tensor_parallel"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():

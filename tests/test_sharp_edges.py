@@ -39,7 +39,7 @@ def test_an_optimizer_built_after_a_forward_holds_the_gathered_root_and_steps_no
 
 
 def _reset_after_a_failed_backward():
-    """fsdp2_controls' failed step, small: a hook refuses a non-finite gradient mid-backward; reset_iter_state()."""
+    """failed_step's failed step, small: a hook refuses a non-finite gradient mid-backward; reset_iter_state()."""
     import torch.distributed.tensor as dt
     from torch.distributed.fsdp import fully_shard
 
@@ -76,7 +76,7 @@ def _reset_after_a_failed_backward():
 
 
 def test_reset_iter_state_keeps_the_failed_steps_gathered_gradients_on_2_13_and_drops_them_from_2_15():
-    # fsdp2_controls states it for 2.13 (its own output) and 2.15 (this test, on torch(newest)).
+    # failed_step states it for 2.13 (its own output) and 2.15 (this test, on torch(newest)).
     # Seen: 2.9.1 has no reset_iter_state; 2.13.0 keeps 2 (the two units whose backward ran
     # gathered); 2.15.0 keeps none. Versions between were not run.
     sharded, stale = launch(_reset_after_a_failed_backward, world_size=2, output="none")[0]

@@ -46,6 +46,7 @@ def test_every_tutorial_is_tested():
         "digits",
         "enable_wrap",
         "experts",
+        "failed_step",
         "finetune_hf",
         "fp8",
         "fsdp2_controls",
@@ -58,11 +59,13 @@ def test_every_tutorial_is_tested():
         "mixed_precision",
         "pipeline",
         "pitfalls",
+        "placements",
         "quickstart",
         "rank_dies",
         "state_attributes",
         "summon_full_params",
         "tensor_parallel",
+        "uneven_experts",
         "weight_sync",
     ]
 
@@ -1375,7 +1378,7 @@ def test_collective_hooks_replaces_fsdp2s_collectives_counts_the_buffers_in_flig
     assert same == 0 and doubled < 1e-6  # the same sums, twice the mean
 
 
-def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and_a_recovered_step(executed):
+def test_fsdp2_controls_shows_the_order_of_gathers_and_a_skipped_backward_gather(executed):
     text = _text_outputs(executed["fsdp2_controls"])
     orders = {
         how: line[25:]
@@ -1394,6 +1397,10 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert "10 all-gathers" in gathers["True"] and "9 all-gathers" in gathers["False"]
     for line in gathers.values():
         assert float(line.rsplit("=", 1)[1]) < 1e-6  # the gradients of one process either way
+
+
+def test_failed_step_recovers_with_reset_iter_state_and_the_stale_gradients_dropped(executed):
+    text = _text_outputs(executed["failed_step"])
     assert "after reset_iter_state(): parameters sharded, gathered gradients left: (True, 2)" in text
     runs = {line.split(" caught ")[0].strip(): line for line in text.splitlines() if " caught ['step 1" in line}
     error = {how: float(line.rsplit("=", 1)[1]) for how, line in runs.items()}
@@ -1406,22 +1413,10 @@ def test_fsdp2_controls_shows_the_order_of_gathers_a_skipped_backward_gather_and
     assert "weights not finite after step: None;" in runs["nothing"]
     assert "then sharded: True" in runs[fixed] and "step 3" not in runs[fixed] and error[fixed] < 1e-6
     assert "weights not finite after step: None;" in runs[fixed]
-    moe = {
-        line.split("): ", 1)[0] + ")": line.split("): ", 1)[1]
-        for line in text.splitlines()
-        if "set_reduce_scatter_unused_params(" in line
-    }
-    uneven, swapped = "rank 1: every row to expert 0; ", "each rank: every row to another expert; "
-    assert "rows per expert, rank 0 [3, 5], rank 1 [8, 0]" in text and "rank 0 [0, 8], rank 1 [8, 0]" in text
-    aborted = moe[uneven + "set_reduce_scatter_unused_params(False)"]  # rank 1 receives rank 0's longer message
-    assert "ranks killed by SIGABRT: [1]; Received data size doesn't match expected size" in aborted
-    silent = moe[swapped + "set_reduce_scatter_unused_params(False)"]
-    assert "no gradient for ['0.experts.0.weight', '0.experts.0.bias']" in silent  # rank 1 used expert 0
-    assert all(float(e.split(";")[0]) > 1e-3 for e in silent.split("= ")[1:])  # wrong, and nothing failed
-    for case in (uneven, swapped):
-        fixed_moe = moe[case + "set_reduce_scatter_unused_params(True )"]
-        assert fixed_moe.count("no gradient for none") == 2
-        assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
+
+
+def test_placements_splits_experts_by_rows_keeps_tied_weights_in_one_unit_and_reduces_an_ignored_one(executed):
+    text = _text_outputs(executed["placements"])
     ignored = {
         line.split("all-reduced: ")[1][:5].strip(): line
         for line in text.splitlines()
@@ -1599,7 +1594,7 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
     assert len(drawn) == 4  # the drawing of those steps (a chunk shorter than a column may hide under the next)
 
 
-def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_routes(executed):
+def test_experts_match_one_process_only_with_the_divide_factor(executed):
     text = _text_outputs(executed["experts"])
     assert float(text.split("max |MoE layer - every expert on every token| = ")[1].split()[0]) < 1e-6
     one_process = float(text.split("loss: one process ")[1].split(";")[0])
@@ -1617,6 +1612,33 @@ def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_
         assert (average == pytest.approx(1, abs=1e-3)) if name.startswith("moe.experts.") else average < 1e-5, name
     assert float(text.split("against twice one process's: ")[1].split()[0]) < 1e-5  # exactly twice
 
+
+def test_the_moe_module_is_the_code_the_experts_page_writes_out():
+    # uneven_experts imports the experts page's model from fsdp_guide.moe: the two copies must not drift
+    import inspect
+
+    import fsdp_guide.moe as moe
+
+    page = "".join((ROOT / "tutorials" / "experts.py").read_text().split())
+    for name in (
+        "Experts",
+        "MoE",
+        "Model",
+        "make_model",
+        "loss_of",
+        "sharded",
+        "one_step",
+        "one_process",
+        "expected",
+        "gap",
+    ):
+        assert "".join(inspect.getsource(getattr(moe, name)).split()) in page, name
+
+
+def test_uneven_experts_handle_empty_routes_unused_experts_and_too_few_experts_to_split(executed):
+    text = _text_outputs(executed["uneven_experts"])
+    # the experts page's step, divide factor: every gradient one process's
+    assert float(text.split("largest |gradient - one process|, relative: ")[1].split()[0]) < 1e-5
     sent = [[int(n) for n in line.split()[2:]] for line in text.splitlines() if re.match(r" +rank \d +\d", line)]
     assert len(sent) == 4 and all(len(row) == 8 for row in sent) and sum(map(sum, sent)) == 4 * 2 * 16
     total = [sum(column) for column in zip(*sent)]
@@ -1668,6 +1690,22 @@ def test_experts_match_one_process_only_with_the_divide_factor_and_handle_empty_
     assert placements[2, 1][:2] == ("(1, 16, 64)", "(1, 16, 64)")
     assert placements[2, 0][2] == 2 * placements[2, 1][2]  # the padding, gathered
     assert all(worst < 1e-5 for *_, worst in placements.values())  # every placement trains right
+    moe = {
+        line.split("): ", 1)[0] + ")": line.split("): ", 1)[1]
+        for line in text.splitlines()
+        if "set_reduce_scatter_unused_params(" in line
+    }
+    uneven, swapped = "rank 1: every row to expert 0; ", "each rank: every row to another expert; "
+    assert "rows per expert, rank 0 [3, 5], rank 1 [8, 0]" in text and "rank 0 [0, 8], rank 1 [8, 0]" in text
+    aborted = moe[uneven + "set_reduce_scatter_unused_params(False)"]  # rank 1 receives rank 0's longer message
+    assert "ranks killed by SIGABRT: [1]; Received data size doesn't match expected size" in aborted
+    silent = moe[swapped + "set_reduce_scatter_unused_params(False)"]
+    assert "no gradient for ['0.experts.0.weight', '0.experts.0.bias']" in silent  # rank 1 used expert 0
+    assert all(float(e.split(";")[0]) > 1e-3 for e in silent.split("= ")[1:])  # wrong, and nothing failed
+    for case in (uneven, swapped):
+        fixed_moe = moe[case + "set_reduce_scatter_unused_params(True )"]
+        assert fixed_moe.count("no gradient for none") == 2
+        assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
 
 
 def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torchft(executed):

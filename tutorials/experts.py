@@ -24,11 +24,10 @@
 #   the model over every rank;
 # - why the experts' gradients then come out twice too large, found by comparing one step
 #   with one process, and two fixes: the experts' gradient divide factor, or no averaging
-#   at all and a loss divided by the global token count (torchtitan's way today);
-# - how many tokens each expert and each rank computes (the load imbalance), an expert
-#   copy that receives no token, and the bytes the all-to-alls move;
-# - why `shard_placement_fn` shards experts along dim 1 when a rank holds fewer experts
-#   than ranks share them: the padding, counted.
+#   at all and a loss divided by the global token count (torchtitan's way today).
+#
+# The load over experts and ranks, experts some ranks do not call, and fewer experts than
+# ranks are the {ref}`uneven experts page <tutorial-uneven-experts>`.
 #
 # **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): every tensor
@@ -382,114 +381,6 @@ print(f"averaged: the experts' gradients against twice one process's: {twice:.1e
 # inflates the global gradient norm that clipping and logging read. Only a check of the
 # gradients shows it.
 #
-# ## Where the tokens go
-#
-# How many tokens each rank sends to each expert, and how many each expert copy then
-# computes:
-
-# %%
-ranks = runs["divide factor"]
-print(f"{'tokens from':>11} " + " ".join(f"{f'e{e}':>4}" for e in range(EXPERTS)))
-for rank, r in enumerate(ranks):
-    print(f"{f'rank {rank}':>11} " + " ".join(f"{n:4}" for n in r["sent"]))
-total = [sum(column) for column in zip(*(r["sent"] for r in ranks))]
-print(f"{'all ranks':>11} " + " ".join(f"{n:4}" for n in total))
-print(f"tokens per expert: mean {sum(total) / EXPERTS:.1f}, most {max(total)}, fewest {min(total)}")
-print("tokens each rank's expert copies compute:")
-for rank, r in enumerate(ranks):
-    first = r["ep"] * 4
-    print(
-        f"  rank {rank}: "
-        + ", ".join(f"e{first + e} {n}" for e, n in enumerate(r["computed"]))
-        + f"; {sum(r['computed'])} in all"
-    )
-per_rank = [sum(r["computed"]) for r in ranks]
-print(
-    f"the busiest rank computes {max(per_rank) / (sum(per_rank) / 4):.2f}x the mean, "
-    f"the busiest expert {max(total) / (sum(total) / EXPERTS):.2f}x"
-)
-
-# %% [markdown]
-# With a router that has learned nothing yet, the busiest expert gets several times the
-# tokens of the idlest, over only 128 tokens; the ranks, 4
-# experts each, differ less. Nothing here is timed. On a GPU run (not measured here), one
-# would expect the busiest rank to set the step's time: an all-to-all ends on a rank only
-# once every rank has sent to it, so the others wait for it at the next one. Ranks 0 and 1 send expert 3 no token, so its
-# copy on rank 0 computes on an empty run, and its gradient there is zeros; FSDP's
-# reduce-scatter over `edp` adds rank 2's copy's, and the step above matched one process
-# with it. Nothing had to be special-cased.
-#
-# Routers are trained to spread the tokens. torchtitan's MoE, for one, keeps a bias per
-# expert, updated outside the loss from the tokens each expert received ("auxiliary-loss-free
-# load balancing", `load_balance_coeff` in
-# [`torchtitan/models/common/moe.py`](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/models/common/moe.py#L375-L397));
-# this page trains nothing.
-#
-# The collectives of that step on rank 0, per mesh dimension, with their bytes:
-
-# %%
-for dim, kind, count, nbytes in ranks[0]["collectives"]:
-    print(f"  {dim:4} {kind:15} {count:3} x, {nbytes:6} bytes")
-sent0, computed0 = sum(ranks[0]["sent"]), sum(ranks[0]["computed"])
-print(
-    f"ep bytes from the routing: {EXPERTS} counts x 8 bytes + 2 (forward, backward) x "
-    f"({sent0} tokens sent + {computed0} returned) x {DIM * 4} bytes = "
-    f"{EXPERTS * 8 + 2 * (sent0 + computed0) * DIM * 4}"
-)
-
-# %% [markdown]
-# - **`ep`, all-to-all**: one to exchange the counts, then in forward one to send the
-#   tokens to their experts and one to bring the outputs back, and the same two again in
-#   backward for their gradients. The bytes are what rank 0 sends (its own share to itself
-#   included), and follow the routing exactly: the second line derives them from the table
-#   above.
-# - **`edp`**: the experts' unit, gathered for forward and again for backward (it is not
-#   the root, so it reshards after forward), and its gradients reduce-scattered once.
-# - **`dp`**: the root unit (everything but the experts), gathered once: `fully_shard`
-#   keeps the root gathered after forward when `reshard_after_forward` is left to its
-#   default (`_lazy_init` in
-#   [`torch/distributed/fsdp/_fully_shard/_fsdp_state.py`](https://github.com/pytorch/pytorch/blob/main/torch/distributed/fsdp/_fully_shard/_fsdp_state.py)).
-#
-# (experts-placement)=
-# ## Fewer local experts than ranks: `shard_placement_fn`
-#
-# FSDP shards a parameter along dim 0 by default, and for the experts' weights dim 0 is
-# the experts. That splits evenly only when the ranks sharing them (`edp`) divide a rank's
-# number of experts. Below, 8 experts and 2, sharded along dim 0 and along dim 1, each
-# trained one step against one process with the same number of experts, with the bytes
-# the experts' all-gathers filled on rank 0:
-
-# %%
-print(
-    f"{'experts':>7} {'placement':>9} {'w1 shard, rank 0':>17} {'rank 2':>12} {'edp all-gather bytes':>21} "
-    f"{'largest relative grad gap':>26}"
-)
-for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
-    per_rank = (
-        runs["divide factor"]
-        if (n, dim) == (8, 0)
-        else launch(one_step, "divide factor", n, dim, world_size=4, output="none")
-    )
-    _, reference_n = one_process(n)
-    gathered = dict(((d, k), b) for d, k, _, b in per_rank[0]["collectives"])[("edp", "all-gather")]
-    worst = torch.tensor([gap(per_rank, reference_n, name, n) for name in reference_n]).max().item()
-    print(
-        f"{n:7} {f'Shard({dim})':>9} {str(per_rank[0]['shapes']['moe.experts.w1']):>17} "
-        f"{str(per_rank[2]['shapes']['moe.experts.w1']):>12} {gathered:21} {worst:26.1e}"
-    )
-
-# %% [markdown]
-# With 2 experts, each `ep` rank holds 1, and `Shard(0)` cannot split 1 expert over 2
-# ranks: rank 0's shard is the whole expert and rank 2's is empty. Rank 2 is not spared
-# the memory, though: FSDP pads every rank's shard to the size of the first
-# (`_fsdp_param.py`, "0th always padded"), so it stores an expert's worth of padding, and
-# each all-gather fills two experts' worth of bytes for one expert, twice what `Shard(1)`
-# gathers (the bytes column). `shard_placement_fn=lambda p: Shard(1)` splits every
-# expert's weights along their next dimension instead, and each rank holds half. Both
-# train correctly. torchtitan picks `Shard(1)` exactly when the `edp` size times the `ep`
-# size exceeds the number of experts (`apply_fsdp`, cited above, then and now). With 8
-# experts both placements are even.
-#
 # ## What this page leaves out
 #
 # - **Checkpoints.** A rank's experts are plain tensors as far as `ep` goes: the two ranks
@@ -523,7 +414,6 @@ for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
 #
 # - {ref}`tip-experts-divide-factor`: experts on their own mesh need every data rank's
 #   division, or none and a loss over the global token count.
-# - {ref}`tip-shard-placement-fn`: sharding along another dimension than 0.
 # - {ref}`tip-check-against-one-process`: the check that found the factor of 2.
 
 # %% tags=["remove-input"]

@@ -54,14 +54,14 @@ MAP = {
         "communication",
     ),
     "fully_shard(shard_placement_fn=)": Entry(
-        "2.9", "Per parameter, the dim to shard on (Shard(dim)) instead of dim 0.", page="fsdp2_controls"
+        "2.9", "Per parameter, the dim to shard on (Shard(dim)) instead of dim 0.", page="placements"
     ),
     "fully_shard(mp_policy=)": Entry("2.9", "The unit's MixedPrecisionPolicy.", "mixed_precision"),
     "fully_shard(offload_policy=)": Entry(
         "2.9", "OffloadPolicy() (none) or CPUOffloadPolicy(): sharded state kept on the CPU.", page="memory"
     ),
     "fully_shard(ignored_params=)": Entry(
-        "2.9", "Parameters FSDP leaves alone: not sharded, not moved, their gradients not reduced.", "fsdp2_controls"
+        "2.9", "Parameters FSDP leaves alone: not sharded, not moved, their gradients not reduced.", "placements"
     ),
     "fully_shard(dp_mesh_dims=)": Entry(
         "2.12",
@@ -78,7 +78,7 @@ MAP = {
     "FSDPModule.reset_iter_state": Entry(
         "2.13",
         "After a forward or backward raised: waits for collectives in flight, reshards and clears the step's state.",
-        "fsdp2_controls",
+        "failed_step",
     ),
     "FSDPModule.set_requires_gradient_sync": Entry(
         "2.9", "Turns gradient reduction off (accumulate locally) or on: FSDP2's no_sync.", "loss_and_accumulation"
@@ -130,7 +130,7 @@ MAP = {
     "FSDPModule.set_reduce_scatter_unused_params": Entry(
         "2.13",
         "Reduce-scatters zeros for parameters that got no gradient, so every rank joins the same collectives.",
-        "fsdp2_controls",
+        "uneven_experts",
     ),
     "FSDPModule.set_custom_all_gather": Entry(
         "2.9",
