@@ -252,6 +252,9 @@ glue("hang2_detail_mismatch", rank0 and int(rank0[1]), display=False)  # numbere
 glue("hang2_detail_passed", rank0 and int(rank0[1]) - 1, display=False)
 
 # %% [markdown]
+# (The numbers the text quotes are this run's, glued from the outputs by myst-nb's `glue`;
+# JupyterLab does not render glue's roles: read them in the outputs.)
+#
 # DETAIL stops both ranks at once, with no timeout, but at collective {glue:text}`hang2_detail_mismatch` (from 0): rank 0's
 # reduce-scatter of backward against rank 1's all-gather. Its collective {glue:text}`hang2_detail_passed` passed the check.
 # The flight recorder's analyser, on the dumps of the hang above (their group table named
