@@ -406,7 +406,7 @@ for rank, (to_mean, to_own, own) in enumerate(
 # and compares the expert's reduced gradient with the mean of the ranks' gradients computed
 # in one process; then the branch itself, under the debug level `DETAIL` with a 10-second
 # collective timeout, so that, instead of hanging, every rank raises the collective-mismatch
-# error; rank 0 prints each rank's collective. The tests run this file under torchrun on 2
+# error; each rank prints the collective it was about to run. The tests run this file under torchrun on 2
 # CPU ranks and check that the fixed gradient matches, that the branch ends in seconds, and
 # that the error names rank 0's reduce-scatter against rank 1's all-gather, at the same
 # position (`tests/test_scripts.py`).

@@ -298,12 +298,12 @@ print(
 #
 # This page's idea as a plain torchrun script, with torch alone: {download}`scripts/hang_state_dict.py`.
 # It saves the fixed way (every rank gathers the full state dict, rank 0 writes it) and
-# checks the file against the model gathered in one process; then it gathers on rank 0 only,
-# under the debug level `DETAIL` with a 10-second collective timeout, so that, instead of
-# hanging, every rank raises the collective-mismatch error; rank 0 prints each rank's
-# collective. The tests run this file under torchrun on 2 CPU ranks and check that the saved
-# file matches, that the wrong save ends in seconds, and that the error names rank 0's
-# all-gather against rank 1's barrier (`tests/test_scripts.py`).
+# checks the file against the unsharded model as one process holds it; then it gathers on
+# rank 0 only, with a 10-second collective timeout, so that, instead of hanging, each rank
+# raises at the timeout and prints the line of the script it waited on. The tests run this
+# file under torchrun on 2 CPU ranks and check that the saved file matches exactly, and that
+# the wrong save ends with rank 0 waiting in `get_model_state_dict` and rank 1 in
+# `dist.barrier()` (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/hang_state_dict.py
 # :language: python

@@ -4,13 +4,13 @@
 
 Gathering a sharded model's full state dict is a collective (an all-gather per parameter), so
 every rank must call `get_model_state_dict`; only the writing is rank 0's. The fix runs first:
-every rank gathers, rank 0 saves the file, and the file is checked against the model gathered
-in one process. Then the mistake, the gather on rank 0 only while rank 1 goes on to a barrier:
-each rank waits for the other until the short collective `timeout` given to
+every rank gathers, rank 0 saves the file, and the file is checked against the unsharded model
+as one process holds it. Then the mistake, the gather on rank 0 only while rank 1 goes on to a
+barrier: each rank waits for the other until the short collective `timeout` given to
 `init_process_group`, and each prints the line of this script it waited on. On gloo (CPU) the
-timeout raises on that line; with NCCL (GPUs) its watchdog aborts the job at the timeout
-instead. Needs torch alone; each rank computes on its accelerator (GPU) where there is one,
-else on the CPU (over gloo).
+timeout raises on that line; with NCCL (GPUs), by torch's source (not run here), its watchdog
+aborts the job at the timeout instead, with no line printed. Needs torch alone; each rank
+computes on its accelerator (GPU) where there is one, else on the CPU (over gloo).
 """
 
 import copy
