@@ -282,6 +282,46 @@ def _unused_experts_reduced(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
 
 
+def _branch_named_and_fixed(out: str) -> None:
+    found = re.search(r"every unit on every rank: expert gradient vs 1 process: max \|difference\| = (\S+)", out)
+    assert found and float(found[1]) <= 1e-5, out  # the reduced gradient is the ranks' mean; NaN fails
+    caught = dict(
+        re.findall(r"branch caught on rank (\d) as RuntimeError, before its collective (#\d+ \w+ of \[\d+\])", out)
+    )
+    assert caught.keys() == {"0", "1"}, out  # both ranks raised, in seconds
+    number0, op0 = caught["0"].split(" ", 1)
+    number1, op1 = caught["1"].split(" ", 1)
+    # the same position, rank 0 reducing the expert-touched gradients, rank 1 all-gathering for backward
+    assert number0 == number1 and op0 == "_REDUCE_SCATTER_BASE of [272]" and op1 == "_ALLGATHER_BASE of [136]", out
+
+
+def _state_dict_saved_and_hang_named(out: str) -> None:
+    found = re.search(
+        r"full state dict gathered on every rank, written by rank 0: 6 tensors; vs 1 process: "
+        r"max \|difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) == 0, out  # the whole weights, exactly; NaN fails the comparison
+    waits = dict(re.findall(r"save timed out on rank (\d) \(\w+\), waiting at line \d+: (.+)", out))
+    assert waits.keys() == {"0", "1"}, out  # both ranks ended, at the timeout
+    assert waits["0"].startswith("full = get_model_state_dict(") and waits["1"] == "dist.barrier()", out
+
+
+def _set_order_wrong_sorted_right(out: str) -> None:
+    found = {
+        how: (same, int(wrong), int(total))
+        for how, same, wrong, total in re.findall(
+            r"16 gradient norms in (set|sorted) order on 2 ranks: same order on every rank (\w+), "
+            r"wrong norms (\d+) of (\d+)",
+            out,
+        )
+    }
+    assert found.keys() == {"set", "sorted"}, out
+    # torchrun's ranks, each with its own string hash seed: different orders, norms paired wrong
+    assert found["set"][0] == "False" and found["set"][1] > 0, out
+    assert found["sorted"] == ("True", 0, 16), out  # one order on every rank: every norm right
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -311,6 +351,9 @@ CLAIMS = {
     "debugging_hangs": (2, _hang_named),
     "communication": (2, _step_bytes_against_parameters),
     "collective_hooks": (2, _summing_reduce_scatter),
+    "hang_branch": (2, _branch_named_and_fixed),
+    "hang_state_dict": (2, _state_dict_saved_and_hang_named),
+    "set_order": (2, _set_order_wrong_sorted_right),
 }
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).

@@ -99,7 +99,16 @@ GROUPS = {
         "When it breaks",
         "Hangs, errors and wrong numbers, traced to their cause.",
         {
-            "debugging_hangs": ("Debugging hangs", "Three real hangs, every tool, and the fixes."),
+            "debugging_hangs": (
+                "Debugging a hang",
+                "Uneven evaluation batches; the stacks, DETAIL, monitored_barrier, the flight recorder.",
+            ),
+            "hang_branch": (
+                "A unit on some ranks only",
+                "A data-dependent branch; the hang surfaces one collective later.",
+            ),
+            "hang_state_dict": ("A state dict on rank 0 only", "The gather every rank must call, seen with py-spy."),
+            "set_order": ("Collectives in a set's order", "Wrong sums under torchrun, right ones in the notebook."),
         },
         also=(
             ":ref:`Errors, indexed <errors-index>`: every error message the pages reproduce, linked to the cell.",
