@@ -393,7 +393,7 @@ for rank, (to_mean, to_own, own) in enumerate(
 #
 # When every rank calls the unit but leaves some of its parameters without a gradient
 # (experts inside one unit, some of which get no tokens on a rank), the all-gathers match
-# and the reduce-scatters do not: {ref}`the FSDP2 controls page
+# and the reduce-scatters do not: {ref}`the uneven experts page
 # <fsdp2-fsdpmodule-set-reduce-scatter-unused-params>` shows gloo aborting, the silent
 # case, and `set_reduce_scatter_unused_params(True)` fixing both.
 

@@ -249,14 +249,14 @@ for case, shifts in SHIFTS.items():
 # gradients, rank 1 two), and gloo aborts the process ("Received data size doesn't match
 # expected size", printed above). What NCCL does with it is not run here; a collective
 # whose sizes differ across ranks is the kind of mismatch the
-# {ref}`hangs page <tutorial-debugging-hangs>` shows hanging. In the second case the sizes
+# {ref}`hang pages <tutorial-hang-branch>` show hanging. In the second case the sizes
 # happen to match, and
 # nothing fails: the two ranks reduce different experts' gradients into each other, the
 # optimizer would skip the parameters without a gradient, and every gradient it steps
 # with is wrong. `set_reduce_scatter_unused_params(True)` (torch 2.13 and later) makes
 # each rank reduce zeros for the parameters it did not use, as DDP's `find_unused_parameters` does, and both cases
 # then match one process. On older torch, call every expert on every rank (on zero rows if
-# none are routed to it), as the hangs page does with `torch.where`.
+# none are routed to it), as {ref}`the fix of hang 2 <debugging-hangs-branch-fix>` does with `torch.where`.
 
 # %% [markdown]
 # (experts-placement)=
