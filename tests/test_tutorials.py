@@ -1401,6 +1401,8 @@ def test_collective_hooks_replaces_fsdp2s_collectives_counts_the_buffers_in_flig
 
 def test_fsdp2_controls_shows_the_order_of_gathers_and_a_skipped_backward_gather(executed):
     text = _text_outputs(executed["fsdp2_controls"])
+    drawn = next(c for c in executed["fsdp2_controls"].cells if "order of issue on the host" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the orders, drawn once
     orders = {
         how: line[25:]
         for line in text.splitlines()
@@ -1533,6 +1535,8 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
 
 def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
     text = _text_outputs(executed["pipeline"])
+    drawn = next(c for c in executed["pipeline"].cells if "ax.broken_barh" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the schedules, drawn once
     one_process = float(text.split("one process: loss ")[1].split()[0])
     # GPipe                      True             4  5.5789211                  5.8e-07
     exact = [

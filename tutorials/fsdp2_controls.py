@@ -143,6 +143,38 @@ ORDERS = {
 for how, order in ORDERS.items():
     print(f"{how:24} {order}")
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The order of issue in one forward, one row per way to run it (default, forward prefetch, unshard with async_op): each unit's forward start and all-gather as boxes left to right in the order the host issued them, the all-gathers shaded."}}
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(10, 2.4))
+for row, order in enumerate(ORDERS.values()):
+    events = order.split()
+    for x, event in enumerate(events):
+        gather = event.startswith("AG")
+        ax.add_patch(
+            plt.Rectangle((x - 0.42, row - 0.3), 0.84, 0.6, color="tab:blue" if gather else "0.85")
+        )
+        ax.text(
+            x,
+            row,
+            event,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if gather else "black",
+        )
+ax.set(
+    xlim=(-0.6, max(len(o.split()) for o in ORDERS.values()) - 0.4), ylim=(len(ORDERS) - 0.4, -0.6)
+)
+ax.set_yticks(range(len(ORDERS)), list(ORDERS))
+ax.set_xticks([])
+ax.set_xlabel(
+    "order of issue on the host (F: a unit's forward begins, AG: its all-gather; not to time)"
+)
+for side in ("top", "right", "bottom"):
+    ax.spines[side].set_visible(False)
+fig.tight_layout()
+
 # %% [markdown]
 # `F`*i*: unit *i*'s forward begins; `AG`*i*: its all-gather is issued (both as the host
 # records them).

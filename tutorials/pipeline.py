@@ -551,6 +551,29 @@ for key in [("GPipe", 4), ("1F1B", 4)]:
         print(f"  stage {rank} ran: {order(r)}")
 
 # %% [markdown]
+# The same two steps drawn to scale: each bar a chunk, numbered by its micro-batch, forwards
+# blue and backwards orange; the white in a stage's row is its bubble.
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Two timelines, GPipe and 1F1B with 4 micro-batches on 2 stages: each stage's forwards and backwards drawn as numbered bars in time, the stage's idle time (the bubble) left white: at both ends of stage 1's row and in the middle of stage 0's."}}
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(2, 1, figsize=(10, 3.6))  # each step to its own scale
+for ax, key in zip(axes, [("GPipe", 4), ("1F1B", 4)]):
+    last = [steps[-1] for steps in timed[key]]
+    for stage, r in enumerate(last):
+        for kind, chunk, start, end in r["spans"]:
+            color = "tab:blue" if kind == "F" else "tab:orange"
+            ax.broken_barh([(start * 1000, (end - start) * 1000)], (stage - 0.4, 0.8), color=color)
+            ax.text(
+                (start + end) / 2 * 1000, stage, str(chunk), ha="center", va="center", fontsize=8
+            )
+    ax.set_yticks([0, 1], ["stage 0", "stage 1"])
+    ax.invert_yaxis()
+    ax.set_title(f"{key[0]}, {key[1]} micro-batches (blue: forward, orange: backward)", fontsize=9)
+    ax.set_xlabel("ms since the step began", fontsize=8)
+fig.tight_layout()
+
+# %% [markdown]
 # What the drawing shows:
 #
 # - **The fill and the drain.** Stage 1 starts only when stage 0's first forward arrives,
