@@ -155,9 +155,10 @@ def what_ran(fn):
 # falls back to `aot_eager`: the same graph capture (dynamo) and autograd tracing
 # (AOTAutograd), run by eager kernels. It is the only one that uses `inductor`, because
 # the numbers are where inductor differs. Every other cell uses `aot_eager`: what they
-# show (graphs, graph breaks, FSDP's hooks and collectives) is decided by dynamo and AOTAutograd before a backend sees the graph, and inductor's C++
-# compile of each graph would only add its time to this page. (The pages after this one
-# use `aot_eager` throughout, for the same reason.)
+# show (graphs, graph breaks, FSDP's hooks and collectives) is decided by dynamo and
+# AOTAutograd before a backend sees the graph, and inductor's C++ compile of each graph
+# would only add its time to this page. (The pages after this one use `aot_eager`
+# throughout, for the same reason.)
 
 # %% [markdown]
 # (compile-where)=

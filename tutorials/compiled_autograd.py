@@ -234,7 +234,8 @@ for name in ROOT_PARAMS:
 #   the backward of its `RegisterPostBackwardFunction` as calls in its graph
 #   (`AutogradCompilerInstance.tensor_pre_hook` and `proxy_call_backward`,
 #   `torch/_dynamo/compiled_autograd.py`), but when dynamo compiles that graph, it finds
-#   them marked `torch._dynamo.disable` (the same `_dynamo_disable` as in the forward):
+#   them marked `torch._dynamo.disable` (the same `_dynamo_disable` that breaks the
+#   forward of a whole compiled model, {ref}`compile-where`):
 #   each is a graph break (the reason printed), and the graph is compiled in the pieces
 #   between them ("compiled autograd graphs"). The hooks run between the pieces, so the
 #   block's all-gather and reduce-scatter are issued as in eager, and its gradients equal
@@ -397,11 +398,12 @@ print(
 # over AdamW with `foreach=True`; the backward stays with the autograd engine. It trains 3
 # steps beside the same model eager, checks after each backward that every sharded parameter
 # has its gradient (what compiled autograd loses), and counts with the profiler the
-# collectives the forwards and backwards ran (FSDP's) and those the compiled steps ran. It compiles with `aot_eager`, so that it runs in seconds on a
-# CPU; a training script leaves out `backend=` to get inductor. The tests run this file under
-# torchrun on 2 CPU ranks and check that every parameter had its gradient, that the
-# count saw FSDP's collectives and the compiled steps ran none, and that the parameters end within rounding of eager
-# AdamW's (`tests/test_scripts.py`).
+# collectives the forwards and backwards ran (FSDP's) and those the compiled steps ran. It
+# compiles with `aot_eager`, so that it runs in seconds on a CPU; a training script leaves
+# out `backend=` to get inductor. The tests run this file under torchrun on 2 CPU ranks and
+# check that every parameter had its gradient, that the count saw FSDP's collectives and
+# the compiled steps ran none, and that the parameters end within rounding of eager AdamW's
+# (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/compiled_autograd.py
 # :language: python
