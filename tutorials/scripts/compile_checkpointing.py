@@ -2,14 +2,12 @@
 
     torchrun --nproc-per-node=2 compile_checkpointing.py
 
-Each block is wrapped with checkpoint_wrapper (its activations recomputed in the backward instead
-of saved), then compiled in place, then sharded: torchtitan's order, in which dynamo captures the
-checkpointed region whole and AOTAutograd recomputes it inside the compiled backward. The model
-trains beside the same model with eager checkpointing and without checkpointing; rank 0 prints the
-graphs compiled (a backend that counts them), the bytes one forward leaves saved for the backward
-each way (saved_tensors_hooks; the gathered weights, which FSDP frees after the forward, count 0),
-and the largest difference between the losses. Needs torch alone; each rank computes on its
-accelerator (GPU) where there is one, else on the CPU (over gloo).
+Each block is wrapped with checkpoint_wrapper, then compiled, then sharded (torchtitan's order):
+dynamo captures the checkpointed block whole, and AOTAutograd recomputes it inside the compiled
+backward. It trains beside eager checkpointing and no checkpointing; rank 0 prints the graphs
+compiled, the bytes one forward leaves saved for the backward each way, and the largest loss
+difference. Needs torch alone; each rank computes on its accelerator (GPU) where there is one,
+else on the CPU (over gloo).
 """
 
 import os
