@@ -322,6 +322,46 @@ def _set_order_wrong_sorted_right(out: str) -> None:
     assert found["sorted"] == ("True", 0, 16), out  # one order on every rank: every norm right
 
 
+def _blocks_compile_whole_and_train_as_eager(out: str) -> None:
+    assert "each of 2 blocks compiled after fully_shard, fullgraph=True: 1 graph(s)" in out, out  # shared
+    found = re.search(r"collectives in a step: eager (\{.*\}), compiled (\{.*\})", out)
+    assert found and found[1] == found[2] and "_allgather_base_" in found[1], out  # FSDP's own, unchanged
+    found = re.search(
+        r"compiled \(aot_eager\) vs eager FSDP2 on 2 ranks, \d+ steps: max \|loss difference\| = (\S+)", out
+    )
+    assert found and float(found[1]) == 0, out  # aot_eager runs eager's kernels: exact; NaN fails
+
+
+def _recompiles_counted(out: str) -> None:
+    expected = (
+        "graphs compiled so far, after a step on 32 tokens: 1; another: 1; a forward under no_grad: 2; "
+        "a step on 32 tokens again: 2; a step on 16 tokens: 3; a step on 24 tokens: 3; a step on 8 tokens: 3"
+    )
+    assert expected in out, out  # no_grad: one more graph; the first new length: one, reused after
+
+
+def _checkpointed_compiled_block(out: str) -> None:
+    found = {
+        m[1]: (int(m[2]), int(m[3]))
+        for m in re.finditer(r"^(.+): (\d+) graph\(s\) compiled, (\d+) bytes saved for the backward$", out, re.M)
+    }
+    assert found.keys() == {"no checkpointing", "eager checkpointing", "checkpoint, compile, shard"}, out
+    assert found["checkpoint, compile, shard"][0] == 1 and found["eager checkpointing"][0] == 0, out  # one, shared
+    saved = {order: nbytes for order, (_, nbytes) in found.items()}
+    assert 0 < saved["checkpoint, compile, shard"] < saved["no checkpointing"] / 2, out  # recomputed, not saved
+    found = re.search(r"vs eager checkpointing on 2 ranks, \d+ steps: max \|loss difference\| = (\S+)", out)
+    assert found and float(found[1]) == 0, out  # aot_eager runs eager's kernels: exact; NaN fails
+
+
+def _optimizer_step_compiled(out: str) -> None:
+    found = re.search(r"sharded parameters with a gradient after each backward: \[(.*)\] \(of (\d+)\)", out)
+    assert found and {int(n) for n in found[1].split(",")} == {int(found[2])}, out  # every one, every step
+    assert re.search(r"collectives in the forwards and backwards: \{.*allgather.*reduce_scatter.*\}", out), out
+    assert "collectives in the compiled optimizer steps: none" in out, out  # each rank updates its shard
+    found = re.search(r"vs eager on 2 ranks, \d+ steps: max \|parameter difference\| = (\S+)", out)
+    assert found and float(found[1]) < 1e-4, out  # within rounding of eager AdamW; NaN fails
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -354,6 +394,10 @@ CLAIMS = {
     "hang_branch": (2, _branch_named_and_fixed),
     "hang_state_dict": (2, _state_dict_saved_and_hang_named),
     "set_order": (2, _set_order_wrong_sorted_right),
+    "compile": (2, _blocks_compile_whole_and_train_as_eager),
+    "compile_recompiles": (2, _recompiles_counted),
+    "compile_checkpointing": (2, _checkpointed_compiled_block),
+    "compiled_autograd": (2, _optimizer_step_compiled),
 }
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
@@ -365,7 +409,7 @@ LIBRARIES = {
 }
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {"compile", "llm", "rank_dies", "tensor_parallel"}
+WITHOUT_A_SCRIPT_YET = {"llm", "rank_dies", "tensor_parallel"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():

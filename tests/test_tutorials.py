@@ -41,6 +41,9 @@ def test_every_tutorial_is_tested():
         "collective_hooks",
         "communication",
         "compile",
+        "compile_checkpointing",
+        "compile_recompiles",
+        "compiled_autograd",
         "debugging_hangs",
         "deterministic_init",
         "digits",
@@ -659,7 +662,7 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert "the 2D run's own export equals them exactly: True" in text
 
 
-def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_each_order(executed):
+def test_compile_shows_where_to_compile_and_how_to_measure_it(executed):
     text = _text_outputs(executed["compile"])
     lines = text.splitlines()
     backend = text.split("backend: ")[1].split()[0]
@@ -695,13 +698,17 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     }
     assert "torch.compile(block): blocks.0._orig_mod.ln_1.weight" in text
     assert "block.compile():      blocks.0.ln_1.weight" in text
-    assert "graph breaks, by reason: ['Call to `torch._dynamo.graph_break()`']" in text  # the optimizer's own
     # the wrapped block's checkpoint, loaded into an eager block: torch's own message names both sets of keys
     assert re.search(
         r'Missing key\(s\) in state_dict: "ln_1.weight".*\n\s*Unexpected key\(s\) in state_dict: '
         r'"_orig_mod.ln_1.weight"',
         text,
     )
+
+
+def test_compile_recompiles_shows_what_recompiles_and_what_dynamo_reports(executed):
+    text = _text_outputs(executed["compile_recompiles"])
+    lines = text.splitlines()
     graphs = {line[:30].strip(): int(line[30:].split()[0]) for line in lines if line.endswith("graph(s)")}
     assert graphs == {
         "train step 1": 1,
@@ -729,6 +736,11 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     assert "tensor 'x' size mismatch at index 1. expected 32, actual 16" in text
     explained = text.split("torch._dynamo.explain(model): ")[1].splitlines()[0]
     assert "'graphs': 1, 'graph breaks': 0, 'break reasons': 0" in explained and "'linears per graph': [6]" in explained
+
+
+def test_compile_checkpointing_shows_each_order_saves_and_trains(executed):
+    text = _text_outputs(executed["compile_checkpointing"])
+    lines = text.splitlines()
     orders = {
         line[:26].strip(): line[26:].split()
         for line in lines
@@ -745,7 +757,7 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
     rng_kib = float(text.split("the CPU generator's state: ")[1].split()[0])
     assert abs(saved["checkpoint, then compile"] - saved["checkpointing, eager"] - 2 * rng_kib) < 1.5  # one per block
     # the prose quotes the extra (glued) and claims it is the generator's state, once per block (2)
-    glued = _glued(executed["compile"])
+    glued = _glued(executed["compile_checkpointing"])
     assert glued.keys() >= {"compile_ac_extra_kib"}
     assert abs(float(glued["compile_ac_extra_kib"]) - 2 * rng_kib) < 1.0
     # ... and the saved tensors show it: two uint8 tensors of the generator state's size, in the compiled order only
@@ -760,6 +772,11 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         f"2 x uint8 [{state_bytes}]" in kinds["checkpoint, then compile"]
         and "uint8" not in kinds["checkpointing, eager"]
     )
+
+
+def test_compiled_autograd_loses_the_root_callback_and_the_optimizer_step_compiles(executed):
+    text = _text_outputs(executed["compiled_autograd"])
+    lines = text.splitlines()
     # compiled autograd: the root's final callback and its reduce-scatter never happen
     ca = {
         line[:34].strip(): line[34:].split()
@@ -790,6 +807,7 @@ def test_compile_shows_where_to_compile_what_recompiles_and_checkpointing_in_eac
         line = next(line for line in lines if line.startswith(f"{name:15} gradient vs eager"))
         own, mean = float(line.split("rank 0's ")[1].split(",")[0]), float(line.split("mean over ranks ")[1])
         assert own > 1e-3 and mean < 1e-7  # this rank's own gradient; the average is eager's
+    assert "graph breaks, by reason: ['Call to `torch._dynamo.graph_break()`']" in text  # the optimizer's own
     # the compiled optimizer step: one graph on DTensors, run every step, no collectives, close to eager
     assert "compiled optimizer.step: 1 graph(s), with [14] DTensor inputs, for 14 parameters" in text
     # the real group's flag: set on GPUs only

@@ -65,7 +65,16 @@ GROUPS = {
             "placements": ("Choosing placements", "Shard along dim 1, keep tied weights in one unit, ignore one."),
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
-            "compile": ("torch.compile", "Compile a sharded model, and what breaks the graph."),
+            "compile": ("torch.compile", "Where to compile a sharded model, and how to check it."),
+            "compile_recompiles": ("Recompiles and dynamo's logs", "What recompiles, and what the logs say."),
+            "compile_checkpointing": (
+                "Checkpointing with compile",
+                "Activation checkpointing and compile, in each order.",
+            ),
+            "compiled_autograd": (
+                "Compiled autograd and the optimizer",
+                "What compiles past the blocks, and what breaks.",
+            ),
         },
     ),
     "tune": Group(
