@@ -210,6 +210,22 @@ def _hang_named(out: str) -> None:
     assert found and found[1] == found[2], out  # both ranks' collectives, at the same position
 
 
+def _fsdp_x_tp(out: str) -> None:
+    # TP's column-wise shard, split again by FSDP (strided); the row-wise one; the unplanned head on dp alone
+    assert (
+        "rank 0 holds (16, 16) of blocks.0.fc.weight (64, 16): (_StridedShard(dim=0, sf=2), Shard(dim=0)) over "
+        "('dp', 'tp')"
+    ) in out, out
+    assert "(8, 32) of blocks.0.proj.weight (16, 64): (Shard(dim=0), Shard(dim=1)) over ('dp', 'tp')" in out, out
+    assert "(2, 16) of head.weight (4, 16): (Shard(dim=0),) over ('dp',)" in out, out
+    found = re.search(
+        r"FSDP x TP on a 2 x 2 mesh vs 1 process, \d+ steps: "
+        r"max \|loss difference\| = (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparisons
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -233,7 +249,9 @@ CLAIMS = {
     "pipeline": (4, _pipeline),
     "beyond_the_step": (2, _uneven_eval_like_one_process),
     "debugging_hangs": (2, _hang_named),
+    "tensor_parallel": (4, _fsdp_x_tp),
 }
+
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
 LIBRARIES = {
@@ -245,7 +263,8 @@ LIBRARIES = {
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
 WITHOUT_A_SCRIPT_YET = {
-    "communication", "compile", "fsdp2_controls", "llm", "rank_dies", "tensor_parallel",
+    "communication", "compile", "fsdp2_controls", "llm", "rank_dies", "tp_exactness", "tp_gradients",
+    "loss_parallel", "tp_attention", "tp_checkpoints",
 }  # fmt: skip
 
 
