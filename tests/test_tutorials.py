@@ -606,12 +606,19 @@ def test_loss_parallel_splits_the_edge_layers_by_vocabulary_and_never_gathers_th
     def numbers(prefix):
         return _numbers_after(lines, prefix)
 
-    # the embedding and output layer plans: layouts, collectives, and the unsharded module's output
-    edge = {
-        line[:34].strip(): line[34:]
-        for line in lines
-        if line.startswith(("embedding, ", "  same, output along", "output layer, "))
-    }
+    # the embedding and output layer plans (a Table): layouts, collectives, and the unsharded module's output
+    names = (
+        "embedding, vocabulary-split",
+        "embedding, vocabulary-split, output along the sequence",
+        "embedding, dimension-split",
+        "output layer, logits gathered",
+        "output layer, logits left split",
+    )
+    # a row: its plan's name, then at least two spaces (a longer name goes on with ", ")
+    found = {name: re.search(rf"^{re.escape(name)} {{2,}}(.*)$", text, re.M) for name in names}
+    assert all(found.values()), found
+    edge = {name: row[1] for name, row in found.items()}
+    edge["same, output along the sequence"] = edge.pop("embedding, vocabulary-split, output along the sequence")
     assert re.search(
         r"\(128, 32\) Shard\(dim=0\)\s+\(4, 16, 32\) Tensor\s+all-reduce 1 8192", edge["embedding, vocabulary-split"]
     )
@@ -640,7 +647,8 @@ def test_loss_parallel_splits_the_edge_layers_by_vocabulary_and_never_gathers_th
     assert parallel[4:6] == [gathered[4] + 3, gathered[5] + 3 * 512]  # 3 all-reduces of one float per token
     for row in plans.values():
         assert abs(row[-2] - one_loss) < 2e-6 and row[-1] < 1e-6
-    assert text.count("(untied by the plans, tied again: True)") == 3
+    assert text.count("untied by the plans, tied again: True") == 3
+    assert re.search(r"^plan\s+logits on a rank / full \(bytes\)\s+tp all-gathers", text, re.M)  # the Table's header
     assert _glued(executed["loss_parallel"]).keys() >= {
         "tp_emb_reduce_bytes",
         "tp_logits_gather_bytes",

@@ -146,6 +146,8 @@ def my_rows(mesh, step=0):
 # %%
 import torch.nn as nn
 from fsdp_guide.collectives import count_collectives
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -164,7 +166,7 @@ EDGE_PLANS = {  # name: (module, plan, the layout its output should have over tp
         RowwiseParallel(input_layouts=Replicate()),
         Replicate(),
     ),
-    "  same, output along the sequence": (
+    "embedding, vocabulary-split, output along the sequence": (
         embedding,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         Shard(1),
@@ -217,13 +219,19 @@ def edge_layer_layouts():
     return result
 
 
-print(
-    f"{'':34} {'weight on a rank':23} {'output on a rank':26} {'tp collectives (kind, n, bytes)':33} vs unsharded"
-)
 edges = launch(edge_layer_layouts, world_size=4, output="none")[0]
-for name, (weight, out, rows, difference) in edges.items():
-    collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in rows) or "none"
-    print(f"{name:34} {weight:23} {out:26} {collectives:33} {difference:.0e}")
+header = [
+    "plan",
+    "weight on a rank",
+    "output on a rank",
+    "tp collectives (kind, n, bytes)",
+    "vs unsharded",
+]
+table = []
+for name, (weight, out, seen, gap) in edges.items():
+    collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in seen) or "none"
+    table.append([name, weight, out, collectives, f"{gap:.0e}"])
+display(Table(header, table))  # an HTML table on the site, aligned text elsewhere
 # (dim, kind, n, bytes)
 glue("tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False)
 glue("tp_logits_gather_bytes", edges["output layer, logits gathered"][2][0][3], display=False)
@@ -339,19 +347,22 @@ _, loss = one(*global_batch())
 loss.backward()
 one_loss = loss.item()
 print(f"one process on the global batch: loss {one_loss:.7f}")
-print(
-    f"{'':27} {'logits on a rank / full (bytes)':>32} {'tp all-gathers (n, bytes)':>26}"
-    f" {'tp all-reduces (n, bytes)':>26} {'loss':>10} {'grads vs one process':>21}"
-)
 results = launch(every_output_plan, world_size=4, output="none")[0]
+header = ["plan", "logits on a rank / full (bytes)", "tp all-gathers (n, bytes)"]
+header += ["tp all-reduces (n, bytes)", "loss", "grads vs one process", "the tied weight"]
+table = []
 for name, (untied, tied, held, full, rows, loss, grads) in results.items():
     cells = {kind: f"{n} {nbytes}" for _, kind, n, nbytes in rows}
     difference = largest_difference((grads[n], p.grad) for n, p in one.named_parameters())
-    print(
-        f"{name:27} {f'{held} / {full}':>32} {cells.get('all-gather', '-'):>26} {cells.get('all-reduce', '-'):>26}"
-        f" {loss:10.7f} {difference:21.1e}"
-        + (f"  (untied by the plans, tied again: {tied})" if untied else "")
+    table.append(
+        [name, f"{held} / {full}", cells.get("all-gather", "-"), cells.get("all-reduce", "-")]
+        + [
+            f"{loss:.7f}",
+            f"{difference:.1e}",
+            f"untied by the plans, tied again: {tied}" if untied else "-",
+        ]
     )
+display(Table(header, table))
 
 
 def tp_collectives(plan, kind):
@@ -395,7 +406,7 @@ glue(
 #   `torch/distributed/tensor/parallel/loss.py`) and the target's log-probability
 #   (`_nll_loss_forward`, same file).
 # - The loss and every gradient equal one process's up to float32 rounding, the tied
-#   weight's included (the plans untie it; the printed `True` is the weight tied again),
+#   weight's included (the plans untie it; the table's `True` is the weight tied again),
 #   with FSDP over `dp` on top as well. Under loss parallel the loss is a `DTensor`,
 #   `Replicate()` over `tp` (`_nll_loss_forward_handler`, same file): `full_tensor()`
 #   reads it.
