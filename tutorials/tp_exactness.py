@@ -220,11 +220,8 @@ def batch_checks():
 
 
 wrong_losses, wrong_params = launch(train_2d, 3, my_quarter, world_size=4, output="none")[0]
-print(
-    "different batches in a TP group: losses",
-    [f"{x:.6f}" for x in wrong_losses],
-    "(no error raised)",
-)
+losses = [f"{x:.6f}" for x in wrong_losses]
+print("different batches in a TP group: losses", losses, "(no error raised)")
 print(f"parameters after 3 steps: largest difference {apart(wrong_params, one_params):.1e}")
 print("same batch across each TP group:", launch(batch_checks, world_size=4, output="none")[0])
 
@@ -303,11 +300,8 @@ for name, (placement, width, held, collectives, loss) in trap.items():
         f"{name}:\n  attn.q.weight  {placement}\n  q's output on a rank {width}; params held {held:.2f} P\n"
         f"  collectives (dim, kind, n) {collectives}\n  loss {loss:.6f}"
     )
-glue(
-    "tp_trap_gathers",
-    next(n for dim, kind, n in trap["FSDP x TP"][3] if (dim, kind) == ("dp", "all-gather")),
-    display=False,
-)
+gathers = next(n for dim, kind, n in trap["FSDP x TP"][3] if (dim, kind) == ("dp", "all-gather"))
+glue("tp_trap_gathers", gathers, display=False)
 
 # %% [markdown]
 # Both compute the same loss (one forward and backward, no optimizer step): HSDP is data
@@ -373,9 +367,8 @@ def split_over_y(name, module, mesh):
     """Tensor parallelism by placements alone: layer 0's rows and layer 2's columns over y."""
     for what, p in list(module.named_parameters(recurse=False)):
         over_y = Shard(0) if name == "0" else Shard(1) if what == "weight" else Replicate()
-        module.register_parameter(
-            what, nn.Parameter(distribute_tensor(p, mesh, [Replicate(), over_y]))
-        )
+        p = nn.Parameter(distribute_tensor(p, mesh, [Replicate(), over_y]))
+        module.register_parameter(what, p)
 
 
 def as_replicated(module, inputs, mesh):
@@ -408,9 +401,8 @@ def one_process_small(batches):
     model = small_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
-        (
-            sum(model(small_batch(10 * step + b)).square().mean() for b in range(batches)) / batches
-        ).backward()
+        loss = sum(model(small_batch(10 * step + b)).square().mean() for b in range(batches))
+        (loss / batches).backward()
         optimizer.step()
         optimizer.zero_grad()
     return {name: p.detach() for name, p in model.named_parameters()}
@@ -441,14 +433,11 @@ for name, roles in ROLES.items():
 # ## The script to copy
 #
 # This page's idea as a plain torchrun script, with torch alone: {download}`scripts/tp_exactness.py`.
-# Four ranks form a 2 x 2 mesh named `dp` and `tp`; a small model is split by TP over `tp` and
-# sharded over `dp`, and trained three ways against one process on the whole batch: data by the
-# `dp` coordinate (the right split), data by the global rank (the mistake, which raises nothing),
-# and the 2D mesh itself passed to `fully_shard` (HSDP, with each rank on its own quarter). Rank 0
-# prints each run's largest weight difference from one process, and HSDP's placements. The tests
-# run this file under torchrun on 4 CPU ranks and check that the right split and HSDP match one
-# process (1e-5), that the mistake drifts more than a hundred times further, and that the
-# placements read `(Replicate(), Shard(dim=0))` (`tests/test_scripts.py`).
+# A small model split by TP over `tp` and sharded over `dp` on 4 ranks trains with data by the `dp`
+# coordinate, then by the global rank (raising nothing); then the 2D mesh goes to `fully_shard` alone
+# (HSDP). Rank 0 prints each run's largest weight difference from one process, and HSDP's placements.
+# The tests run it on 4 CPU ranks and check the right split and HSDP (1e-5), the drift of the wrong
+# one (a hundred times more), and HSDP's `(Replicate(), Shard(dim=0))` (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/tp_exactness.py
 # :language: python
