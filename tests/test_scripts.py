@@ -362,6 +362,76 @@ def _optimizer_step_compiled(out: str) -> None:
     assert found and float(found[1]) < 1e-4, out  # within rounding of eager AdamW; NaN fails
 
 
+def _fsdp_x_tp(out: str) -> None:
+    # TP's column-wise shard, split again by FSDP (strided); the row-wise one; the unplanned head on dp alone
+    assert (
+        "rank 0 holds (16, 16) of blocks.0.fc.weight (64, 16): (_StridedShard(dim=0, sf=2), Shard(dim=0)) over "
+        "('dp', 'tp')"
+    ) in out, out
+    assert "(8, 32) of blocks.0.proj.weight (16, 64): (Shard(dim=0), Shard(dim=1)) over ('dp', 'tp')" in out, out
+    assert "(2, 16) of head.weight (4, 16): (Shard(dim=0),) over ('dp',)" in out, out
+    found = re.search(
+        r"FSDP x TP on a 2 x 2 mesh vs 1 process, \d+ steps: "
+        r"max \|loss difference\| = (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparisons
+
+
+def _tp_same_batch_and_hsdp(out: str) -> None:
+    def gap(prefix):
+        found = re.search(rf"^{re.escape(prefix)}: ([^\s,]+)", out, re.M)
+        assert found, out
+        return float(found[1])
+
+    right, wrong = gap("FSDP x TP, data by the dp coordinate"), gap("FSDP x TP, data by the global rank")
+    hsdp = gap("fully_shard(mesh=2-D mesh)")
+    assert right <= 1e-5 and hsdp <= 1e-5, out  # one process's weights; NaN fails the comparisons
+    assert wrong > 1e-3 and wrong > 100 * right, out  # a TP pair on different batches drifts, silently
+    assert "(no error raised)" in out and "placements (Replicate(), Shard(dim=0)): HSDP" in out, out
+
+
+def _loss_parallel(out: str) -> None:
+    assert "rank 0 holds logits (4, 16, 32) of (4, 16, 64): (Shard(dim=2),) over the vocabulary" in out, out
+    found = re.search(
+        r"loss parallel on 2 ranks vs 1 process, \d+ steps: "
+        r"max \|loss difference\| = (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparisons
+
+
+def _clipped_across_meshes(out: str) -> None:
+    assert "the parameters' meshes: ('dp', 'tp'), ('dp',)" in out, out
+    assert (
+        "clip_grad_norm_ on every parameter: RuntimeError: All operands in aten.stack.default must have the same mesh"
+        in out
+    ), out
+    found = re.search(r"total norm (\S+), 1 process (\S+); max \|clipped gradient difference\| = (\S+)", out)
+    assert found, out
+    total, one, gap = map(float, found.groups())
+    assert total > 1 and abs(total - one) <= 1e-5 * one and gap <= 1e-6, out  # clipped; NaN fails the comparisons
+
+
+def _checkpoint_across_meshes(out: str) -> None:
+    assert "model.pt into a plain model: <All keys matched successfully>" in out, out
+    assert "checkpoint loaded on a 1-D mesh of 4: parameters equal exactly: True" in out, out
+    assert "AdamW's first moments equal exactly: True" in out, out
+    assert "model.pt equals the 2-D run's parameters exactly: True" in out, out
+
+
+def _gqa_heads_divide(out: str) -> None:
+    runs = re.findall(
+        r"^(\d) heads, (\d) KV heads on 2 ranks \(both divide: True\).*runs, max \|output difference\| = (\S+)$",
+        out,
+        re.M,
+    )
+    assert [(h, kv) for h, kv, _ in runs] == [("4", "2"), ("6", "2")], out
+    assert all(float(gap) <= 1e-5 for *_, gap in runs), out  # NaN fails the comparison
+    fails = re.findall(r"^(\d) heads, (\d) KV heads on 2 ranks \(both divide: False\).*RuntimeError: shape", out, re.M)
+    assert fails == [("4", "1"), ("6", "3")], out
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -398,7 +468,14 @@ CLAIMS = {
     "compile_recompiles": (2, _recompiles_counted),
     "compile_checkpointing": (2, _checkpointed_compiled_block),
     "compiled_autograd": (2, _optimizer_step_compiled),
+    "tensor_parallel": (4, _fsdp_x_tp),
+    "tp_exactness": (4, _tp_same_batch_and_hsdp),
+    "tp_gradients": (4, _clipped_across_meshes),
+    "loss_parallel": (2, _loss_parallel),
+    "tp_attention": (2, _gqa_heads_divide),
+    "tp_checkpoints": (4, _checkpoint_across_meshes),
 }
+
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
 LIBRARIES = {
@@ -409,7 +486,7 @@ LIBRARIES = {
 }
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {"llm", "rank_dies", "tensor_parallel"}
+WITHOUT_A_SCRIPT_YET = {"llm", "rank_dies"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():

@@ -59,6 +59,7 @@ def test_every_tutorial_is_tested():
         "llm",
         "lora",
         "loss_and_accumulation",
+        "loss_parallel",
         "memory",
         "migration",
         "mixed_precision",
@@ -71,6 +72,10 @@ def test_every_tutorial_is_tested():
         "state_attributes",
         "summon_full_params",
         "tensor_parallel",
+        "tp_attention",
+        "tp_checkpoints",
+        "tp_exactness",
+        "tp_gradients",
         "uneven_experts",
         "weight_sync",
     ]
@@ -486,42 +491,25 @@ def test_beyond_the_step_measures_evaluation_generation_ema_and_a_teacher(execut
     }
 
 
-def test_tensor_parallel_names_the_data_parallel_dimensions_with_dp_mesh_dims(executed):
-    text = _text_outputs(executed["tensor_parallel"])
-    layouts = dict(re.findall(r"^(.*): DataParallelMeshDims.*\n((?:  .*\n){3})", text, re.M))
-    hsdp, both, tp = (
-        layouts[k]
-        for k in ("HSDP: replicate over x, shard over y", "FSDP over both: shard over (x, y)", "FSDP over x, TP over y")
-    )
-    assert "0.weight  Replicate() over x=2, Shard(dim=0) over y=2" in hsdp
-    assert "0.weight  Shard(dim=0) over x_y=4" in both  # the two dimensions flattened into one
-    assert "0.weight  _StridedShard(dim=0, sf=2) over x=2, Shard(dim=0) over y=2" in tp
-    assert "2.weight  Shard(dim=0) over x=2, Shard(dim=1) over y=2" in tp  # TP's columns, FSDP's rows
-    for layout in (hsdp, both, tp):
-        assert float(layout.rsplit("=", 1)[1]) < 1e-6  # one process's weights
+def _numbers_after(lines, prefix):
+    """The numbers on the first line that starts with prefix, after it (not those right after a letter or "(")."""
+    line = next(line for line in lines if line.startswith(prefix))
+    return [float(x) for x in re.findall(r"(?<![\w(])-?\d+(?:\.\d+)?(?:e-?\d+)?", line.removeprefix(prefix))]
 
 
-def test_tensor_parallel_says_context_parallelism_does_not_run_on_the_cpu_from_its_own_output(executed):
-    text = _text_outputs(executed["tensor_parallel"])
-    # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
-    assert (
-        "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
-        "does not have a sharding strategy registered"
-    ) in text
-
-
-def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_trap_clipping_and_resharding(executed):
+def test_tensor_parallel_shows_the_2d_layout_and_the_collectives_of_one_step_per_mesh_dimension(executed):
     text = _text_outputs(executed["tensor_parallel"])
     lines = text.splitlines()
 
     def numbers(prefix):
-        line = next(line for line in lines if line.startswith(prefix))
-        return [float(x) for x in re.findall(r"(?<![\w(])-?\d+(?:\.\d+)?(?:e-?\d+)?", line.removeprefix(prefix))]
+        return _numbers_after(lines, prefix)
 
     assert "   2   1   0         [0, 2]        [2, 3]" in text  # rank 2: dp 1, tp 0
     # FSDP splits each TP shard's rows: rank 2 (dp 1, tp 0) holds rows 8:16 of q, not 16:24
     assert re.search(r"2 \(1, 0\)\s+\[8:16, :\]\s+\[16:32, 0:16\]\s+\[16:32\]\s+\[128:256, :\]", text)
     assert "_StridedShard(dim=0, sf=2) over dp=2, Shard(dim=0) over tp=2" in text
+    # the collectives table (a Table: its text form, one row per setup and mesh dimension)
+    assert re.search(r"^setup\s+dim\s+all-gathers\s+gathered / P\s+reduce-scatters", text, re.M)
     fsdp, tp = numbers("FSDP alone (dp=4)"), numbers("TP alone (tp=4)")
     assert fsdp[0] == 5 and fsdp[2:4] == [3, 1.0] and fsdp[-2] == 0.25  # (..., params held / P, saved KiB)
     assert 1 < fsdp[1] < 2  # the glued all-gathers: every unit in the forward, the blocks again in the backward
@@ -530,19 +518,11 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert fsdp[-3] == 0 and tp[-3] == 24  # collectives inside optimizer.step(): TP alone's 24 all run there
     both = lines.index(next(line for line in lines if line.startswith("FSDP x TP (2 x 2)")))
     dp_row, tp_row = numbers("FSDP x TP (2 x 2)"), [float(x) for x in lines[both + 1].split()[1:]]
+    assert lines[both + 1].split()[0] == "tp"
     assert dp_row[0] == 5 and dp_row[2:4] == [3, 0.63] and 0.25 < dp_row[-2] < 0.4  # held: glued, about a third
     # glued: smaller all-gathers than FSDP alone, blocks half-size, root whole
     assert 0.5 * fsdp[1] < dp_row[1] < fsdp[1]
     assert dp_row[-3] == 0  # FSDP reduces the partial norms' gradients before the step
-    # TP alone: each rank's to_local() of a norm's gradient is one term; the 4 sum to one process's
-    assert "blocks.0.ln_1.weight.grad: (Partial(sum),); parameters with a partial gradient: 8" in text
-    largest = float(text.split("the gradient's largest entry: ")[1].split(")")[0])
-    # each rank misses the gradient (the glued smallest miss) by a sizeable part of its largest entry (glued)
-    assert all(numbers(f"rank {r}: to_local()")[-1] >= 0.2 * largest for r in range(4))
-    assert numbers("the 4 ranks' to_local() summed")[0] < 1e-3 * largest
-    assert "step, left partial   (dim, kind, n, bytes): [('tp', 'all-reduce', 24," in text
-    assert "reducing once        (dim, kind, n, bytes): [('tp', 'all-reduce', 8," in text
-    assert "step, reduced        (dim, kind, n, bytes): no collective" in text
     assert tp_row[0] == 10 and tp_row[2] == 8 and tp_row[4] == 8
     assert 0 < tp_row[5] < 0.05  # glued: the norms' gradients all-reduced once, a sliver of the model
     no_sp = numbers("FSDP x TP, no seq. parallel")
@@ -551,57 +531,7 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert [float(x) for x in re.findall(r"\d+(?:\.\d+)?", no_sp_tp)] == tp_row[2:4]
     # glued: sequence parallelism saves activations, a little (less than a fifth) here
     assert no_sp[-2] == dp_row[-2] and 0.8 * no_sp[-1] < dp_row[-1] < no_sp[-1]
-    one = text.split("one process  losses ")[1].splitlines()[0]
-    assert text.split("FSDP x TP    losses ")[1].splitlines()[0] == one
-    exact, wrong = (float(x.split()[0]) for x in text.split("parameters after 3 steps: largest difference ")[1:3])
-    assert exact < 1e-4 and wrong > 100 * exact
-    assert "(no error raised)" in text and "{'dp rows': True, 'rank quarters': False}" in text
-    fsdp_tp, hsdp = text.split("FSDP x TP:\n")[1], text.split("fully_shard(mesh=2D mesh):\n")[1]
-    assert "q's output on a rank (4, 16, 16); params held " in fsdp_tp
-    assert float(fsdp_tp.split("params held ")[1].split()[0]) == dp_row[-2]  # about a third, as in the table
-    # glued: each counts one all-gather fewer than the table, the root left gathered by the forward before
-    assert (
-        f"('dp', 'all-gather', {dp_row[0] - 1:.0f})" in fsdp_tp and f"('tp', 'all-gather', {dp_row[0] - 1:.0f})" in hsdp
-    )
-    assert "Replicate() over dp=2, Shard(dim=0) over tp=2" in hsdp
-    assert "q's output on a rank (4, 16, 32); params held 0.50 P" in hsdp and "('dp', 'all-reduce', 3)" in hsdp
-    assert fsdp_tp.split("loss ")[1].split()[0] == hsdp.split("loss ")[1].split()[0]  # both train the same
-    # the embedding and output layer plans: layouts, collectives, and the unsharded module's output
-    edge = {
-        line[:34].strip(): line[34:]
-        for line in lines
-        if line.startswith(("embedding, ", "  same, output along", "output layer, "))
-    }
-    assert re.search(
-        r"\(128, 32\) Shard\(dim=0\)\s+\(4, 16, 32\) Tensor\s+all-reduce 1 8192", edge["embedding, vocabulary-split"]
-    )
-    assert re.search(r"\(4, 8, 32\) Tensor\s+reduce-scatter 1 8192", edge["same, output along the sequence"])
-    assert re.search(r"\(256, 16\) Shard\(dim=1\)\s+\(4, 16, 16\) Tensor\s+none", edge["embedding, dimension-split"])
-    assert re.search(r"\(4, 16, 256\) Tensor\s+all-gather 1 65536", edge["output layer, logits gathered"])
-    assert re.search(r"\(4, 16, 128\) Shard\(dim=2\)\s+none", edge["output layer, logits left split"])
-    assert len(edge) == 5 and all(float(row.split()[-1]) < 1e-6 for row in edge.values())
-    # loss parallel: a quarter of the logits per rank, never gathered; one process's loss and gradients
-    one_loss = numbers("one process on the global batch: loss")[0]
-    plans = {
-        name: numbers(name)
-        for name in (
-            "TP alone, this page's plan",
-            "TP alone, logits gathered",
-            "TP alone, loss parallel",
-            "FSDP x TP, loss parallel",
-        )
-    }
-    # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
-    page, gathered, parallel, with_fsdp = plans.values()
-    assert page[:2] == gathered[:2] == [131072, 131072] and parallel[:2] == [32768, 131072]
-    assert with_fsdp[:2] == [32768, 65536]
-    assert gathered[2:4] == [page[2] + 1, page[3] + 131072] and parallel[2:4] == page[2:4]  # no logits all-gather
-    assert gathered[4:6] == [2, 2 * 16384]  # the embedding's output, the output layer's input gradient
-    assert parallel[4:6] == [gathered[4] + 3, gathered[5] + 3 * 512]  # 3 all-reduces of one float per token
-    for row in plans.values():
-        assert abs(row[-2] - one_loss) < 2e-6 and row[-1] < 1e-6
-    assert text.count("(untied by the plans, tied again: True)") == 3
-    # the figures the prose quotes, glued from the tables these assertions read
+    # the figures the prose quotes, glued from the table these assertions read
     assert _glued(executed["tensor_parallel"]).keys() >= {
         "tp_fsdp_moved",
         "tp_fsdp_gathered",
@@ -618,25 +548,67 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
         "tp_nosp_reduced",
         "tp_saved_sp",
         "tp_saved_nosp",
+    }
+
+
+def test_tp_exactness_trains_as_one_process_and_tells_fsdp_x_tp_from_hsdp(executed):
+    text = _text_outputs(executed["tp_exactness"])
+    one = text.split("one process  losses ")[1].splitlines()[0]
+    assert text.split("FSDP x TP    losses ")[1].splitlines()[0] == one
+    exact, wrong = (float(x.split()[0]) for x in text.split("parameters after 3 steps: largest difference ")[1:3])
+    assert exact < 1e-4 and wrong > 100 * exact
+    assert "(no error raised)" in text and "{'dp rows': True, 'rank quarters': False}" in text
+    fsdp_tp, hsdp = text.split("FSDP x TP:\n")[1], text.split("fully_shard(mesh=2D mesh):\n")[1]
+    held = float(fsdp_tp.split("params held ")[1].split()[0])
+    assert "q's output on a rank (4, 16, 16); params held " in fsdp_tp
+    assert 0.25 < held < 0.4  # about a third, as in the collectives table (tensor_parallel's test)
+    # glued: each counts 4 all-gathers, one fewer than the collectives table's 5 (tensor_parallel's test), the
+    # root left gathered by the forward before
+    assert "('dp', 'all-gather', 4)" in fsdp_tp and "('tp', 'all-gather', 4)" in hsdp
+    assert _glued(executed["tp_exactness"])["tp_trap_gathers"] == "4"
+    assert "Replicate() over dp=2, Shard(dim=0) over tp=2" in hsdp
+    assert "q's output on a rank (4, 16, 32); params held 0.50 P" in hsdp and "('dp', 'all-reduce', 3)" in hsdp
+    assert fsdp_tp.split("loss ")[1].split()[0] == hsdp.split("loss ")[1].split()[0]  # both train the same
+
+
+def test_tp_exactness_names_the_data_parallel_dimensions_with_dp_mesh_dims(executed):
+    text = _text_outputs(executed["tp_exactness"])
+    layouts = dict(re.findall(r"^(.*): DataParallelMeshDims.*\n((?:  .*\n){3})", text, re.M))
+    hsdp, both, tp = (
+        layouts[k]
+        for k in ("HSDP: replicate over x, shard over y", "FSDP over both: shard over (x, y)", "FSDP over x, TP over y")
+    )
+    assert "0.weight  Replicate() over x=2, Shard(dim=0) over y=2" in hsdp
+    assert "0.weight  Shard(dim=0) over x_y=4" in both  # the two dimensions flattened into one
+    assert "0.weight  _StridedShard(dim=0, sf=2) over x=2, Shard(dim=0) over y=2" in tp
+    assert "2.weight  Shard(dim=0) over x=2, Shard(dim=1) over y=2" in tp  # TP's columns, FSDP's rows
+    for layout in (hsdp, both, tp):
+        assert float(layout.rsplit("=", 1)[1]) < 1e-6  # one process's weights
+
+
+def test_tp_gradients_shows_partial_sums_clipping_across_meshes_and_implicit_replication(executed):
+    text = _text_outputs(executed["tp_gradients"])
+    lines = text.splitlines()
+
+    def numbers(prefix):
+        return _numbers_after(lines, prefix)
+
+    # TP alone: each rank's to_local() of a norm's gradient is one term; the 4 sum to one process's
+    assert "blocks.0.ln_1.weight.grad: (Partial(sum),); parameters with a partial gradient: 8" in text
+    largest = float(text.split("the gradient's largest entry: ")[1].split(")")[0])
+    # each rank misses the gradient (the glued smallest miss) by a sizeable part of its largest entry (glued)
+    assert all(numbers(f"rank {r}: to_local()")[-1] >= 0.2 * largest for r in range(4))
+    assert numbers("the 4 ranks' to_local() summed")[0] < 1e-3 * largest
+    assert "step, left partial   (dim, kind, n, bytes): [('tp', 'all-reduce', 24," in text
+    assert "reducing once        (dim, kind, n, bytes): [('tp', 'all-reduce', 8," in text
+    assert "step, reduced        (dim, kind, n, bytes): no collective" in text
+    assert _glued(executed["tp_gradients"]).keys() >= {
         "tp_partial_miss",
         "tp_grad_largest",
         "tp_partial_params",
         "tp_partial_step_reduces",
         "tp_partial_once_reduces",
-        "tp_trap_gathers",
-        "tp_emb_reduce_bytes",
-        "tp_logits_gather_bytes",
-        "tp_logits_bytes",
-        "tp_extra_gather_bytes",
-        "tp_hidden_reduce_bytes",
-        "tp_lp_reduce_bytes",
     }
-    # GQA: heads and KV heads must each divide by the TP degree
-    gqa = {tuple(line.split()[:2]): line for line in lines if re.match(r"\s+\d+\s+\d+\s+\(", line)}
-    assert "runs; output vs unsharded" in gqa[("4", "2")] and "runs; output vs unsharded" in gqa[("6", "2")]
-    assert all(float(gqa[h].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
-    assert "(4, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64" in gqa[("4", "1")]
-    assert "(12, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid" in gqa[("6", "3")]
     assert (
         "clip_grad_norm_ on every parameter: RuntimeError: All operands in aten.stack.default must have the same mesh"
     ) in text
@@ -653,6 +625,86 @@ def test_tensor_parallel_shows_the_2d_layout_its_collectives_exactness_the_hsdp_
     assert mixed in next(line for line in lines if line.startswith("AdamW(foreach=True).step"))
     implicit_norm, implicit_one_norm, implicit_difference = numbers("under implicit_replication(): total norm")
     assert abs(implicit_norm - one_norm) < 1e-6 and implicit_one_norm == one_norm and implicit_difference < 1e-4
+
+
+def test_loss_parallel_splits_the_edge_layers_by_vocabulary_and_never_gathers_the_logits(executed):
+    text = _text_outputs(executed["loss_parallel"])
+    lines = text.splitlines()
+
+    def numbers(prefix):
+        return _numbers_after(lines, prefix)
+
+    # the embedding and output layer plans (a Table): layouts, collectives, and the unsharded module's output
+    names = (
+        "embedding, vocabulary-split",
+        "embedding, vocabulary-split, output along the sequence",
+        "embedding, dimension-split",
+        "output layer, logits gathered",
+        "output layer, logits left split",
+    )
+    # a row: its plan's name, then at least two spaces (a longer name goes on with ", ")
+    found = {name: re.search(rf"^{re.escape(name)} {{2,}}(.*)$", text, re.M) for name in names}
+    assert all(found.values()), found
+    edge = {name: row[1] for name, row in found.items()}
+    edge["same, output along the sequence"] = edge.pop("embedding, vocabulary-split, output along the sequence")
+    assert re.search(
+        r"\(128, 32\) Shard\(dim=0\)\s+\(4, 16, 32\) Tensor\s+all-reduce 1 8192", edge["embedding, vocabulary-split"]
+    )
+    assert re.search(r"\(4, 8, 32\) Tensor\s+reduce-scatter 1 8192", edge["same, output along the sequence"])
+    assert re.search(r"\(256, 16\) Shard\(dim=1\)\s+\(4, 16, 16\) Tensor\s+none", edge["embedding, dimension-split"])
+    assert re.search(r"\(4, 16, 256\) Tensor\s+all-gather 1 65536", edge["output layer, logits gathered"])
+    assert re.search(r"\(4, 16, 128\) Shard\(dim=2\)\s+none", edge["output layer, logits left split"])
+    assert len(edge) == 5 and all(float(row.split()[-1]) < 1e-6 for row in edge.values())
+    # loss parallel: a quarter of the logits per rank, never gathered; one process's loss and gradients
+    one_loss = numbers("one process on the global batch: loss")[0]
+    plans = {
+        name: numbers(name)
+        for name in (
+            "TP alone, the blocks' plan",
+            "TP alone, logits gathered",
+            "TP alone, loss parallel",
+            "FSDP x TP, loss parallel",
+        )
+    }
+    # held, full, gathers n, bytes, [reduces n, bytes], loss, grads
+    page, gathered, parallel, with_fsdp = plans.values()
+    assert page[:2] == gathered[:2] == [131072, 131072] and parallel[:2] == [32768, 131072]
+    assert with_fsdp[:2] == [32768, 65536]
+    assert gathered[2:4] == [page[2] + 1, page[3] + 131072] and parallel[2:4] == page[2:4]  # no logits all-gather
+    assert gathered[4:6] == [2, 2 * 16384]  # the embedding's output, the output layer's input gradient
+    assert parallel[4:6] == [gathered[4] + 3, gathered[5] + 3 * 512]  # 3 all-reduces of one float per token
+    for row in plans.values():
+        assert abs(row[-2] - one_loss) < 2e-6 and row[-1] < 1e-6
+    assert text.count("untied by the plans, tied again: True") == 3
+    assert re.search(r"^plan\s+logits on a rank / full \(bytes\)\s+tp all-gathers", text, re.M)  # the Table's header
+    assert _glued(executed["loss_parallel"]).keys() >= {
+        "tp_emb_reduce_bytes",
+        "tp_logits_gather_bytes",
+        "tp_logits_bytes",
+        "tp_extra_gather_bytes",
+        "tp_hidden_reduce_bytes",
+        "tp_lp_reduce_bytes",
+    }
+
+
+def test_tp_attention_needs_heads_that_divide_and_says_context_parallelism_does_not_run_on_the_cpu(executed):
+    text = _text_outputs(executed["tp_attention"])
+    lines = text.splitlines()
+    # GQA: heads and KV heads must each divide by the TP degree
+    gqa = {tuple(line.split()[:2]): line for line in lines if re.match(r"\s+\d+\s+\d+\s+\(", line)}
+    assert "runs; output vs unsharded" in gqa[("4", "2")] and "runs; output vs unsharded" in gqa[("6", "2")]
+    assert all(float(gqa[h].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
+    assert "(4, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64" in gqa[("4", "1")]
+    assert "(12, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid" in gqa[("6", "3")]
+    # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
+    assert (
+        "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+        "does not have a sharding strategy registered"
+    ) in text
+
+
+def test_tp_checkpoints_loads_a_2d_checkpoint_on_a_1d_mesh_and_exports_it_exactly(executed):
+    text = _text_outputs(executed["tp_checkpoints"])
     assert "exported file into a plain GPT: <All keys matched successfully>" in text
     assert "step 2; 1D parameters equal the 2D ones exactly: True" in text
     assert (

@@ -66,7 +66,7 @@ MAP = {
     "fully_shard(dp_mesh_dims=)": Entry(
         "2.12",
         "Names the data-parallel dims of a full SPMD mesh whose parameters are already DTensors.",
-        page="tensor_parallel",
+        page="tp_exactness",
     ),
     "FSDPModule": Entry(
         "2.9", "The class fully_shard mixes into a sharded module; it carries the methods below.", "enable_wrap"
@@ -204,11 +204,11 @@ MAP = {
         "2.9", "Waits for that all-gather and registers the gathered parameters.", "fsdp2_controls"
     ),
     "DataParallelMeshDims": Entry(
-        "2.12", "Which named dims of a full mesh are the shard and the replicate dims.", page="tensor_parallel"
+        "2.12", "Which named dims of a full mesh are the shard and the replicate dims.", page="tp_exactness"
     ),
-    "DataParallelMeshDims.shard": Entry("2.12", "The mesh dim name(s) FSDP shards over.", page="tensor_parallel"),
+    "DataParallelMeshDims.shard": Entry("2.12", "The mesh dim name(s) FSDP shards over.", page="tp_exactness"),
     "DataParallelMeshDims.replicate": Entry(
-        "2.12", "The mesh dim name(s) replicated over (HSDP).", page="tensor_parallel"
+        "2.12", "The mesh dim name(s) replicated over (HSDP).", page="tp_exactness"
     ),
     "register_fsdp_forward_method": Entry(
         "2.9",

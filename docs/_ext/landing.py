@@ -96,7 +96,24 @@ GROUPS = {
         {
             "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
             "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
-            "tensor_parallel": ("Tensor parallelism", "FSDP and TP on a 2-D mesh, and HSDP."),
+            "tensor_parallel": (
+                "Tensor parallelism",
+                "FSDP and TP on a 2-D mesh: the plan, and each step's collectives.",
+            ),
+            "tp_exactness": ("2-D equals one process", "FSDP x TP trains as one process; a 2-D mesh alone is HSDP."),
+            "tp_gradients": (
+                "A TP model's gradients",
+                "Partial sums, clipping across two meshes, implicit replication.",
+            ),
+            "loss_parallel": (
+                "Loss parallel",
+                "Embedding and output layer split by vocabulary; logits never gathered.",
+            ),
+            "tp_attention": ("Attention under TP", "GQA heads that divide the TP degree; context parallel, GPU only."),
+            "tp_checkpoints": (
+                "2-D checkpoints",
+                "A 2 x 2 run's DCP checkpoint loaded on 2 ranks, exported to one file.",
+            ),
             "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
             "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
             "uneven_experts": ("Uneven experts", "The load, experts a rank never calls, fewer experts than ranks."),
