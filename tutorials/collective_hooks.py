@@ -380,7 +380,7 @@ for hook in (False, True):
 # reduction: FSDP averages only over its own group, so a hook that summed over 2 replicas
 # would leave gradients twice the mean. It runs on FSDP's all-reduce stream, or the
 # `stream=` passed, on a GPU (per the docstring). Native HSDP is on the
-# {ref}`tensor parallelism page <tutorial-tensor-parallel>`.
+# {ref}`2D exactness page <tp-hsdp-trap>`.
 #
 # ## The divide factor's old name
 #
