@@ -499,6 +499,8 @@ def _numbers_after(lines, prefix):
 
 def test_tensor_parallel_shows_the_2d_layout_and_the_collectives_of_one_step_per_mesh_dimension(executed):
     text = _text_outputs(executed["tensor_parallel"])
+    drawn = next(c for c in executed["tensor_parallel"].cells if "def owners(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the layouts, drawn once
     lines = text.splitlines()
 
     def numbers(prefix):

@@ -230,6 +230,41 @@ for rank, table in enumerate(tables):
         f"{holds['blocks.0.attn.proj.weight']:>17} {holds['blocks.0.ln_1.weight']:>12} {holds['tok_emb.weight']:>15}"
     )
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Two 32 by 32 weights coloured by the rank that holds each part: attn.q.weight in four bands of 8 rows, held in the order rank 0, 2, 1, 3 from the top (each dp rank's rows interleaved, a strided shard), and attn.proj.weight in four quarters, one per rank."}}
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def owners(name, shape=(32, 32)):
+    """Which rank holds each element of the weight, from the slices each rank's table names."""
+    grid = np.full(shape, -1)
+    for rank, table in enumerate(tables):
+        holds = next(row.holds for row in table if row.name == name)
+        rows, cols = (holds.strip("[]").split(", ") + [":"])[:2]
+        rows = slice(*(int(x) for x in rows.split(":")))
+        cols = slice(*(int(x) for x in cols.split(":"))) if cols != ":" else slice(None)
+        grid[rows, cols] = rank
+    return grid
+
+
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+for ax, name in zip(axes, ["blocks.0.attn.q.weight", "blocks.0.attn.proj.weight"]):
+    grid = owners(name)
+    ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8)
+    for rank in range(len(tables)):
+        rows, cols = np.nonzero(grid == rank)
+        for block in np.split(np.unique(rows), np.nonzero(np.diff(np.unique(rows)) > 1)[0] + 1):
+            ax.text(
+                cols.mean(),
+                block.mean(),
+                f"rank {rank}\n(dp {rank // 2}, tp {rank % 2})",
+                ha="center",
+                va="center",
+                fontsize=7,
+            )
+    ax.set(title=name.removeprefix("blocks.0."), xlabel="dim 1", ylabel="dim 0 (rows)")
+fig.tight_layout()
+
 # %% [markdown]
 # - `attn.q.weight` (32 x 32, output features by rows) is split by TP into rows 0:16 (tp
 #   rank 0) and 16:32 (tp rank 1); FSDP then splits *each TP shard's* rows over `dp`:
