@@ -205,6 +205,17 @@ def _uneven_eval_like_one_process(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # every example once; NaN fails the comparison
 
 
+def _ema_on_shards_like_one_process(out: str) -> None:
+    found = re.search(
+        r"EMA on the shards of 2 ranks, 8 steps: (\d+) collectives in the updates; vs 1 process's EMA: "
+        r"max \|difference\| = (\S+) \(the EMA is (\S+) from the trained weights\)",
+        out,
+    )
+    assert found and found[1] == "0", out  # the updates ran no collective
+    assert float(found[2]) <= 1e-6, out  # one process's EMA; NaN fails the comparison
+    assert float(found[3]) > 1e-3, out  # an average that lags the weights, not a copy of them
+
+
 def _hang_named(out: str) -> None:
     found = re.search(r"hang caught as \w+: rank 0 in #(\d+) ALLREDUCE, rank 1 in #(\d+) _ALLGATHER_BASE", out)
     assert found and found[1] == found[2], out  # both ranks' collectives, at the same position
@@ -458,6 +469,7 @@ CLAIMS = {
     "cluster": (4, _hsdp),
     "pipeline": (4, _pipeline),
     "beyond_the_step": (2, _uneven_eval_like_one_process),
+    "ema_and_teacher": (2, _ema_on_shards_like_one_process),
     "debugging_hangs": (2, _hang_named),
     "communication": (2, _step_bytes_against_parameters),
     "collective_hooks": (2, _summing_reduce_scatter),

@@ -83,7 +83,11 @@ GROUPS = {
         {
             "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
             "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
-            "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
+            "beyond_the_step": (
+                "Evaluation and generation",
+                "Evaluate under no_grad, count an uneven eval set once, generate token by token.",
+            ),
+            "ema_and_teacher": ("An EMA and a frozen teacher", "A second copy of the weights, kept on the shards."),
             "fsdp_config": (
                 "A config dictionary",
                 "A Composer-style fsdp_config: each strategy and precision preset run.",
