@@ -344,10 +344,9 @@ print(
 # (pitfalls-script)=
 # ## The script to copy
 #
-# This page's first lesson for a training script as a plain torchrun script, with torch alone: {download}`scripts/pitfalls.py`.
-# It avoids the pitfall a training script meets first,
-# {ref}`the second <pitfalls-optimizer-after-sharding>`: it builds the optimizer after `fully_shard`
-# and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
+# The lesson a training script meets first, {ref}`the second <pitfalls-optimizer-after-sharding>`,
+# as a plain torchrun script with torch alone: {download}`scripts/pitfalls.py`. It builds the
+# optimizer after `fully_shard` and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
 # shards, then the largest difference of the losses from one process's. The tests run it on 2 CPU
 # ranks and check that all of them are shards and that the difference is at most 1e-5
 # (`tests/test_scripts.py`). The wrong way is {ref}`above <pitfalls-optimizer-after-sharding>`.
