@@ -137,6 +137,29 @@ def _optimizer_after_sharding(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
 
 
+def _outside_forward_like_one_process(out: str) -> None:
+    found = re.search(
+        r"FSDP2 on 2 ranks vs 1 process, \d+ steps, rows renormed on to_local\(\): "
+        r"largest row norm (\S+), max \|weight difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 0.5 + 1e-6 and float(found[2]) <= 1e-5, out  # NaN fails the comparisons
+    assert "registered generate: the same tokens as one process: True" in out, out
+    # the assigned Parameter is lost at the next forward, the in-place copy into the shard kept
+    assert "bias edit kept at the next forward: new Parameter False, copy_ into the shard True" in out, out
+
+
+def _checkpoint_inside_like_one_process(out: str) -> None:
+    found = re.search(r"all-gathers in one step: (\d+) without checkpointing, (\d+) checkpointed inside each unit", out)
+    assert found and found[1] == found[2] != "0", out  # the recomputation inside the unit gathers nothing more
+    found = re.search(
+        r"checkpointed inside each unit, FSDP2 on 2 ranks vs 1 process, \d+ steps, loss (\S+) -> (\S+): "
+        r"max \|loss difference\| = (\S+)",
+        out,
+    )
+    assert found and float(found[2]) < float(found[1]) and float(found[3]) <= 1e-5, out  # it trained; NaN fails
+
+
 def _lora_like_one_process(out: str) -> None:
     found = re.search(r"LoRA: [\d,]+ of [\d,]+ parameters trainable, every one a shard: (\w+)", out)
     assert found and found[1] == "True", out  # the adapters train as shards, reduced across ranks
@@ -458,6 +481,8 @@ CLAIMS = {
     "weight_sync": (3, _engine_holds_trainer_weights),
     "fsdp_config": (2, _config_applied),
     "pitfalls": (2, _optimizer_after_sharding),
+    "outside_forward": (2, _outside_forward_like_one_process),
+    "checkpoint_placement": (2, _checkpoint_inside_like_one_process),
     "lora": (2, _lora_like_one_process),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "experts": (4, _experts_loss_difference),

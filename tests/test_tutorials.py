@@ -38,6 +38,7 @@ def _glued(notebook) -> dict:
 def test_every_tutorial_is_tested():
     assert [t.stem for t in TUTORIALS] == [
         "beyond_the_step",
+        "checkpoint_placement",
         "collective_hooks",
         "communication",
         "compile",
@@ -64,6 +65,7 @@ def test_every_tutorial_is_tested():
         "memory",
         "migration",
         "mixed_precision",
+        "outside_forward",
         "pipeline",
         "pitfalls",
         "placements",
@@ -1010,7 +1012,7 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     }
 
 
-def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
+def test_pitfalls_tutorial_shows_each_wrong_way_of_the_step_failing_and_the_fix(executed):
     text = _text_outputs(executed["pitfalls"])
     assert "optimizer built before sharding: losses [1.15356, 1.15356, 1.15356]" in text
     orders = {
@@ -1024,6 +1026,24 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
         "['DTensor']" in orders["optimizer, then forward"]
         and "[1.15356, 1.15356" not in orders["optimizer, then forward"]
     )
+    rows = {
+        tuple(line.split()[:2]): line.split(maxsplit=2)[2]
+        for line in text.splitlines()
+        if line.startswith(("AdamW ", "Adafactor ", "Muon "))
+    }
+    assert rows[("AdamW", "FSDP2")] == rows[("AdamW", "FSDP1")] == "0.0e+00"  # pointwise: exactly DDP
+    assert rows[("Adafactor", "FSDP2")].startswith("RuntimeError") and float(rows[("Adafactor", "FSDP1")]) > 1e-3
+    assert float(rows[("Muon", "FSDP2")]) > 1e-4 and rows[("Muon", "FSDP1")].startswith(
+        "ValueError: Muon only supports 2D"
+    )
+    in_float32 = float(
+        next(ln for ln in text.splitlines() if ln.startswith("Muon, FSDP2, iterating in float32")).split()[-1]
+    )
+    assert in_float32 < 1e-6  # the Muon difference is bfloat16 rounding, nothing else
+
+
+def test_outside_forward_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
+    text = _text_outputs(executed["outside_forward"])
     strategy = {
         line[:18].strip(): line[18:]
         for line in text.splitlines()
@@ -1038,25 +1058,15 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert "unregistered: RuntimeError: aten.addmm.default got mixed torch.Tensor and DTensor" in text
     assert "registered:   [1, 1]" in text
     assert "summon_full_params:     the next forward sees [1.0, 1.0, 1.0, 1.0]" in text
-    rows = {
-        tuple(line.split()[:2]): line.split(maxsplit=2)[2]
-        for line in text.splitlines()
-        if line.startswith(("AdamW ", "Adafactor ", "Muon "))
-    }
-    assert rows[("AdamW", "FSDP2")] == rows[("AdamW", "FSDP1")] == "0.0e+00"  # pointwise: exactly DDP
-    assert rows[("Adafactor", "FSDP2")].startswith("RuntimeError") and float(rows[("Adafactor", "FSDP1")]) > 1e-3
+
+
+def test_checkpoint_placement_tutorial_counts_the_gathers_of_each_placement(executed):
+    text = _text_outputs(executed["checkpoint_placement"])
     # reentrant checkpointing on an input that needs no grad: no graph; the non-reentrant one trains
     reentrant = text.split("\nreentrant:\n", 1)[1].split("\nno_reentrant:\n", 1)
     assert "UserWarning: None of the inputs have requires_grad=True" in reentrant[0]
     assert "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn" in reentrant[0]
     assert reentrant[1].lstrip().startswith("trained: 6 gradients")
-    assert float(rows[("Muon", "FSDP2")]) > 1e-4 and rows[("Muon", "FSDP1")].startswith(
-        "ValueError: Muon only supports 2D"
-    )
-    in_float32 = float(
-        next(ln for ln in text.splitlines() if ln.startswith("Muon, FSDP2, iterating in float32")).split()[-1]
-    )
-    assert in_float32 < 1e-6  # the Muon difference is bfloat16 rounding, nothing else
     gathers = {
         tuple(line.split()[:3]): line.split()[-3:]
         for line in text.splitlines()
@@ -1071,7 +1081,7 @@ def test_pitfalls_tutorial_shows_each_wrong_way_failing_and_the_fix(executed):
     assert count[("FSDP1", "no_reentrant", "whole-model")] > count[("FSDP1", "no_reentrant", "inside")]
     assert len({n for (api, _, _), n in count.items() if api == "FSDP2"}) == 1
     assert all(count[(api, impl, "inside")] <= n for (api, impl, _), n in count.items())
-    assert _glued(executed["pitfalls"]).keys() >= {
+    assert _glued(executed["checkpoint_placement"]).keys() >= {
         "fsdp1_reentrant_around",
         "fsdp1_reentrant_inside",
         "fsdp1_whole_model",

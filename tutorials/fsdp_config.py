@@ -106,7 +106,7 @@ for api, config in (
 # `min_params` is 1e8, so no module is a unit by size: the blocks are units because
 # `fsdp_wrap_fn` says so, and the head stays in the root unit. With
 # `activation_checkpointing` on, each unit is checkpointed *inside* its FSDP wrapper
-# (the order the {ref}`pitfalls tutorial <tutorial-pitfalls>` shows is cheaper).
+# (the order the {ref}`checkpointing tutorial <tutorial-checkpoint-placement>` shows is cheaper).
 # `DEFAULT` computes in bfloat16 and reduces gradients in float32; `precision: "auto"`
 # (the default) picks bfloat16 on any CPU (torch computes bfloat16 on every CPU: natively
 # with the AVX512-BF16 or AMX instructions, otherwise emulated) and on CUDA GPUs of

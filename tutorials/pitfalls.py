@@ -13,18 +13,20 @@
 
 # %% [markdown]
 # (tutorial-pitfalls)=
-# # Pitfalls: the wrong way failing, the right way working
+# # The step on shards: clipping, the optimizer, and which optimizers
 #
-# **What you will learn**: seven mistakes FSDP users keep making, each shown failing and
-# then fixed, on FSDP2 and, where it differs, FSDP1:
+# **What you will learn**: under FSDP each rank's optimizer steps a shard of every
+# parameter, and three mistakes follow from forgetting it, each shown failing and then
+# fixed, on FSDP2 and, where it differs, FSDP1:
 #
 # 1. clipping gradients by a shard's norm instead of the global norm;
 # 2. building the optimizer before sharding, or after a forward;
-# 3. calling a method other than `forward` on an FSDP2 module;
-# 4. editing weights outside forward and backward;
-# 5. expecting DDP's results from an optimizer that is not pointwise;
-# 6. putting activation checkpointing around an FSDP unit instead of inside it;
-# 7. running code on DTensors that DTensor has no sharding strategy for.
+# 3. expecting DDP's results from an optimizer that is not pointwise.
+#
+# Code that touches a sharded model outside forward and backward (other methods, edited
+# weights, operations DTensor has no strategy for) is {ref}`its own page
+# <tutorial-outside-forward>`, and where activation checkpointing goes
+# {ref}`another <tutorial-checkpoint-placement>`.
 #
 # **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): each rank computes on
@@ -35,7 +37,6 @@
 # Its idea as a plain torchrun script to copy: {ref}`pitfalls-script` ({download}`download <scripts/pitfalls.py>`).
 
 # %%
-import itertools
 import sys
 
 import torch
@@ -47,11 +48,9 @@ import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from fsdp_guide import launch, summon_full_params
-from fsdp_guide.compare import largest_difference
+from fsdp_guide import launch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.debug import CommDebugMode
 
 
 def make_model():
@@ -224,106 +223,8 @@ for order, (kinds, losses) in zip(
 
 
 # %% [markdown]
-# ## 3. Methods other than `forward` on FSDP2 modules
-#
-# FSDP2 gathers a unit's parameters in hooks around `forward`. A method such as
-# `generate` that calls submodules directly skips those hooks for the root, so it meets
-# sharded `DTensor` parameters and fails. `register_fsdp_forward_method` gives the method
-# the same hooks.
-
-# %%
-from torch.distributed.fsdp import register_fsdp_forward_method
-
-
-class Generator(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.embed(x)))
-
-    def generate(self, x):
-        return self.out(torch.tanh(self.embed(x))).argmax(-1)
-
-
-def call_generate(register):
-    device = fsdp_guide.device()
-    model = fully_shard(Generator())
-    if register:
-        register_fsdp_forward_method(model, "generate")
-    logits = []  # what `out` computes inside generate, as CPU tensors
-
-    def record_logits(module, args, output):
-        logits.append(output.detach().cpu())
-
-    model.out.register_forward_hook(record_logits)
-    try:
-        return model.generate(torch.ones(2, 4).to(device)).tolist(), logits[0]
-    except RuntimeError as err:
-        return f"RuntimeError: {str(err).splitlines()[0]}", None  # the line that names the cause
-
-
-(unregistered, _), (registered, logits) = launch(
-    lambda: [call_generate(register) for register in (False, True)], output="none"
-)[0]
-one_process = Generator()
-print("unregistered:", unregistered)
-print("registered:  ", registered)
-print("one process: ", one_process.generate(torch.ones(2, 4)).tolist())
-print(
-    "registered vs one process, max |logit difference|: "
-    f"{(logits - one_process(torch.ones(2, 4))).abs().max().item():.1e}"
-)
-
-# %% [markdown]
-# ## 4. Editing weights outside forward and backward
-#
-# After its first forward, FSDP2 holds its own references to each unit's sharded
-# parameters and registers them on the module at every forward (`FSDPParam.to_unsharded`
-# and `to_sharded` in `torch/distributed/fsdp/_fully_shard/_fsdp_param.py` set the
-# module's attribute). Assigning a new `nn.Parameter` to `layer.bias` is therefore undone
-# by the next forward: it sees the bias from before the edit, and the edit is lost,
-# silently. (FSDP1 is worse: outside forward its `layer.weight` is a view whose
-# storage has been freed, as the {ref}`state tutorial <tutorial-state-attributes>`
-# shows.) `summon_full_params` edits the full tensor and writes it back into the shards.
-
-
-# %%
-def edit_bias(use_summon):
-    device = fsdp_guide.device()
-    model = shard_each_linear(make_model())
-    model(torch.ones(2, 8).to(device))  # a first forward: FSDP2 has initialised itself
-    if use_summon:
-        with summon_full_params(model), torch.no_grad():
-            model[0].bias.fill_(1.0)
-    else:
-        model[0].bias = nn.Parameter(torch.ones(16, device=device))  # a full new parameter
-    seen = []
-
-    def record_bias(module, args):
-        seen.append(module.bias[:4].tolist())
-
-    model[0].register_forward_pre_hook(record_bias)
-    model(torch.ones(2, 8).to(device))
-    return seen[0]
-
-
-assigned, summoned = launch(lambda: [edit_bias(summon) for summon in (False, True)], output="none")[
-    0
-]
-print(
-    "the bias before the edit (one process):      ",
-    [round(v, 4) for v in make_model()[0].bias[:4].tolist()],
-)
-print("new Parameter assigned: the next forward sees", [round(v, 4) for v in assigned])
-print("summon_full_params:     the next forward sees", summoned)
-
-# %% [markdown]
 # (pitfalls-pointwise-optimizers)=
-# ## 5. Only pointwise optimizers give DDP's results
+# ## 3. Only pointwise optimizers give DDP's results
 #
 # DDP keeps every parameter whole on every rank; FSDP gives each rank a shard. An
 # optimizer whose update for an element depends only on that element's own gradient and
@@ -438,266 +339,14 @@ print(
 # optimizer against DDP on a small model before a long run: it must either work on
 # DTensors through DTensor operations (as Muon does here), or gather what it needs
 # itself.
-#
-# (pitfalls-checkpoint-inside-unit)=
-# ## 6. Activation checkpointing goes inside the FSDP unit
-#
-# Activation checkpointing drops a block's activations in forward and recomputes them in
-# backward. Apply it *inside* the FSDP unit, `FSDP(checkpoint_wrapper(block))` or
-# `fully_shard(checkpoint_wrapper(block))`, so the recomputation runs while FSDP has the
-# unit's parameters gathered for its backward. Wrapped *around* the unit (or around the
-# whole model), the recomputation runs the unit's forward again. The cell counts the
-# collectives in one forward and backward of three units for every arrangement, with
-# torch's two checkpoint implementations, and checks the weights after one SGD step
-# against one process:
-
-# %%
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    checkpoint_wrapper,
-)
-
-
-def make_blocks():
-    torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
-
-
-def one_sgd_step(model, x):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with CommDebugMode() as comm:
-        model(x).square().mean().backward()
-    optimizer.step()
-    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-    return counts, model
-
-
-PLACEMENTS = ("inside", "around", "whole-model")  # the last: one checkpoint around it all
-
-
-def checkpointed(wrap, impl, where):
-    """Three blocks, each an FSDP unit made by `wrap`, checkpointed at `where`."""
-
-    def checkpoint(module):
-        return checkpoint_wrapper(module, checkpoint_impl=impl)
-
-    model = make_blocks()
-    for i, block in enumerate(model):
-        if where == "inside":
-            model[i] = wrap(checkpoint(block))
-        elif where == "around":
-            model[i] = checkpoint(wrap(block))
-        else:
-            model[i] = wrap(block)
-    model = wrap(model)
-    return checkpoint(model) if where == "whole-model" else model
-
-
-def compare_checkpoint_placements():
-    device = fsdp_guide.device()
-    # requires_grad: reentrant checkpointing only records a graph for inputs that need one
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
-    _, reference = one_sgd_step(make_blocks().to(device), x)  # one process, the whole batch
-    wraps = {
-        "FSDP1": lambda m: FSDP(m, device_id=device, use_orig_params=True),
-        "FSDP2": fully_shard,
-    }
-    rows = []
-    for api, impl, where in itertools.product(wraps, CheckpointImpl, PLACEMENTS):
-        counts, model = one_sgd_step(checkpointed(wraps[api], impl, where), my_slice(x))
-        # every c10d all-gather op
-        all_gathers = sum(n for op, n in counts.items() if "allgather" in op)
-        error = (full_weights(model) - full_weights(reference)).abs().max().item()
-        reduce_scatters = counts["_reduce_scatter_base_"]
-        rows.append((api, impl.name.lower(), where, all_gathers, reduce_scatters, error))
-    return rows
-
-
-print(
-    f"{'':6} {'checkpoint':12} {'placement':12} all-gathers  reduce-scatters  max |w - 1 process|"
-)
-rows = launch(compare_checkpoint_placements, output="none")[0]
-for api, impl, where, gathers, scatters, error in rows:
-    print(f"{api:6} {impl:12} {where:12} {gathers:11}  {scatters:15}  {error:.1e}")
-
-from myst_nb import glue  # the counts the text below quotes, from this table
-
-all_gathers = {(api, impl, where): gathers for api, impl, where, gathers, _, _ in rows}
-glue("fsdp1_reentrant_around", all_gathers["FSDP1", "reentrant", "around"], display=False)
-glue("fsdp1_reentrant_inside", all_gathers["FSDP1", "reentrant", "inside"], display=False)
-glue("fsdp1_whole_model", all_gathers["FSDP1", "no_reentrant", "whole-model"], display=False)
-fsdp2_counts = {n for (api, _, _), n in all_gathers.items() if api == "FSDP2"}
-assert len(fsdp2_counts) == 1, fsdp2_counts  # the prose: the same in every arrangement
-glue("fsdp2_all_gathers", fsdp2_counts.pop(), display=False)
-
-# %% [markdown]
-# The counts below are this run's, glued from the table by myst-nb's `glue` (JupyterLab does
-# not render glue's roles: read them in the table).
-#
-# Every arrangement trains correctly, but not at the same cost. With FSDP1 and the
-# reentrant implementation (`torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`,
-# still common in older code) around each unit, the recomputation all-gathers every unit
-# a second time: {glue:text}`fsdp1_reentrant_around` all-gathers instead of {glue:text}`fsdp1_reentrant_inside`, half as much parameter traffic again. Around
-# the whole model, even the non-reentrant one makes {glue:text}`fsdp1_whole_model`. FSDP2 recognises the recomputation:
-# `FSDPState._pre_forward` (`torch/distributed/fsdp/_fully_shard/_fsdp_state.py`) returns
-# early while the unit is in `TrainingState.PRE_BACKWARD`, all-gathering only a unit that
-# is not already unsharded, so on this torch it makes {glue:text}`fsdp2_all_gathers` in every arrangement. Inside the
-# unit never makes more all-gathers than any other arrangement, on either API: checkpoint
-# each block, then shard it.
-#
-# The `UserWarning`s printed with the table (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
-# entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
-# in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
-# module's output through an identity autograd function (`BackwardHook` in
-# `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
-# and warns. With an input that needs no gradient (not this cell's), the hook also warns
-# that it fires with respect to the module's outputs (`BackwardHook` takes that branch
-# when no input requires grad); {ref}`cluster`'s HSDP cell shows it.
-#
-# (pitfalls-reentrant-frozen-input)=
-# The cell above makes its input require a gradient, because the reentrant implementation
-# needs one: it records a graph only when an input of the checkpointed call requires
-# grad. When every block is checkpointed and nothing before them trains (a frozen
-# embedding under LoRA, or a plain input), the loss has no graph at all:
-
-# %%
-import traceback
-import warnings
-
-
-def checkpointed_blocks_on_a_frozen_input(impl):
-    device = fsdp_guide.device()
-    model = make_blocks().to(device)
-    for i, block in enumerate(model):
-        model[i] = fully_shard(checkpoint_wrapper(block, checkpoint_impl=impl))
-    fully_shard(model)
-    # needs no grad
-    x = my_slice(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).to(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            model(x).square().mean().backward()
-            outcome = f"trained: {sum(p.grad is not None for p in model.parameters())} gradients"
-        except RuntimeError as error:
-            outcome = "".join(traceback.format_exception_only(error)).strip()
-    return outcome, sorted(
-        {f"{w.category.__name__}: {w.message}" for w in caught if "requires_grad" in str(w.message)}
-    )
-
-
-def both_implementations():
-    return {
-        impl.name.lower(): checkpointed_blocks_on_a_frozen_input(impl) for impl in CheckpointImpl
-    }
-
-
-for impl, (outcome, said) in launch(both_implementations, output="none")[0].items():
-    print(f"{impl}:", *said, outcome, sep="\n    ")
-
-# %% [markdown]
-# The reentrant implementation warns that no input requires grad, and the backward then
-# finds a loss with no graph. The non-reentrant one (`use_reentrant=False`, which torch
-# recommends: `torch.utils.checkpoint.checkpoint` still falls back to the reentrant one,
-# with a warning, when it is not passed) records the parameters' graph whatever the input.
-# transformers 5.24's `activation_checkpointing_enable()` (the new name of
-# `gradient_checkpointing_enable`, which it deprecates) does both by default: it passes
-# `use_reentrant=False` and, for a model that takes `input_ids` or carries PEFT adapters,
-# calls `enable_input_require_grads()`, which makes the embedding's output require grad
-# (`PreTrainedModel._activation_checkpointing_enable` in `transformers/modeling_utils.py`).
-
-# %% [markdown]
-# ## 7. Code on DTensors with no sharding strategy
-#
-# Under FSDP2 every parameter, gradient and optimizer moment is a `DTensor`, and each
-# operation on one needs a sharding strategy: a rule for which input placements it
-# accepts and what it returns. Most operations have one; code an optimizer or a training
-# loop adds can meet one without. Below, a max-norm constraint that rescales each row of
-# each weight to a norm of at most 0.5 after every step, `weight.renorm(2, 0, 0.5)`. The two
-# ways out: apply it to the rank's own shard (`to_local()`), which is right for
-# elementwise code and for code that works on whole rows, since FSDP shards dimension 0
-# (by default: not with `shard_placement_fn`, nor under tensor parallelism);
-# or tell DTensor which placements the operation accepts with `register_sharding`. Each
-# trains 3 steps against one process:
-
-# %%
-MAX_ROW_NORM = 0.5
-
-
-def renorm_sharded_rows(x, p, dim, maxnorm):
-    """renorm's placements: each slice along `dim` is rescaled alone, so split along `dim` it stays on one rank."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    return [
-        ([Shard(dim)], [Shard(dim), None, None, None]),
-        ([Replicate()], [Replicate(), None, None, None]),
-    ]
-
-
-def train_with_row_max_norm(how):
-    device = fsdp_guide.device()
-    model = make_model().to(device)
-    if how != "one process":
-        shard_each_linear(model)
-    if how == "register_sharding":
-        from torch.distributed.tensor.experimental import register_sharding
-        from torch.ops import aten
-
-        register_sharding(aten.renorm.default)(renorm_sharded_rows)  # in this process only
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    x, y = batch()
-    x, y = x.to(device), y.to(device)
-    if how != "one process":
-        x, y = my_slice(x), my_slice(y)
-    for _ in range(3):
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for weight in (model[0].weight, model[2].weight):
-                if how == "to_local()":  # the rank's rows: FSDP shards dimension 0
-                    weight.to_local().copy_(weight.to_local().renorm(2, 0, MAX_ROW_NORM))
-                else:  # one process, the DTensor as it is, or with the strategy registered
-                    weight.copy_(weight.renorm(2, 0, MAX_ROW_NORM))
-    return [
-        (w.full_tensor() if how != "one process" else w).detach().cpu()
-        for w in (model[0].weight, model[2].weight)
-    ]
-
-
-alone = launch(train_with_row_max_norm, "one process", world_size=1, output="none")[0]
-for how in ("on the DTensor", "to_local()", "register_sharding"):
-    try:
-        weights = launch(train_with_row_max_norm, how, world_size=2, output="none")[0]
-        error = largest_difference(zip(weights, alone))
-        largest = torch.stack([w.norm(dim=1).max() for w in weights]).max().item()  # a NaN shows
-        print(f"{how:18} largest row norm {largest:.3f}; max |weight - one process| = {error:.1e}")
-    # every rank raised it: the one that exited first is chance
-    except fsdp_guide.LaunchError as failure:
-        print(
-            f"{how:18} ranks {sorted(failure.failed)} raised {str(failure).splitlines()[0].split(' raised ', 1)[1]}"
-        )
-
-# %% [markdown]
-# On the DTensor the step fails with DTensor's message. On the rank's own rows it is
-# right, but only because renorm works row by row and every row is whole on one rank: an
-# operation that mixes rows (a norm over the whole matrix, as the first pitfall shows for
-# clipping) would compute on the shard alone. `register_sharding` says so once for
-# DTensor, which then runs the operation on each rank's shard when the placements match
-# and redistributes when they do not. The function it registers must be true for the
-# operation: DTensor uses the placements it returns as given (`_register_sharding.py`), so
-# a strategy that accepts a placement the operation cannot work on gives wrong numbers
-# without an error. `register_sharding` is experimental in torch 2.13 (its
-# docstring).
-
 
 # %% [markdown]
 # (pitfalls-script)=
 # ## The script to copy
 #
-# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/pitfalls.py`.
-# It avoids the pitfall a training script meets first,
-# {ref}`the second <pitfalls-optimizer-after-sharding>`: it builds the optimizer after `fully_shard`
-# and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
+# The lesson a training script meets first, {ref}`the second <pitfalls-optimizer-after-sharding>`,
+# as a plain torchrun script with torch alone: {download}`scripts/pitfalls.py`. It builds the
+# optimizer after `fully_shard` and before any forward. Rank 0 prints how many of the optimizer's parameters are `DTensor`
 # shards, then the largest difference of the losses from one process's. The tests run it on 2 CPU
 # ranks and check that all of them are shards and that the difference is at most 1e-5
 # (`tests/test_scripts.py`). The wrong way is {ref}`above <pitfalls-optimizer-after-sharding>`.
@@ -708,15 +357,11 @@ for how in ("on the DTensor", "to_local()", "register_sharding"):
 
 # %% [markdown]
 # (pitfalls-tips)=
-# ## The tips behind these
+# ## The tips behind this
 #
 # 1. {ref}`tip-clip-grad-norm`
 # 2. {ref}`tip-optimizer-after-sharding`
-# 3. {ref}`tip-fsdp-forward-method`
-# 4. {ref}`tip-edit-weights-summon`
-# 5. {ref}`tip-pointwise-optimizers`
-# 6. {ref}`tip-checkpoint-inside-unit`
-# 7. {ref}`tip-no-sharding-strategy`
+# 3. {ref}`tip-pointwise-optimizers`
 #
 # Why a rank holds only part of each tensor: {ref}`fsdp-how-it-works`.
 

@@ -39,7 +39,9 @@ GROUPS = {
         "Get it right",
         "The mistakes that train silently wrong, and the rules that avoid them.",
         {
-            "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
+            "pitfalls": ("The step on shards", "Clip by the global norm, the optimizer after sharding, pointwise."),
+            "outside_forward": ("Outside forward", "Other methods, edited weights and DTensor operations, done right."),
+            "checkpoint_placement": ("Checkpointing inside the unit", "Collectives counted for every placement."),
             "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
             "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
             "enable_wrap": (
