@@ -233,6 +233,8 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
 
 def test_debugging_hangs_shows_every_tool_on_the_uneven_batches_hang_and_the_fix(executed):
     text = _text_outputs(executed["debugging_hangs"])
+    drawn = next(c for c in executed["debugging_hangs"].cells if "def draw_waits(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # who waits for whom, drawn once
     lines = text.splitlines()
 
     def line(prefix):
