@@ -228,7 +228,7 @@ def _resumed_exactly(out: str) -> None:
 def _mfu_counted_right(out: str) -> None:
     ratio = re.search(r"^counted / formula: (\S+)$", out, re.M)
     assert ratio and 0.98 < float(ratio[1]) <= 1.0, out  # the formula, checked by torch's count
-    found = re.search(r"^peak (\S+) GFLOP/s per rank \(estimated: [^)]+\); MFU (\S+)$", out, re.M)
+    found = re.search(r"^peak (\S+) GFLOP/s per rank \((?:given|estimated: [^)]+)\); MFU (\S+)$", out, re.M)
     assert found and float(found[1]) > 0 and 0 < float(found[2]) <= 1, out  # a fraction; NaN fails
 
 

@@ -109,7 +109,7 @@ print("the iterator's whole state:", batches.state_dict())
 # but it holds every parameter in full on every rank at the same moment, which is what
 # sharding was for. Both, on each rank: each time `init_weights` runs, count the bytes of
 # the model's parameters that are full plain tensors at that moment (the gathered ones; the
-# others are still `DTensor` shards) (the harness that counts them is folded: click to show it):
+# others are still `DTensor` shards). The harness that counts them is folded; its output follows:
 
 # %% tags=["hide-input"]
 import fsdp_guide

@@ -228,10 +228,11 @@ glue("llm_mfu_right", ways["right: whole model, attention, dense peak"], display
 # A small GPT sharded with `fully_shard` trains a few steps, then times ten; its FLOPs per
 # token by the formula, 6N plus attention, are checked on rank 0 against `FlopCounterMode`'s
 # count of one forward and backward of an unsharded copy; the MFU is the achieved FLOP/s
-# over a peak, the accelerator's dense peak given with `--peak-tflops` or, without it, an
-# estimate from a timed matmul on each rank. The tests run this file under torchrun on 2 CPU
-# ranks and check that the count is within 2% of the formula and that the MFU is a finite
-# fraction between 0 and 1 (`tests/test_scripts.py`).
+# over a peak: the accelerator's dense peak for the dtype it computes in (fp32 here), given
+# with `--peak-tflops`, or without it an estimate from a timed matmul on each rank. The
+# tests run this file under torchrun on 2 CPU ranks and check that the count is within 2%
+# of the formula and that the MFU is a finite fraction between 0 and 1
+# (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/mfu.py
 # :language: python

@@ -2,13 +2,12 @@
 
     torchrun --nproc-per-node=2 llm_checkpoints.py
 
-A small GPT over bytes, sharded with FSDP2, trains 40 steps without stopping. Then a fresh run
-trains 20 steps and saves a checkpoint with torch.distributed.checkpoint (DCP): each rank writes
-its own shards of the model and of AdamW's state, with the step, which is also the position in the
-data stream (batch i depends only on i). A third model, initialised differently, loads that
-checkpoint and trains steps 21 to 40. Rank 0 prints whether those 20 losses equal the
-uninterrupted run's, compared with == (bit for bit; a NaN never equals itself). Needs torch alone;
-each rank computes on its accelerator (GPU) where there is one, else on the CPU (over gloo).
+A small GPT over bytes, sharded with FSDP2, trains 40 steps without stopping. A second run trains
+20, and saves with torch.distributed.checkpoint (DCP) each rank's shards of the model and of AdamW's
+state, and the step, which is the data position too (batch i depends on i alone). A third model,
+initialised otherwise, loads it and trains steps 21 to 40: rank 0 compares their losses with the
+first run's with == (bit for bit; a NaN never equals itself). Needs torch alone; each rank computes
+on its accelerator (GPU) where there is one, else on the CPU (over gloo).
 """
 
 import math

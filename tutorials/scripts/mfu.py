@@ -1,13 +1,13 @@
 """MFU as a torchrun script: a measured step's achieved FLOP/s over a peak, with FLOPs counted right.
 
     torchrun --nproc-per-node=2 mfu.py                      # the peak estimated from a timed matmul
-    torchrun --nproc-per-node=8 mfu.py --peak-tflops 989    # an H100 SXM's dense bf16 peak
+    torchrun --nproc-per-node=8 mfu.py --peak-tflops 67     # an H100 SXM's fp32 peak (it trains in fp32)
 
 MFU = tokens/s x FLOPs per token / (ranks x one's peak FLOP/s). FLOPs per token: 6 per matmul
 parameter of the whole model (not a rank's shard), plus attention's; rank 0 checks them against
-torch's FlopCounterMode. The peak: the datasheet's dense one (without sparsity), given, or what a
-matmul reaches on each rank. Needs torch alone; each rank computes on its accelerator (GPU) where
-there is one, else on the CPU (over gloo).
+torch's FlopCounterMode. The peak: the datasheet's dense one (without sparsity) for the dtype the
+run computes in, given, or else what a matmul reaches on each rank. Needs torch alone; each rank
+computes on its accelerator (GPU) where there is one, else on the CPU (over gloo).
 """
 
 import argparse
@@ -106,17 +106,15 @@ def main():
 
     torch.manual_seed(0)
     model = GPT().to(device)
-    if rank == 0:  # the formula against torch's count, on an unsharded copy, in this process
-        inputs, targets = batch(0, 0, 1)
-        per_token = flops_per_token(model)
+    per_token = flops_per_token(model)  # the whole model's: under FSDP, a DTensor's numel is whole
+    if rank == 0:  # the formula against torch's count of one forward and backward, unsharded
+        inputs, targets = (t.to(device) for t in batch(0, 0, 1))
         # the math attention kernel: the counter has no formula for the CPU's fused one
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-            logits = GPT().to(device)(inputs.to(device))  # an unsharded copy, forward and backward
-            F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten()).backward()
+            F.cross_entropy(GPT().to(device)(inputs).flatten(0, 1), targets.flatten()).backward()
         counted = counter.get_total_flops() / targets.numel()
         print(f"FLOPs per token: 6N + attention {per_token:,}; FlopCounterMode {counted:,.0f}")
         print(f"counted / formula: {counted / per_token:.4f}")
-    per_token = flops_per_token(model)  # before sharding; after, a DTensor's numel is still whole
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
