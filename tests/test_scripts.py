@@ -9,6 +9,7 @@ network namespace of its own (``fsdp_guide.isolation.loopback_only``).
 from __future__ import annotations
 
 import ast
+import math
 import os
 import re
 import subprocess
@@ -466,6 +467,27 @@ def _gqa_heads_divide(out: str) -> None:
     assert fails == [("4", "1"), ("6", "3")], out
 
 
+def _gpt_loss_falls(out: str) -> None:
+    losses = {int(step): float(loss) for step, loss in re.findall(r"^step +(\d+): loss (\S+)$", out, re.M)}
+    assert sorted(losses) == [1, 10, 20, 30, 40], out
+    assert all(math.isfinite(loss) for loss in losses.values()), out  # a NaN anywhere fails
+    assert abs(losses[1] - math.log(256)) < 0.3, out  # it starts at a uniform guess over bytes
+    assert losses[40] < losses[1] - 1, out  # and learns: more than a nat per byte lower
+
+
+def _resumed_exactly(out: str) -> None:
+    found = re.search(r"steps 21-40, resumed == without stopping: (\w+) \(20 losses, all finite: (\w+)\)", out)
+    assert found and found[1] == "True" and found[2] == "True", out  # bit for bit, and no NaN
+    assert "resumed from checkpoint/step-20 at step 21" in out, out
+
+
+def _mfu_counted_right(out: str) -> None:
+    ratio = re.search(r"^counted / formula: (\S+)$", out, re.M)
+    assert ratio and 0.98 < float(ratio[1]) <= 1.0, out  # the formula, checked by torch's count
+    found = re.search(r"^peak (\S+) GFLOP/s per rank \((?:given|estimated: [^)]+)\); MFU (\S+)$", out, re.M)
+    assert found and float(found[1]) > 0 and 0 < float(found[2]) <= 1, out  # a fraction; NaN fails
+
+
 # Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
 CLAIMS = {
     "quickstart": (2, _loss_difference),
@@ -511,6 +533,9 @@ CLAIMS = {
     "loss_parallel": (2, _loss_parallel),
     "tp_attention": (2, _gqa_heads_divide),
     "tp_checkpoints": (4, _checkpoint_across_meshes),
+    "llm": (2, _gpt_loss_falls),
+    "llm_checkpoints": (2, _resumed_exactly),
+    "mfu": (2, _mfu_counted_right),
 }
 
 
@@ -523,7 +548,7 @@ LIBRARIES = {
 }
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {"llm", "rank_dies"}
+WITHOUT_A_SCRIPT_YET = {"rank_dies"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():

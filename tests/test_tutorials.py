@@ -59,10 +59,12 @@ def test_every_tutorial_is_tested():
         "hang_branch",
         "hang_state_dict",
         "llm",
+        "llm_checkpoints",
         "lora",
         "loss_and_accumulation",
         "loss_parallel",
         "memory",
+        "mfu",
         "migration",
         "mixed_precision",
         "outside_forward",
@@ -1293,14 +1295,38 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
 
 
-def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(executed):
+def test_llm_recipe_initialises_by_unit_trains_exports_and_runs_the_same_from_the_command_line(executed):
     text = _text_outputs(executed["llm"])
+    assert "the two give the same weights, bit for bit, on every rank: True" in text
+    held = {
+        how: [float(mib) for mib in re.findall(r"rank \d ([\d.]+) MiB", line)]
+        for line in text.splitlines()
+        for how in ("whole model at once", "one unit at a time")
+        if line.startswith("most parameters held in full while initialising, " + how)
+    }
+    assert all(
+        unit < whole for unit, whole in zip(held["one unit at a time"], held["whole model at once"], strict=True)
+    )
+    assert len(held["one unit at a time"]) == 2
     assert "[rank0] step   40 | loss" in text and "tokens/s" in text and "[rank1]" not in text  # the script's log
     assert "peak memory per rank, peak RSS of the whole process (ru_maxrss): rank0" in text
-    assert "checkpoints kept: ['step-00000020', 'step-00000040']" in text  # keep=2
     final = float(text.split("step 40: loss ")[1].split()[0])
     assert 2.5 < final < 3.5  # "about 3" (the plot's text; the prose glues it), far below ln 256 = 5.55
+    assert "same losses as the notebook: True" in text
+    # the recipe's log says why it computes no MFU on a CPU (the MFU page's subject)
+    assert "MFU not computed: on cpu, which has no dense bf16 peak" in text or "(fsdp_guide.mfu)" in text  # on a GPU
+    assert _glued(executed["llm"]).keys() >= {"llm_final_loss"}
+
+
+def test_llm_checkpoints_resume_exactly_survive_a_crash_save_in_the_background_and_reshard(executed):
+    text = _text_outputs(executed["llm_checkpoints"])
+    assert "checkpoints kept: ['step-00000020', 'step-00000040']" in text  # keep=2
     assert "straight == stopped and resumed, all 40 losses bit for bit: True" in text
+    # the data position: a plain restart repeats batches, the saved position does not
+    repeats = dict(
+        re.findall(r"^(plain restart|position from the checkpoint) *: steps 21-40 train on +(\d+)", text, re.M)
+    )
+    assert int(repeats["plain restart"]) == 20 and int(repeats["position from the checkpoint"]) == 0
     assert "LaunchError: rank 1" in text and "left on disk: ['.partial-step-00000040', 'step-00000020']" in text
     assert "steps 21-40 after the crash equal the straight run: True" in text
     stalls = {
@@ -1320,7 +1346,10 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     for world_size in (4, 1):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"saved on 2, resumed on {world_size}:"))
         assert float(line.rsplit("=", 1)[1]) < 1e-4
-    assert "same losses as the notebook: True" in text
+
+
+def test_llm_checkpoints_show_a_state_dict_loaded_the_wrong_ways_and_the_right_ones(executed):
+    text = _text_outputs(executed["llm_checkpoints"])
     ways = dict(re.findall(r"^(load_state_dict\(.+\)|dcp\.load .+|set_model_state_dict\(.+\)):\n    (.+)$", text, re.M))
     assert "got mixed torch.Tensor and DTensor" in text  # a full state dict into DTensor parameters
     assert ways["load_state_dict(full state dict)"].startswith("RuntimeError: Error(s) in loading state_dict")
@@ -1330,8 +1359,17 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     )
     assert ways["dcp.load into a wider model"].startswith("ValueError: Size mismatch between saved torch.Size([8, 8])")
     assert ways["set_model_state_dict(full state dict)"] == ways["dcp.load into the same model"] == "loaded"
-    # MFU: the recipe says why not on a CPU; torchtitan's published run, the right way and three wrong ones
+
+
+def test_mfu_counts_flops_like_torch_measures_a_run_and_reproduces_torchtitans_published_mfu(executed):
+    text = _text_outputs(executed["mfu"])
+    ratio = float(text.split("counted / formula: ")[1].split()[0])
+    assert 0.98 < ratio <= 1.0  # the formula's extra: the layer norms' few parameters
+    assert "[rank0] step   10 | loss" in text  # the recipe's own log, briefly
     assert "MFU not computed: on cpu, which has no dense bf16 peak" in text or "(fsdp_guide.mfu)" in text  # on a GPU
+    cpu = float(text.split("MFU over that estimate ")[1].split("%")[0])
+    assert 0 < cpu < 100  # a fraction of what the matmuls reach (NaN fails)
+    # torchtitan's published run, the right way and three wrong ones
     ways = {
         line[:42].strip(): float(line.rsplit("MFU", 1)[1].strip(" %"))
         for line in text.splitlines()
@@ -1341,7 +1379,7 @@ def test_llm_tutorial_resumes_exactly_survives_a_crash_reshards_and_exports(exec
     assert 33 <= right < 34  # torchtitan's "33% to 39%": its slowest run, the lower end (the prose glues it)
     assert ways["the sparse peak the datasheet headlines"] == pytest.approx(right / 2, abs=0.1)
     assert ways["a rank's shard of the parameters (1/8)"] < right / 3 < ways["6N alone, attention left out"] < right
-    assert _glued(executed["llm"]).keys() >= {"llm_final_loss", "llm_mfu_right"}
+    assert _glued(executed["mfu"]).keys() >= {"llm_mfu_right", "mfu_counted_ratio", "mfu_cpu_estimate"}
 
 
 def test_cluster_page_runs_hsdp_on_a_2x2_mesh(executed):

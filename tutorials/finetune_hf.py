@@ -510,7 +510,7 @@ print(
 # DCP's `FileSystemWriter`, and so `HuggingFaceStorageWriter`, are: they copy the state to
 # the CPU before returning (`BlockingAsyncStager` in `staging.py`), which works on any
 # machine. That is what {func}`fsdp_guide.checkpoint.async_save` relies on; the
-# {ref}`LLM tutorial <llm-async-checkpoint>` measures what saving in the background saves.
+# {ref}`checkpoints page <llm-async-checkpoint>` measures what saving in the background saves.
 #
 # Last, the models this page wrote are deleted:
 

@@ -100,7 +100,9 @@ GROUPS = {
         "Scale out",
         "Beyond one machine and beyond data parallelism.",
         {
-            "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
+            "llm": ("The LLM recipe", "Train a small GPT: the recipe's order, the loss curve, one file out."),
+            "llm_checkpoints": ("Exact checkpoints", "Stop, crash, save in the background, resume: the same losses."),
+            "mfu": ("MFU, computed right", "FLOPs per token checked by torch's counter; a published MFU reproduced."),
             "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
             "tensor_parallel": (
                 "Tensor parallelism",
