@@ -1025,12 +1025,12 @@ def _is_warm_server(proc: psutil.Process) -> bool:
     return "multiprocessing.forkserver import main" in cmdline or "multiprocessing.resource_tracker" in cmdline
 
 
-def test_interrupting_the_notebook_kernel_stops_every_rank():
+def test_interrupting_the_notebook_kernel_stops_every_rank(tmp_path):
     """The Jupyter path: a cell running launch, interrupted from the notebook's stop button."""
     from jupyter_client.manager import start_new_kernel
 
     token = f"fsdp-guide-test-{uuid.uuid4().hex}"
-    manager, client = start_new_kernel(kernel_name="python3")
+    manager, client = start_new_kernel(kernel_name="python3", env=_temp_in(tmp_path))  # it is killed at the end
     try:
         cell = textwrap.dedent(
             f"""
