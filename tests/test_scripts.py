@@ -182,6 +182,19 @@ def _save_pretrained_round_trip(out: str) -> None:
     assert last < first and weights == 0 and logits == 0, out  # it trained; the round trip is exact; NaN fails
 
 
+def _written_by_every_rank_round_trip(out: str) -> None:
+    files = "['config.json', 'model-00001-of-00001.safetensors', 'model.safetensors.index.json']"
+    assert f"2 per-rank files consolidated into {files}" in out, out  # every rank wrote its own file
+    found = re.search(
+        r"FSDP2 on 2 ranks, \d+ steps, loss (\S+) -> (\S+); written by every rank \+ from_pretrained: "
+        r"max \|weight difference\| = (\S+), max \|logit difference\| = (\S+)",
+        out,
+    )
+    assert found, out
+    first, last, weights, logits = map(float, found.groups())
+    assert last < first and weights == 0 and logits == 0, out  # it trained; the trained weights came back; NaN fails
+
+
 def _experts_loss_difference(out: str) -> None:
     assert "rank 0 holds (2, 32, 64) of its experts' w1 (4, 32, 64), 8 experts in all" in out, out
     found = re.search(
@@ -507,6 +520,7 @@ CLAIMS = {
     "checkpoint_placement": (2, _checkpoint_inside_like_one_process),
     "lora": (2, _lora_like_one_process),
     "finetune_hf": (2, _save_pretrained_round_trip),
+    "hf_dcp_export": (2, _written_by_every_rank_round_trip),
     "experts": (4, _experts_loss_difference),
     "uneven_experts": (2, _unused_experts_reduced),
     "fsdp2_controls": (2, _forward_prefetch_and_no_embedding_gather),
@@ -544,6 +558,7 @@ LIBRARIES = {
     "digits": {"sklearn"},
     "lora": {"peft", "transformers"},
     "finetune_hf": {"transformers"},
+    "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},
 }
 

@@ -22,10 +22,9 @@
 #   reading and broadcasting into a model built on the `meta` device
 #   ({func}`fsdp_guide.hf.from_pretrained`), and each rank reading only its own slices;
 # - that fine-tuning the sharded model computes what one process computes;
-# - how to write the sharded model back as an ordinary Hugging Face directory
-#   ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one process:
-#   gathered to rank 0, or written by every rank with DCP's Hugging Face writer and
-#   consolidated, what each costs in memory, measured, and DCP's background save on a CPU.
+# - how to write the sharded model back, gathered to rank 0, as an ordinary Hugging Face
+#   directory ({func}`fsdp_guide.hf.save_pretrained`) that `from_pretrained` loads in one
+#   process, the tied pair written once.
 #
 # **What you need**: a CPU; 2 processes on gloo; Linux (the memory readings come from
 # `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
@@ -342,175 +341,9 @@ print(
 # (`PreTrainedModel.tie_weights`, same file); the reloaded model's logits equal the sharded
 # model's exactly.
 #
-# (finetune-hf-export-sharded)=
-# ## Weights out from every rank: DCP's Hugging Face writer
-#
-# Gathering to rank 0 puts the whole model in one process's memory, which a model bigger
-# than a host cannot afford. `save_pretrained(model, path, write="sharded")` gathers
-# nothing: every rank writes its own shards with `torch.distributed.checkpoint`'s
-# `HuggingFaceStorageWriter` (`save_distributed=True`), and rank 0 then consolidates them
-# into the standard files (`enable_consolidation=True`), with the configs that
-# `transformers`' `save_pretrained` writes when given no weights. Both ways export the
-# fine-tuned model here, each rank measured as in the loading section above, after a
-# warm-up export of the tiny model:
-
-
-# %%
-def export_and_measure(write, source, out, warmup):
-    import time
-
-    import torch
-    from fsdp_guide.hf import from_pretrained, save_pretrained
-
-    model = from_pretrained(source, dtype=torch.float32)
-    save_pretrained(
-        from_pretrained(warmup, dtype=torch.float32),
-        out.with_name(out.name + "-warmup"),
-        write=write,
-    )
-
-    def timed_export():
-        start = time.perf_counter()
-        save_pretrained(model, out, write=write)
-        return time.perf_counter() - start
-
-    return host_peak_rise(timed_export)
-
-
-exports = {
-    (write, world): launch(
-        export_and_measure,
-        write,
-        tuned,
-        workdir / f"export-{write}-{world}",
-        warmup,
-        world_size=world,
-        output="none",
-    )
-    for world in (2, 4)
-    for write in ("rank0", "sharded")
-}
-print(
-    f"peak rise while exporting, in model sizes ({model_mb:.0f} MiB); all resident / the private part"
-)
-print(f"{'':26} {'rank 0':>13} {'other ranks, most':>18} {'seconds':>8}")
-for (write, world), ((seconds, rss0, private0), *others) in exports.items():
-    rss, private = (max(rank[i] for rank in others) / model_mb for i in (1, 2))
-    print(
-        f"write={write!r:10} {world} ranks  {rss0 / model_mb:5.1f} / {private0 / model_mb:3.1f} "
-        f"{rss:12.1f} / {private:3.1f} {seconds:8.2f}"
-    )
-
-sharded_export = workdir / "export-sharded-2"
-print(sorted(f.name for f in sharded_export.iterdir()))
-reloaded = AutoModelForCausalLM.from_pretrained(sharded_export)
-with torch.no_grad():
-    logits = reloaded(tokens).logits
-print(
-    "tied after loading:",
-    reloaded.lm_head.weight is reloaded.model.embed_tokens.weight,
-    "| logits equal the sharded model's:",
-    torch.equal(logits, sharded_logits),
-)
-
-# %% [markdown]
-# Gathering costs rank 0 more than the model, on 2 ranks and on 4: the full state dict
-# on its CPU, and more while it is written. Written by every rank, each rank's peak is
-# a multiple of its shard (the table: rank 0's and the others' against the shard of 1/2 or
-# 1/4 model), so with 2 ranks it is no better than gathering, and with 4 it is lower.
-#
-# What goes into that peak, from the source, not separated here: each rank's file is
-# serialized in memory before it is written (`safetensors.torch.save` in
-# `_write_files_from_queue`, `torch/distributed/checkpoint/filesystem.py`), a shard whose
-# storage is larger than its bytes is copied first (`_SerialCpuLoader`, same file; FSDP2
-# pads the last rank's rows of an uneven dimension, and the intermediate size,
-# `hidden_size * 8 // 3` in `save_llama` above, is odd), and rank 0 then consolidates,
-# reading the shard files back one full tensor at a time (`_process_output_file` in
-# `torch/distributed/checkpoint/_consolidate_hf_safetensors.py`).
-#
-# The private part is sampled and misses short peaks; nothing here is read through a
-# memory map, so the resident peak is the one to read. The seconds are not a measure of
-# throughput: the model is small, and on 2 cores 4 ranks share them. The directory holds the
-# standard files (DCP's per-rank files are deleted once consolidated), the tied pair was
-# written once, and `transformers` loads it to the same logits.
-#
-# What it needs: a file system every rank sees (each writes its own file, rank 0 reads
-# them all), and a full model: a peft model's adapters are written by `write="rank0"`
-# only. For a model of many gigabytes, `HuggingFaceStorageWriter`'s `fqn_to_index_mapping`
-# splits the output into several files, and DCP's
-# `consolidate_safetensors_files_on_every_rank` shares their consolidation among the
-# ranks; `save_pretrained` writes one file.
-#
-# ### In the background: DCP's stager on a CPU
-#
-# `dcp.async_save` writes in the background: the state is first staged, copied aside so
-# that training can change it, then written. Given a `DefaultStager`, it returns at once
-# with two futures, `staging_completion` (from then on training may change the model) and
-# `upload_completion` (the files are written). The `DefaultStager` is built for GPUs: with
-# its default `StagingOptions`, a CPU-only rank cannot stage at all.
-
-
-# %%
-def save_in_background(source, out, options):
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from fsdp_guide.hf import from_pretrained
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    model = from_pretrained(source, dtype=torch.float32)
-    # safetensors refuses two names for one tensor in a file: write the tied pair under its first name
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(
-        model.named_parameters()
-    ).keys()
-    state = {name: t for name, t in get_model_state_dict(model).items() if name not in tied}
-    writer = HuggingFaceStorageWriter(str(out), save_distributed=True, enable_consolidation=True)
-    try:
-        stager = DefaultStager(StagingOptions(**options))
-    except AssertionError as error:  # shown below
-        return f"{type(error).__name__}: {error}"
-    # the background's collectives apart from training's (NCCL on GPUs)
-    group = dist.new_group(backend="gloo")
-    saving = dcp.async_save(state, storage_writer=writer, async_stager=stager, process_group=group)
-    saving.staging_completion.result()  # from here on, training may change the model
-    saving.upload_completion.result()  # the files are written and consolidated
-    stager.close()
-    return "written"
-
-
-from safetensors.torch import load_file
-
-for options in ({}, {"use_pinned_memory": False, "use_non_blocking_copy": False}):
-    result = launch(
-        save_in_background, tuned, workdir / "export-async", options, world_size=2, output="none"
-    )[0]
-    print(f"StagingOptions(**{options}): {result}")
-written = load_file(workdir / "export-async" / "model-00001-of-00001.safetensors")
-exported = load_file(sharded_export / "model-00001-of-00001.safetensors")
-print(
-    "the same tensors as save_pretrained(write='sharded') wrote:",
-    written.keys() == exported.keys()
-    and all(torch.equal(written[k], exported[k]) for k in written),
-)
-
-# %% [markdown]
-# `use_non_blocking_copy` needs an accelerator: its copy is synchronised on the
-# accelerator's stream (`DefaultStager.__init__` in
-# `torch/distributed/checkpoint/staging.py` asserts `torch.accelerator.is_available()`).
-# Pinned memory needs CUDA, and is ignored with the warning above. On a CPU, turn both
-# off, and the files are the same. Both are meant for GPUs: pinned host memory lets the
-# device-to-host copy run without blocking. The other two options, shared memory and a
-# background staging thread, were left on in the second run and worked on this CPU,
-# although `StagingOptions`' docstring says the staging thread requires CUDA.
-#
-# Given no stager, `dcp.async_save` stages with the writer itself when the writer is an
-# `AsyncStager` (`async_save` in `torch/distributed/checkpoint/state_dict_saver.py`), as
-# DCP's `FileSystemWriter`, and so `HuggingFaceStorageWriter`, are: they copy the state to
-# the CPU before returning (`BlockingAsyncStager` in `staging.py`), which works on any
-# machine. That is what {func}`fsdp_guide.checkpoint.async_save` relies on; the
-# {ref}`checkpoints page <llm-async-checkpoint>` measures what saving in the background saves.
+# Gathering puts the whole model in rank 0's memory, which a model bigger than a host
+# cannot afford: {ref}`tutorial-hf-dcp-export` lets every rank write its own shards
+# instead, and measures what each way costs.
 #
 # Last, the models this page wrote are deleted:
 
@@ -541,7 +374,6 @@ shutil.rmtree(workdir)
 #
 # - {ref}`tip-load-pretrained-once`
 # - {ref}`tip-export-safetensors`
-# - {ref}`tip-export-every-rank-writes`
 # - {ref}`tip-check-against-one-process`: the losses above.
 
 # %% tags=["remove-input"]

@@ -84,6 +84,10 @@ GROUPS = {
         "Weights in from the Hub, training, weights out.",
         {
             "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
+            "hf_dcp_export": (
+                "Hugging Face weights from every rank",
+                "DCP's writer: each rank writes its shards as safetensors, no gather.",
+            ),
             "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
             "beyond_the_step": (
                 "Evaluation and generation",
