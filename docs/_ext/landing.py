@@ -42,6 +42,7 @@ GROUPS = {
             "pitfalls": ("Pitfalls", "The wrong way failing beside the right way working."),
             "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
             "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
+            "no_sync": ("Accumulating without sync", "What skipping the gradient sync saves, and costs."),
             "enable_wrap": (
                 "Choosing units",
                 "Mark units by hand or by policy; build a model that never exists whole.",
