@@ -477,7 +477,7 @@ def test_jupyterlab_follows_a_link_to_a_section_of_another_tutorial(lab, browser
     url, token, root, log = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(f"{url}/lab/tree/tutorials/loss_and_accumulation.py?reset&token={token}")
+        page.goto(f"{url}/lab/tree/tutorials/no_sync.py?reset&token={token}")
         link = page.locator(".myst a", has_text="The frozen base still travels")
         link.wait_for(timeout=60_000)
         link.click()  # lora.py opens, as a notebook (JupyterLab then scrolls to the cell, or near it: its own doing)

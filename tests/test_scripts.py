@@ -60,6 +60,21 @@ def _accumulated_loss_difference(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # NaN fails the comparison
 
 
+def _no_sync_reduces_once(out: str) -> None:
+    found = {
+        m[1]: (int(m[2]), float(m[3]))
+        for m in re.finditer(
+            r"(sync every micro-batch|no sync until the last): (\d+) reduce-scatters per step of 4 "
+            r"micro-batches on 2 ranks; max \|weight difference\| vs 1 process = (\S+)",
+            out,
+        )
+    }
+    assert found.keys() == {"sync every micro-batch", "no sync until the last"}, out
+    # 3 units: one reduce-scatter each per micro-batch, or per step with the sync off until the last
+    assert found["sync every micro-batch"][0] == 12 and found["no sync until the last"][0] == 3, out
+    assert all(difference <= 1e-5 for _, difference in found.values()), out  # NaN fails the comparison
+
+
 def _same_model_less_memory(out: str) -> None:
     found = re.search(r"max \|output difference\| = (\S+)", out)
     assert found and float(found[1]) <= 1e-6, out  # NaN fails the comparison
@@ -508,6 +523,7 @@ CLAIMS = {
     "summon_full_params": (2, _full_params_init),
     "deterministic_init": (2, _weight_difference),
     "loss_and_accumulation": (2, _accumulated_loss_difference),
+    "no_sync": (2, _no_sync_reduces_once),
     "enable_wrap": (2, _same_model_less_memory),
     "migration": (2, _fsdp1_fsdp2_losses),
     "state_attributes": (2, _state_timeline),

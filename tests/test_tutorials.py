@@ -68,6 +68,7 @@ def test_every_tutorial_is_tested():
         "mfu",
         "migration",
         "mixed_precision",
+        "no_sync",
         "outside_forward",
         "pipeline",
         "pitfalls",
@@ -365,7 +366,7 @@ def test_set_order_sums_wrong_on_cold_ranks_right_on_warm_ones_and_right_sorted(
     )
 
 
-def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradient_memory(executed):
+def test_loss_and_accumulation_measures_normalisation_errors_per_rank_and_under_accumulation(executed):
     text = _text_outputs(executed["loss_and_accumulation"])
     lines = text.splitlines()
 
@@ -402,6 +403,15 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
     accumulated = rows("global count, divide factor 1")[1]
     # the prose's (glued) claim: the usual recipe's error is further from one process than the per-rank mean's
     assert float(naive[-1]) > float(per_rank[-1]) and float(accumulated[-1]) < 1e-6
+    assert "accumulated_mean_error" in _glued(executed["loss_and_accumulation"])
+
+
+def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(executed):
+    text = _text_outputs(executed["no_sync"])
+    lines = text.splitlines()
+
+    def rows(prefix):
+        return [line.split() for line in lines if line.startswith(prefix)]
 
     def costs(prefix, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
         values = [float(v) for v in rows(prefix)[table][-11:]]
@@ -427,8 +437,7 @@ def test_loss_and_accumulation_measures_normalisation_errors_traffic_and_gradien
         else:
             assert traffic[1] == [12, 4.0] and held == [0.5] * 4
             assert traffic[2] == ([3, 0.5] if mode.startswith("no all-reduce") else [12, 2.0] if hsdp else [0, 0.0])
-    assert _glued(executed["loss_and_accumulation"]).keys() >= {  # the traffic the prose quotes, from the tables
-        "accumulated_mean_error",
+    assert _glued(executed["no_sync"]).keys() >= {  # the traffic the prose quotes, from the tables
         "gathers_per_micro_batch",
         "gathered_per_micro_batch",
         "scatters_synced",

@@ -13,7 +13,7 @@
 
 # %% [markdown]
 # (tutorial-loss-and-accumulation)=
-# # Loss normalization and gradient accumulation
+# # Normalizing the loss over ranks and micro-batches
 #
 # **What you will learn**
 #
@@ -22,12 +22,11 @@
 #   matches one process to rounding: divide by the global token count, then undo FSDP's
 #   average (times the number of ranks, or FSDP's gradient divide factor set to 1);
 # - the same under gradient accumulation, with micro-batches of different token counts;
-# - what `set_requires_gradient_sync(False)` saves against reducing every micro-batch,
-#   counted in collectives and bytes per step, and what it costs in gradient memory per
-#   rank; on HSDP (a 2 x 2 mesh), what `set_requires_all_reduce(False)` saves instead;
-#   and a rule for choosing, with the numbers.
+# - why FSDP's `PREMUL_SUM` fails on gloo with a divide factor of 1, and the setting that
+#   avoids it;
+# - the rule: count the step's real tokens once, before its first micro-batch.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <loss-and-accumulation-tips>`.
@@ -280,7 +279,7 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # Now each rank runs its 4 rows as 2 micro-batches of 2 rows, accumulating gradients
 # ({term}`gradient accumulation`), and
 # FSDP reduces only after the last micro-batch (`set_requires_gradient_sync(False)` before
-# the others; the next section counts what that saves). The micro-batches hold different
+# the others; {ref}`tutorial-no-sync` counts what that saves and costs). The micro-batches hold different
 # token counts, so the usual recipe (each micro-batch's mean, divided by the number of
 # micro-batches) weighs tokens unevenly twice, across micro-batches and across ranks.
 # Hugging Face's `Trainer` did this until its October 2024 fix
@@ -290,8 +289,6 @@ except fsdp_guide.LaunchError as error:  # "rank N raised ...": whichever rank f
 # `TrainingArguments` in `transformers/training_args.py`) sums that count over the ranks too. The fix is the same count, taken over the whole step: fetch the
 # step's micro-batches, count their real tokens (one `all_reduce` per step), then divide
 # every micro-batch's summed loss by it, and undo FSDP's average as above.
-#
-# (fsdp2-fsdpmodule-set-requires-gradient-sync)=
 
 # %%
 MICRO = 2  # micro-batches per rank per step
@@ -348,212 +345,15 @@ glue(
 # {glue:text}`per_rank_error:.0%` (this run's, glued from the tables). Counting
 # the step's tokens first gives one process's gradient again, to rounding.
 #
-# (loss-accumulation-traffic)=
-# ## What skipping the gradient sync saves, and costs
-#
-# Four micro-batches per step (each rank with rows of its own), measured two ways:
-#
-# - `sync every micro-batch`: FSDP's default, every backward reduce-scatters the
-#   gradients, and each rank accumulates sharded gradients;
-# - `no sync until the last`: `set_requires_gradient_sync(False)` for the first three, so
-#   FSDP keeps **unsharded** gradients on every rank and reduces them once (the
-#   {term}`gradient sync` is off).
-#
-# {func}`fsdp_guide.precision.record_dtypes` counts FSDP's collectives and the bytes of the
-# tensors it hands them, per step, in units of the model's parameter bytes *P*;
-# {func}`fsdp_guide.memory.measure` counts the gradient bytes rank 0 holds after each
-# micro-batch (the sharded `.grad`s, and what FSDP accumulates outside them, as the
-# unsharded gradients it keeps while sync is off).
-# These are what FSDP asks the backend to move, which does not depend on the backend
-# (expected the same on NCCL; not run here); what crosses the
-# wire depends on the backend's algorithm (gloo's reduce-scatter moves as much as an
-# all-reduce: {ref}`tutorial-communication`).
-#
-# (fsdp2-fsdpmodule-set-requires-all-reduce)=
-
-# %%
-STEP_MICRO = 4  # micro-batches per rank per step
-
-
-def accumulation_costs(mode, mesh_shape):
-    from fsdp_guide.memory import measure
-    from fsdp_guide.precision import record_dtypes
-
-    device = fsdp_guide.device()
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    model = shard_model(init_device_mesh(device.type, mesh_shape, mesh_dim_names=names))
-    set_divide_factor(model, 1.0)  # the loss below is already over the global count
-    P = sum(p.numel() * p.element_size() for p in model.parameters())  # whole (unsharded) bytes
-    # 8 rows of its own: 4 micro-batches of 2
-    step_tokens, step_targets = global_batch(seed=1 + dist.get_rank())
-    global_count = sum_over_ranks(torch.tensor(int((step_targets != IGNORE).sum()), device=device))
-    held = []
-    with record_dtypes() as seen:
-        for i, (x, y) in enumerate(
-            zip(step_tokens.chunk(STEP_MICRO), step_targets.chunk(STEP_MICRO))
-        ):
-            last = i == STEP_MICRO - 1
-            if mode == "no sync until the last":
-                model.set_requires_gradient_sync(last)
-            elif mode == "no all-reduce until the last":
-                # HSDP: reduce-scatter every time, all-reduce once
-                model.set_requires_all_reduce(last)
-            loss_sum, _ = summed_loss(model, x.to(device), y.to(device))
-            (loss_sum / global_count).backward()
-            held.append(measure(model).grads / P)
-    traffic = {
-        kind: (
-            sum(seen.count[(phase, kind)] for phase in ("forward", "backward")),
-            sum(seen.nbytes[(phase, kind)] for phase in ("forward", "backward")) / P,
-        )
-        for kind in ("all-gather", "reduce-scatter", "all-reduce")
-    }
-    return traffic, held, full_gradients(model)
-
-
-def costs(modes, mesh_shape):
-    return {mode: accumulation_costs(mode, mesh_shape) for mode in modes}
-
-
-def print_costs(measured, world):
-    # every rank's rows of the step
-    batches = [global_batch(seed=1 + rank) for rank in range(world)]
-    _, step_reference = one_process_gradients(
-        torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
-    )
-    print(
-        f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
-        f"{'gradients held / P after':>24}  {'gradient error':>14}"
-    )
-    print(
-        f"{'':30}"
-        + f" {'count   bytes/P':>15}" * 3
-        + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}"
-    )
-    for mode, (traffic, held, grads) in measured.items():
-        cells = " ".join(
-            f"{traffic[k][0]:6} {traffic[k][1]:8.2f}"
-            for k in ("all-gather", "reduce-scatter", "all-reduce")
-        )
-        error = relative_error(grads, step_reference)
-        print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
-
-
-measured = launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[
-    0
-]
-print_costs(measured, world=2)
-
-(synced, held_synced, _), (unsynced, held_unsynced, _) = (
-    measured["sync every micro-batch"],
-    measured["no sync until the last"],
-)
-glue("gathers_per_micro_batch", synced["all-gather"][0] / STEP_MICRO, display=False)
-glue("gathered_per_micro_batch", synced["all-gather"][1] / STEP_MICRO, display=False)  # in P
-glue("scatters_synced", synced["reduce-scatter"][0], display=False)
-glue("scattered_synced", synced["reduce-scatter"][1], display=False)
-glue("scatters_unsynced", unsynced["reduce-scatter"][0], display=False)
-glue("scattered_unsynced", unsynced["reduce-scatter"][1], display=False)
-glue("held_synced", max(held_synced), display=False)
-glue("held_unsynced", max(held_unsynced), display=False)
-
-# %% [markdown]
-# Per step of 4 micro-batches on 2 ranks, P the parameters' bytes:
-#
-# - **All-gathers do not change**: 3 units gathered in every forward and the 2 blocks
-#   again in every backward (the root, with the embeddings, stays gathered from its forward
-#   to its backward: FSDP2 does not reshard the root after forward, `FSDPState._lazy_init`
-#   in `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`), {glue:text}`gathers_per_micro_batch:g` all-gathers and
-#   {glue:text}`gathered_per_micro_batch:.2f` P per micro-batch (this run's figures, glued from the table above,
-#   here and below). Turning off the sync does
-#   not turn off resharding: for that,
-#   `set_reshard_after_backward(False)` (and `reshard_after_forward=False`), at the cost of
-#   holding the parameters unsharded too ({ref}`lora-traffic` measures it).
-# - **Reduce-scatters fall from {glue:text}`scatters_synced` per step to {glue:text}`scatters_unsynced`**: one per unit (3) per backward that
-#   reduces, so *M* x 3 become 3, and the {glue:text}`scattered_synced:.0f` *P* of gradients handed to them per step
-#   become {glue:text}`scattered_unsynced:.0f` *P*.
-# - **Gradient memory rises from P/2 to P per rank**: from the first micro-batch to the
-#   reduction, every rank holds the whole model's gradients, unsharded, where the default
-#   holds only its shard (1/N of them on N ranks).
-# - The final gradients are one process's, to rounding, either way (each micro-batch's
-#   summed loss over the global count, FSDP's divide factor 1): accumulating before or
-#   after the reduction adds the same numbers.
-#
-# (loss-hsdp)=
-# ## HSDP: skip the all-reduce, keep the reduce-scatter
-#
-# On a 2 x 2 mesh (4 ranks: 2 replicas, each sharded over 2 ranks), FSDP reduces a
-# gradient in two steps: a reduce-scatter inside the shard group, then an all-reduce of the
-# shard across the replicas, typically between nodes, over the slower network.
-# `set_requires_all_reduce(False)` keeps the first and skips the second until the last
-# micro-batch, so the gradients stay sharded:
-
-# %%
-hsdp_modes = ["sync every micro-batch", "no all-reduce until the last", "no sync until the last"]
-hsdp = launch(costs, hsdp_modes, (2, 2), world_size=4, output="none")[0]
-print_costs(hsdp, world=4)
-
-(synced, _, _), (reduced_once, held_reduced_once, _) = (
-    hsdp["sync every micro-batch"],
-    hsdp["no all-reduce until the last"],
-)
-glue("hsdp_reduces_synced", synced["all-reduce"][0], display=False)
-glue("hsdp_reduced_synced", synced["all-reduce"][1], display=False)
-glue("hsdp_reduces_once", reduced_once["all-reduce"][0], display=False)
-glue("hsdp_reduced_once", reduced_once["all-reduce"][1], display=False)
-glue("hsdp_held_reduced_once", max(held_reduced_once), display=False)
-
-# %% [markdown]
-# Per step on the 2 x 2 mesh:
-#
-# - **Syncing every micro-batch** all-reduces across replicas after every backward: {glue:text}`hsdp_reduces_synced`
-#   all-reduces per step (3 units x 4), each of the rank's shard of a unit's gradients,
-#   *P*/2 per micro-batch in all.
-# - **`set_requires_all_reduce(False)`** all-reduces after the last micro-batch only: {glue:text}`hsdp_reduces_once`
-#   instead of {glue:text}`hsdp_reduces_synced`, {glue:text}`hsdp_reduced_once:.1f` *P* instead of {glue:text}`hsdp_reduced_synced:.0f` *P*; the reduce-scatters inside each replica stay,
-#   and the gradients held stay sharded, *P*/2 per rank (FSDP sums the reduce-scattered
-#   shards until the all-reduce).
-# - **`set_requires_gradient_sync(False)`** removes both until the last micro-batch, and
-#   holds P per rank: the whole model's gradients.
-#
 # ## The rule
 #
-# With *M* micro-batches per step, *U* FSDP units, *N* ranks sharding, and *P* bytes of
-# parameters; the bytes handed to the collectives per step, each collective counted once per
-# unit (*M* x *U* of them, or *U*), and fp32 throughout as here:
-#
-# | | reduce-scatter per step | cross-replica all-reduce per step (HSDP) | gradients held per rank |
-# |---|---|---|---|
-# | sync every micro-batch | *M* x *P* | *M* x *P*/*N* | *P*/*N* |
-# | `set_requires_all_reduce(False)` (HSDP) | *M* x *P* | *P*/*N* | *P*/*N* |
-# | `set_requires_gradient_sync(False)` | *P* | *P*/*N* | *P* |
-#
-# Measured above with *M* = 4, *U* = 3 and *N* = 2: {glue:text}`scatters_synced` reduce-scatters per step
-# ({glue:text}`scattered_synced:.0f` *P*) became {glue:text}`scatters_unsynced` ({glue:text}`scattered_unsynced:.0f` *P*) and the
-# gradients held went from {glue:text}`held_synced:.1f` *P* to {glue:text}`held_unsynced:.1f` *P*; on HSDP,
-# {glue:text}`hsdp_reduces_synced` all-reduces ({glue:text}`hsdp_reduced_synced:.0f` *P*) became {glue:text}`hsdp_reduces_once`
-# ({glue:text}`hsdp_reduced_once:.1f` *P*), the gradients held staying at {glue:text}`hsdp_held_reduced_once:.1f` *P*.
-#
-# With mixed precision the bytes change by dtype: all-gathers move `param_dtype`,
-# reductions the reduce dtype. While the sync is off, FSDP accumulates the unsharded
-# gradients in the reduce dtype when it differs from `param_dtype`, and otherwise in
-# `param_dtype` itself (`FSDPParam.to_accumulated_grad_if_needed` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_param.py`): in torch 2.13, with
-# `param_dtype=torch.bfloat16` and no `reduce_dtype`, *M* micro-batches are summed in bf16. Set
-# `reduce_dtype=torch.float32` when accumulating without sync; the gradients held are then
-# 4 bytes per parameter.
-#
-# - Turn the **gradient sync** off when the unsharded gradients (*P* per rank, what one
-#   process would hold, in the reduce dtype) fit beside everything else: it divides the
-#   reduce-scatter traffic by *M*. It costs *N* times the gradient memory FSDP otherwise
-#   holds: where the model's unsharded parameters would not fit on one rank, its unsharded
-#   gradients will not either. With LoRA the gradients are the adapters' only, and it is
-#   nearly free.
-# - On **HSDP**, turn the **all-reduce** off, at no memory cost: it removes *M* - 1 of the
-#   *M* all-reduces between replicas, typically the slow inter-node ones.
-# - Either way, divide each micro-batch's summed loss by the step's **global token count**,
-#   counted before the first micro-batch, and undo FSDP's average (divide factor 1, or
-#   times the number of data-parallel ranks: replicas x shards on HSDP).
+# - Sum each micro-batch's loss over its real tokens (`reduction="sum"`), and divide it by
+#   the step's **global token count**: every rank's real tokens over every micro-batch of
+#   the step, counted with one `all_reduce` before the first micro-batch.
+# - Undo FSDP's average over the ranks: `set_gradient_divide_factor(1.0)` on every FSDP
+#   module (with `set_force_sum_reduction_for_comms(True)` on gloo), or multiply the loss
+#   by the number of data-parallel ranks (replicas x shards on HSDP).
+# - Log the summed losses over the global count, not the mean of the ranks' means.
 
 # %% [markdown]
 # (loss-and-accumulation-script)=
@@ -575,7 +375,6 @@ glue("hsdp_held_reduced_once", max(held_reduced_once), display=False)
 # ## The tips behind this
 #
 # - {ref}`tip-loss-global-token-count`
-# - {ref}`tip-accumulation-no-sync`
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

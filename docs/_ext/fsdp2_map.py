@@ -81,12 +81,12 @@ MAP = {
         "failed_step",
     ),
     "FSDPModule.set_requires_gradient_sync": Entry(
-        "2.9", "Turns gradient reduction off (accumulate locally) or on: FSDP2's no_sync.", "loss_and_accumulation"
+        "2.9", "Turns gradient reduction off (accumulate locally) or on: FSDP2's no_sync.", "no_sync"
     ),
     "FSDPModule.set_requires_all_reduce": Entry(
         "2.9",
         "HSDP: reduce-scatter but skip the all-reduce across replicas while accumulating.",
-        "loss_and_accumulation",
+        "no_sync",
     ),
     "FSDPModule.set_is_last_backward": Entry(
         "2.9",

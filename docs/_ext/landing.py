@@ -44,6 +44,7 @@ GROUPS = {
             "checkpoint_placement": ("Checkpointing inside the unit", "Collectives counted for every placement."),
             "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
             "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
+            "no_sync": ("Accumulating without sync", "What skipping the gradient sync saves, and costs."),
             "enable_wrap": (
                 "Choosing units",
                 "Mark units by hand or by policy; build a model that never exists whole.",
