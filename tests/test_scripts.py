@@ -248,6 +248,19 @@ def _pipeline(out: str) -> None:
     assert found and float(found[1]) <= 1e-5 and float(found[2]) <= 1e-5, out  # NaN fails the comparison
 
 
+def _gpipe_order_and_idle_fractions(out: str) -> None:
+    found = re.findall(
+        r"^GPipe, (\d) micro-batches, stage (\d): ran ([FB0-9 ]+); idle fraction (\S+) \(formula (\S+)\)$", out, re.M
+    )
+    # what timing cannot change: every forward, then every backward, on both stages, once each
+    expected = {"1": "F0 B0", "4": "F0 F1 F2 F3 B0 B1 B2 B3"}
+    assert [(m, stage, order) for m, stage, order, *_ in found] == [
+        (m, stage, expected[m]) for m in ("1", "4") for stage in ("0", "1")
+    ], out
+    assert all(0 <= float(idle) < 1 for *_, idle, _ in found), out  # a fraction of the step; NaN fails
+    assert [formula for *_, formula in found] == ["0.50", "0.50", "0.20", "0.20"], out  # (p - 1) / (m + p - 1)
+
+
 def _uneven_eval_like_one_process(out: str) -> None:
     found = re.search(
         r"sharded eval on 2 ranks, batches per rank \[3, 2\], 9 of 9 examples, vs 1 process: "
@@ -545,6 +558,7 @@ CLAIMS = {
     "fp8": (2, _float8_follows_float32),
     "cluster": (4, _hsdp),
     "pipeline": (4, _pipeline),
+    "pipeline_bubble": (2, _gpipe_order_and_idle_fractions),
     "beyond_the_step": (2, _uneven_eval_like_one_process),
     "ema_and_teacher": (2, _ema_on_shards_like_one_process),
     "debugging_hangs": (2, _hang_named),

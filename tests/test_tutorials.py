@@ -71,6 +71,7 @@ def test_every_tutorial_is_tested():
         "no_sync",
         "outside_forward",
         "pipeline",
+        "pipeline_bubble",
         "pitfalls",
         "placements",
         "quickstart",
@@ -1681,8 +1682,6 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
 
 def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
     text = _text_outputs(executed["pipeline"])
-    drawn = next(c for c in executed["pipeline"].cells if "ax.broken_barh" in c.source)
-    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the schedules, drawn once
     one_process = float(text.split("one process: loss ")[1].split()[0])
     # GPipe                      True             4  5.5789211                  5.8e-07
     exact = [
@@ -1729,6 +1728,11 @@ def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(exe
             assert gathers == units and gathered == pytest.approx(whole[stage], abs=0.01) and after_f == after_b
         assert alive == (m if schedule == "GPipe" else 2 - stage)  # 1F1B: the stages from this one to the last
 
+
+def test_pipeline_bubble_times_the_schedules_against_the_formula_and_draws_them(executed):
+    text = _text_outputs(executed["pipeline_bubble"])
+    drawn = next(c for c in executed["pipeline_bubble"].cells if "ax.broken_barh" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the schedules, drawn once
     # GPipe                 1     0.328          0.53          0.48          0.50         0.02
     idle = {
         (fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))

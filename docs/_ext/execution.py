@@ -16,7 +16,7 @@ bound the concurrency and reuse its execution and caching.
 A cell that reads a counter of the whole machine, or times ranks against each other, is
 tagged ``alone`` (``# %% tags=["alone"]``) and runs with no other page's cell running
 (``_Machine``): the communication page counts the bytes on the loopback interface, which a
-concurrent page's ranks would add to; the pipeline page times its bubble with each stage
+concurrent page's ranks would add to; the pipeline bubble page times the bubble with each stage
 on a core of its own, which a concurrent page's ranks would take (its idle fractions
 drifted by more than 0.1 once, with another page running beside it). The rest of such a
 page (its kernel's start, its imports, its other cells) shares the machine as any page

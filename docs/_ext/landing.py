@@ -127,7 +127,11 @@ GROUPS = {
                 "2-D checkpoints",
                 "A 2 x 2 run's DCP checkpoint loaded on 2 ranks, exported to one file.",
             ),
-            "pipeline": ("Pipeline stages", "FSDP2 inside pipeline stages: all-gathers per micro-batch, the bubble."),
+            "pipeline": (
+                "Pipeline stages",
+                "FSDP2 inside pipeline stages on a 2-D mesh: exact, and all-gathers per micro-batch.",
+            ),
+            "pipeline_bubble": ("The pipeline bubble", "GPipe and 1F1B timed and drawn: each stage's idle time."),
             "experts": ("Experts", "Mixture of experts: all-to-all, experts on their own mesh, the divide factor."),
             "uneven_experts": ("Uneven experts", "The load, experts a rank never calls, fewer experts than ranks."),
             "weight_sync": ("Weights to an inference copy", "An RL trainer's sync: gathered, per parameter, bucketed."),
