@@ -82,7 +82,11 @@ GROUPS = {
         "Weights in from the Hub, training, weights out.",
         {
             "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
-            "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
+            "lora": ("LoRA on a sharded model", "Adapters on a sharded base, like one process, and the export."),
+            "frozen_weights": (
+                "Frozen weights",
+                "One dtype among a unit's trainable parameters; the frozen base still all-gathered.",
+            ),
             "beyond_the_step": ("Beyond the step", "Evaluation, generation, EMA and a frozen teacher."),
             "fsdp_config": (
                 "A config dictionary",
