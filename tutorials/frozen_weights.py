@@ -15,6 +15,9 @@
 # (tutorial-frozen-weights)=
 # # Frozen weights under FSDP2: the dtype rule and the traffic
 #
+# Freezing a weight under FSDP2 removes its gradient and optimizer state, nothing else: it is still
+# sharded and gathered, and FSDP2's one check of a unit's dtypes leaves it out. This page runs both.
+#
 # **What you will learn**
 #
 # - FSDP2's dtype rule: the trainable parameters of a unit share one dtype, so fp32 adapters on a
@@ -155,8 +158,10 @@ for train_norms in (False, True):
     print(f"{what:30} trainable dtypes in the layer's unit {trainable}: {outcome}")
 
 # %% [markdown]
-# Three ways out, each run below on the bf16 checkpoint with the norms trained, with the same
-# one-step measurement (and, first, plain LoRA on the frozen bf16 base, for scale):
+# Three ways out, each run below on the bf16 checkpoint with the norms trained (and, first, plain
+# LoRA on the frozen bf16 base, for scale): two training steps on 2 ranks, then the dtypes of the
+# frozen and trained parameters, the units, the all-gathers of one forward, and rank 0's model
+# states ({func}`fsdp_guide.memory.measure`):
 #
 # 1. **Adapters in units of their own.** Each adapter module is `fully_shard`ed before its decoder
 #    layer, so the layer's unit trains the bf16 norms only and each adapter unit its fp32 adapter.
