@@ -480,11 +480,11 @@ def test_jupyterlab_follows_a_link_to_a_section_of_another_tutorial(lab, browser
         page.goto(f"{url}/lab/tree/tutorials/no_sync.py?reset&token={token}")
         link = page.locator(".myst a", has_text="The frozen base still travels")
         link.wait_for(timeout=60_000)
-        link.click()  # lora.py opens, as a notebook (JupyterLab then scrolls to the cell, or near it: its own doing)
-        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="LoRA and frozen weights").wait_for(
+        link.click()  # frozen_weights.py opens, as a notebook (JupyterLab then scrolls to the cell, or near it)
+        page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)", has_text="Frozen weights under FSDP2").wait_for(
             timeout=60_000
         )
-        assert page.get_by_role("tab", name="lora.py").get_attribute("aria-selected") == "true"
+        assert page.get_by_role("tab", name="frozen_weights.py").get_attribute("aria-selected") == "true"
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "jupyterlab-link-failure.png"), full_page=True)
         print(log.read_text()[-5000:])

@@ -186,6 +186,25 @@ def _lora_like_one_process(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # the page's "fp32 rounding"; NaN fails the comparison
 
 
+def _frozen_dtype_rule_and_traffic(out: str) -> None:
+    assert "fp32 adapters, frozen bf16 base: runs" in out, out  # frozen parameters are out of the check
+    found = re.search(r"fp32 adapters, bf16 norms trained too: (.*)", out)
+    assert found and "FSDP expects uniform original parameter dtype" in found[1], out
+    gathered = dict(
+        re.findall(
+            r"reshard_after_forward=(True|False): all-gathered per micro-batch, in frozen-base sizes: "
+            r"([^;]+); reduce-scatters per step: 4$",
+            out,
+            re.M,
+        )
+    )
+    assert gathered.keys() == {"True", "False"}, out  # and the adapters reduced once per step, per block
+    twice, once = ([float(x) for x in gathered[k].split()] for k in ("True", "False"))
+    assert len(twice) == len(once) == 4, out
+    # the frozen base: gathered for forward and again for backward, or once; NaN fails the comparisons
+    assert all(1.9 < x < 2.1 for x in twice) and all(0.95 < x < 1.1 for x in once), out
+
+
 def _save_pretrained_round_trip(out: str) -> None:
     found = re.search(
         r"FSDP2 on 2 ranks, \d+ steps, loss (\S+) -> (\S+); save_pretrained \+ from_pretrained: "
@@ -548,6 +567,7 @@ CLAIMS = {
     "outside_forward": (2, _outside_forward_like_one_process),
     "checkpoint_placement": (2, _checkpoint_inside_like_one_process),
     "lora": (2, _lora_like_one_process),
+    "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "hf_dcp_export": (2, _written_by_every_rank_round_trip),
     "experts": (4, _experts_loss_difference),

@@ -54,6 +54,7 @@ def test_every_tutorial_is_tested():
         "failed_step",
         "finetune_hf",
         "fp8",
+        "frozen_weights",
         "fsdp2_controls",
         "fsdp_config",
         "hang_branch",
@@ -162,7 +163,7 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     assert "the same tensors as save_pretrained(write='sharded') wrote: True" in text
 
 
-def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
+def test_lora_measures_states_trains_like_one_process_and_exports_exactly(executed):
     text = _text_outputs(executed["lora"])
     lines = text.splitlines()
 
@@ -189,6 +190,28 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert float(text.split(" trainable (")[1].split("%")[0]) < 1  # the adapters: "under 1% of the parameters"
     for how in ("full fine-tuning  measured", "LoRA              measured"):
         assert abs(float(row(how).rsplit("(", 1)[1].rstrip("%)"))) < 0.05  # measure agrees with estimate
+    assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
+    assert "logits equal the sharded model's: True" in text
+    trainable = int(text.split(" trainable (")[0].rsplit(" ", 1)[1].replace(",", ""))
+    file_kib = int(text.split("'adapter_model.safetensors'] (")[1].split(" KiB)")[0])
+    assert trainable * 4 / 2**10 <= file_kib <= 1.1 * trainable * 4 / 2**10  # the fp32 adapters only, and a header
+    assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
+    assert _glued(executed["lora"]).keys() >= {
+        "lora_loaded_mib",
+        "lora_kept_mib",
+        "lora_adapter_file_kib",
+        "lora_trainable",
+        "lora_adapter_kib",
+    }
+
+
+def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(executed):
+    text = _text_outputs(executed["frozen_weights"])
+    lines = text.splitlines()
+
+    def row(prefix):
+        return next(line for line in lines if line.startswith(prefix))
+
     assert row("LoRA on a frozen bf16 base").endswith(": runs")
     assert "FSDP expects uniform original parameter dtype" in row("LoRA, bf16 norms trained too")
     fixes = {fix: row(fix).split()[-3:] for fix in ("LoRA on the frozen", "1. adapters", "2. fp32", "3. adapters")}
@@ -218,25 +241,14 @@ def test_lora_measures_states_dtypes_traffic_and_exports_exactly(executed):
     assert resharded[:4] == [2.01] * 4 and kept[:4] == [1.01] * 4
     assert resharded[7] == 0.95 and kept[7] == 1.51 and replicated[7] == 2.01
     assert resharded[8] < 0.6 and kept[8] < 0.6 and 1.4 < window[8] < 1.6 and 0.95 < replicated[8] < 1.1
-    assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
-    assert "logits equal the sharded model's: True" in text
-    trainable = int(text.split(" trainable (")[0].rsplit(" ", 1)[1].replace(",", ""))
-    file_kib = int(text.split("'adapter_model.safetensors'] (")[1].split(" KiB)")[0])
-    assert trainable * 4 / 2**10 <= file_kib <= 1.1 * trainable * 4 / 2**10  # the fp32 adapters only, and a header
-    assert float(row("merged model").rsplit(" ", 1)[1]) < 1e-4
-    assert _glued(executed["lora"]).keys() >= {
-        "lora_loaded_mib",
-        "lora_kept_mib",
-        "lora_resharded_gathered",
-        "lora_resharded_held",
-        "lora_kept_gathered",
-        "lora_kept_held",
-        "lora_replicated_held",
-        "lora_adapter_file_kib",
-        "lora_trainable",
-        "lora_adapter_kib",
-        "lora_resharded_gathers",
-        "lora_reductions",
+    assert _glued(executed["frozen_weights"]).keys() >= {
+        "frozen_resharded_gathered",
+        "frozen_resharded_held",
+        "frozen_kept_gathered",
+        "frozen_kept_held",
+        "frozen_replicated_held",
+        "frozen_resharded_gathers",
+        "frozen_reductions",
     }
 
 

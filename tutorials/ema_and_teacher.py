@@ -306,7 +306,7 @@ glue("bts_teacher_resharded_held", teachers[True]["teacher"][1], display=False)
 # would hold 1 *P* on every rank and run no collective; replicated *with* FSDP (a shard
 # group of one rank) it would hold that 1 *P* as its shards and more while it runs, FSDP
 # copying each unit into an unsharded buffer at every forward (measured, for a model kept
-# gathered from forward to backward, in the {ref}`LoRA tutorial <lora-traffic>`). `no_grad` keeps the
+# gathered from forward to backward, in the {ref}`frozen weights tutorial <lora-traffic>`). `no_grad` keeps the
 # teacher out of autograd: no activations saved for it, no backward, so no backward
 # all-gathers, gradients or reduce-scatters (the student's step above ran its own 5
 # all-gathers and none of the teacher's). `requires_grad_(False)` keeps its parameters out of

@@ -13,23 +13,19 @@
 
 # %% [markdown]
 # (tutorial-lora)=
-# # LoRA and frozen weights with FSDP2
+# # LoRA on a sharded model
 #
 # **What you will learn**
 #
 # - how to add LoRA adapters with `peft` to a pretrained model and shard it with FSDP2,
 #   and what each rank then holds, measured against full fine-tuning and against
 #   {func}`fsdp_guide.memory.estimate`;
-# - FSDP2's dtype rule: the trainable parameters of a unit share one dtype, so fp32
-#   adapters on a frozen bf16 base are fine, but not beside trained bf16 weights; three
-#   fixes, each executed, with what it costs;
-# - how many bytes the frozen base is all-gathered per micro-batch under gradient
-#   accumulation with `reshard_after_forward=True`, `False`, kept gathered across
-#   micro-batches, and replicated instead of sharded, what each holds in forward and
-#   between micro-batches, and how to choose;
 # - that LoRA training on 2 ranks computes what one process computes;
 # - how to export the adapters in `peft`'s format, and a merged model, and reload both in
 #   one process.
+#
+# What frozen weights constrain and cost under FSDP2 (one dtype among a unit's trainable
+# parameters; the all-gathers of a frozen base) is {ref}`tutorial-frozen-weights`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `safetensors` and `peft`
 # (the package's `test` or `docs` extras); about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
@@ -129,30 +125,21 @@ from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
 
-def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, train_norms=False):
+def one_step_states(path, lora, dtype):
     import fsdp_guide
     import torch
     import torch.distributed as dist
     from fsdp_guide.hf import from_pretrained
     from fsdp_guide.memory import measure
-    from fsdp_guide.precision import record_dtypes
-    from torch.distributed.fsdp import FSDPModule
 
     given = []  # what adapt is called on, each time
 
-    def adapt(model):  # LoRA as add_lora adds it; the variants of the dtype section below
-        from peft import LoraConfig, get_peft_model
-
-        given.append(parameters_of(model, path))  # for the page: what each call is given
-        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-        model = get_peft_model(model, config, autocast_adapter_dtype=not cast_adapters)
-        # optionally the RMSNorm weights too, in the base's dtype
-        for name, p in model.named_parameters():
-            p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
-        return model
+    def adapt(model):  # add_lora, recording what each call is given
+        given.append(parameters_of(model, path))
+        return add_lora(model)
 
     torch.manual_seed(0)
-    model = from_pretrained(path, dtype=dtype, mp_policy=mp_policy, adapt=adapt if lora else None)
+    model = from_pretrained(path, dtype=dtype, adapt=adapt if lora else None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     tokens = torch.randint(
@@ -161,20 +148,11 @@ def one_step_states(path, lora, dtype, mp_policy=None, cast_adapters=False, trai
     tokens = tokens.to(fsdp_guide.device())
     model(input_ids=tokens, labels=tokens).loss.backward()  # the first step sets FSDP up
     optimizer.step()
-    optimizer.zero_grad()
-    with record_dtypes() as seen:
-        model(input_ids=tokens, labels=tokens).loss.backward()
-    optimizer.step()
-    dtypes = lambda ps: "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in ps}))  # noqa: E731
     return {
         "states": measure(model, optimizer),
         "all DTensors": all(hasattr(p, "to_local") for p in model.parameters()),
         "params": sum(p.numel() for p in model.parameters()),
         "trainable": sum(p.numel() for p in trainable),
-        "frozen dtype": dtypes(p for p in model.parameters() if not p.requires_grad),
-        "trainable dtype": dtypes(trainable),
-        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-        "gathers": seen.count[("forward", "all-gather")],
         "adapt given": given,
     }
 
@@ -250,7 +228,8 @@ glue("lora_kept_mib", lora["states"].params / 2**20, display=False)
 # them from the weights (DoRA, PiSSA) need the loaded model.
 #
 # With LoRA every parameter is still sharded, frozen or not: each rank keeps half the
-# model. What changes is the rest. The frozen base has no gradients and no optimizer state;
+# model, and gathers the other half for every forward ({ref}`lora-traffic` counts it). What changes
+# is the rest. The frozen base has no gradients and no optimizer state;
 # only the adapters, under 1% of the parameters, have both. Full fine-tuning with AdamW holds four
 # copies of the model's bytes (parameters, gradients, two moments); LoRA holds one, plus
 # three copies of the adapters.
@@ -276,305 +255,6 @@ for how, ranks in fp32.items():
     )
 
 # %% [markdown]
-# (lora-dtypes)=
-# ## The dtype rule: one dtype among a unit's trainable parameters
-#
-# Many models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
-# (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small
-# updates. FSDP2 all-gathers parameters of any dtypes together (as bytes, when they differ:
-# `_get_all_gather_input_metadatas` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), but it
-# reduce-scatters a unit's gradients in one dtype: at the root's first forward (FSDP2's lazy
-# initialisation) it checks, for every unit, that the unit's *trainable* parameters share
-# one dtype, and raises `FSDP expects uniform original parameter dtype` if not
-# (`FSDPParamGroup._init_mp_dtypes` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`; frozen parameters are left
-# out of the check). So a frozen bf16 base with fp32 adapters is fine in one unit; training
-# anything of the base beside them (here the RMSNorm weights, a common LoRA variant; or
-# `peft`'s `modules_to_save`) is not. Each decoder layer is one unit below:
-
-
-# %%
-def first_forward(train_norms):
-    import fsdp_guide
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    small = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    # a bf16 checkpoint, loaded
-    model = LlamaForCausalLM(small).to(fsdp_guide.device(), torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    for name, p in model.named_parameters():
-        p.requires_grad_(p.requires_grad or (train_norms and "norm" in name))
-    layer = model.base_model.model.model.layers[0]
-    trainable = sorted(
-        str(dtype) for dtype in {p.dtype for p in layer.parameters() if p.requires_grad}
-    )
-    fully_shard(layer)
-    fully_shard(model)
-    try:
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=fsdp_guide.device()))
-    except Exception as error:  # noqa: BLE001 (shown, not handled)
-        return trainable, f"{type(error).__name__}: {error}"
-    return trainable, "runs"
-
-
-for train_norms in (False, True):
-    trainable, outcome = launch(first_forward, train_norms, world_size=2, output="none")[0]
-    what = "LoRA, bf16 norms trained too" if train_norms else "LoRA on a frozen bf16 base"
-    print(f"{what:30} trainable dtypes in the layer's unit {trainable}: {outcome}")
-
-# %% [markdown]
-# Three ways out, each run below on the bf16 checkpoint with the norms trained, with the
-# same one-step measurement (and, first, plain LoRA on the frozen bf16 base, for scale):
-#
-# 1. **Adapters in units of their own.** Each adapter module is `fully_shard`ed before its
-#    decoder layer, so the layer's unit trains the bf16 norms only and each adapter unit
-#    its fp32 adapter. {func}`fsdp_guide.hf.from_pretrained` does this by itself when
-#    `adapt` adds trainable parameters in a dtype no other trainable parameter has. The
-#    cost: one more (small) all-gather per adapter in forward and reduce-scatter in
-#    backward, and the norms train in bf16.
-# 2. **One storage dtype, a mixed-precision policy for compute.** Store everything in fp32
-#    and let `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`
-#    cast each unit's gathered parameters to bf16 for compute and reduce gradients in fp32.
-#    The cost: the frozen base is stored in fp32, twice its bf16 bytes, for a base that
-#    never changes.
-# 3. **Cast the adapters to bf16** (`get_peft_model(..., autocast_adapter_dtype=False)`):
-#    one dtype, no extra units, the smallest memory. The cost: the adapters, their
-#    gradients and AdamW's moments in bf16, whose 8 significant bits (7 stored) round away
-#    any update smaller than 1/512 to 1/256 of the weight, depending on its value (the
-#    last line below: an update of 1/300 is lost).
-#
-# Upcasting only the norms to fp32 is not a fourth way with this model: Llama's RMSNorm
-# returns `weight * hidden_states.to(input_dtype)` (`LlamaRMSNorm.forward` in
-# `transformers/models/llama/modeling_llama.py`), so an fp32 weight turns the hidden states
-# fp32, and the next bf16 linear layer refuses them.
-
-# %%
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
-bf16 = torch.bfloat16
-fixes = {
-    "LoRA on the frozen bf16 base": dict(dtype=bf16),
-    "1. adapters in their own units": dict(dtype=bf16, train_norms=True),
-    "2. fp32 storage, bf16 compute": dict(
-        dtype=torch.float32,
-        train_norms=True,
-        mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
-    ),
-    "3. adapters cast to bf16": dict(dtype=bf16, cast_adapters=True, train_norms=True),
-}
-fixed = {
-    fix: launch(one_step_states, path, True, world_size=2, output="none", **options)[0]
-    for fix, options in fixes.items()
-}
-print(
-    f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per forward':>23} "
-    f"{'rank 0 model states, MiB':>25}"
-)
-for fix, r in fixed.items():
-    print(
-        f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
-        f"{r['states'].total / 2**20:25.2f}"
-    )
-weight, update = torch.tensor(1.0), torch.tensor(1 / 300)  # an update of 1/300 of a weight
-print(
-    f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16"
-)
-
-# %% [markdown]
-# All four run the training step. Plain LoRA keeps one unit per layer even with fp32 adapters on the bf16
-# base. With the norms trained, the first fix adds a unit per adapter module (2
-# projections × `A`, `B` × 4 layers: the units column), each one more all-gather per forward, and keeps the
-# memory of bf16; the second stores the base in fp32, about twice the model states; the
-# third is smallest and least precise. Choose the first by default; the second when
-# memory allows and the extra collectives matter (many small adapters, a slow network);
-# the third only with a reason. (Norms trained beside the adapters are not in `peft`'s
-# adapter file unless declared in `modules_to_save`: `get_peft_model_state_dict` in
-# `peft/utils/save_and_load.py` keeps the tuner's own tensors and the `modules_to_save`
-# wrappers'.)
-#
-# (lora-traffic)=
-# ## The frozen base still travels
-#
-# Freezing a weight removes its gradient, not its all-gather: FSDP2 gathers every unit's
-# parameters for forward, and, with `reshard_after_forward=True`, again for backward (the
-# input gradient needs the weight, frozen or not). Under gradient accumulation that
-# traffic is paid every micro-batch. Below, 4 micro-batches per optimizer step. Each rank
-# counts, with {func}`fsdp_guide.precision.record_dtypes` (which sees every collective FSDP
-# runs), its all-gathers and the bytes of the buffers they fill (a rank holds 1/N of each
-# already and receives the rest), and its gradient reductions; and, with
-# {func}`fsdp_guide.memory.measure`, the parameter memory it holds (its shards, and the
-# gathered copies): the most during forward (read as each unit starts, after FSDP has
-# gathered it, and at the end of forward, when backward begins), and between micro-batches.
-#
-# - `reshard_after_forward=True` for every unit ({func}`fsdp_guide.hf.from_pretrained`'s
-#   default): gathered in forward, again in backward (FSDP2's own default, `None`, does this
-#   for every unit but the root, whose embedding and output layer stay gathered until
-#   backward: the `fully_shard` docstring in `torch/distributed/fsdp/_fully_shard/_fully_shard.py`);
-# - `reshard_after_forward=False`: gathered once per micro-batch, kept from forward to
-#   backward;
-# - `False`, and kept gathered across the micro-batches too (`set_reshard_after_backward(False)`
-#   until the last one): gathered once per optimizer step;
-# - replicated: every rank holds the whole base as its "shard" (a 2-D mesh whose shard
-#   dimension has size 1, i.e. HSDP with nothing to shard), kept from forward to backward.
-#   For a shard group of one rank FSDP2 runs no all-gather; it copies each unit's
-#   parameters into a new unsharded buffer instead (`FSDPParamGroup.unshard` and
-#   `wait_for_unshard`, their `world_size == 1` branches, in
-#   `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
-#
-# (fsdp2-fsdpmodule-set-reshard-after-backward)=
-
-# %%
-MICRO = 4
-
-
-def accumulation_traffic(path, mode):
-    import fsdp_guide
-    import torch
-    import torch.distributed as dist
-    from fsdp_guide.hf import from_pretrained
-    from fsdp_guide.memory import measure
-    from fsdp_guide.precision import record_dtypes
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
-    device, world = fsdp_guide.device(), dist.get_world_size()
-    if mode == "replicated":  # HSDP: replicated over the first dimension, "sharded" over 1 rank
-        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world,))
-    model = from_pretrained(
-        path,
-        dtype=torch.float32,
-        mesh=mesh,
-        adapt=add_lora,
-        reshard_after_forward=mode == "reshard after forward",
-    )
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    most = [0]
-
-    def held_now(*_):  # parameter bytes held: shards and gathered copies
-        most[0] = max(most[0], measure(model).params)
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            # runs after FSDP's own, which gathers the unit
-            unit.register_forward_pre_hook(held_now)
-    tokens = torch.randint(
-        0, 4096, (MICRO, 2, 64), generator=torch.Generator().manual_seed(dist.get_rank())
-    )
-    for _ in range(2):  # the second step is the one measured: the first sets FSDP up
-        gathered, gathers, reductions, in_forward, between = [], 0, 0, 0, []
-        for micro in range(MICRO):
-            last = micro == MICRO - 1
-            # adapters: reduce their gradients once, at the end
-            model.set_requires_gradient_sync(last)
-            if mode == "kept gathered across micro-batches":
-                model.set_reshard_after_backward(last)
-            batch = tokens[micro].to(device)
-            most[0] = 0
-            with record_dtypes() as seen:
-                loss = model(input_ids=batch, labels=batch).loss
-                held_now()  # the end of forward: what backward starts with
-                loss.backward()
-            gathered.append(
-                sum(seen.nbytes[(phase, "all-gather")] for phase in ("forward", "backward"))
-            )
-            gathers += sum(seen.count[(phase, "all-gather")] for phase in ("forward", "backward"))
-            reductions += (
-                seen.count[("backward", "reduce-scatter")] + seen.count[("backward", "all-reduce")]
-            )
-            in_forward = max(in_forward, most[0])
-            between.append(measure(model).params)
-        optimizer.step()
-        optimizer.zero_grad()
-    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    return {
-        "gathered": gathered,
-        "gathers": gathers,
-        "reductions": reductions,
-        "base": base,
-        "in forward": in_forward,
-        "between": max(between[:-1]),
-    }
-
-
-modes = [
-    "reshard after forward",
-    "kept from forward to backward",
-    "kept gathered across micro-batches",
-    "replicated",
-]
-traffic = {
-    mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes
-}
-print(
-    f"frozen base: {traffic['replicated']['base'] / 2**20:.2f} MiB in fp32. On rank 0, in base sizes: the bytes "
-    f"its all-gathers filled; the parameters it held"
-)
-print(
-    f"{'micro-batch:':36} {'':5}"
-    + "".join(f"{i:5}" for i in range(1, MICRO + 1))
-    + f" {'per step':>9} {'all-gathers':>11} {'reductions':>10} {'held: in forward':>16} {'between':>7}"
-)
-for mode, r in traffic.items():
-    per_micro = [b / r["base"] for b in r["gathered"]]
-    print(
-        f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
-        f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}"
-    )
-resharded, kept = traffic["reshard after forward"], traffic["kept from forward to backward"]
-# micro-batch 1
-glue("lora_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False)
-glue("lora_resharded_held", resharded["in forward"] / resharded["base"], display=False)
-glue("lora_kept_gathered", kept["gathered"][0] / kept["base"], display=False)
-glue("lora_kept_held", kept["in forward"] / kept["base"], display=False)
-glue(
-    "lora_replicated_held",
-    traffic["replicated"]["in forward"] / traffic["replicated"]["base"],
-    display=False,
-)
-# per micro-batch (the table: per step)
-glue("lora_resharded_gathers", resharded["gathers"] // MICRO, display=False)
-glue("lora_reductions", resharded["reductions"], display=False)
-
-# %% [markdown]
-# Read it per micro-batch. Resharding after forward gathers the whole base twice per
-# micro-batch ({glue:text}`lora_resharded_gathered:.2f` base sizes, forward and backward; of each gathered buffer the rank
-# already held half), in {glue:text}`lora_resharded_gathers` all-gathers (5 units, forward and backward), and holds the
-# least in forward ({glue:text}`lora_resharded_held:.2f`): its shards, the root (embedding and output layer) and one layer
-# gathered at a time. Keeping the base from forward to backward halves the traffic ({glue:text}`lora_kept_gathered:.2f`),
-# and holds the whole base gathered beside the shards when forward ends ({glue:text}`lora_kept_held:.2f`). Keeping it
-# across the micro-batches pays it once per step, and holds those {glue:text}`lora_kept_held:.2f` between micro-batches
-# too. Replicated, nothing is all-gathered, but a rank holds the base twice when forward ends
-# ({glue:text}`lora_replicated_held:.2f`: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
-# gathered; between micro-batches, once. The reductions column is the same in every mode by
-# the worker's construction (`set_requires_gradient_sync(last)` in each): it shows only that
-# FSDP honours the flag, {glue:text}`lora_reductions` per optimizer step, one per unit that holds adapters (the 4
-# layers, not the root); the replicated mode's are all-reduces over the replicate
-# dimension, the others' reduce-scatters (`foreach_reduce` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` copies instead of
-# reduce-scattering over a shard group of one rank).
-#
-# **The rule**: a frozen base costs memory *or* traffic, never neither. If the whole base
-# fits on each rank next to the activations and its own shard, keep it gathered for the
-# accumulation window; replicating it with FSDP (a shard group of one rank) saves the one
-# gather per step but holds the base twice from forward to backward. If it does not fit, `reshard_after_forward=False`
-# for the layers you can afford, and accept one gather per micro-batch; resharding every
-# unit after forward is for the model that fits only sharded. In every mode, reduce the
-# adapters' gradients once per step (`set_requires_gradient_sync(False)` until the last
-# micro-batch).
-#
 # ## LoRA on 2 ranks computes what one process computes
 #
 # Five AdamW steps of LoRA on 2 ranks, each on half of the batch, against `peft` on the
@@ -712,8 +392,6 @@ print(
 # ## The tips behind this
 #
 # - {ref}`tip-lora-before-sharding`
-# - {ref}`tip-lora-dtypes`
-# - {ref}`tip-frozen-weight-traffic`
 # - {ref}`tip-check-against-one-process`: the losses above.
 
 # %% tags=["remove-input"]

@@ -99,7 +99,9 @@ MAP = {
         "beyond_the_step",
     ),
     "FSDPModule.set_reshard_after_backward": Entry(
-        "2.9", "Keeps gathered parameters after backward (no new all-gather for the next micro-batch).", "lora"
+        "2.9",
+        "Keeps gathered parameters after backward (no new all-gather for the next micro-batch).",
+        "frozen_weights",
     ),
     "FSDPModule.set_unshard_in_backward": Entry(
         "2.9",

@@ -89,7 +89,11 @@ GROUPS = {
                 "Hugging Face weights from every rank",
                 "DCP's writer: each rank writes its shards as safetensors, no gather.",
             ),
-            "lora": ("LoRA and frozen weights", "Adapters on a sharded base, dtypes, and the export."),
+            "lora": ("LoRA on a sharded model", "Adapters on a sharded base, like one process, and the export."),
+            "frozen_weights": (
+                "Frozen weights",
+                "One dtype among a unit's trainable parameters; the frozen base still all-gathered.",
+            ),
             "beyond_the_step": (
                 "Evaluation and generation",
                 "Evaluate under no_grad, count an uneven eval set once, generate token by token.",
