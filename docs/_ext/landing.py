@@ -95,7 +95,11 @@ GROUPS = {
         "Beyond one machine and beyond data parallelism.",
         {
             "llm": ("The LLM recipe", "Train a small LLM, checkpoint it, resume exactly."),
-            "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
+            "rank_dies": ("When a rank dies", "torchrun restarts every rank from the last checkpoint, bit for bit."),
+            "torchft_recovery": (
+                "torchft: the others keep training",
+                "Replica groups; the restarted one takes a peer's state.",
+            ),
             "tensor_parallel": (
                 "Tensor parallelism",
                 "FSDP and TP on a 2-D mesh: the plan, and each step's collectives.",
