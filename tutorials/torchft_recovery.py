@@ -35,6 +35,8 @@
 # one GPU per rank (NCCL inside a group, torchft's NCCL group across groups, each group on
 # GPUs of its own): each rank's device is {func}`fsdp_guide.device`'s. The tips it
 # demonstrates are listed {ref}`at the end <torchft-recovery-tips>`.
+# It has no plain script to copy yet: its recovery needs a Lighthouse and a `torchrun` per
+# replica group, where one `torchrun` would stop every worker.
 
 # %%
 import sys
@@ -320,7 +322,6 @@ print(f"{'steps the other ranks took meanwhile':38} {'none: stopped':>24} {len(a
 # ## The tips behind this
 #
 # - {ref}`tip-torchft-live-recovery`: keep the other replica groups training, and what the script then needs.
-# - {ref}`tip-checkpoint-interval`: the interval torchrun's restart needs, and torchft's rejoin does not.
 
 # %% tags=["remove-input"]
 import shutil
