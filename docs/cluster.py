@@ -127,8 +127,9 @@ srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 --max-restarts=3 \
 # the previous attempt published and fail to connect (pytorch/pytorch#135712, closed, on
 # NCCL; those tests run with this setting).
 # The recipe warns when it runs under a `torchrun` that restarts on a shared store.
-# {ref}`tutorial-rank-dies` runs such a restart on one machine, measures what it costs,
-# and sets it beside torchft, which keeps the other replicas training instead.
+# {ref}`tutorial-rank-dies` runs such a restart on one machine and measures what it costs;
+# {ref}`tutorial-torchft-recovery` sets it beside torchft, which keeps the other replicas
+# training instead.
 #
 # ## HSDP: shard within a node, replicate across nodes
 #

@@ -548,7 +548,20 @@ def _mfu_counted_right(out: str) -> None:
     assert found and float(found[1]) > 0 and 0 < float(found[2]) <= 1, out  # a fraction; NaN fails
 
 
-# Each script: the ranks it runs on, and the check of what it prints (the claim its page makes of it).
+def _resumed_like_uninterrupted(out: str) -> None:
+    assert "attempt 0: no checkpoint, starting at step 1" in out, out
+    assert "attempt 0: rank 1 killed after step 5" in out, out  # the failure happened, once
+    assert "attempt 1: resumed after step 3" in out, out  # torchrun restarted; step 3's checkpoint, the newest
+    found = re.search(
+        r"8 steps on 2 ranks, rank 1 killed after step 5, resumed after step 3 in attempt 1: "
+        r"max \|weight difference\| vs a run never interrupted = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) == 0, out  # bit for bit; NaN fails the comparison
+
+
+# Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
+# optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
     "quickstart": (2, _loss_difference),
     "mixed_precision": (2, _mixed_precision),
@@ -600,6 +613,7 @@ CLAIMS = {
     "llm": (2, _gpt_loss_falls),
     "llm_checkpoints": (2, _resumed_exactly),
     "mfu": (2, _mfu_counted_right),
+    "rank_dies": (2, _resumed_like_uninterrupted, ["--max-restarts=1"]),
 }
 
 
@@ -613,7 +627,7 @@ LIBRARIES = {
 }
 
 # The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {"rank_dies"}
+WITHOUT_A_SCRIPT_YET = {"torchft_recovery"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():
@@ -646,9 +660,9 @@ def test_the_script_needs_torch_alone(name):
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_the_script_runs_under_torchrun_and_prints_what_its_page_says(name, tmp_path):
-    ranks, check = CLAIMS[name]
+    ranks, check, *torchrun_arguments = CLAIMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(SCRIPTS / f"{name}.py")]  # fmt: skip
+               *(torchrun_arguments[0] if torchrun_arguments else []), str(SCRIPTS / f"{name}.py")]  # fmt: skip
     # In a folder of its own, as a reader's copy would run (what a script writes lands there), with
     # its temporary files there too: torchrun leaves a torchelastic_* folder behind in TMPDIR.
     env = {**os.environ, "TMPDIR": str(tmp_path)}

@@ -81,6 +81,7 @@ def test_every_tutorial_is_tested():
         "state_attributes",
         "summon_full_params",
         "tensor_parallel",
+        "torchft_recovery",
         "tp_attention",
         "tp_checkpoints",
         "tp_exactness",
@@ -1895,7 +1896,7 @@ def test_uneven_experts_handle_empty_routes_unused_experts_and_too_few_experts_t
         assert all(float(e.split(";")[0]) < 1e-6 for e in fixed_moe.split("= ")[1:])
 
 
-def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torchft(executed):
+def test_rank_dies_restarts_exactly_under_torchrun_and_computes_the_interval(executed):
     import math
 
     text = _text_outputs(executed["rank_dies"])
@@ -1922,6 +1923,9 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torch
         # Daly's is √(2δM)(1 + ⅓√(δ/2M) + ...) − δ: about ⅔δ under Young's while δ << M
         assert float(young) - float(daly) == pytest.approx(2 / 3 * save, abs=0.011)
 
+
+def test_torchft_recovery_keeps_the_other_group_training_and_ends_as_the_quorums_computed(executed):
+    text = _text_outputs(executed["torchft_recovery"])
     #   6-71   group 0
     segments = [
         (int(a), int(b), m.split("  ")[0].strip(), m[25:].strip() if len(m) > 25 else "")
@@ -1941,3 +1945,7 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_recovers_live_under_torch
     assert text.count("= the replay's: True") == 4 and "False" not in text.split("group 0's shards")[1]
     steps_alone = int(text.split(" computed again; ")[1].split()[0])
     assert steps_alone == back - died - 1
+    # beside torchrun's restart of the same recipe, rank 1 killed after step 7 with a checkpoint every 2 steps
+    assert "torchrun: rank 1 killed after step 7, resumed after step 6, " in text, text
+    assert re.search(r"^steps computed again +1 +\d+$", text, re.M), text
+    assert re.search(r"^steps the other ranks took meanwhile +none: stopped +\d+$", text, re.M), text

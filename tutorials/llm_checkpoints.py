@@ -214,7 +214,7 @@ print(
 # the last complete checkpoint, and the rerun of steps 21 to 40 is the straight run again.
 # A job that restarts itself when a rank dies (`torchrun --max-restarts` with
 # `--resume auto`), what the failure costs, and torchft's way of training on through it
-# are on {ref}`tutorial-rank-dies`.
+# are on {ref}`tutorial-rank-dies` and {ref}`tutorial-torchft-recovery`.
 #
 # (llm-async-checkpoint)=
 # ## Saving in the background

@@ -112,7 +112,11 @@ GROUPS = {
             "llm": ("The LLM recipe", "Train a small GPT: the recipe's order, the loss curve, one file out."),
             "llm_checkpoints": ("Exact checkpoints", "Stop, crash, save in the background, resume: the same losses."),
             "mfu": ("MFU, computed right", "FLOPs per token checked by torch's counter; a published MFU reproduced."),
-            "rank_dies": ("When a rank dies", "torchrun's restart from a checkpoint, and torchft's live recovery."),
+            "rank_dies": ("When a rank dies", "torchrun restarts every rank from the last checkpoint, bit for bit."),
+            "torchft_recovery": (
+                "torchft: the others keep training",
+                "Replica groups; the restarted one takes a peer's state.",
+            ),
             "tensor_parallel": (
                 "Tensor parallelism",
                 "FSDP and TP on a 2-D mesh: the plan, and each step's collectives.",
