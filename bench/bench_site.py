@@ -131,7 +131,7 @@ def record(out: Path) -> None:
         {Path(uri).stem: secs for uri, secs in notebooks.items()},
         "each notebook in a fresh kernel, in a cold site build executing one notebook at a "
         "time (sphinx-build -D execution_workers=1, empty execution and inductor caches, "
-        "warm launches), nothing else running",
+        "warm launches from the build's one server), nothing else running",
     )
     print(f"\nstated times rewritten in: {', '.join(changed) or 'none (all as recorded)'}")
 

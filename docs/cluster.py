@@ -31,7 +31,7 @@
 #   rank that never arrives, a backend missing for a device, a mesh of the wrong size), each
 #   reproduced, and `torchrun`'s `ChildFailedError` read for the rank that caused it.
 #
-# **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
 # Its idea as a plain torchrun script to copy: {ref}`cluster-script` ({download}`download <../tutorials/scripts/cluster.py>`).
 #

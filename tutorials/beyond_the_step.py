@@ -28,7 +28,7 @@
 # A second copy of the weights beside the trained model (an EMA, a frozen teacher) has a
 # page of its own: {ref}`tutorial-ema-and-teacher`.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
 # {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <beyond-the-step-tips>`.

@@ -24,7 +24,7 @@
 # - a reduction of your own after FSDP's (`set_all_reduce_hook`), and the divide factor's
 #   old name.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU. What
 # FSDP sends, and when, is {ref}`tutorial-communication`; the tips are {ref}`at the end <collective-hooks-tips>`.

@@ -26,7 +26,7 @@
 #   backward prefetching and `reshard_after_forward` change it.
 #
 # **What you need**: Linux (the bytes are read from the loopback interface's counter);
-# 2 and 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# 2 and 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL), except the byte columns (below). The
 # tips are listed {ref}`at the end <communication-tips>`; every public FSDP2 name, and the
 # page that executes it, is in {ref}`fsdp2-map`. Taking over FSDP2's collectives (your own

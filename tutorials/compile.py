@@ -26,7 +26,7 @@
 #   the right one;
 # - `module.compile()` against `torch.compile(module)`: the state-dict names.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 70 seconds on 2 CPU cores ({ref}`measured <measured-times>`) with
+# **What you need**: a CPU; 2 processes on gloo; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`) with
 # inductor's cache empty, as it compiles C++ (later runs reuse its on-disk cache and take
 # less). The worker code
 # is written to run unchanged with one GPU per rank (NCCL); on GPUs inductor generates

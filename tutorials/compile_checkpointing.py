@@ -22,7 +22,7 @@
 #   activations each saves for the backward, and the losses;
 # - what the compiled order saves beyond eager checkpointing, and why.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # It follows {ref}`tutorial-compile`, which shows where to compile (each block, after or

@@ -23,7 +23,7 @@
 # - what `TORCH_LOGS=graph_breaks,recompiles` and `torch._dynamo.explain` report on a
 #   sharded model, and which of the two to believe about what runs eagerly.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # It follows {ref}`tutorial-compile`, which shows where to compile (each block, after

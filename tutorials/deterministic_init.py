@@ -27,7 +27,7 @@
 # - four fixes, each checked bit for bit against a single process that builds the same
 #   model with the same seed, and what each needs.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL), except two demonstrations that
 # are about the CPU and stay on it on purpose. The tips it demonstrates are listed
 # {ref}`at the end <deterministic-init-tips>`.

@@ -25,7 +25,7 @@
 # It builds on {ref}`tutorial-beyond-the-step`, where evaluation leaves the root unit
 # gathered.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the shards live on
 # {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <ema-and-teacher-tips>`.

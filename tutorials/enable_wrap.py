@@ -26,7 +26,7 @@
 #   process from ever existing whole: its parameter bytes counted between blocks, against
 #   building first, and against building on the `meta` device.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): every rank takes its device from
 # {func}`fsdp_guide.device`, the rank's own GPU (`cuda:LOCAL_RANK`) where each rank has one,
 # else the CPU (as on the machine that executed this page). The tips it demonstrates are

@@ -29,7 +29,7 @@
 # The load over experts and ranks, experts some ranks do not call, and fewer experts than
 # ranks are the {ref}`uneven experts page <tutorial-uneven-experts>`.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): every tensor
 # and mesh is on {func}`fsdp_guide.device`.
 # The tips it demonstrates are listed {ref}`at the end <experts-tips>`.

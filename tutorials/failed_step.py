@@ -22,7 +22,7 @@
 # - what `reset_iter_state()` repairs and what it does not on torch 2.13;
 # - how to make the steps after a caught exception equal one process's.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
 # is written to run unchanged with one GPU per rank (NCCL). The tips it demonstrates are listed
 # {ref}`at the end <failed-step-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`failed-step-script` ({download}`download <scripts/failed_step.py>`).

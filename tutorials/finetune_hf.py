@@ -27,7 +27,7 @@
 #   process, the tied pair written once.
 #
 # **What you need**: a CPU; 2 processes on gloo; Linux (the memory readings come from
-# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
+# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
 # config with a fixed seed. The same worker code is written to run unchanged with one GPU
 # per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are listed
 # {ref}`at the end <finetune-hf-tips>`.

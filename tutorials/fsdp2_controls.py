@@ -22,7 +22,7 @@
 # - how `set_unshard_in_backward(False)` saves the all-gather of a unit whose parameters
 #   backward does not need (an embedding), with the gradients unchanged.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
 # is written to run unchanged with one GPU per rank (NCCL). Every public FSDP2 name, and
 # the page that executes it, is in {ref}`fsdp2-map`. The tips it demonstrates are listed
 # {ref}`at the end <fsdp2-controls-tips>`.

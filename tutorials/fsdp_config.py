@@ -26,7 +26,7 @@
 #   and reduce in;
 # - what a mistake in the dictionary tells you.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo, about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
+# **What you need**: a CPU; 2 and 4 processes on gloo, about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code
 # is written to run unchanged with one GPU per rank (NCCL): `shard` puts each rank's
 # model on {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else
 # the CPU, and the workers put their batches there too. The full key-by-key mapping is in the reference,

@@ -27,7 +27,7 @@
 # It reuses the tools of {ref}`the first hang <tutorial-debugging-hangs>`, which shows them
 # one by one.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent waiting in
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent waiting in
 # the hang. The hang runs on gloo on purpose, even where GPUs are present (`backend="gloo"`):
 # a gloo collective holds the calling Python line until it completes, where an NCCL rank would
 # run on and hang later ({ref}`on GPUs <debugging-hangs-gpu>`). The models are built on

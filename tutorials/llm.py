@@ -24,7 +24,7 @@
 # - the loss curve of 40 steps, and exporting one file for inference;
 # - that the notebook runs the same code as `torchrun -m fsdp_guide.recipes.train_llm`.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # recipe is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and
 # `precision="auto"` then picks bf16 (fp16 with a gradient scaler on GPUs without bf16),

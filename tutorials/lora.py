@@ -28,7 +28,7 @@
 # parameters; the all-gathers of a frozen base) is {ref}`tutorial-frozen-weights`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `safetensors` and `peft`
-# (the package's `test` or `docs` extras); about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
+# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
 # downloaded: the "pretrained" model is a small Llama built from a config with a fixed
 # seed, as in {ref}`tutorial-finetune-hf`. The worker code is written to run unchanged with
 # one GPU per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are

@@ -26,7 +26,7 @@
 #   avoids it;
 # - the rule: count the step's real tokens once, before its first micro-batch.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The tips it demonstrates are listed
 # {ref}`at the end <loss-and-accumulation-tips>`.

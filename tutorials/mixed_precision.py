@@ -27,7 +27,7 @@
 # `ShardedGradScaler` with FSDP1): a float16 run without one that stops learning, and
 # the same run with it.
 #
-# **What you need**: a CPU; 2 processes on gloo, about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo, about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips are listed {ref}`at the end <mixed-precision-tips>`.

@@ -25,7 +25,7 @@
 # - on HSDP (a 2 x 2 mesh), what `set_requires_all_reduce(False)` saves instead, at no
 #   memory cost; and a rule for choosing, with the numbers.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): the shards
 # live on {func}`fsdp_guide.device`. The loss is normalised as
 # {ref}`tutorial-loss-and-accumulation` shows. The tips it demonstrates are listed

@@ -30,7 +30,7 @@
 # What the schedules do in time (the idle time, or *bubble*) is the next page's idea:
 # {ref}`tutorial-pipeline-bubble`.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 45 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the mesh and
 # the stages are built on {func}`fsdp_guide.device`. This page shows what runs and what is
 # exact, not speed.

@@ -25,7 +25,7 @@
 #
 # **What you need**: a CPU is enough. The notebook starts 2 processes that talk over gloo on
 # 127.0.0.1; the same code is written to run unchanged with one GPU per rank (NCCL), because every
-# rank asks {func}`fsdp_guide.device` where to compute. It runs in about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed {ref}`at the end <quickstart-tips>`.
+# rank asks {func}`fsdp_guide.device` where to compute. It runs in about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The tips it demonstrates are listed {ref}`at the end <quickstart-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`quickstart-script` ({download}`download <scripts/quickstart.py>`).
 #
 # This page was executed with (where its ranks ran is in the box at the end of the page):

@@ -30,7 +30,7 @@
 # namespaces): torchrun's rendezvous store listens on every interface, so the page runs it
 # in a network namespace of its own where only loopback exists
 # ({func}`fsdp_guide.isolation.loopback_only`); on a cluster it runs as it is. 2 processes
-# on gloo; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The training code is written to run unchanged with
+# on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The training code is written to run unchanged with
 # one GPU per rank (NCCL): each rank's device is {func}`fsdp_guide.device`'s. The tips it
 # demonstrates are listed {ref}`at the end <rank-dies-tips>`. Keeping the other ranks
 # training instead, with torchft: {ref}`tutorial-torchft-recovery`.

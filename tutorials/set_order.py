@@ -26,7 +26,7 @@
 # It belongs with {ref}`the hangs <tutorial-debugging-hangs>`: the same pairing by order,
 # where the sizes happen to agree.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips are listed {ref}`at the end <set-order-tips>`.

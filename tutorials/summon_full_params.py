@@ -24,7 +24,7 @@
 # - why every rank must use the same seed inside the context;
 # - how to check the result against a single process, bit for bit.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL). The tips it demonstrates are
 # listed {ref}`at the end <summon-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`summon-script` ({download}`download <scripts/summon_full_params.py>`).

@@ -25,7 +25,7 @@
 # - the collectives of one training step with FSDP alone, TP alone and both, counted per
 #   mesh dimension with their bytes.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type. Tensor parallelism is expected to pay off on GPUs
 # joined by a fast link (NVLink) inside a node; this page shows what runs, not speed.

@@ -21,7 +21,7 @@
 #   the TP degree, and what a wrong degree raises;
 # - context parallelism, attention split along the sequence, and why it does not run on the CPU.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type.
 # The tips it demonstrates are listed {ref}`at the end <tp-attention-tips>`.

@@ -21,7 +21,7 @@
 #   parameters and optimizer state bit for bit;
 # - that a one-file export gathers over both mesh dimensions.
 #
-# **What you need**: a CPU; 4 and 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 4 and 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type.
 # The tips it demonstrates are listed {ref}`at the end <tp-checkpoints-tips>`.

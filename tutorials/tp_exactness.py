@@ -23,7 +23,7 @@
 #   how to tell the two apart;
 # - `dp_mesh_dims`, which names the data-parallel dimensions of a whole mesh.
 #
-# **What you need**: a CPU; 4 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type.
 # The tips it demonstrates are listed {ref}`at the end <tp-exactness-tips>`.

@@ -24,7 +24,7 @@
 # - why `shard_placement_fn` shards experts along dim 1 when a rank holds fewer experts
 #   than ranks share them: the padding, counted.
 #
-# **What you need**: a CPU; 4 and 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 4 and 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): every tensor
 # and mesh is on {func}`fsdp_guide.device`. It builds on the {ref}`experts page <tutorial-experts>`:
 # its model, expert parallelism over `ep` and FSDP2 over `edp` and `dp`, imported here from

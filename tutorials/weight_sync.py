@@ -26,7 +26,7 @@
 # - that the inference copy then computes the trainer's logits: exactly when it keeps the
 #   trainer's dtype, to bf16's precision when it computes in bf16.
 #
-# **What you need**: a CPU; 3 processes on gloo: 2 train, 1 serves; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 3 processes on gloo: 2 train, 1 serves; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): every tensor
 # lives on {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <weight-sync-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`weight-sync-script` ({download}`download <scripts/weight_sync.py>`).
