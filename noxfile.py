@@ -184,6 +184,7 @@ def torch(session: nox.Session, release: str) -> None:
         "psutil",
         "hypothesis",
         "scikit-learn",
+        "matplotlib",  # the package's figures' doctests (fsdp_guide.collectives.draw_flight_recorder)
     )
     session.run(
         "python", "-c", "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)"

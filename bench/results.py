@@ -99,6 +99,7 @@ def record_page_times(seconds: dict[str, float], conditions: str) -> list[str]:
 
     Returns the tutorials whose stated time changed.
     """
+    seconds = {page: round(value, 1) for page, value in seconds.items()}  # stated from what is kept: 7.46 is 7.5
     m = machine()
     RESULTS.mkdir(exist_ok=True)
     PAGE_TIMES.write_text(
@@ -121,7 +122,7 @@ def record_page_time(page: str, seconds: float, conditions: str) -> bool:
     record["seconds"] = dict(sorted({**record["seconds"], page: round(seconds, 1)}.items()))
     record.setdefault("separately", {})[page] = {"machine": m, "conditions": conditions}
     PAGE_TIMES.write_text(json.dumps(record, indent=1) + "\n")
-    return bool(_state({page: seconds}, m["cores"]))
+    return bool(_state({page: round(seconds, 1)}, m["cores"]))
 
 
 def _state(seconds: dict[str, float], cores: int) -> list[str]:

@@ -61,8 +61,10 @@ class Executed(dict):
 
     def __missing__(self, stem):
         page = next(p for p in NOTEBOOKS if p.stem == stem)
-        self.execution.submit_all(self.wanted)
+        futures = self.execution.submit_all(self.wanted)
         self[stem] = self.execution.submit(page).result()
+        if all(future.done() for future in futures.values()):  # the pages' warm servers are not kept for
+            self.execution.close_servers()  # the rest of the run, where tests count this process's children
         return self[stem]
 
 

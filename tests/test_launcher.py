@@ -701,9 +701,11 @@ def _wait_until_only_servers_are_left(timeout: float) -> None:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(p.pid in server_pids() for p in psutil.Process().children(recursive=True)):
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in server_pids()]
+        if not left:
             return
         time.sleep(0.05)
+    raise AssertionError(f"still running after {timeout} s: {[p.as_dict(['pid', 'cmdline']) for p in left]}")
 
 
 def _sleeper(token: str) -> list[str]:

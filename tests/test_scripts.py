@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import NOTEBOOKS, ROOT
@@ -658,14 +659,33 @@ def test_the_script_needs_torch_alone(name):
     )
 
 
-@pytest.mark.parametrize("name", sorted(CLAIMS))
-def test_the_script_runs_under_torchrun_and_prints_what_its_page_says(name, tmp_path):
-    ranks, check, *torchrun_arguments = CLAIMS[name]
+def _run_under_torchrun(name: str, folder) -> subprocess.CompletedProcess:
+    ranks, _, *torchrun_arguments = CLAIMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                *(torchrun_arguments[0] if torchrun_arguments else []), str(SCRIPTS / f"{name}.py")]  # fmt: skip
     # In a folder of its own, as a reader's copy would run (what a script writes lands there), with
     # its temporary files there too: torchrun leaves a torchelastic_* folder behind in TMPDIR.
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    done = subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    env = {**os.environ, "TMPDIR": str(folder)}
+    return subprocess.run(loopback_only(command), capture_output=True, text=True, timeout=300, cwd=folder, env=env)
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+    """The run of every script this session tests, started at the first test that asks, two at a time, in order.
+
+    One run leaves much of the 2 cores idle (torchrun's agent and the ranks wait for each other,
+    the hang scripts for their timeouts); two at a time fill it, each run in its own network
+    namespace and folder. A run's own check is the same whichever run is beside it."""
+    test = test_the_script_runs_under_torchrun_and_prints_what_its_page_says.__name__
+    wanted = [
+        item.callspec.params["name"] for item in request.session.items if getattr(item, "originalname", None) == test
+    ]
+    with ThreadPoolExecutor(2, thread_name_prefix="script") as pool:
+        yield {name: pool.submit(_run_under_torchrun, name, tmp_path_factory.mktemp(name)) for name in wanted}
+
+
+@pytest.mark.parametrize("name", sorted(CLAIMS))
+def test_the_script_runs_under_torchrun_and_prints_what_its_page_says(name, script_runs):
+    done = script_runs[name].result()
     assert done.returncode == 0, done.stdout + done.stderr
-    check(done.stdout)
+    CLAIMS[name][1](done.stdout)

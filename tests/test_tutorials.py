@@ -255,7 +255,7 @@ def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(ex
 
 def test_debugging_hangs_shows_every_tool_on_the_uneven_batches_hang_and_the_fix(executed):
     text = _text_outputs(executed["debugging_hangs"])
-    drawn = next(c for c in executed["debugging_hangs"].cells if "def draw_waits(" in c.source)
+    drawn = next(c for c in executed["debugging_hangs"].cells if "draw_flight_recorder(" in c.source)
     assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # who waits for whom, drawn once
     lines = text.splitlines()
 
@@ -296,6 +296,8 @@ def test_debugging_hangs_shows_every_tool_on_the_uneven_batches_hang_and_the_fix
 
 def test_hang_branch_shows_the_tools_pointing_past_the_branch_its_stacks_finding_it_and_the_fix(executed):
     text = _text_outputs(executed["hang_branch"])
+    drawn = next(c for c in executed["hang_branch"].cells if "draw_flight_recorder(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # who waits for whom, drawn once
     lines = text.splitlines()
     # both ranks wait in backward; DETAIL, the analyser and the stacks point past where they parted
     branch = [line for line in lines if line.startswith(("rank 0 called the expert", "rank 1 called"))]

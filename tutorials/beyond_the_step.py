@@ -357,6 +357,8 @@ glue("bts_new_tokens", NEW_TOKENS, display=False)
 # and for FSDP1's wrapper. Passing it yourself costs nothing and does not depend on that
 # flag. Here every rank generates exactly `NEW_TOKENS`.
 #
+# ### A method other than forward: a DTensor mixed with a plain torch.Tensor
+#
 # `generate` needed nothing from FSDP because it calls the model itself (`self(...)`), so
 # FSDP's pre-forward and post-forward hooks run. A method that uses a unit's parameters
 # without going through that unit's `forward` (here the root's embeddings) does not gather

@@ -382,7 +382,7 @@ for hook in (False, True):
 # `stream=` passed, on a GPU (per the docstring). Native HSDP is on the
 # {ref}`2D exactness page <tp-hsdp-trap>`.
 #
-# ## The divide factor's old name
+# ## `set_gradient_divide_factor` and its old name, `set_reduce_scatter_divide_factor`
 #
 # `set_reduce_scatter_divide_factor` is the old name of `set_gradient_divide_factor`
 # ({ref}`tutorial-loss-and-accumulation` uses the new one): it warns and calls it. Both,

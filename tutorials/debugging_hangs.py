@@ -291,50 +291,10 @@ for rank in (0, 1):
         print("   ", entry["collective_seq_id"], entry["profiling_name"], entry["input_sizes"])
 
 # %% tags=["hide-input"] mystnb={"image": {"alt": "Each rank's collectives in order from the flight recorder, one row per rank: the same all-gathers side by side up to the second batch, then rank 0's all-reduce facing rank 1's all-gather at the same sequence number, each rank waiting there for the other."}}
-import matplotlib.pyplot as plt
+from fsdp_guide.collectives import draw_flight_recorder
 
-
-def draw_waits(entries_by_rank, title):
-    """One row per rank: its collectives by sequence number; the last, where it waits, in red."""
-    fig, ax = plt.subplots(figsize=(10, 1.1 + 0.5 * len(entries_by_rank)))
-    for rank, entries in enumerate(entries_by_rank):
-        for entry in entries:
-            seq, last = entry["collective_seq_id"], entry is entries[-1]
-            op = (
-                entry["profiling_name"]
-                .split(":")[-1]
-                .replace("_into_tensor", "")
-                .replace("_coalesced", "")
-            )
-            ax.add_patch(
-                plt.Rectangle(
-                    (seq - 0.45, rank - 0.35), 0.9, 0.7, color="tab:red" if last else "0.85"
-                )
-            )
-            ax.text(
-                seq,
-                rank,
-                op.replace("_", "\n", 1),
-                ha="center",
-                va="center",
-                fontsize=6,
-                color="white" if last else "black",
-            )
-    seqs = [e["collective_seq_id"] for entries in entries_by_rank for e in entries]
-    ax.set(
-        xlim=(min(seqs) - 0.6, max(seqs) + 0.6),
-        ylim=(len(entries_by_rank) - 0.5, -0.5),
-        title=title,
-    )
-    ax.set_yticks(range(len(entries_by_rank)), [f"rank {r}" for r in range(len(entries_by_rank))])
-    ax.set_xlabel("collective sequence number (red: where the rank waits)")
-    fig.tight_layout()
-
-
-draw_waits(
-    [flight_recorder(workdir / "hang1", rank)["entries"] for rank in (0, 1)],
-    "Hang 1: the ranks' collectives, from the flight recorder",
-)
+entries = [flight_recorder(workdir / "hang1", rank)["entries"] for rank in (0, 1)]
+figure = draw_flight_recorder(entries, "Hang 1: the ranks' collectives, from the flight recorder")
 
 # %% [markdown]
 # Read the sequence numbers: the ranks agree up to the last collective they share (the

@@ -305,13 +305,19 @@ for number, entries in enumerate(zip(*traces), start=1):
     )
 
 # the first collective the two ranks issued from different FSDP hooks
-glue(
-    "hang2_parted",
-    next(
-        (number for number, (a, b) in enumerate(zip(*traces), start=1) if hook_of(a) != hook_of(b)),
-        None,
-    ),
-    display=False,
+parted = next(
+    (number for number, (a, b) in enumerate(zip(*traces), start=1) if hook_of(a) != hook_of(b)),
+    None,
+)
+glue("hang2_parted", parted, display=False)
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Each rank's collectives in hang 2 from the flight recorder, one row per rank: all-gathers paired by their order, the one where the ranks parted (rank 0's issued in forward, rank 1's in backward) outlined, and each rank's last collective, where it waits, in red: a different operation on each rank."}}
+from fsdp_guide.collectives import draw_flight_recorder
+
+figure = draw_flight_recorder(
+    traces,
+    "Hang 2: the ranks' collectives, from the flight recorder",
+    parted=traces[0][parted - 1]["collective_seq_id"],
 )
 
 # %% [markdown]

@@ -24,7 +24,7 @@
 # - where FSDP's `SHARD_GRAD_OP` differs from ZeRO stage 2;
 # - where `CPUOffloadPolicy` puts each rank's states, and what it needs.
 #
-# **What you need**: a CPU; 2 and 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 and 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # The tips are listed {ref}`at the end <memory-tips>`.

@@ -117,6 +117,11 @@ class Execution:
         self._broker.close()
         shutil.rmtree(self._sockets, ignore_errors=True)
 
+    def close_servers(self) -> None:
+        """End the warm servers the pages' launches share (``ServerBroker``); a page executed after
+        this starts a server of its own, as a kernel outside the build does."""
+        self._broker.close()
+
     def stop(self, within: float = 60) -> None:
         """Start no other page and end the running ones now: their kernels are killed (their ranks follow)."""
         import psutil

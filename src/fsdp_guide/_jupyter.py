@@ -146,8 +146,8 @@ def find_targets(root: Path) -> dict[str, Target]:
     >>> targets = find_targets(Path(__file__).parents[2])  # the repository, in a checkout
     >>> targets["tip-describe-sharding"].path, targets["quickstart-tips"].anchor
     ('docs/fsdp_tips.rst', 'cell-id=quickstart-tips')
-    >>> targets["compile-tips"].anchor  # the second section of the cell that opens with compile-gpu
-    'cell-id=compile-gpu'
+    >>> targets["fsdp2-unshardhandle"].anchor  # a later label of the cell that opens with another
+    'cell-id=fsdp2-fsdpmodule-set-modules-to-forward-prefetch'
     >>> targets["py:fsdp_guide.launch"].path, targets["term:shard"].path
     ('docs/fsdp.rst', 'docs/glossary.rst')
     """

@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group  # a funct
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["count_collectives", "collective_kind", "CollectiveCount"]
+__all__ = ["count_collectives", "collective_kind", "CollectiveCount", "draw_flight_recorder"]
 
 # Operator name (without overload) -> (kind, index of the argument whose tensors are the
 # collective's full size): an all-gather's gathered output, a reduce-scatter's input,
@@ -154,3 +154,45 @@ def count_collectives(*meshes: DeviceMesh | None) -> CollectiveCount:
     [('dp', 'all-reduce', 2, 16), ('tp', 'all-reduce', 1, 16)]
     """
     return CollectiveCount(*meshes)
+
+
+def draw_flight_recorder(entries_by_rank: list[list[dict]], title: str, parted: int | None = None):
+    """Who waits for whom: each rank's collectives from its flight recorder, a row per rank.
+
+    ``entries_by_rank``: each rank's ``entries`` from a flight recorder dump
+    (``torch._C._distributed_c10d._dump_fr_trace()``, unpickled), in the order they were issued.
+    A box per collective at its sequence number, named by its operation; each rank's last, where
+    it waits for a peer that never issues the same, in red; ``parted``, the sequence number of the
+    first collective the ranks issued for different reasons (found by the caller), outlined.
+    Returns the matplotlib figure.
+
+    >>> entries = [[{"collective_seq_id": 1, "profiling_name": "gloo:all_gather_into_tensor_coalesced"},
+    ...             {"collective_seq_id": 2, "profiling_name": "gloo:all_reduce"}],
+    ...            [{"collective_seq_id": 1, "profiling_name": "gloo:all_gather_into_tensor_coalesced"},
+    ...             {"collective_seq_id": 2, "profiling_name": "gloo:all_gather_into_tensor_coalesced"}]]
+    >>> figure = draw_flight_recorder(entries, "two ranks part at collective 2")
+    >>> [text.get_text() for text in figure.axes[0].texts][-2:]
+    ['all\\ngather', 'all\\ngather']
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(10, 1.1 + 0.5 * len(entries_by_rank)))
+    for rank, entries in enumerate(entries_by_rank):
+        for entry in entries:
+            seq, last = entry["collective_seq_id"], entry is entries[-1]
+            op = entry["profiling_name"].split(":")[-1].replace("_into_tensor", "").replace("_coalesced", "")
+            box = plt.Rectangle((seq - 0.45, rank - 0.35), 0.9, 0.7, facecolor="tab:red" if last else "0.85")
+            if seq == parted:
+                box.set(edgecolor="tab:blue", linewidth=2.5)
+            ax.add_patch(box)
+            color = "white" if last else "black"
+            ax.text(seq, rank, op.replace("_", "\n", 1), ha="center", va="center", fontsize=6, color=color)
+    numbers = [entry["collective_seq_id"] for entries in entries_by_rank for entry in entries]
+    ax.set(xlim=(min(numbers) - 0.6, max(numbers) + 0.6), ylim=(len(entries_by_rank) - 0.5, -0.5), title=title)
+    ax.set_yticks(range(len(entries_by_rank)), [f"rank {rank}" for rank in range(len(entries_by_rank))])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sequence numbers, not fractions
+    outlined = "; outlined: where the ranks parted" if parted is not None else ""
+    ax.set_xlabel(f"collective sequence number (red: where each rank waits{outlined})")
+    fig.tight_layout()
+    return fig
