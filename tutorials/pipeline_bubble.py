@@ -366,11 +366,9 @@ fig.tight_layout()
 # (pipeline-bubble-tips)=
 # ## The tips behind this
 #
-# The bubble is the pipeline's, not FSDP's: this page proves no FSDP tip of its own. The
-# tip for FSDP2 under pipelining is proved on {ref}`tutorial-pipeline`:
-#
-# - {ref}`tip-pipeline-keep-gathered`: under pipelining, shard each stage with
-#   `reshard_after_forward=False`.
+# - {ref}`tip-pipeline-micro-batches`: more micro-batches, a smaller bubble; 1F1B for its memory.
+# - {ref}`tip-pipeline-keep-gathered` (proved on {ref}`tutorial-pipeline`): under pipelining,
+#   shard each stage with `reshard_after_forward=False`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on
