@@ -18,6 +18,11 @@ nox.options.reuse_existing_virtualenvs = True
 SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-j", "auto", "-b", "html"]
 
 
+# The tests, two at a time, in the groups tests/conftest.py gives them (a module, or every test
+# that uses the executed pages): the package's tests alone took 211 s one at a time, 162 s so.
+XDIST = ["--numprocesses=2", "--dist=loadgroup"]
+
+
 def install(session: nox.Session, *extras: str) -> None:
     # The pinned environment the site is executed with (torch==2.13.0 among it).
     session.install(*uv_options(session), "-c", "constraints.txt", "-e", f".[{','.join(('test', 'docs', *extras))}]")
@@ -57,7 +62,10 @@ def tests(session: nox.Session) -> None:
     # The code's form first, in seconds: pyproject.toml's [tool.ruff] (tutorials/ruff.toml for the pages).
     session.run("ruff", "format", "--check", ".")
     session.run("ruff", "check", ".")
-    session.run("pytest", "--durations=15", *session.posargs)  # CI's log names what to make faster
+    # Two at a time (pytest-xdist): one worker takes the tests that use the executed pages (it
+    # executes them, two at a time, and builds the site), the other every other module, a module
+    # at a time (tests/conftest.py); one at a time, 2 cores stood idle a third of the time.
+    session.run("pytest", *XDIST, "--durations=15", *session.posargs)  # CI's log names what to make faster
 
 
 # The supported torch range, tested at both ends: the oldest release pyproject allows, and
@@ -181,6 +189,7 @@ def torch(session: nox.Session, release: str) -> None:
         "peft",
         "pytest",
         "pytest-timeout",
+        "pytest-xdist",
         "psutil",
         "hypothesis",
         "scikit-learn",
@@ -192,8 +201,8 @@ def torch(session: nox.Session, release: str) -> None:
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
-    # after 5 minutes instead of running into CI's limit. One test at a time: 2 cores.
-    session.run("pytest", "--timeout=300", "--durations=15", *ignored, *session.posargs)
+    # after 5 minutes instead of running into CI's limit.
+    session.run("pytest", *XDIST, "--timeout=300", "--durations=15", *ignored, *session.posargs)
 
 
 @nox.session(venv_backend="uv")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,63 @@ NOTEBOOKS = TUTORIALS + sorted((ROOT / "docs").glob("*.py"))
 # The pages are executed as the site build executes them (docs/_ext/execution.py): two
 # at a time, each in its own kernel with its folder as working directory, into a jupyter-cache.
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
-from execution import Execution, execution_order, recorded_seconds  # noqa: E402
+from execution import Execution, MachineLock, execution_order, recorded_seconds  # noqa: E402
 
 WANTED = pytest.StashKey[list]()
+PAGE_FIXTURES = {"executed", "execution_cache", "site"}
+
+
+# `nox -s tests` runs the tests two at a time (pytest-xdist, --dist loadgroup). The tests that use
+# the executed pages go to one worker together, which executes the pages once (two at a time, as
+# the build does) and builds the site once; every other module is a group of its own, so that a
+# module's fixtures are set up once. The pages' alone cells (a machine-wide byte counter, a timed
+# schedule) take the machine from the other worker's tests: the workers share a MachineLock.
+def _uses_the_pages(item) -> bool:
+    return bool(PAGE_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def pytest_itemcollected(item):
+    """Each test's group (before xdist's pytest_collection_modifyitems reads them)."""
+    if item.config.pluginmanager.hasplugin("xdist"):
+        item.add_marker(pytest.mark.xdist_group("pages" if _uses_the_pages(item) else item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that starts the workers
+def pytest_configure_node(node):
+    config = node.config
+    if not hasattr(config, "machine_lock_folder"):
+        config.machine_lock_folder = tempfile.mkdtemp(prefix="fsdp-guide-tests-machine-")
+        config.add_cleanup(lambda: shutil.rmtree(config.machine_lock_folder, ignore_errors=True))
+    node.workerinput["machine_lock"] = config.machine_lock_folder
+
+
+def _machine_lock_folder(config) -> Path | None:
+    """The folder of the workers' MachineLock, in an xdist worker; None in a run of one process."""
+    folder = getattr(config, "workerinput", {}).get("machine_lock")
+    return Path(folder) if folder else None
+
+
+MACHINE = pytest.StashKey[MachineLock]()
+
+
+def pytest_configure(config):
+    if folder := _machine_lock_folder(config):
+        config.stash[MACHINE] = MachineLock(folder)  # this worker's share: its tests and their background work
+
+
+def machine_share(config) -> contextlib.AbstractContextManager:
+    """Held while a test's work runs: this worker's share of the machine (nothing in a run of one process)."""
+    lock = config.stash.get(MACHINE, None)
+    return lock.share() if lock else contextlib.nullcontext()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that does not use the pages runs (set-up to teardown) with a share of the machine."""
+    if _uses_the_pages(item):
+        return (yield)
+    with machine_share(item.config):
+        return (yield)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
@@ -54,10 +111,10 @@ class Executed(dict):
     error (``execution.PageFailed``) wherever it is used.
     """
 
-    def __init__(self, cache_path: Path, wanted: list[Path]):
+    def __init__(self, cache_path: Path, wanted: list[Path], machine_lock: Path | None = None):
         super().__init__()
         self.cache_path, self.wanted = cache_path, wanted
-        self.execution = Execution(cache_path, workers=2, timeout=180)
+        self.execution = Execution(cache_path, workers=2, timeout=180, machine_lock=machine_lock)
 
     def __missing__(self, stem):
         page = next(p for p in NOTEBOOKS if p.stem == stem)
@@ -71,7 +128,8 @@ class Executed(dict):
 @pytest.fixture(scope="session")
 def executed(request, tmp_path_factory):
     """Every notebook page, executed at most once per test run."""
-    pages = Executed(tmp_path_factory.mktemp("jupyter_cache"), request.config.stash.get(WANTED, []))
+    wanted = request.config.stash.get(WANTED, [])
+    pages = Executed(tmp_path_factory.mktemp("jupyter_cache"), wanted, _machine_lock_folder(request.config))
     yield pages
     pages.execution.stop()  # pages no test asked for are not started, or not waited for (after a Ctrl-C too)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import threading
+import time
 
 import execution  # docs/_ext, put on sys.path by conftest
 import nbformat
@@ -98,6 +101,69 @@ def test_a_cell_tagged_alone_runs_while_no_other_page_runs_a_cell_or_starts_and_
         for (b, j), other in other_cells.items()
         if a < b and i >= 0 and j >= 0
     )
+
+
+def _until(condition, within: float = 120) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "waited 120 s"
+        time.sleep(0.01)
+
+
+@HANG
+def test_an_alone_cell_waits_for_another_processs_work_and_that_processs_next_work_waits_for_it(tmp_path):
+    # pytest-xdist's other worker, running a test (conftest.machine_share): a MachineLock with its own
+    # open files, which flock(2) treats as another process's
+    other = execution.MachineLock(tmp_path / "machine")
+    page = _cells(tmp_path, "measuring", (False, "pass"), (True, "time.sleep(2)"))
+    with execution.Execution(tmp_path / "cache", workers=1, machine_lock=tmp_path / "machine") as run:
+        with other.share():
+            future = run.submit(page)
+            _until(lambda: (tmp_path / "cells.jsonl").exists() and ("measuring", 0) in _cell_intervals(tmp_path))
+            time.sleep(1)  # an alone cell that did not wait would start now
+            released = time.time()
+        _until(lambda: (tmp_path / "running-measuring-1").exists())
+        with other.share():  # its next test
+            shared = time.time()
+        future.result()
+    alone = _cell_intervals(tmp_path)["measuring", 1]
+    assert alone[0] >= released and shared >= alone[1]
+
+
+def test_work_that_keeps_coming_cannot_keep_an_alone_cell_waiting(tmp_path):
+    """flock(2) grants a shared lock while an exclusive one waits: the gate keeps later work out."""
+    running, alone, later = (execution.MachineLock(tmp_path) for _ in range(3))
+    order = []
+
+    def take_alone():
+        alone.take()
+        order.append("alone")
+        alone.give_back()
+
+    def share_later():
+        with later.share():
+            order.append("later")
+
+    with running.share():
+        taker = threading.Thread(target=take_alone)
+        taker.start()
+        with open(tmp_path / "gate") as gate:  # held by the alone cell while it waits for the machine
+
+            def gate_is_held() -> bool:
+                try:
+                    fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return True
+                fcntl.flock(gate, fcntl.LOCK_UN)
+                return False
+
+            _until(gate_is_held)
+        sharer = threading.Thread(target=share_later)
+        sharer.start()
+        time.sleep(0.5)  # without the gate, the later share would be granted now, beside the running one
+        assert order == []
+    taker.join(60), sharer.join(60)
+    assert order == ["alone", "later"]
 
 
 @HANG

@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import NOTEBOOKS, ROOT
+from conftest import NOTEBOOKS, ROOT, machine_share
 
 from fsdp_guide.isolation import loopback_only
 
@@ -680,7 +680,9 @@ def script_runs(request, tmp_path_factory):
     wanted = [
         item.callspec.params["name"] for item in request.session.items if getattr(item, "originalname", None) == test
     ]
-    with ThreadPoolExecutor(2, thread_name_prefix="script") as pool:
+    # the runs go on between this module's tests: they hold this worker's share of the machine
+    # from the first run's start to the last one's end (conftest.machine_share)
+    with machine_share(request.config), ThreadPoolExecutor(2, thread_name_prefix="script") as pool:
         yield {name: pool.submit(_run_under_torchrun, name, tmp_path_factory.mktemp(name)) for name in wanted}
 
 

@@ -20,7 +20,9 @@ concurrent page's ranks would add to; the pipeline bubble page times the bubble 
 on a core of its own, which a concurrent page's ranks would take (its idle fractions
 drifted by more than 0.1 once, with another page running beside it). The rest of such a
 page (its kernel's start, its imports, its other cells) shares the machine as any page
-does: only the tagged cells keep the other pages waiting.
+does: only the tagged cells keep the other pages waiting. Where other processes share the
+machine (the tests, run two at a time by pytest-xdist), an alone cell also waits for their
+work to end, and keeps new work waiting, through a lock between processes (``MachineLock``).
 
 An executed page's outputs name files of the machine that ran it where a warning or a
 traceback does; they are cached (and shown) with those paths shortened to the part any
@@ -30,6 +32,7 @@ reader's machine shares (``without_build_paths``).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import re
@@ -69,7 +72,12 @@ class Execution:
     """
 
     def __init__(
-        self, cache_path: str | Path, workers: int = 2, timeout: int = 180, report: Callable[[str], None] | None = None
+        self,
+        cache_path: str | Path,
+        workers: int = 2,
+        timeout: int = 180,
+        report: Callable[[str], None] | None = None,
+        machine_lock: Path | None = None,
     ):
         from jupyter_cache import get_cache
 
@@ -83,7 +91,8 @@ class Execution:
         self._kernels = itertools.count()  # short socket names: a Unix socket's path has ~100 bytes at most
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
-        self._machine = _Machine()
+        # an alone cell takes the machine from other processes too where they share it (MachineLock)
+        self._machine = _Machine(MachineLock(machine_lock) if machine_lock else None)
         self._futures: dict[Path, Future] = {}
         self._interrupted = threading.Event()  # Ctrl-C: stop every page (close)
 
@@ -308,11 +317,12 @@ class _Machine:
     Written by hand: neither the standard library nor nbclient has one.
     """
 
-    def __init__(self):
+    def __init__(self, others: MachineLock | None = None):
         self._condition = threading.Condition()
         self._shares = 0  # pages running an ordinary cell, or starting or stopping their kernel
         self._alone_waiting = 0
         self._alone_running = False
+        self._others = others  # other processes' work, which an alone cell also waits for
 
     def _open(self) -> bool:
         return not self._alone_running and not self._alone_waiting
@@ -338,6 +348,8 @@ class _Machine:
                 else:
                     self._condition.wait_for(self._open)
                     self._shares += 1
+            if alone and self._others is not None:  # the other pages wait meanwhile: the machine is taken
+                self._others.take()
 
         with self._condition:
             self._condition.wait_for(self._open)
@@ -352,9 +364,55 @@ class _Machine:
         """The page's share, or the whole machine (called with the condition held)."""
         if holds_alone:
             self._alone_running = False
+            if self._others is not None:
+                self._others.give_back()
         else:
             self._shares -= 1
         self._condition.notify_all()
+
+
+class MachineLock:
+    """The machine, between processes: their work holds a share, and an alone cell takes it whole.
+
+    Two files in ``folder``, locked with flock(2): ``machine``, shared by each process's work
+    (``share``, reentrant within the process) and taken whole by an alone cell (``take``), and
+    ``gate``, which an alone cell holds from before it waits for the machine until it gives the
+    machine back, and which work passes through before it takes a share. flock's shared and
+    exclusive modes are the lock; the gate is the fairness they lack: without it, work that
+    keeps coming (a test after a test) could keep the alone cell waiting for ever.
+    Written by hand: neither the standard library nor pytest-xdist has a lock between processes.
+    """
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self._gate, self._machine = (open(folder / name, "a") for name in ("gate", "machine"))  # noqa: SIM115
+        self._shares, self._lock = 0, threading.Lock()
+
+    @contextlib.contextmanager
+    def share(self):
+        """Held while this process's work runs; waits while an alone cell waits or runs."""
+        with self._lock:
+            if self._shares == 0:
+                fcntl.flock(self._gate, fcntl.LOCK_EX)
+                fcntl.flock(self._machine, fcntl.LOCK_SH)
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
+            self._shares += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._shares -= 1
+                if self._shares == 0:
+                    fcntl.flock(self._machine, fcntl.LOCK_UN)
+
+    def take(self) -> None:
+        """Wait until no process holds a share, and keep any from taking one until ``give_back``."""
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        fcntl.flock(self._machine, fcntl.LOCK_EX)
+
+    def give_back(self) -> None:
+        fcntl.flock(self._machine, fcntl.LOCK_UN)
+        fcntl.flock(self._gate, fcntl.LOCK_UN)
 
 
 def execution_order(pages: Iterable[Path], seconds: dict[str, float]) -> list[Path]:
