@@ -20,7 +20,7 @@ SPHINX = ["sphinx-build", "-W", "--keep-going", "-n", "-j", "auto", "-b", "html"
 
 # The tests, two at a time, in the groups tests/conftest.py gives them (a module, or every test
 # that uses the executed pages): the package's tests alone took 211 s one at a time, 162 s so.
-XDIST = ["--numprocesses=2", "--dist=loadgroup"]
+XDIST = ["--numprocesses=2", "--dist=loadscope"]
 
 
 def install(session: nox.Session, *extras: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -34,34 +35,60 @@ WANTED = pytest.StashKey[list]()
 PAGE_FIXTURES = {"executed", "execution_cache", "site"}
 
 
-# `nox -s tests` runs the tests two at a time (pytest-xdist, --dist loadgroup). The tests that use
-# the executed pages go to one worker together, which executes the pages once (two at a time, as
-# the build does) and builds the site once; every other module is a group of its own, so that a
-# module's fixtures are set up once. The pages' alone cells (a machine-wide byte counter, a timed
-# schedule) take the machine from the other worker's tests: the workers share a MachineLock.
+# `nox -s tests` runs the tests two at a time (pytest-xdist, --dist loadscope). A test's scope is
+# its group: the tests that use the executed pages are one, which one worker takes whole (it
+# executes the pages once, two at a time as the build does, and builds the site once); every
+# other module is one, so that its fixtures are set up once. xdist's loadgroup would carry the
+# group in the test's id, which pytest 9.2 no longer lets a plugin change: the workers write the
+# groups of what they collected to a file, and the scheduler (ByGroup) reads it. The pages'
+# alone cells (a machine-wide byte counter, a timed schedule) take the machine from the other
+# worker's tests: the workers share a MachineLock in the same folder.
 def _uses_the_pages(item) -> bool:
     return bool(PAGE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-def pytest_itemcollected(item):
-    """Each test's group (before xdist's pytest_collection_modifyitems reads them)."""
-    if item.config.pluginmanager.hasplugin("xdist"):
-        item.add_marker(pytest.mark.xdist_group("pages" if _uses_the_pages(item) else item.nodeid.split("::")[0]))
+def _group(item) -> str:
+    return "pages" if _uses_the_pages(item) else item.nodeid.split("::")[0]
+
+
+def _run_folder(config) -> str:
+    """The folder the controller shares with its workers (the groups, the MachineLock's files), made once."""
+    if not hasattr(config, "fsdp_guide_run_folder"):
+        config.fsdp_guide_run_folder = tempfile.mkdtemp(prefix="fsdp-guide-tests-")
+        config.add_cleanup(lambda: shutil.rmtree(config.fsdp_guide_run_folder, ignore_errors=True))
+    return config.fsdp_guide_run_folder
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that starts the workers
 def pytest_configure_node(node):
-    config = node.config
-    if not hasattr(config, "machine_lock_folder"):
-        config.machine_lock_folder = tempfile.mkdtemp(prefix="fsdp-guide-tests-machine-")
-        config.add_cleanup(lambda: shutil.rmtree(config.machine_lock_folder, ignore_errors=True))
-    node.workerinput["machine_lock"] = config.machine_lock_folder
+    node.workerinput["fsdp_guide_run_folder"] = _run_folder(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    folder = Path(_run_folder(config))
+
+    class ByGroup(LoadScopeScheduling):
+        """loadscope, with each test's group for its scope (written by the workers once they have collected)."""
+
+        groups: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            if not self.groups:
+                self.groups.update(json.loads(next(folder.glob("groups-*.json")).read_text()))
+            return self.groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return ByGroup(config, log)
 
 
 def _machine_lock_folder(config) -> Path | None:
     """The folder of the workers' MachineLock, in an xdist worker; None in a run of one process."""
-    folder = getattr(config, "workerinput", {}).get("machine_lock")
-    return Path(folder) if folder else None
+    folder = getattr(config, "workerinput", {}).get("fsdp_guide_run_folder")
+    return Path(folder) / "machine" if folder else None
 
 
 MACHINE = pytest.StashKey[MachineLock]()
@@ -100,6 +127,10 @@ def pytest_collection_modifyitems(config, items):
         if "executed" in names and callspec is not None and "tutorial" in callspec.params:
             wanted.add(callspec.params["tutorial"])
     config.stash[WANTED] = execution_order(wanted, recorded_seconds(ROOT))
+    if hasattr(config, "workerinput"):  # the groups, for the controller's scheduler (ByGroup)
+        folder, worker = Path(config.workerinput["fsdp_guide_run_folder"]), config.workerinput["workerid"]
+        (folder / f"{worker}.tmp").write_text(json.dumps({item.nodeid: _group(item) for item in items}))
+        (folder / f"{worker}.tmp").rename(folder / f"groups-{worker}.json")  # whole, when the scheduler reads it
 
 
 class Executed(dict):

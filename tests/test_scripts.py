@@ -9,13 +9,17 @@ network namespace of its own (``fsdp_guide.isolation.loopback_only``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import psutil
 import pytest
 from conftest import NOTEBOOKS, ROOT, machine_share
 
@@ -561,6 +565,24 @@ def _resumed_like_uninterrupted(out: str) -> None:
     assert found and float(found[1]) == 0, out  # bit for bit; NaN fails the comparison
 
 
+def _other_group_trained_on_and_restarted_one_caught_up(out: str) -> None:
+    killed = re.search(r"group 1 rank 1: killed after step (\d+)", out)
+    assert killed, out  # the failure happened
+    # group 0 stepped in a quorum of its own after the kill, never restarted (attempt 0 throughout)
+    alone = [int(s) for s in re.findall(r"group 0 attempt 0: step (\d+), 1 group\(s\) averaging\n", out)]
+    assert any(step > int(killed[1]) for step in alone), out
+    assert "group 0 attempt 1" not in out, out
+    # the restarted group received the state from the live one, then averaged with it again
+    assert re.search(r"group 1 attempt 1: step \d+, 1 group\(s\) averaging, this group receiving the state", out)
+    assert re.search(r"group 1 attempt 1: step \d+, 2 group\(s\) averaging\n", out), out
+    final = dict(re.findall(r"(group \d rank \d) attempt \d: stopped after step \d+, shards sha256 (\w+)", out))
+    assert len(final) == 4, out
+    assert final["group 0 rank 0"] == final["group 1 rank 0"] and final["group 0 rank 1"] == final["group 1 rank 1"], (
+        out
+    )
+    assert set(re.findall(r"stopped after step (\d+)", out)).__len__() == 1, out  # every rank stopped at one step
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
@@ -615,7 +637,12 @@ CLAIMS = {
     "llm_checkpoints": (2, _resumed_exactly),
     "mfu": (2, _mfu_counted_right),
     "rank_dies": (2, _resumed_like_uninterrupted, ["--max-restarts=1"]),
+    "torchft_recovery": (4, _other_group_trained_on_and_restarted_one_caught_up),  # 2 groups of 2 ranks
 }
+
+# Scripts run by more than one command (a Lighthouse and a torchrun per replica group): the test
+# runs the commands the script's docstring gives, in bash, in the folder the script is copied to.
+RUN_AS_DOCUMENTED = {"torchft_recovery"}
 
 
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
@@ -625,17 +652,15 @@ LIBRARIES = {
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},
+    "torchft_recovery": {"torchft"},
 }
-
-# The pages whose script is still to be written (issue 47): each one written leaves this list.
-WITHOUT_A_SCRIPT_YET = {"torchft_recovery"}
 
 
 def test_every_page_has_its_script_and_every_script_a_claim():
     pages = {page.stem for page in NOTEBOOKS}
     scripts = {script.stem for script in SCRIPTS.glob("*.py")}
     assert scripts <= pages, f"scripts without a page: {scripts - pages}"
-    assert pages - scripts == WITHOUT_A_SCRIPT_YET
+    assert pages == scripts, f"pages without a script: {pages - scripts}"
     assert set(CLAIMS) == scripts
 
 
@@ -659,7 +684,45 @@ def test_the_script_needs_torch_alone(name):
     )
 
 
+def documented_command(name: str) -> str:
+    """The command a script's docstring gives: its first block indented by 4 spaces."""
+    doc = ast.get_docstring(ast.parse((SCRIPTS / f"{name}.py").read_text()), clean=False)
+    block = re.search(r"\n\n((?:    \S.*\n)+)", doc + "\n")
+    assert block, f"{name}.py: no command in its docstring"
+    return "\n".join(line[4:] for line in block[1].splitlines())
+
+
+def _run_as_documented(name: str, folder) -> subprocess.CompletedProcess:
+    """The docstring's commands, as a reader pastes them into bash beside a copy of the script.
+
+    Their output goes to files, not pipes: a process they start in the background (a Lighthouse)
+    would hold a pipe open after bash has ended. Whatever is left once bash has ended is killed."""
+    (folder / f"{name}.py").write_text((SCRIPTS / f"{name}.py").read_text())
+    env = {**os.environ, "TMPDIR": str(folder), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    command = loopback_only(["bash", "-euc", documented_command(name)])
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+        run = subprocess.Popen(command, stdout=out, stderr=err, cwd=folder, env=env, start_new_session=True)
+    try:
+        returncode = run.wait(timeout=300)
+    finally:  # left behind where a command failed: a Lighthouse (in bash's process group), ranks
+        # (torchrun starts each in a session of its own)
+        left = []
+        with contextlib.suppress(psutil.Error):
+            left = psutil.Process(run.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        run.wait()
+    return subprocess.CompletedProcess(
+        command, returncode, (folder / "stdout").read_text(), (folder / "stderr").read_text()
+    )
+
+
 def _run_under_torchrun(name: str, folder) -> subprocess.CompletedProcess:
+    if name in RUN_AS_DOCUMENTED:
+        return _run_as_documented(name, folder)
     ranks, _, *torchrun_arguments = CLAIMS[name]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                *(torchrun_arguments[0] if torchrun_arguments else []), str(SCRIPTS / f"{name}.py")]  # fmt: skip

@@ -35,8 +35,8 @@
 # one GPU per rank (NCCL inside a group, torchft's NCCL group across groups, each group on
 # GPUs of its own): each rank's device is {func}`fsdp_guide.device`'s. The tips it
 # demonstrates are listed {ref}`at the end <torchft-recovery-tips>`.
-# It has no plain script to copy yet: its recovery needs a Lighthouse and a `torchrun` per
-# replica group, where one `torchrun` would stop every worker.
+# Its idea as plain torchrun scripts to copy, a Lighthouse and a `torchrun` per replica group:
+# {ref}`torchft-recovery-script` ({download}`download <scripts/torchft_recovery.py>`).
 
 # %%
 import sys
@@ -317,6 +317,25 @@ print(f"{'steps the other ranks took meanwhile':38} {'none: stopped':>24} {len(a
 # cluster, the {ref}`cluster page <cluster-max-restarts>` starts torchrun with
 # `--max-restarts`.
 #
+# %% [markdown]
+# (torchft-recovery-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch and torchft alone:
+# {download}`scripts/torchft_recovery.py`. Its docstring gives the commands: a Lighthouse on
+# 127.0.0.1, and a `torchrun --max-restarts=1` per replica group, each group 2 ranks of FSDP2;
+# group 1's rank 1 kills itself after step 8 in torchrun's first attempt. The state goes to the
+# restarted group over torchft's process group (`PGTransport`), shard by shard as above, and the
+# data is a function of the step. The run ends once both groups have stepped together past step
+# 20, and each rank prints a digest of its shards. The tests run those commands as they are, in a
+# network namespace where only loopback exists, and check that group 0 never restarted and stepped
+# in a quorum of its own after the kill, that group 1 received the state and averaged with group 0
+# again, and that the same rank of both groups ends with the same bytes (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/torchft_recovery.py
+# :language: python
+# ```
+
 # %% [markdown]
 # (torchft-recovery-tips)=
 # ## The tips behind this
