@@ -364,6 +364,11 @@ def test_hang_state_dict_shows_py_spy_on_a_gather_on_rank_0_only_and_the_fix(exe
     assert "get_model_state_dict (" in spy0 and "DTensor.redistribute" in spy0 and "\n    wait_tensor (" in spy0
     assert "c10d::Work::wait" in spy1 and "barrier (" in spy1 and "get_model_state_dict" not in spy1
     assert "file written: True" in text
+    # the flight recorder: each rank waits in its first collective, an all-gather on rank 0, a barrier on rank 1
+    assert re.search(r"^rank 0: 1 collective\(s\); waits in #1, gloo:all_gather\w*$", text, re.M), text
+    assert re.search(r"^rank 1: 1 collective\(s\); waits in #1, gloo:barrier$", text, re.M), text
+    drawn = next(c for c in executed["hang_state_dict"].cells if "draw_flight_recorder(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # who waits for whom, drawn once
 
 
 def test_set_order_sums_wrong_on_cold_ranks_right_on_warm_ones_and_right_sorted(executed):

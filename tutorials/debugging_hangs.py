@@ -56,7 +56,6 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
 workdir = Path(scratch.name)
-workdir = Path(scratch.name)
 
 
 def mlp(layers=3):

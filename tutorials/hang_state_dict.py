@@ -176,6 +176,11 @@ def py_spy_dump_after(seconds, where):
     paths = [Path(where, f"py-spy{rank}.txt") for rank in range(dist.get_world_size())]
 
     def dump():
+        import torch._C._distributed_c10d as c10d
+
+        # and the flight recorder's entries (on by default), for the picture of who waits for whom
+        flight = Path(where, f"flight-recorder{dist.get_rank()}.pkl")
+        flight.write_bytes(c10d._dump_fr_trace())
         try:
             done = subprocess.run(
                 [find_py_spy(), "dump", "--native", "--pid", str(os.getpid())],
@@ -248,6 +253,33 @@ for rank in (0, 1):
     )
 
 # %% [markdown]
+# Each rank also wrote its flight recorder's entries at the same moment. Its last collective,
+# where it waits, and the same drawn (each rank a row, the collective it waits in red):
+
+# %%
+import pickle
+
+traces = [
+    pickle.loads((workdir / f"flight-recorder{rank}.pkl").read_bytes())["entries"]
+    for rank in (0, 1)
+]
+for rank, entries in enumerate(traces):
+    last = entries[-1]
+    print(
+        f"rank {rank}: {len(entries)} collective(s); waits in #{last['collective_seq_id']}, "
+        f"{last['profiling_name']}"
+    )
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Each rank's collectives in hang 3 from the flight recorder, one row per rank: rank 0 waits in an all-gather of the state-dict gather, rank 1 in a barrier, both collective number 1, in red."}}
+from fsdp_guide.collectives import draw_flight_recorder
+
+figure = draw_flight_recorder(traces, "Hang 3: the ranks' collectives, from the flight recorder")
+
+# %% [markdown]
+# The two ranks' first collective is the same one by its number, and a different operation
+# on each: rank 0's is the gather's first all-gather, rank 1's the barrier. Neither can end:
+# gloo pairs the two as one collective, by their order.
+#
 # Rank 0 is inside the state-dict gather: `get_model_state_dict` redistributes each sharded
 # parameter to a full one (an all-gather) and waits for it (`wait_tensor`); rank 1 is in
 # `barrier`. The native frames add what is below Python: each main thread is asleep in
