@@ -101,8 +101,12 @@ def main():
             str(error),
         )
         mine = f"#{own[1]} {own[2]} of [{own[3]}]" if own else str(error)[:300]
+        # one write of the whole line: every rank prints here, and a line written in two parts
+        # (its text, then its newline) can interleave with another rank's in torchrun's output
         print(
-            f"branch caught on rank {rank} as {type(error).__name__}, before its collective {mine}"
+            f"branch caught on rank {rank} as {type(error).__name__}, before its collective {mine}\n",
+            end="",
+            flush=True,
         )
     dist.destroy_process_group()
 

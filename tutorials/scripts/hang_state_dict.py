@@ -74,9 +74,13 @@ def main():
         # The line of this script each rank waited on: the last frame of this file in the error's
         # traceback.
         line = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == __file__][-1]
+        # one write of the whole line: both ranks print here, and a line written in two parts
+        # (its text, then its newline) can interleave with the other rank's in torchrun's output
         print(
             f"save timed out on rank {rank} ({type(error).__name__}), waiting at line "
-            f"{line.lineno}: {line.line}"
+            f"{line.lineno}: {line.line}\n",
+            end="",
+            flush=True,
         )
     dist.destroy_process_group()
 

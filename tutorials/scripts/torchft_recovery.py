@@ -45,6 +45,12 @@ GROUPS, STEPS = 2, 20
 STEP_SECONDS = 0.1  # a real model's step takes a while: this one's would race through hundreds during a restart
 
 
+def say(line):
+    """Print a line in one write: ranks of both groups print at once, and a line written in two
+    parts (its text, then its newline) can interleave with another's."""
+    print(line + "\n", end="", flush=True)
+
+
 def build(device):
     torch.manual_seed(
         0
@@ -151,13 +157,12 @@ def main():
         quorum = (manager.num_participants(), manager.is_participating())
         if rank == 0 and quorum != seen:
             receiving = "" if quorum[1] else ", this group receiving the state"
-            print(
-                f"group {group} attempt {attempt}: step {step}, {quorum[0]} group(s) averaging{receiving}",
-                flush=True,
+            say(
+                f"group {group} attempt {attempt}: step {step}, {quorum[0]} group(s) averaging{receiving}"
             )
         seen = quorum
         if kill_after is not None and rank == 1 and attempt == 0 and step >= kill_after:
-            print(f"group {group} rank 1: killed after step {step}", flush=True)
+            say(f"group {group} rank 1: killed after step {step}")
             os.kill(os.getpid(), signal.SIGKILL)  # no exception, no goodbye to the quorum
         if manager.current_step() > STEPS and manager.num_participants() == GROUPS:
             break  # every group is in this quorum: they all stop here
@@ -168,10 +173,9 @@ def main():
         time.sleep(max(0.0, STEP_SECONDS - (time.monotonic() - started)))
 
     shards = b"".join(p.to_local().detach().cpu().numpy().tobytes() for p in model.parameters())
-    print(
+    say(
         f"group {group} rank {rank} attempt {attempt}: stopped after step {manager.current_step() - 1}, "
-        f"shards sha256 {hashlib.sha256(shards).hexdigest()[:16]}",
-        flush=True,
+        f"shards sha256 {hashlib.sha256(shards).hexdigest()[:16]}"
     )
     manager.shutdown(wait=False)
     dist.destroy_process_group()
