@@ -195,13 +195,12 @@ for setting, (totals, equals, error) in comms.items():
 # silently: a new gradient is a view of the reduce-scatter's output
 # (`torch.as_strided(reduce_output, ...)` in `foreach_reduce`, `_fsdp_collectives.py`), so
 # the output must be a fresh buffer each time. The all-gather's output is copied into the
-# parameters; no setting here reuses it, so this page does not show what reuse would do
-# there (on GPUs, FSDP's note on overlapping the next copy-in, `_fsdp_param_group.py`,
-# expects each output in different memory). With `set_separate_reduce_scatter_group()` the
-# reduce-scatters run on a process group of their own over the same ranks
-# (`group_desc="fsdp_reduce_scatter"`). Per its docstring, one NCCL communicator runs one
-# collective at a time, so a second lets a reduce-scatter progress on a GPU while the next
-# all-gather is in flight (not measured here).
+# parameters; no setting here reuses it, so reuse there is not shown (on GPUs, FSDP's note
+# on overlapping the next copy-in, `_fsdp_param_group.py`, expects each output in different
+# memory). `set_separate_reduce_scatter_group()` runs the reduce-scatters on a process group
+# of their own over the same ranks (`group_desc="fsdp_reduce_scatter"`): one NCCL
+# communicator runs one collective at a time, so per its docstring a second lets a
+# reduce-scatter progress on a GPU while the next all-gather is in flight (not measured).
 #
 # ## Reduce-scatters in flight
 #
@@ -314,10 +313,11 @@ glue("forwards_kept_second", kept[1], display=False)
 # Each wait sits before the reduce-scatter of the unit listed; units reduce in backward
 # order, 3 to 0. By default every unit but the first to reduce (3) waits for the one
 # reduced just before it; two buffers in flight leave unit 2 unwaited. Set after the first
-# step, the cap changed nothing: FSDP reads it once (`FSDPState._init_shared_state`). Under `set_is_last_backward(False)` the next backward's
-# unit 3 also waits, for the buffer the previous backward left in flight, and FSDP's record
-# of forwards grows, {glue:text}`forwards_kept_first` then {glue:text}`forwards_kept_second`,
-# until the backward marked last clears it. Only a backward marked last waits for the
+# step, the cap changed nothing: FSDP reads it once (`FSDPState._init_shared_state`).
+# Under `set_is_last_backward(False)` the next backward's unit 3 also waits, for the buffer
+# the previous backward left in flight, and FSDP's record of forwards grows,
+# {glue:text}`forwards_kept_first` then {glue:text}`forwards_kept_second`, until the
+# backward marked last clears it. Only a backward marked last waits for the
 # pending reductions when it ends (`finalize_backward`, from
 # `_root_post_backward_final_callback`): on GPUs an unmarked one could let the optimizer
 # step read gradients still being reduced (per the source; not run here). With two roots
@@ -377,18 +377,16 @@ for hook in (False, True):
 # Without the hook each group of 2 averages only its own batches: the two groups' gradients
 # differ, and neither is the 4-rank mean. With it each call reduces one unit's shard
 # (512 x 512 / 2 elements), and every rank holds one process's gradients. The hook owns its
-# reduction: FSDP averages only over its own group, so a hook that summed over 2 replicas
-# would leave gradients twice the mean. It runs on FSDP's all-reduce stream, or the
-# `stream=` passed, on a GPU (per the docstring). Native HSDP is on the
-# {ref}`2D exactness page <tp-hsdp-trap>`.
+# reduction: FSDP averages only over its own group, so a hook summing over 2 replicas would
+# leave gradients twice the mean. On a GPU it runs on FSDP's all-reduce stream, or the
+# `stream=` passed (per the docstring). Native HSDP: {ref}`2D exactness page <tp-hsdp-trap>`.
 #
 # ## `set_gradient_divide_factor` and its old name, `set_reduce_scatter_divide_factor`
 #
 # `set_reduce_scatter_divide_factor` is the old name of `set_gradient_divide_factor`
 # ({ref}`tutorial-loss-and-accumulation` uses the new one): it warns and calls it. Both,
-# with a factor of 1 (a sum over the 2 ranks, not a mean). A factor that is not the
-# group's size asks for `ReduceOp.PREMUL_SUM` in float32, which gloo refuses
-# ({ref}`tutorial-loss-and-accumulation` shows the error), so
+# with a factor of 1 (a sum over the 2 ranks, not a mean). A factor other than the group's
+# size asks for `ReduceOp.PREMUL_SUM` in float32, which gloo refuses (shown there), so
 # `set_force_sum_reduction_for_comms` sums and divides separately:
 #
 # (fsdp2-fsdpmodule-set-reduce-scatter-divide-factor)=

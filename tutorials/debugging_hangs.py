@@ -101,15 +101,14 @@ def user_frames(stack, fn):
 # (debugging-hangs-uneven)=
 # ## The hang
 #
-# The evaluation set is split across ranks, and one rank gets one batch more. Every
-# forward of an FSDP model all-gathers its units' parameters, so the rank with the extra
-# batch waits in an all-gather that the other rank, already summing the results in an
-# `all_reduce`, never joins. Nothing errors. Left alone, both would wait until the
-# {term}`collective timeout` (`default_pg_timeout` for gloo, printed below; 5 minutes
-# under `launch`, its `collective_timeout`); here {func}`fsdp_guide.launch` stops them
-# first, after its `timeout` seconds (the argument below), and its error shows where each
-# rank was. (The collective timeout's own error is not shown on this page: waiting for it
-# would take minutes.)
+# The evaluation set is split across ranks, and one rank gets one batch more. Every forward
+# of an FSDP model all-gathers its units' parameters, so the rank with the extra batch waits
+# in an all-gather that the other rank, already summing the results in an `all_reduce`,
+# never joins. Nothing errors. Left alone, both would wait until the
+# {term}`collective timeout` (`default_pg_timeout` for gloo, printed below; 5 minutes under
+# `launch`, its `collective_timeout`); here {func}`fsdp_guide.launch` stops them first,
+# after its `timeout` seconds (the argument below), and its error shows where each rank was.
+# (The collective timeout's own error is not shown: waiting for it would take minutes.)
 
 
 # %%
@@ -162,8 +161,8 @@ except LaunchError as error:
 # %% [markdown]
 # Rank 1, on its third batch, waits in FSDP's all-gather (`all_gather_single`, called from
 # the forward on the evaluation line); rank 0 waits in the `all_reduce` after the loop. The
-# two ranks are in *different* {term}`collectives <collective>`: that is the signature of a hang from control
-# flow that differs between ranks.
+# two ranks are in *different* {term}`collectives <collective>`: the signature of a hang
+# from control flow that differs between ranks.
 #
 # (debugging-hangs-detail)=
 # ## The tools that name it
@@ -191,15 +190,14 @@ except LaunchError as error:
 finally:
     del os.environ["TORCH_DISTRIBUTED_DEBUG"]
 
-
 # %% [markdown]
 # (debugging-hangs-monitored)=
 # The report names both collectives: rank 0 in an `ALLREDUCE`, rank 1 in an
 # `_ALLGATHER_BASE` (FSDP's). `dist.monitored_barrier` (a {term}`monitored barrier`) is the
 # targeted version: put it before the collective where ranks should meet, and rank 0 names
 # who did not arrive in time. It runs on gloo only ("only supported with the GLOO backend",
-# its docstring in `distributed_c10d.py`; with NCCL training, on a gloo group created for it
-# with `dist.new_group(backend="gloo")`), and each rank waits for a send/recv with rank 0: a
+# its docstring in `distributed_c10d.py`; with NCCL training, on a gloo group from
+# `dist.new_group(backend="gloo")`), and each rank waits for a send/recv with rank 0: a
 # debugging aid too.
 
 # %%
@@ -210,16 +208,15 @@ except LaunchError:
 
 # %% [markdown]
 # (debugging-hangs-flight-recorder)=
-# Torch's {term}`flight recorder` keeps, in each rank, a ring buffer of the last collectives:
+# Torch's {term}`flight recorder` keeps in each rank a ring buffer of the last collectives:
 # their sequence numbers, sizes, states and the Python stack that issued each. It is on by
 # default, with 2000 entries (`TORCH_FR_BUFFER_SIZE`; 0 turns it off). On gloo nothing dumps
-# it on a timeout, so a thread started in each rank dumps it (a pickle, the format torch's
-# analyser loads) 2 seconds after the model is built, while the ranks hang, to
-# `fr_trace_rank_<rank>`. A hang never ends by itself: once every rank's dump is written, rank
-# 0 stops its own process (SIGTERM, as you would stop a hung job), and `launch` stops the
-# others; ending there rather than at a `timeout` waits for the dumps however slow the
-# machine is. (The recorder's settings and its dump, from torch's source:
-# {ref}`fsdp-hang-tools-flight-recorder`.)
+# it on a timeout, so a thread in each rank dumps it (a pickle, the format torch's analyser
+# loads) to `fr_trace_rank_<rank>` 2 seconds after the model is built, while the ranks hang.
+# A hang never ends by itself: once every rank's dump is written, rank 0 stops its own
+# process (SIGTERM, as you would stop a hung job), and `launch` stops the others; unlike a
+# `timeout`, this waits for the dumps however slow the machine. (Its settings and dump, from
+# torch's source: {ref}`fsdp-hang-tools-flight-recorder`.)
 
 
 # %%
@@ -272,16 +269,8 @@ def how_it_ended(error):
 
 
 try:
-    launch(
-        evaluate,
-        3,
-        None,
-        str(workdir / "hang1"),
-        world_size=2,
-        backend="gloo",
-        timeout=120,
-        output="none",
-    )
+    hang1 = str(workdir / "hang1")  # where each rank dumps its flight recorder
+    launch(evaluate, 3, None, hang1, world_size=2, backend="gloo", timeout=120, output="none")
 except LaunchError as error:
     print("the hang ended:", how_it_ended(error))
 for rank in (0, 1):
@@ -303,20 +292,16 @@ figure = draw_flight_recorder(entries, "Hang 1: the ranks' collectives, from the
 #
 # (debugging-hangs-analyser)=
 # Torch ships an analyser for these dumps, `torch/distributed/flight_recorder/fr_trace.py`
-# (the `torchfrtrace` command, in torch's `entry_points.txt`): given the folder of one
-# dump per rank, it pairs the ranks' collectives in order and reports the first that do
-# not match. On gloo's dumps of torch 2.13 it fails:
+# (the `torchfrtrace` command, in torch's `entry_points.txt`): given the folder of one dump
+# per rank, it pairs the ranks' collectives in order and reports the first that do not
+# match. On gloo's dumps of torch 2.13 it fails:
 
 
 # %%
 def fr_trace(dumps):
     """torch's analyser, as `torchfrtrace DUMPS` runs it; it logs its verdicts on stderr."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     return done.stdout + done.stderr
 
 
@@ -372,13 +357,8 @@ print(
     os.listdir(workdir / "hang1-named"),
 )
 report = fr_trace(workdir / "hang1-named")
-print(
-    "\n".join(
-        line
-        for line in report.splitlines()
-        if line.startswith(("Collective sequence", "error msg"))
-    )
-)
+verdicts = ("Collective sequence", "error msg")  # its lines that name the mismatch
+print("\n".join(line for line in report.splitlines() if line.startswith(verdicts)))
 print("by rank:", verdict(report))
 
 
@@ -392,22 +372,22 @@ def mismatched(report):
 glue("hang1_mismatch", mismatched(report), display=False)
 
 # %% [markdown]
-# The analyser finds the collective where the ranks parted, number {glue:text}`hang1_mismatch`
-# (glued from this run's output; JupyterLab does not render glue's roles: read it in the
-# output), and the mismatch type. Its "culprit" is not a judgement: with two ranks it names
-# whichever dump it read second, in the file system's order printed above; the line by rank
-# is read from its message ({ref}`why, from torch's source <fsdp-hang-tools-analyser>`).
+# The analyser finds the collective where the ranks parted, number
+# {glue:text}`hang1_mismatch` (glued from this run; in JupyterLab, read it in the output),
+# and the mismatch type. Its "culprit" is not a judgement: with two ranks it names whichever
+# dump it read second, in the file system's order printed above; the line by rank is read
+# from its message ({ref}`why, from torch's source <fsdp-hang-tools-analyser>`).
 #
 # (debugging-hangs-uneven-fix)=
 # ## The fix
 #
-# Every rank runs the same number of forwards. Either pad the split so each
-# rank gets the same number of batches (`DistributedSampler` pads by repeating samples, "add
-# extra samples to make it evenly divisible" in `DistributedSampler.__iter__`,
+# Every rank runs the same number of forwards. Either pad the split so each rank gets the
+# same number of batches (`DistributedSampler` pads by repeating samples, "add extra samples
+# to make it evenly divisible" in `DistributedSampler.__iter__`,
 # `torch/utils/data/distributed.py`, which changes the metric slightly), or keep going until
 # *every* rank is out of data: an `all_reduce` with `MIN` of "I still have a batch" before
-# each step, with a rank that has none running a forward on a dummy batch whose result it
-# ignores, or simply stopping all ranks together:
+# each step, a rank with none running a forward on a dummy batch whose result it ignores, or
+# simply stopping all ranks together:
 
 
 # %%
@@ -440,18 +420,18 @@ print(
 # %% [markdown]
 # Both ranks stop after 2 batches: no hang. Rank 1's third batch is skipped here; to count
 # it, run its forward on every rank (the other with a dummy input it discards), or pad.
-# every example counted once, on uneven ranks: {ref}`beyond-uneven-eval`.
+# Every example counted once, on uneven ranks: {ref}`beyond-uneven-eval`.
 
 # %% [markdown]
 # (debugging-hangs-script)=
 # ## The script to copy
 #
 # This page's idea as a plain torchrun script, with torch alone: {download}`scripts/debugging_hangs.py`.
-# It runs this hang (one rank with an evaluation batch more) with the debug level `DETAIL` and a
-# 10-second collective timeout, so that, instead of hanging, every rank raises the
+# It runs this hang (one rank with an evaluation batch more) with the debug level `DETAIL`
+# and a 10-second collective timeout, so that, instead of hanging, every rank raises the
 # collective-mismatch error and exits; rank 0 prints each rank's collective, by number and
-# operation. The tests run this file under torchrun on 2 CPU ranks and check that it ends and
-# names rank 0's `ALLREDUCE` and rank 1's `_ALLGATHER_BASE` (`tests/test_scripts.py`).
+# operation. The tests (2 CPU ranks, `tests/test_scripts.py`) check that it ends and names
+# rank 0's `ALLREDUCE` and rank 1's `_ALLGATHER_BASE`.
 #
 # ```{literalinclude} scripts/debugging_hangs.py
 # :language: python

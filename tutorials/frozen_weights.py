@@ -35,7 +35,6 @@
 # {func}`fsdp_guide.device`. The tips are listed {ref}`at the end <frozen-weights-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`frozen-weights-script` ({download}`download <scripts/frozen_weights.py>`).
 
-
 # %%
 import os
 import sys
@@ -108,17 +107,16 @@ def add_lora(model, cast_adapters=False, train_norms=False):
 # ## The dtype rule: one dtype among a unit's trainable parameters
 #
 # Many models on the Hub are stored in bf16, and `peft` keeps the adapters it adds in fp32
-# (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small
-# updates. FSDP2 all-gathers parameters of any dtypes together (as bytes, when they differ:
+# (`autocast_adapter_dtype=True`, its default), because adapters trained in bf16 lose small updates.
+# FSDP2 all-gathers parameters of any dtypes together (as bytes, when they differ:
 # `_get_all_gather_input_metadatas` in `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`),
 # but it reduce-scatters a unit's gradients in one dtype: at the root's first forward (FSDP2's lazy
 # initialisation) it checks, for every unit, that the unit's *trainable* parameters share one dtype,
 # and raises `FSDP expects uniform original parameter dtype` if not
-# (`FSDPParamGroup._init_mp_dtypes` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`; frozen parameters are left out of the
-# check). So a frozen bf16 base with fp32 adapters is fine in one unit; training anything of the
-# base beside them (here the RMSNorm weights, a common LoRA variant; or `peft`'s `modules_to_save`)
-# is not. Each decoder layer is one unit below:
+# (`FSDPParamGroup._init_mp_dtypes` in `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`;
+# frozen parameters are left out of the check). So a frozen bf16 base with fp32 adapters is fine in
+# one unit; training anything of the base beside them (here the RMSNorm weights, a common LoRA
+# variant; or `peft`'s `modules_to_save`) is not. Each decoder layer is one unit below:
 
 
 # %%
@@ -140,9 +138,7 @@ def first_forward(train_norms):
     model = LlamaForCausalLM(small).to(fsdp_guide.device(), torch.bfloat16)
     model = add_lora(model, train_norms=train_norms)
     layer = model.base_model.model.model.layers[0]
-    trainable = sorted(
-        str(dtype) for dtype in {p.dtype for p in layer.parameters() if p.requires_grad}
-    )
+    trainable = sorted({str(p.dtype) for p in layer.parameters() if p.requires_grad})
     fully_shard(layer)
     fully_shard(model)
     try:
@@ -158,10 +154,9 @@ for train_norms in (False, True):
     print(f"{what:30} trainable dtypes in the layer's unit {trainable}: {outcome}")
 
 # %% [markdown]
-# Three ways out, each run below on the bf16 checkpoint with the norms trained (and, first, plain
-# LoRA on the frozen bf16 base, for scale): two training steps on 2 ranks, then the dtypes of the
-# frozen and trained parameters, the units, the all-gathers of one forward, and rank 0's model
-# states ({func}`fsdp_guide.memory.measure`):
+# Three ways out, each run below on the bf16 checkpoint with the norms trained (first, for scale,
+# plain LoRA on the frozen bf16 base): two training steps on 2 ranks, then the columns below, rank
+# 0's model states by {func}`fsdp_guide.memory.measure`:
 #
 # 1. **Adapters in units of their own.** Each adapter module is `fully_shard`ed before its decoder
 #    layer, so the layer's unit trains the bf16 norms only and each adapter unit its fp32 adapter.
@@ -174,9 +169,8 @@ for train_norms in (False, True):
 #    is stored in fp32, twice its bf16 bytes, for a base that never changes.
 # 3. **Cast the adapters to bf16** (`get_peft_model(..., autocast_adapter_dtype=False)`): one dtype,
 #    no extra units, the smallest memory. The cost: the adapters, their gradients and AdamW's
-#    moments in bf16, whose 8 significant bits (7 stored) round away any update smaller than 1/512
-#    to 1/256 of the weight, depending on its value (the last line below: an update of 1/300 is
-#    lost).
+#    moments in bf16, whose 8 significant bits (7 stored) round away any update below 1/512 to 1/256
+#    of the weight, by its value (the last line below: an update of 1/300 is lost).
 #
 # Upcasting only the norms to fp32 is not a fourth way with this model: Llama's RMSNorm returns
 # `weight * hidden_states.to(input_dtype)` (`LlamaRMSNorm.forward` in
@@ -207,10 +201,8 @@ def one_step_states(path, dtype, mp_policy=None, cast_adapters=False, train_norm
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    tokens = torch.randint(
-        0, 4096, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank())
-    )
-    tokens = tokens.to(fsdp_guide.device())
+    rng = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 4096, (2, 64), generator=rng).to(fsdp_guide.device())
     model(input_ids=tokens, labels=tokens).loss.backward()  # the first step sets FSDP up
     optimizer.step()
     optimizer.zero_grad()
@@ -276,10 +268,9 @@ print(
 # Below, 4 micro-batches per optimizer step. Each rank counts, with
 # {func}`fsdp_guide.precision.record_dtypes` (which sees every collective FSDP runs), its
 # all-gathers and the bytes of the buffers they fill (a rank holds 1/N of each already and receives
-# the rest), and its gradient reductions; and, with
-# {func}`fsdp_guide.memory.measure`, the parameter memory it holds (its shards, and the
-# gathered copies): the most during forward (read as each unit starts, after FSDP has gathered it,
-# and at the end of forward, when backward begins), and between micro-batches.
+# the rest), and its gradient reductions; and, with {func}`fsdp_guide.memory.measure`, the parameter
+# memory it holds (shards and gathered copies): the most in forward (read as each unit starts, after
+# FSDP has gathered it, and when forward ends and backward begins), and between micro-batches.
 #
 # - `reshard_after_forward=True` for every unit ({func}`fsdp_guide.hf.from_pretrained`'s default):
 #   gathered in forward, again in backward (FSDP2's own default, `None`, does this for every unit
@@ -289,9 +280,9 @@ print(
 # - `False`, and kept gathered across the micro-batches too (`set_reshard_after_backward(False)`
 #   until the last one): gathered once per optimizer step;
 # - replicated: every rank holds the whole base as its "shard" (a 2-D mesh whose shard dimension has
-#   size 1, i.e. HSDP with nothing to shard), kept from forward to backward. For a shard group of
-#   one rank FSDP2 runs no all-gather; it copies each unit's parameters into a new unsharded buffer
-#   instead (`FSDPParamGroup.unshard` and `wait_for_unshard`, their `world_size == 1` branches, in
+#   size 1, i.e. HSDP with nothing to shard), kept from forward to backward. Over a shard group of
+#   one rank FSDP2 runs no all-gather but copies each unit's parameters into a new unsharded buffer
+#   (`FSDPParamGroup.unshard` and `wait_for_unshard`, their `world_size == 1` branches,
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`).
 #
 # (fsdp2-fsdpmodule-set-reshard-after-backward)=
@@ -402,25 +393,24 @@ glue("frozen_resharded_gathers", resharded["gathers"] // MICRO, display=False)
 glue("frozen_reductions", resharded["reductions"], display=False)
 
 # %% [markdown]
-# Read it per micro-batch (the figures in this text are this run's, glued from the output above;
-# JupyterLab shows glue's roles unrendered). Resharding after forward gathers the whole base twice per micro-batch
-# ({glue:text}`frozen_resharded_gathered:.2f` base sizes, forward and backward; of each gathered
-# buffer the rank already held half), in {glue:text}`frozen_resharded_gathers` all-gathers (5 units,
-# forward and backward), and holds the least in forward ({glue:text}`frozen_resharded_held:.2f`):
-# its shards, the root (embedding and output layer) and one layer gathered at a time. Keeping the
-# base from forward to backward halves the traffic ({glue:text}`frozen_kept_gathered:.2f`), and
-# holds the whole base gathered beside the shards when forward ends
-# ({glue:text}`frozen_kept_held:.2f`). Keeping it across the micro-batches pays it once per step,
-# and holds those {glue:text}`frozen_kept_held:.2f` between micro-batches too. Replicated, nothing
-# is all-gathered, but a rank holds the base twice when forward ends
-# ({glue:text}`frozen_replicated_held:.2f`: its whole "shard" and FSDP's unsharded copy of it), more than the sharded base kept
-# gathered; between micro-batches, once. The reductions column is the same in every mode by the
-# worker's construction (`set_requires_gradient_sync(last)` in each): it shows only that FSDP
-# honours the flag, {glue:text}`frozen_reductions` per optimizer step, one per unit that holds
-# adapters (the 4 layers, not the root); the replicated mode's are all-reduces over the replicate
-# dimension, the others' reduce-scatters (`foreach_reduce` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py` copies instead of reduce-scattering
-# over a shard group of one rank).
+# Read it per micro-batch (this text's figures are this run's, glued from the output above;
+# JupyterLab shows glue's roles unrendered). Resharding after forward gathers the whole base twice
+# per micro-batch ({glue:text}`frozen_resharded_gathered:.2f` base sizes, forward and backward; the
+# rank already held half of each buffer), in {glue:text}`frozen_resharded_gathers` all-gathers (5
+# units, forward and backward), and holds the least in forward
+# ({glue:text}`frozen_resharded_held:.2f`): its shards, the root (embedding and output layer) and
+# one layer gathered at a time. Keeping the base from forward to backward halves the traffic
+# ({glue:text}`frozen_kept_gathered:.2f`) and holds the whole base gathered beside the shards when
+# forward ends ({glue:text}`frozen_kept_held:.2f`); keeping it across the micro-batches pays once
+# per step, and holds those {glue:text}`frozen_kept_held:.2f` between micro-batches too. Replicated,
+# nothing is all-gathered, but a rank holds the base twice when forward ends
+# ({glue:text}`frozen_replicated_held:.2f`: its whole "shard" and FSDP's unsharded copy), more than
+# the sharded base kept gathered; between micro-batches, once. The reductions column is the same in
+# every mode by construction (`set_requires_gradient_sync(last)` in each): it shows only that FSDP
+# honours the flag, {glue:text}`frozen_reductions` per optimizer step, one per unit holding adapters
+# (the 4 layers, not the root); all-reduces over the replicate dimension when replicated, else
+# reduce-scatters (`foreach_reduce` in `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`
+# copies instead of reduce-scattering over a shard group of one rank).
 #
 # **The rule**: a frozen base costs memory *or* traffic, never neither. If the whole base fits on
 # each rank next to the activations and its own shard, keep it gathered for the accumulation window;
@@ -434,15 +424,14 @@ glue("frozen_reductions", resharded["reductions"], display=False)
 # (frozen-weights-script)=
 # ## The script to copy
 #
-# This page's idea as a plain torchrun script, with torch alone:
-# {download}`scripts/frozen_weights.py`. Each block of its model is a frozen bf16 weight and a
-# pair of trainable fp32 low-rank adapters, one FSDP unit per block. Rank 0 prints whether the first
-# forward runs with the adapters alone trainable (it does), and with a bf16 norm weight trained
-# beside them (FSDP's dtype error); then, on fp32 blocks, the bytes the all-gathers fill per
-# micro-batch, in sizes of the frozen weights, with `reshard_after_forward=True` and `False`. The
-# tests run this file under torchrun on 2 CPU ranks and check the two outcomes, and that the frozen
-# weights are gathered about twice per micro-batch resharded after forward and about once kept
-# (`tests/test_scripts.py`).
+# This page's idea as a plain torchrun script, with torch alone: {download}`scripts/frozen_weights.py`.
+# Each block of its model is a frozen bf16 weight and a pair of trainable fp32 low-rank adapters,
+# one FSDP unit per block. Rank 0 prints whether the first forward runs with the adapters alone
+# trainable (it does), and with a bf16 norm weight trained beside them (FSDP's dtype error); then,
+# on fp32 blocks, the bytes the all-gathers fill per micro-batch, in sizes of the frozen weights,
+# with `reshard_after_forward=True` and `False`. The tests (2 CPU ranks, `tests/test_scripts.py`)
+# check the two outcomes, and that the frozen weights are gathered about twice per micro-batch
+# resharded after forward and about once kept.
 #
 # ```{literalinclude} scripts/frozen_weights.py
 # :language: python

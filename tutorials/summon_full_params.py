@@ -47,11 +47,10 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #
 # The reference is what one process computes. torch's Reproducibility notes warn that
 # results may not be reproducible between CPU and GPU executions, even with identical
-# seeds, so the reference initialises its model where the sharded ones below are
-# initialised: on the rank's device, {func}`fsdp_guide.device` (the rank's own GPU,
-# `cuda:LOCAL_RANK`, where each rank has one, else the CPU, as on the machine that executed
-# this page). Rank 0 of a launch computes it alone, with no collective, and returns CPU
-# tensors.
+# seeds, so the reference initialises where the sharded models below do: on
+# {func}`fsdp_guide.device` (the rank's GPU, `cuda:LOCAL_RANK`, where each rank has one,
+# else the CPU, as here). Rank 0 of a launch computes it alone, with no collective, and
+# returns CPU tensors.
 
 # %%
 import math
@@ -308,15 +307,14 @@ for case, result in launch(embed_outside_forward, world_size=2, output="none")[0
 # %% [markdown]
 # ## Training goes on from the new weights
 #
-# `summon_full_params` writes into the shards FSDP2 trains, in place, and puts
-# back the very same parameter objects, so an optimizer built before the context
-# still updates them. Below, the optimizer is built *before* the initialisation; the worker
-# checks that the parameters after the context are the objects the optimizer holds, then
-# trains a few steps and compares with one process that starts from the reference
-# initialisation (computed, like the reference, by rank 0 alone on the rank's device). If
-# the optimizer held stale tensors, its steps would not reach the model and the losses would
-# part ways. The batches are built on the CPU and moved to the device, inputs and targets
-# alike:
+# `summon_full_params` writes into the shards FSDP2 trains, in place, and puts back the
+# very same parameter objects, so an optimizer built before the context still updates
+# them. Below, the optimizer is built *before* the initialisation; the worker checks that
+# the parameters after the context are the objects the optimizer holds, then trains a few
+# steps and compares with one process starting from the reference initialisation (rank 0
+# alone, on the rank's device). Were the optimizer's tensors stale, its steps would miss
+# the model and the losses would part ways. Inputs and targets are built on the CPU and
+# moved to the device:
 
 # %%
 import torch.nn.functional as F
@@ -389,12 +387,11 @@ assert same_objects and gap < 1e-5
 # The cells above passed `writeback=False` where they only looked at the full weights.
 # When the parameters are actually sharded (more than one rank), a change made inside
 # such a context is thrown away on exit; with the default (`writeback=True`) it is kept.
-# With one rank (or FSDP1's `NO_SHARD`) the edits persist either way: FSDP1's own
-# `FullyShardedDataParallel.summon_full_params` docstring says so, and for DTensor
-# parameters `redistribute_local_tensor` (`torch/distributed/tensor/_redistribute.py`)
-# takes a shortcut on a mesh dimension of size 1 and returns the local tensor itself, so
-# the "full" tensor is the shard. Zero every weight inside each kind of context, on 2
-# ranks, and look at the shards afterwards:
+# With one rank (or FSDP1's `NO_SHARD`) the edits persist either way: FSDP1's
+# `FullyShardedDataParallel.summon_full_params` docstring says so, and for DTensors
+# `redistribute_local_tensor` (`torch/distributed/tensor/_redistribute.py`) returns the
+# local tensor itself on a mesh dimension of size 1, so the "full" tensor is the shard.
+# Zero every weight inside each kind of context, on 2 ranks, and look at the shards:
 
 
 # %%

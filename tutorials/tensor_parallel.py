@@ -104,21 +104,20 @@ for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output=
 # set of process groups: a rank's `tp` group is its row (ranks 0 and 1 work on the same
 # sequences and split every layer between them), its `dp` group its column (ranks 0 and 2
 # hold the same TP shard of each layer and split the batch). The last dimension gets
-# adjacent ranks: torchrun numbers a node's processes consecutively (a node's workers get
-# global ranks `[base_global_rank, base_global_rank + local_world_size)`,
-# `SimpleElasticAgent._assign_worker_ranks` in
-# `torch/distributed/elastic/agent/server/api.py`), so a TP group no larger than a node's
-# GPUs is meant to keep its per-layer collectives on the node's fast link.
+# adjacent ranks, and torchrun numbers a node's workers consecutively (global ranks
+# `[base_global_rank, base_global_rank + local_world_size)`, `SimpleElasticAgent._assign_worker_ranks`
+# in `torch/distributed/elastic/agent/server/api.py`), so a TP group no larger than a
+# node's GPUs is meant to keep its per-layer collectives on the node's fast link.
 #
 # (tp-plan)=
 # ## Tensor parallelism, then FSDP
 #
-# The plan, in the style of torchtitan's `parallelize` functions: per block, `q`, `k`,
-# `v` and the MLP's `fc` split by columns (output features: each rank computes 2 of the 4
-# heads, and half of the MLP's hidden units) and the two output projections by rows, so
-# each rank's partial sums meet in one collective per sub-layer. With sequence
-# parallelism, the norms and the residual stream between sub-layers are split along the
-# sequence instead of repeated on both ranks of a TP group.
+# The plan, in the style of torchtitan's `parallelize` functions: per block, `q`, `k`, `v`
+# and the MLP's `fc` split by columns (output features: each rank computes 2 of the 4 heads
+# and half of the MLP's hidden units), the two output projections by rows, so each rank's
+# partial sums meet in one collective per sub-layer. Sequence parallelism splits the norms
+# and the residual stream between sub-layers along the sequence instead of repeating them on
+# both ranks of a TP group.
 #
 # %%
 from torch.distributed.fsdp import fully_shard
@@ -254,46 +253,39 @@ for ax, name in zip(axes, ["blocks.0.attn.q.weight", "blocks.0.attn.proj.weight"
     for rank in range(len(tables)):
         rows, cols = np.nonzero(grid == rank)
         for block in np.split(np.unique(rows), np.nonzero(np.diff(np.unique(rows)) > 1)[0] + 1):
-            ax.text(
-                cols.mean(),
-                block.mean(),
-                f"rank {rank}\n(dp {rank // 2}, tp {rank % 2})",
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
+            label = f"rank {rank}\n(dp {rank // 2}, tp {rank % 2})"
+            ax.text(cols.mean(), block.mean(), label, ha="center", va="center", fontsize=7)
     ax.set(title=name.removeprefix("blocks.0."), xlabel="dim 1", ylabel="dim 0 (rows)")
 fig.tight_layout()
 
 # %% [markdown]
 # - `attn.q.weight` (32 x 32, output features by rows) is split by TP into rows 0:16 (tp
-#   rank 0) and 16:32 (tp rank 1); FSDP then splits *each TP shard's* rows over `dp`:
-#   rank 2 holds rows 8:16, not 16:24. Seen over `dp` alone, dp rank 0 holds rows 0:8
-#   and 16:24 (interleaved, so not a plain `Shard`): that is torch's private
-#   `_StridedShard(dim=0, sf=2)`, where `sf=2` is the number of TP shards of dim 0
-#   (placements are listed by mesh dimension, though TP's split was applied first). The
-#   `Shard(dim=0)` over `tp` then picks one block of rows. Gathering over `dp` alone
-#   (FSDP's all-gather) rebuilds exactly this rank's TP shard.
+#   rank 0) and 16:32 (tp rank 1); FSDP then splits *each TP shard's* rows over `dp`: rank 2
+#   holds rows 8:16, not 16:24. Over `dp` alone, dp rank 0 holds rows 0:8 and 16:24
+#   (interleaved, not a plain `Shard`): torch's private `_StridedShard(dim=0, sf=2)`, `sf=2`
+#   being the number of TP shards of dim 0 (placements are listed by mesh dimension, though
+#   TP split first). The `Shard(dim=0)` over `tp` then picks one block of rows. Gathering
+#   over `dp` alone (FSDP's all-gather) rebuilds exactly this rank's TP shard.
 # - `attn.proj.weight` is row-wise (split along its input features, dim 1) by TP and along
 #   dim 0 by FSDP: two plain `Shard`s, a quarter each.
-# - The norms are `Replicate()` over `tp` (sequence parallelism shards the activations,
-#   not the norm's weights) and split over `dp`; the embeddings, which the plan leaves
-#   alone, live on the 1D `dp` mesh only. Parameters on two meshes matter for
-#   {ref}`gradient clipping <tp-clipping>`.
+# - The norms are `Replicate()` over `tp` (sequence parallelism shards the activations, not
+#   the norm's weights) and split over `dp`; the embeddings, left alone by the plan, live on
+#   the 1D `dp` mesh only. Parameters on two meshes matter for {ref}`gradient clipping
+#   <tp-clipping>`.
 #
 # (tp-collectives)=
 # ## The collectives of one step, per mesh dimension
 #
 # One training step (forward, backward, AdamW step; the second step, after FSDP's lazy
-# initialisation) on 4 ranks, counted with {func}`fsdp_guide.collectives.count_collectives`,
-# which sees FSDP's collectives and the ones DTensor runs for TP, and names the mesh
-# dimension whose process group ran each: the number of each kind, and their bytes. Bytes are each collective's full-size buffer
-# (an all-gather's output, a reduce-scatter's input, an all-reduce's buffer), in units of
-# *P*, the whole model's parameter bytes. The last column is what the forward leaves saved
-# for the backward on a rank ({func}`fsdp_guide.memory.saved_for_backward`), in KiB; a rank
-# runs 2 sequences with FSDP alone, 8 with TP alone and 4 with both, so compare the last
-# two rows with each other. The column before it counts the collectives run inside
-# `optimizer.step()` alone (they are also in the step's totals).
+# initialisation) on 4 ranks, counted with {func}`fsdp_guide.collectives.count_collectives`
+# (FSDP's collectives and DTensor's for TP, by the mesh dimension whose group ran each):
+# the number of each kind, and their bytes, each collective's full-size buffer (an
+# all-gather's output, a reduce-scatter's input, an all-reduce's buffer) in units of *P*,
+# the whole model's parameter bytes. "in the step" counts the collectives inside
+# `optimizer.step()` alone (also in the step's totals). The last column is what the
+# forward leaves saved for the backward on a rank ({func}`fsdp_guide.memory.saved_for_backward`),
+# in KiB; a rank runs 2 sequences with FSDP alone, 8 with TP alone and 4 with both, so
+# compare the last two rows with each other.
 
 # %%
 from fsdp_guide.collectives import count_collectives
@@ -364,11 +356,8 @@ def counted(setup, dim, kind):
 
 
 FSDP, TP, BOTH, NO_SP = SETUPS  # the table's rows
-glue(
-    "tp_fsdp_moved",
-    counted(FSDP, "dp", "all-gather")[1] + counted(FSDP, "dp", "reduce-scatter")[1],
-    display=False,
-)
+moved = counted(FSDP, "dp", "all-gather")[1] + counted(FSDP, "dp", "reduce-scatter")[1]
+glue("tp_fsdp_moved", moved, display=False)
 glue("tp_fsdp_gathered", counted(FSDP, "dp", "all-gather")[1], display=False)
 glue("tp_alone_gathers", counted(TP, "tp", "all-gather")[0], display=False)
 glue("tp_alone_scatters", counted(TP, "tp", "reduce-scatter")[0], display=False)
@@ -385,45 +374,45 @@ glue("tp_saved_sp", setups[BOTH][3], display=False)
 glue("tp_saved_nosp", setups[NO_SP][3], display=False)
 
 # %% [markdown]
-# The figures in this page's text are this run's, glued from the cells' outputs (myst-nb's
-# `glue`); in JupyterLab, which does not render glue's roles, read them from the outputs above them.
+# The figures below are this run's, glued from the outputs (myst-nb's `glue`; in
+# JupyterLab, which does not render glue's roles, read them from the outputs above).
 #
-# - **FSDP alone** all-gathers each of the 3 units in the forward and the 2 blocks again
-#   in the backward (the root stays gathered: `FSDPState._lazy_init` in
-#   `torch/distributed/fsdp/_fully_shard/_fsdp_state.py` turns off the root's reshard
-#   after forward), and reduce-scatters the 3 units'
-#   gradients: {glue:text}`tp_fsdp_moved:.1f` *P* of parameters and gradients over the `dp` groups. Each rank holds
-#   a quarter.
-# - **TP alone** never moves a parameter: it moves activations, {glue:text}`tp_alone_gathers` all-gathers and
-#   {glue:text}`tp_alone_scatters` reduce-scatters over the forward and backward, at the size of one layer's input. A
-#   rank holds {glue:text}`tp_alone_held:.2f` *P*: the embeddings and norms are whole on every rank. Its
-#   {glue:text}`tp_alone_reduces` small
-#   all-reduces all run inside AdamW's step (the "in the step" column): the norms'
-#   gradients, {ref}`partial sums <tp-partial-grads>` that the optimizer reduces each time
-#   it reads one.
-# - **FSDP x TP** does both on separate groups: FSDP's collectives run over `dp` on
-#   TP-split units ({glue:text}`tp_2d_gathered:.2f` *P* of all-gathers instead of
-#   {glue:text}`tp_fsdp_gathered:.2f`: the blocks are half-size, the root is not split by TP); TP's run over `tp`
-#   on half the batch. Each rank holds {glue:text}`tp_2d_held:.2f` *P*, about a third: the TP-split weights a
-#   quarter, the embeddings half. Here nothing runs in the step: the norms' gradients are all-reduced once before
-#   it ({glue:text}`tp_2d_norm_reduces` all-reduces, {glue:text}`tp_2d_norm_reduced:.2f` *P*), by FSDP, which redistributes each gradient to its parameter's
-#   placements before reduce-scattering it (`FSDPParam._get_grad_inner_tensor` in
+# - **FSDP alone** all-gathers each of the 3 units in the forward and the 2 blocks again in the
+#   backward (the root stays gathered: `FSDPState._lazy_init`,
+#   `torch/distributed/fsdp/_fully_shard/_fsdp_state.py`, turns off the root's reshard after
+#   forward) and reduce-scatters the 3 units' gradients: {glue:text}`tp_fsdp_moved:.1f` *P* of
+#   parameters and gradients over the `dp` groups. Each rank holds a quarter.
+# - **TP alone** never moves a parameter: it moves activations, {glue:text}`tp_alone_gathers`
+#   all-gathers and {glue:text}`tp_alone_scatters` reduce-scatters over forward and backward,
+#   each the size of one layer's input. A rank holds {glue:text}`tp_alone_held:.2f` *P*: the
+#   embeddings and norms are whole on every rank. Its {glue:text}`tp_alone_reduces` small
+#   all-reduces all run inside AdamW's step (the "in the step" column): the norms' gradients,
+#   {ref}`partial sums <tp-partial-grads>` that the optimizer reduces each time it reads one.
+# - **FSDP x TP** does both on separate groups: FSDP's collectives run over `dp` on TP-split
+#   units ({glue:text}`tp_2d_gathered:.2f` *P* of all-gathers instead of
+#   {glue:text}`tp_fsdp_gathered:.2f`: the blocks are half-size, the root is not split by TP);
+#   TP's over `tp` on half the batch. Each rank holds {glue:text}`tp_2d_held:.2f` *P*, about a
+#   third: the TP-split weights a quarter, the embeddings half. Nothing runs in the step: FSDP
+#   all-reduces the norms' gradients once before it ({glue:text}`tp_2d_norm_reduces`
+#   all-reduces, {glue:text}`tp_2d_norm_reduced:.2f` *P*), as it redistributes each gradient to
+#   its parameter's placements before reduce-scattering it (`FSDPParam._get_grad_inner_tensor`,
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_param.py`).
 # - **Without sequence parallelism** each sub-layer's partial sums are all-reduced (4
-#   sub-layers, forward and backward: {glue:text}`tp_nosp_reduces` all-reduces). The table counts full-size buffers,
-#   not bytes on the wire: with a ring algorithm a rank sends (n-1)/n of the buffer for an
-#   all-gather or a reduce-scatter and twice that for an all-reduce (the factors NCCL's
-#   benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so with a ring the {glue:text}`tp_nosp_reduces` all-reduces of
-#   {glue:text}`tp_nosp_reduced:.2f` *P* carry what {glue:text}`tp_nosp_reduces` reduce-scatters and
-#   {glue:text}`tp_nosp_reduces` all-gathers of {glue:text}`tp_nosp_reduced:.2f` *P* carry. That is the
-#   ring's arithmetic, an expectation for NCCL on GPUs, not this run's: gloo's reduce-scatter
-#   moves as much as an all-reduce (measured on the {ref}`communication page <tutorial-communication>`). Sequence
-#   parallelism adds two all-gathers here: out of the last block in the forward, and of
-#   the gradient at the first block's input in the backward (the embeddings and final
-#   norm are outside the plan). What it saves is activation memory, the norms' inputs and
-#   the residual stream split along the sequence: {glue:text}`tp_saved_sp:.0f` KiB saved for backward against
-#   {glue:text}`tp_saved_nosp:.0f` KiB. Little here: `q`, `k`, `v` and `fc` take the all-gathered, whole sequence as
-#   input in both layouts, and a `Linear` saves its input for its weight's gradient.
+#   sub-layers, forward and backward: {glue:text}`tp_nosp_reduces` all-reduces). The table
+#   counts full-size buffers, not bytes on the wire: with a ring algorithm a rank sends (n-1)/n
+#   of the buffer for an all-gather or a reduce-scatter and twice that for an all-reduce (the
+#   factors NCCL's benchmarks use, `doc/PERFORMANCE.md` in NVIDIA/nccl-tests), so the
+#   {glue:text}`tp_nosp_reduces` all-reduces of {glue:text}`tp_nosp_reduced:.2f` *P* carry what
+#   {glue:text}`tp_nosp_reduces` reduce-scatters and {glue:text}`tp_nosp_reduces` all-gathers of
+#   {glue:text}`tp_nosp_reduced:.2f` *P* would. That is the ring's arithmetic, an expectation
+#   for NCCL on GPUs, not this run's: gloo's reduce-scatter moves as much as an all-reduce
+#   (measured on the {ref}`communication page <tutorial-communication>`). Sequence parallelism
+#   adds two all-gathers here: out of the last block in the forward, and of the gradient at the
+#   first block's input in the backward (the embeddings and final norm are outside the plan). It
+#   saves activation memory, the norms' inputs and the residual stream split along the sequence:
+#   {glue:text}`tp_saved_sp:.0f` KiB saved for backward against {glue:text}`tp_saved_nosp:.0f`
+#   KiB. Little here: `q`, `k`, `v` and `fc` take the all-gathered, whole sequence as input in
+#   both layouts, and a `Linear` saves its input for its weight's gradient.
 #
 # What the split buys is not on this table: with TP, each rank's matmuls are a fraction of
 # the layer, so more GPUs work on one batch without the global batch growing, and FSDP's
@@ -436,12 +425,11 @@ glue("tp_saved_nosp", setups[NO_SP][3], display=False)
 #
 # This page's idea as a plain torchrun script, with torch alone: {download}`scripts/tensor_parallel.py`.
 # Four ranks form a 2 x 2 mesh named `dp` and `tp`; each feed-forward block is split column-wise
-# then row-wise over `tp`, then sharded with `fully_shard` over `dp`, and each TP group takes its
-# `dp` rank's half of every global batch. Rank 0 prints what it holds of each weight with its
-# placements, and the largest differences between the run's losses and weights and one process's
-# on the whole batch. The tests run this file under torchrun on 4 CPU ranks and check the
-# placements (the column-wise weight's `_StridedShard` over `dp`, the unplanned head on `dp`
-# alone) and both differences, at most 1e-5 (`tests/test_scripts.py`).
+# then row-wise over `tp`, then sharded with `fully_shard` over `dp`; each TP group takes its `dp`
+# rank's half of every global batch. Rank 0 prints what it holds of each weight and its placements,
+# and the largest differences of its losses and weights from one process's on the whole batch. The
+# tests (4 CPU ranks, `tests/test_scripts.py`) check the placements (the column-wise weight's
+# `_StridedShard` over `dp`, the unplanned head on `dp` alone) and both differences, at most 1e-5.
 #
 # ```{literalinclude} scripts/tensor_parallel.py
 # :language: python

@@ -25,8 +25,7 @@
 #
 # **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
-# on {func}`fsdp_guide.device`'s type.
-# The tips it demonstrates are listed {ref}`at the end <tp-exactness-tips>`.
+# on {func}`fsdp_guide.device`'s type. The tips it demonstrates are listed {ref}`at the end <tp-exactness-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`tp-exactness-script` ({download}`download <scripts/tp_exactness.py>`).
 
 # %%
@@ -229,13 +228,12 @@ print("same batch across each TP group:", launch(batch_checks, world_size=4, out
 # Nothing fails: DTensor trusts the layouts the plan declares (the blocks' input is
 # declared `Replicate()` over `tp`, and `PrepareModuleInput._prepare_input_arg` in
 # `torch/distributed/tensor/parallel/style.py` wraps it with `DTensor.from_local(...,
-# run_check=False)`: no check), so each TP rank keeps its half of
-# the sequence of *its own* batch, and the attention gathers a sequence stitched from two
-# different samples. The losses look like a model training; the parameters drift from
-# what the data says. The fix is in the data loader: index it by the `dp` coordinate
-# (`mesh["dp"].get_local_rank()`, and `mesh["dp"].size()` shards), never by the global
-# rank. `same_in_group`, one 8-byte all-gather per step, catches the mistake in a debug
-# run.
+# run_check=False)`: no check), so each TP rank keeps its half of the sequence of *its
+# own* batch, and the attention gathers a sequence stitched from two different samples.
+# The losses look like a model training; the parameters drift from what the data says.
+# The fix is in the data loader: index it by the `dp` coordinate (`mesh["dp"].get_local_rank()`,
+# and `mesh["dp"].size()` shards), never by the global rank. `same_in_group`, one 8-byte
+# all-gather per step, catches the mistake in a debug run.
 #
 # (tp-hsdp-trap)=
 # ## The trap: a 2D mesh passed to `fully_shard` is HSDP
@@ -305,14 +303,13 @@ glue("tp_trap_gathers", gathers, display=False)
 
 # %% [markdown]
 # Both compute the same loss (one forward and backward, no optimizer step): HSDP is data
-# parallelism, correct on any batches, and here each TP-style pair feeds it the same
-# batch twice. (Each counts {glue:text}`tp_trap_gathers` all-gathers over `dp` or `tp`, one fewer
-# than the {ref}`collectives table <tp-collectives>` counts for FSDP x TP: the forward that measured
-# `q`'s output left the root gathered.) What differs:
+# parallelism, correct on any batches, and here each TP-style pair feeds it the same batch
+# twice. (Each counts {glue:text}`tp_trap_gathers` all-gathers over `dp` or `tp`, one fewer than
+# the {ref}`collectives table <tp-collectives>` counts for FSDP x TP: the forward that
+# measured `q`'s output left the root gathered.) What differs:
 #
 # - **the placements**: `Replicate() over dp` on the first dimension is HSDP's signature;
-#   FSDP x TP shows a `Shard` (or `_StridedShard`) on `dp` and a `Shard` on `tp` for every
-#   planned weight;
+#   FSDP x TP shows, for every planned weight, `Shard` (or `_StridedShard`) on `dp`, `Shard` on `tp`;
 # - **the work**: under HSDP every rank computes all 4 heads (`q`'s output is 32 wide) on
 #   a batch its neighbour also computes: half the machine repeats the other half;
 # - **the memory**: HSDP holds half the model per rank, FSDP x TP about a third;
@@ -322,20 +319,19 @@ glue("tp_trap_gathers", gathers, display=False)
 # For HSDP, the batch should differ across *all* ranks (it is data parallel over 4),
 # otherwise half the compute repeats; for FSDP x TP, pass `mesh["dp"]` to `fully_shard`
 # after `parallelize_module` over `mesh["tp"]`.
-
-# %% [markdown]
+#
 # (tp-dp-mesh-dims)=
 # ### Naming the data-parallel dimensions: `dp_mesh_dims`
 #
-# Since torch 2.12 ({ref}`fsdp2-map`), `fully_shard` can take the whole mesh and be told which dimensions are
-# data parallel: `dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)`, each a
-# dimension's name or a tuple of names (flattened into one). The parameters must then be
-# DTensors on that whole mesh, with `Replicate()` on the data-parallel dimensions (its
-# docstring); `distribute_module` makes them so. Three roles for the two dimensions of one
-# 2 x 2 mesh, named `x` and `y` so that nothing but `dp_mesh_dims` gives them a meaning; in
-# the third, `y` is tensor parallel by placement alone (the first layer's rows and the
-# second's columns split over `y`; DTensor works out the collectives). Each trains for 2
-# steps against one process on the data-parallel ranks' batches:
+# Since torch 2.12 ({ref}`fsdp2-map`), `fully_shard` can take the whole mesh and be told
+# which dimensions are data parallel: `dp_mesh_dims=DataParallelMeshDims(shard=...,
+# replicate=...)`, each a dimension's name or a tuple of names (flattened into one). The
+# parameters must then be DTensors on that whole mesh, `Replicate()` on the data-parallel
+# dimensions (its docstring), as `distribute_module` makes them. Three roles for the two
+# dimensions of one 2 x 2 mesh, named `x` and `y` so that only `dp_mesh_dims` gives them a
+# meaning; in the third, `y` is tensor parallel by placement alone (layer 0's rows and
+# layer 2's columns split over `y`; DTensor works out the collectives). Each trains 2 steps
+# against one process on the data-parallel ranks' batches:
 #
 # (fsdp2-fully-shard-dp-mesh-dims)=
 # (fsdp2-dataparallelmeshdims)=
@@ -422,11 +418,9 @@ for name, roles in ROLES.items():
 # The same mesh, three layouts: HSDP's `Replicate()` over `x` and `Shard(dim=0)` over `y`
 # (what a 2D mesh passed alone gives, by position); FSDP over all 4 ranks, the two
 # dimensions flattened into one named `x_y`; and FSDP over `x` on top of `y`'s tensor
-# parallelism, with the `_StridedShard` of FSDP x TP ({ref}`tp-plan`). Every layout trains as
-# one process does. Passing `mesh["dp"]` after `parallelize_module` over `mesh["tp"]`, as
-# these pages do elsewhere, works on every supported torch; `dp_mesh_dims` is for
-# parameters that are already DTensors on the whole mesh.
-
+# parallelism, with FSDP x TP's `_StridedShard` ({ref}`tp-plan`). Every layout trains as one
+# process does. `dp_mesh_dims` is for parameters already DTensors on the whole mesh; these
+# pages' `mesh["dp"]` after `parallelize_module` over `mesh["tp"]` works on every supported torch.
 
 # %% [markdown]
 # (tp-exactness-script)=
