@@ -45,6 +45,26 @@ def _mixed_precision(out: str) -> None:
     assert found and float(found[1]) < 2e-2, out  # bfloat16 follows float32; NaN fails the comparison
 
 
+def _float16_needs_the_scaler(out: str) -> None:
+    runs = {
+        name: (float(first), float(last), int(zeros), float(relative))
+        for name, first, last, zeros, relative in re.findall(
+            r"^(\w+, [\w ]+): loss (\S+) -> (\S+) in \d+ steps, zero gradients (\d+)%, "
+            r"max relative difference from float32 = (\S+)$",
+            out,
+            re.M,
+        )
+    }
+    first, last, zeros, _ = runs["float16, no scaler"]
+    assert math.isfinite(first) and first == last and zeros == 100, out  # every gradient 0: no step moved
+    for name in ("float16, GradScaler", "bfloat16, no scaler"):
+        first, last, zeros, relative = runs[name]
+        assert last < first and zeros == 0 and relative < 2e-2, out  # learns, as float32; NaN fails
+    # only rank 0's shard held the inf, and both ranks skipped the step (the found-inf flag is reduced)
+    assert "inf in rank 0's gradient shard only; own shards finite: rank 0: False, rank 1: True" in out, out
+    assert "step skipped: rank 0: True, rank 1: True; scale 1 -> 0.5, 0.5" in out, out
+
+
 def _full_params_init(out: str) -> None:
     assert "rank 0 holds (32, 16) of layers.0.weight, (64, 16) inside summon_full_params" in out, out
     found = re.search(r"custom init on 2 sharded ranks vs 1 process: max \|weight difference\| = (\S+)", out)
@@ -587,6 +607,7 @@ def _other_group_trained_on_and_restarted_one_caught_up(out: str) -> None:
 CLAIMS = {
     "quickstart": (2, _loss_difference),
     "mixed_precision": (2, _mixed_precision),
+    "fp16_scaler": (2, _float16_needs_the_scaler),
     "summon_full_params": (2, _full_params_init),
     "deterministic_init": (2, _weight_difference),
     "loss_and_accumulation": (2, _accumulated_loss_difference),

@@ -53,6 +53,7 @@ def test_every_tutorial_is_tested():
         "experts",
         "failed_step",
         "finetune_hf",
+        "fp16_scaler",
         "fp8",
         "frozen_weights",
         "fsdp2_controls",
@@ -1297,7 +1298,7 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     assert len(counts) == 4 and len(set(counts)) == 1  # reduced once per step, however many micro-batches
 
 
-def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
+def test_mixed_precision_tutorial_shows_the_dtypes_and_the_boundary_between_policies(executed):
     text = _text_outputs(executed["mixed_precision"])
     rows = {
         line[:22].strip(): line[22:].split()
@@ -1311,6 +1312,16 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
     assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 6 + ["float32"] * 2
     assert rows["FSDP + autocast bf16"][4] == "float32"  # the contrast: autocast runs the loss in float32
     assert "torch.autocast('cuda') without dtype= computes in torch.float16" in text
+    boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
+    assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
+    assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"
+    # the float32 input reached the bf16 body
+    refused = boundary["body bf16, output_dtype=float32, cast_forward_inputs=False"]
+    assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
+
+
+def test_fp16_scaler_float16_stops_learning_without_a_scaler_and_an_overflow_skips_every_rank(executed):
+    text = _text_outputs(executed["fp16_scaler"])
     runs = {
         line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line
     }
@@ -1319,15 +1330,12 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_scaler(executed):
         float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"
     )
     assert runs["FSDP1 fp16, no scaler"][2] == "100%" and runs["FSDP1 fp16, ShardedGradScaler"][2] == "0%"
+    # bfloat16 needs none: its gradients survive and it learns
+    assert float(runs["bf16, no scaler"][1]) < float(runs["bf16, no scaler"][0]) and runs["bf16, no scaler"][2] == "0%"
     # only rank 0's shard overflowed, and both ranks skipped the step (the found-inf flag is reduced)
     assert "rank 0: its own gradient shards finite: False; step skipped: True, scale 1 -> 0.5" in text
     assert "rank 1: its own gradient shards finite: True; step skipped: True, scale 1 -> 0.5" in text
-    boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
-    assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
-    assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"
-    # the float32 input reached the bf16 body
-    refused = boundary["body bf16, output_dtype=float32, cast_forward_inputs=False"]
-    assert refused.startswith("body ['-'], head ['-']: RuntimeError") and "got Float and BFloat16" in refused
+    assert _glued(executed["fp16_scaler"]).keys() >= {"fp16_smallest_normal", "fp16_to_zero"}
 
 
 def test_llm_recipe_initialises_by_unit_trains_exports_and_runs_the_same_from_the_command_line(executed):

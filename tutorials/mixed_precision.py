@@ -21,15 +21,13 @@
 # - no mixed precision, autocast only, FSDP's mixed precision only, and both;
 # - bfloat16 against float16;
 # - a bfloat16 unit next to a float32 one, and what `output_dtype` and
-#   `cast_forward_inputs` do at their boundary;
-#
-# and when you need a gradient scaler (`torch.amp.GradScaler` with FSDP2,
-# `ShardedGradScaler` with FSDP1): a float16 run without one that stops learning, and
-# the same run with it.
+#   `cast_forward_inputs` do at their boundary.
 #
 # **What you need**: a CPU; 2 processes on gloo, about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
+# Why float16 needs a gradient scaler and bfloat16 does not, shown by training: the next
+# page, {ref}`tutorial-fp16-scaler`.
 # The tips are listed {ref}`at the end <mixed-precision-tips>`.
 # Its idea as a plain torchrun script to copy: {ref}`mixed-precision-script` ({download}`download <scripts/mixed_precision.py>`).
 
@@ -209,7 +207,7 @@ for device_type in ("cpu", "cuda"):  # cpu-only: compares both device types' def
 
 # %% [markdown]
 # The same code moved from a CPU to a GPU silently switches from bfloat16 to float16,
-# which needs a gradient scaler. Choose the dtype once, by what the hardware supports:
+# which needs a gradient scaler ({ref}`mixed-precision-fp16-scaler`). Choose the dtype once, by what the hardware supports:
 # {func}`fsdp_guide.precision.low_precision_dtype` gives bfloat16 on any CPU (torch
 # computes bfloat16 on every CPU: natively with the AVX512-BF16 or AMX instructions where
 # the CPU has them, which `torch.cpu._is_avx512_bf16_supported` and
@@ -258,7 +256,7 @@ print(
 # all, so FSDP's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` does not check either.
 # `low_precision_dtype()` asks
 # `is_bf16_supported(including_emulation=False)` instead, so it picks float16 on those
-# GPUs, which then needs a gradient scaler (next section).
+# GPUs, which then needs a gradient scaler (the next page, {ref}`tutorial-fp16-scaler`).
 
 # %% [markdown]
 # ### Units with different policies: `output_dtype` and `cast_forward_inputs`
@@ -327,126 +325,6 @@ for name, policy in POLICIES.items():
 # bfloat16 weights refuse it. That setting is for a unit that casts its inputs itself, or
 # runs under autocast, which casts per operation (the table above).
 
-
-# %% [markdown]
-# (mixed-precision-fp16-scaler)=
-# ## float16 needs a gradient scaler; bfloat16 does not
-#
-# Small gradients are normal (late layers, long sequences, a loss averaged over many
-# tokens). float16 keeps fewer significant bits below 6.1e-5 and rounds values at or
-# below 2<sup>-25</sup> (about 3e-8) to zero (the table above): the parameters stop moving.
-# Here the loss is scaled by 1e-6 to make every gradient that small, and the model
-# trains 8 steps with FSDP computing in float16 or bfloat16, with and without a scaler.
-# `torch.amp.GradScaler` multiplies the loss before backward and divides the gradients
-# before the step, skipping steps whose gradients overflowed. With FSDP1 this page uses
-# torch's `ShardedGradScaler` (`torch/distributed/fsdp/sharded_grad_scaler.py`): an
-# FSDP1 rank's gradients are plain tensors holding only its shard of each flat
-# parameter, and `ShardedGradScaler.unscale_` all-reduces the found-infinity flag across
-# the ranks, where `GradScaler.unscale_` checks only the tensors it is given; it also
-# accepts float16 gradients, which `GradScaler.unscale_` refuses ("Attempting to unscale
-# FP16 gradients.", `torch/amp/grad_scaler.py`). A plain `GradScaler` with FSDP1 is not
-# run here.
-
-# %%
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-
-def train_small_gradients(api, low, use_scaler, device, steps=8):
-    model = shard_with_policy(Attentionish(), api, low, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=2e5)  # undoes the 1e-6 for the update
-    scaler = None
-    if use_scaler:
-        scaler = (
-            ShardedGradScaler(device.type) if api == "fsdp1" else torch.amp.GradScaler(device.type)
-        )
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
-    x, y = x.to(device), y.to(device)
-    losses, zero_fraction = [], []
-    for _ in range(steps):
-        loss = F.mse_loss(model(x).float(), y)
-        small = loss * 1e-6
-        (scaler.scale(small) if scaler else small).backward()
-        grads = [
-            p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()
-        ]
-        zeros = sum((g == 0).sum().item() for g in grads)
-        zero_fraction.append(zeros / sum(g.numel() for g in grads))
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, zero_fraction
-
-
-def scaler_runs():
-    device = fsdp_guide.device()
-    runs = [
-        ("fp16, no scaler", "fsdp2", torch.float16, False),
-        ("fp16, GradScaler", "fsdp2", torch.float16, True),
-        ("bf16, no scaler", "fsdp2", torch.bfloat16, False),
-        ("FSDP1 fp16, no scaler", "fsdp1", torch.float16, False),
-        ("FSDP1 fp16, ShardedGradScaler", "fsdp1", torch.float16, True),
-    ]
-    return {
-        name: train_small_gradients(api, low, scaler, device) for name, api, low, scaler in runs
-    }
-
-
-runs = launch(scaler_runs, output="none")[0]
-print(f"{'':30} {'loss at step 0':>15} {'loss at step 7':>15}  zero gradients")
-for name, (losses, zeros) in runs.items():
-    print(f"{name:30} {losses[0]:15.5f} {losses[-1]:15.5f}  {zeros[-1]:6.0%}")
-
-# %% [markdown]
-# Without a scaler, float16 turns every gradient to zero and the loss does not move at
-# all, with FSDP2 and FSDP1 alike; with one, the same run learns as bfloat16 does.
-# bfloat16 reaches down as far as float32 (the same smallest normal number, in the table
-# above), so its gradients survive without a scaler.
-#
-# A skipped step must be skipped on *every* rank, or the ranks' weights diverge. A
-# rank holds only a shard of the gradients, so an overflow may be seen by one rank only.
-# With FSDP2's DTensor gradients, `torch.amp.GradScaler`'s check covers the whole
-# gradient: below, only rank 0's shard gets an infinity (the scale starts at 1, so that
-# nothing else overflows: rank 1's own shards stay finite). Each rank then compares the full
-# parameters (`full_tensor()`, gathered from both ranks' shards) before and after
-# `scaler.step`, so "step skipped: True" means that neither rank's shard changed; and
-# each rank's scaler halved its scale. Rank 1 skipped a step its own gradients allowed:
-# DTensor reduces the scaler's found-inf flag across the ranks
-# (`found_inf_reduce_handler` in `torch/distributed/tensor/_dispatch.py`, registered for
-# `aten._amp_foreach_non_finite_check_and_unscale_`).
-
-
-# %%
-def overflow_on_rank_0_only():
-    device = fsdp_guide.device()
-    model = shard_with_policy(Attentionish(), "fsdp2", torch.float16, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    # A scale of 1: the default 65536 would overflow float16 gradients on every rank by itself
-    scaler = torch.amp.GradScaler(device.type, init_scale=1.0)
-    scaler.scale(model(torch.ones(2, 32, device=device)).float().sum()).backward()
-    if dist.get_rank() == 0:
-        next(model.parameters()).grad.to_local()[0, 0] = float("inf")
-    # this rank's shards
-    own_finite = all(p.grad.to_local().isfinite().all().item() for p in model.parameters())
-    before = [p.full_tensor() for p in model.parameters()]
-    scale_before = scaler.get_scale()
-    scaler.step(optimizer)
-    scaler.update()
-    unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
-    return own_finite, unchanged, scale_before, scaler.get_scale()
-
-
-for rank, (own_finite, unchanged, old, new) in enumerate(
-    launch(overflow_on_rank_0_only, output="none")
-):
-    print(
-        f"rank {rank}: its own gradient shards finite: {own_finite}; step skipped: {unchanged}, "
-        f"scale {old:g} -> {new:g}"
-    )
 
 # %% [markdown]
 # (mixed-precision-script)=

@@ -67,6 +67,7 @@ GROUPS = {
             "failed_step": ("A failed step", "Catch an exception mid-backward and train on as one process does."),
             "placements": ("Choosing placements", "Shard along dim 1, keep tied weights in one unit, ignore one."),
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
+            "fp16_scaler": ("float16 needs a gradient scaler", "float16 stops learning without one; bf16 needs none."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
             "compile": ("torch.compile", "Where to compile a sharded model, and how to check it."),
             "compile_recompiles": ("Recompiles and dynamo's logs", "What recompiles, and what the logs say."),
