@@ -68,6 +68,7 @@ GROUPS = {
             "placements": ("Choosing placements", "Shard along dim 1, keep tied weights in one unit, ignore one."),
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
+            "fp8_memory": ("FP8 memory", "Activations and a second master copy: why FP8 can use more."),
             "compile": ("torch.compile", "Where to compile a sharded model, and how to check it."),
             "compile_recompiles": ("Recompiles and dynamo's logs", "What recompiles, and what the logs say."),
             "compile_checkpointing": (
