@@ -2,17 +2,11 @@
 
     torchrun --nproc-per-node=2 fp8_memory.py
 
-FSDP2 keeps each rank's shard of the parameters in the dtype they had when sharded, float32 here, and
-casts it while gathering (to bfloat16, or to float8 with its scale): that shard is the master copy
-the optimizer updates. An optimizer that keeps float32 master weights of its own, as FP8 libraries'
-optimizers do, holds the weights a second time. The script trains torchao's float8 Linears with a
-bfloat16 MixedPrecisionPolicy three ways: AdamW on FSDP's float32 shards, a master-weight AdamW
-beside them, and a master-weight AdamW on shards stored in bfloat16. Rank 0 prints each one's
-model states (parameters, gradients, optimizer state and masters) in bytes per parameter, and the
-largest difference between the losses of the first two. Needs torch and torchao; each rank computes
-on its accelerator (GPU) where there is one, else on the CPU (over gloo). Float8 matmuls need a GPU
-of compute capability 8.9 or newer, or the CPU (where torch runs them). On a CPU-only torch, torchao
-logs that its CUDA kernels failed to load.
+FSDP2's shard of each parameter, float32 here, is the master copy: an optimizer keeping float32
+masters of its own (as FP8 libraries' do) holds the weights twice. Rank 0 prints the model states
+per parameter of torchao's float8 Linears (bfloat16 policy) trained three ways, and the largest
+loss difference between the first two. Needs torch and torchao; each rank computes on its GPU where
+it has one (float8 matmuls: compute capability 8.9 or newer), else on the CPU over gloo.
 """
 
 import os
@@ -33,8 +27,7 @@ WIDTH, ROWS, STEPS, LR = 128, 32, 3, 1e-2
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
-    """AdamW on float32 master copies of the parameters, written back after each step (as FP8
-    libraries' optimizers do; torch has none)."""
+    """AdamW on float32 masters of the parameters, written back after each step (torch has none)."""
 
     def __init__(self, params, **kwargs):
         self.model_params = list(params)
@@ -73,10 +66,8 @@ def sharded_float8_model(stored, device, backend):
     linears = [nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3)]  # sizes: multiples of 16
     model = nn.Sequential(linears[0], nn.ReLU(), linears[1], nn.ReLU(), linears[2])
     model = model.to(device, stored)  # FSDP2 keeps (and shards) the parameters in this dtype
-    # Convert first: once sharded, the weights are DTensors and the swap fails.
-    model = convert_to_float8_training(
-        model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    )
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # gathered in float8
+    model = convert_to_float8_training(model, config=config)  # before sharding: DTensors won't swap
     # compute in bfloat16 (the activations too), reduce gradients in float32
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in [*model[::2], model]:  # each Linear a unit, then the root
@@ -87,34 +78,28 @@ def sharded_float8_model(stored, device, backend):
 
 
 def nbytes(tensors):
-    """Bytes of this rank's part of ``tensors``: its elements times their size (even shards here)."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]  # this rank's part
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def train_and_measure(model, optimizer_class, device, rank):
-    """STEPS steps, then one more backward: the losses, and the model states per parameter then."""
+def train_and_measure(model, optimizer_class, device):
     optimizer = optimizer_class(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS + 1):
-        g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+        g = torch.Generator().manual_seed(1000 * step + dist.get_rank())  # each rank its own batch
         x = torch.randn(ROWS, WIDTH, generator=g)
         target = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
         loss = F.mse_loss(model(x.to(device)).float(), torch.tanh(x @ target).to(device))
-        loss.backward()  # the gradients exist now: measure here after the last step
+        loss.backward()  # the gradients exist now: after the last step, measure here
         losses.append(loss.detach())
         if step < STEPS:
             optimizer.step()
             precompute_float8_dynamic_scale_for_fsdp(model)  # every weight's scale, one all-reduce
             optimizer.zero_grad()
     params = list(model.parameters())
-    state = [
-        t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()
-    ]
-    ours = {
-        id(p) for p in params
-    }  # a master-weight optimizer steps tensors the model does not hold
-    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in ours]
+    held = {id(p) for p in params}  # masters: what the optimizer steps that the model does not hold
+    masters = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim()]  # not `step`
     states = nbytes(params) + nbytes(p.grad for p in params) + nbytes(state + masters)
     per_rank = sum(p.numel() for p in params) / dist.get_world_size()  # a DTensor's numel is global
     return torch.stack(losses), states / per_rank
@@ -134,25 +119,22 @@ def main():
         device = torch.device("cpu")
     backend = dist.get_default_backend_for_device(device)  # NCCL on GPUs, gloo on the CPU
     dist.init_process_group(backend)
-    rank = dist.get_rank()
 
-    setups = {  # name: (dtype FSDP stores the parameters in, optimizer)
-        "AdamW on FSDP's float32 shards": (torch.float32, torch.optim.AdamW),
-        "master-weight AdamW beside FSDP's float32 shards": (torch.float32, MasterWeightAdamW),
-        "master-weight AdamW on bfloat16 shards": (torch.bfloat16, MasterWeightAdamW),
-    }
-    losses = {}
-    for name, (stored, optimizer_class) in setups.items():
+    setups = [  # (name, dtype FSDP stores the parameters in, optimizer)
+        ("AdamW on FSDP's float32 shards", torch.float32, torch.optim.AdamW),
+        ("master-weight AdamW beside FSDP's float32 shards", torch.float32, MasterWeightAdamW),
+        ("master-weight AdamW on bfloat16 shards", torch.bfloat16, MasterWeightAdamW),
+    ]
+    losses = []
+    for name, stored, optimizer_class in setups:
         model = sharded_float8_model(stored, device, backend)
-        losses[name], per_param = train_and_measure(model, optimizer_class, device, rank)
-        if rank == 0:
+        loss, per_param = train_and_measure(model, optimizer_class, device)
+        losses.append(loss)
+        if dist.get_rank() == 0:
             print(f"float8 + bf16, {name}: {per_param:.1f} bytes of model states per parameter")
-    if rank == 0:
+    if dist.get_rank() == 0:
         # the second float32 copy holds the same numbers as FSDP's: it changes memory, not training
-        one, two = (
-            losses["AdamW on FSDP's float32 shards"],
-            losses["master-weight AdamW beside FSDP's float32 shards"],
-        )
+        one, two = losses[:2]
         print(
             f"rank 0, {STEPS} steps, master-weight AdamW vs AdamW on float32 shards: "
             f"max |loss difference| = {(one - two).abs().max().item():.2e} (loss {one[-1].item():.4f})"
