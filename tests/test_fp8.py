@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_guide import launch
+from fsdp_guide.fp8 import regression_batch, shard_in_precision, three_linears
 from fsdp_guide.memory import measure
 from fsdp_guide.precision import record_dtypes
 
@@ -55,3 +57,18 @@ def test_float8_fully_shard_trains_and_gathers_one_byte_per_weight_element():
     # step 0: one amax all-reduce for the float8 weight; then none, the scales were precomputed
     assert result["amax_all_reduces"] == [1] + [0] * 7
     assert result["params"] == (64 * 64 + 650) * 4 // 2  # float32 shards: the master weights, once
+
+
+def test_the_fp8_pages_model_and_batches_are_the_same_on_every_call():
+    first, second = three_linears(), three_linears()
+    assert [type(m).__name__ for m in first] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))  # seeded
+    x, y = regression_batch(3, 1, "cpu")
+    assert x.shape == y.shape == (32, 128) and torch.equal(x, regression_batch(3, 1, "cpu")[0])
+    assert not torch.equal(x, regression_batch(3, 0, "cpu")[0])  # each rank its own batch
+    assert y.abs().max() < 1  # tanh of the fixed map
+
+
+def test_shard_in_precision_names_the_precisions_it_takes():
+    with pytest.raises(ValueError, match=r"precision='fp16': expected one of fp32, bf16, fp8, fp8\+bf16"):
+        shard_in_precision("fp16")

@@ -273,6 +273,23 @@ def _float8_follows_float32(out: str) -> None:
     assert found and float(found[1]) <= 1e-2, out  # the page's 1%; NaN fails the comparison
 
 
+def _one_float32_copy(out: str) -> None:
+    per_param = {
+        name: float(n)
+        for name, n in re.findall(r"^float8 \+ bf16, (.+): (\S+) bytes of model states per parameter$", out, re.M)
+    }
+    assert per_param == {  # NaN fails the comparison
+        "AdamW on FSDP's float32 shards": 16,
+        "master-weight AdamW beside FSDP's float32 shards": 20,  # the weights in float32 twice
+        "master-weight AdamW on bfloat16 shards": 16,  # ZeRO's 2 + 2 + 12
+    }, out
+    found = re.search(
+        r"master-weight AdamW vs AdamW on float32 shards: max \|loss difference\| = (\S+) \(loss (\S+)\)", out
+    )
+    # the second copy changes memory, not training; a finite loss (NaN - NaN is NaN, not 0)
+    assert found and float(found[1]) == 0 and math.isfinite(float(found[2])), out
+
+
 def _hsdp(out: str) -> None:
     assert "rank 0: shard group [0, 1], replicate group [0, 2], holds (32, 16) of layers.0.weight (64, 16)" in out, out
     found = re.search(
@@ -632,6 +649,7 @@ CLAIMS = {
     "failed_step": (2, _failed_step_recovered),
     "placements": (2, _placements_like_one_process),
     "fp8": (2, _float8_follows_float32),
+    "fp8_memory": (2, _one_float32_copy),
     "cluster": (4, _hsdp),
     "pipeline": (4, _pipeline),
     "pipeline_bubble": (2, _gpipe_order_and_idle_fractions),
@@ -672,6 +690,7 @@ LIBRARIES = {
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},
+    "fp8_memory": {"torchao"},
     "torchft_recovery": {"torchft"},
 }
 

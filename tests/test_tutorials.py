@@ -55,6 +55,7 @@ def test_every_tutorial_is_tested():
         "finetune_hf",
         "fp16_scaler",
         "fp8",
+        "fp8_memory",
         "frozen_weights",
         "fsdp2_controls",
         "fsdp_config",
@@ -1239,7 +1240,7 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     }
 
 
-def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
+def test_fp8_tutorial_measures_bytes_scales_and_accumulation(executed):
     text = _text_outputs(executed["fp8"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
     last = [float(v) for v in next(ln for ln in text.splitlines() if ln.startswith("last  ")).split()[1:]]
@@ -1248,6 +1249,25 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     assert gathered[("fp32", "forward")][-2:] == ["3", "196608"]
     assert gathered[("bf16", "forward")][-3:] == ["bfloat16", "3", "98304"]
     assert gathered[("fp8", "forward")][-3:] == ["uint8", "3", "49152"]  # one byte per element, as uint8 on gloo
+    assert _glued(executed["fp8"]).keys() >= {"fp8_fp32_gathered"}
+    assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
+    assert "{'c10d_functional.all_reduce': 1}" in text
+    accumulation = {
+        ln.split("relative difference")[0].strip(): float(ln.split()[-1])
+        for ln in text.splitlines()
+        if "relative difference" in ln
+    }
+    assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
+    assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
+    counts = re.findall(
+        r"micro-batch(?:es)?: (\d+)", next(ln for ln in text.splitlines() if "reduce-scatters in" in ln)
+    )
+    assert len(counts) == 4 and len(set(counts)) == 1  # reduced once per step, however many micro-batches
+
+
+def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
+    text = _text_outputs(executed["fp8_memory"])
+    assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
     memory = {
         ln.split()[0]: [int(v) for v in ln.split()[1:]]
         for ln in text.splitlines()
@@ -1255,6 +1275,7 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
         and len(ln.split()) == 6
         and all(v.isdigit() for v in ln.split()[1:])
     }
+    assert len(memory) == 4  # a row for each precision
     assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
     assert memory["fp32"][0] == 4 * (3 * 128 * 128) // 2  # the prose's "per rank, 4 bytes each" (it glues the counts)
     saved, held = {mode: v[3] for mode, v in memory.items()}, {mode: v[4] for mode, v in memory.items()}
@@ -1275,27 +1296,16 @@ def test_fp8_tutorial_measures_bytes_memory_scales_and_accumulation(executed):
     }
     assert {v[5] for v in setups.values()} == {"1.0000"}  # measured exactly as estimated
     assert "measured - estimated, bytes, each set-up: [0, 0, 0, 0]" in text  # "exactly"
-    assert _glued(executed["fp8"]).keys() >= {
-        "fp8_fp32_gathered",
+    losses = {name: float(v[6]) for name, v in setups.items()}
+    assert all(math.isfinite(loss) for loss in losses.values())  # "all four take their 3 steps"
+    assert losses["fp8, master-weight AdamW"] == losses["fp8, AdamW"]  # "end at the same loss"
+    assert _glued(executed["fp8_memory"]).keys() >= {
         "fp8_params",
         "fp8_rank_params",
         "fp8_master_bytes",
         "fp8_bf16_bytes",
         "fp8_master_ratio",
     }
-    assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
-    assert "{'c10d_functional.all_reduce': 1}" in text
-    accumulation = {
-        ln.split("relative difference")[0].strip(): float(ln.split()[-1])
-        for ln in text.splitlines()
-        if "relative difference" in ln
-    }
-    assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
-    assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
-    counts = re.findall(
-        r"micro-batch(?:es)?: (\d+)", next(ln for ln in text.splitlines() if "reduce-scatters in" in ln)
-    )
-    assert len(counts) == 4 and len(set(counts)) == 1  # reduced once per step, however many micro-batches
 
 
 def test_mixed_precision_tutorial_shows_the_dtypes_and_the_boundary_between_policies(executed):

@@ -20,12 +20,12 @@
 # - how torchao's float8 training composes with FSDP2: convert the Linears, *then* shard,
 #   with the all-gather itself in float8;
 # - what FP8 changes and what it does not, measured against FP32 and BF16 mixed precision
-#   on 2 ranks: the loss, the bytes all-gathered per step, the model states kept per rank,
-#   and the activations saved for backward;
-# - the two ways "FP8 used more memory than BF16" happens (activations, and a second
-#   float32 master copy), and the settings that fix each;
+#   on 2 ranks: the loss, and the bytes all-gathered per step;
 # - where the FP8 scaling factors are synchronised across ranks, and what gradient
 #   accumulation does with FP8.
+#
+# What FP8 does to memory (the activations saved for backward, and a second float32 master
+# copy) is the next page's idea: {ref}`tutorial-fp8-memory`.
 #
 # **What you need**: torchao; a CPU (where torch runs the float8 matmul); 2 processes on
 # gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is written to run unchanged with one GPU per rank
@@ -66,70 +66,33 @@ print(f"torch {torch.__version__}, torchao {torchao.__version__}, Python {sys.ve
 # %% [markdown]
 # ## Three ways to train the same model
 #
-# The model is three 128x128 Linears. FP32 shards it as it is; BF16 adds FSDP2's
-# `MixedPrecisionPolicy` (compute in bfloat16, reduce gradients in float32); FP8 uses
-# {func}`fsdp_guide.fp8.float8_fully_shard`: torchao's `convert_to_float8_training` with
-# `enable_fsdp_float8_all_gather=True` *before* `fully_shard` (the other order is not run on
-# this page), and torchao's
+# The model is {func}`fsdp_guide.fp8.three_linears`: three 128x128 Linears.
+# {func}`fsdp_guide.fp8.shard_in_precision` shards it in one of four precisions. FP32 shards
+# it as it is; BF16 adds FSDP2's `MixedPrecisionPolicy` (compute in bfloat16, reduce
+# gradients in float32); FP8 uses {func}`fsdp_guide.fp8.float8_fully_shard`: torchao's
+# `convert_to_float8_training` with `enable_fsdp_float8_all_gather=True` *before*
+# `fully_shard` (the other order is not run on this page), and torchao's
 # `precompute_float8_dynamic_scale_for_fsdp` after every optimizer step. FP8 + BF16
-# combines the last two.
+# combines the last two. Each rank's batches come from
+# {func}`fsdp_guide.fp8.regression_batch`.
 
 # %%
 import fsdp_guide
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
-from fsdp_guide.fp8 import float8_fully_shard
-from fsdp_guide.memory import measure
+from fsdp_guide.fp8 import regression_batch, shard_in_precision
 from fsdp_guide.precision import record_dtypes
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 WIDTH, STEPS = 128, 12
-BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-MODES = ("fp32", "bf16", "fp8", "fp8+bf16")
-
-
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(WIDTH, WIDTH, bias=False),
-        nn.ReLU(),
-        nn.Linear(WIDTH, WIDTH, bias=False),
-        nn.ReLU(),
-        nn.Linear(WIDTH, WIDTH, bias=False),
-    )
-
-
-def build(mode, stored=torch.float32):
-    model = make_model().to(stored)  # the dtype FSDP stores (and shards) the parameters in
-    mp_policy = BF16 if "bf16" in mode else MixedPrecisionPolicy()
-    if mode.startswith("fp8"):
-        return float8_fully_shard(model, mp_policy=mp_policy)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=mp_policy)
-    return fully_shard(model, mp_policy=mp_policy)
-
-
-def batch(step, rank, device, rows=32):
-    """Drawn on the CPU (the same numbers on any device), then moved to ``device``."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(rows, WIDTH, generator=g)
-    target = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(7)) / WIDTH**0.5
-    return x.to(device), torch.tanh(x @ target).to(device)
-
+MODES = ("fp32", "bf16", "fp8", "fp8+bf16")  # the precisions shard_in_precision takes
 
 # %% [markdown]
 # Each mode trains 12 steps with AdamW. During the last step, `record_dtypes` records
-# every collective (dtype, count, bytes), and {func}`fsdp_guide.memory.saved_for_backward`
-# counts the bytes autograd saves for backward (float8 tensors at one byte per element);
-# after it, {func}`fsdp_guide.memory.measure` counts the model states.
+# every collective (dtype, count, bytes).
+
 
 # %%
-from fsdp_guide.memory import saved_for_backward
-
-
 def train(mode):
     from fsdp_guide.fp8 import quiet_torchao
 
@@ -137,14 +100,13 @@ def train(mode):
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     device = fsdp_guide.device()
-    model = build(mode)
+    model = shard_in_precision(mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, dist.get_rank(), device)
+        x, y = regression_batch(step, dist.get_rank(), device)
         with record_dtypes() as comm:
-            with saved_for_backward() as saved:  # the forward: what it saves, and what it leaves
-                loss = F.mse_loss(model(x).float(), y)
+            loss = F.mse_loss(model(x).float(), y)
             loss.backward()
         optimizer.step()
         if mode.startswith("fp8"):
@@ -154,15 +116,7 @@ def train(mode):
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
     collectives = {key: (comm.get(*key), comm.count[key], comm.nbytes[key]) for key in comm.seen}
-    # measure after a backward, so the gradients exist
-    F.mse_loss(model(x).float(), y).backward()
-    return dict(
-        losses=losses,
-        collectives=collectives,
-        states=measure(model, optimizer),
-        saved=saved.nbytes,
-        held=saved.held_at_exit,
-    )
+    return dict(losses=losses, collectives=collectives)
 
 
 def train_all_modes():
@@ -241,7 +195,7 @@ def amax_collectives():
     device = fsdp_guide.device()
     counts = {}
     for precompute in (False, True):
-        model = build("fp8")
+        model = shard_in_precision("fp8")
         if precompute:
             with CommDebugMode() as comm:
                 precompute_float8_dynamic_scale_for_fsdp(model)
@@ -249,7 +203,7 @@ def amax_collectives():
                 str(op): n for op, n in comm.get_comm_counts().items()
             }
         with record_dtypes() as seen:
-            x, _ = batch(0, dist.get_rank(), device)
+            x, _ = regression_batch(0, dist.get_rank(), device)
             F.mse_loss(model(x), torch.zeros(32, WIDTH, device=device)).backward()
         counts[f"forward+backward, scales precomputed: {precompute}"] = {
             f"{phase} {kind}": f"{seen.count[(phase, kind)]} x {seen.get(phase, kind)}"
@@ -272,172 +226,6 @@ for where, counts in launch(amax_collectives, output="none")[0].items():
 # (`torchao/float8/fsdp_utils.py`) casts with the stored scale whenever there is one, and
 # computes a new one (with the amax all-reduce) only when there is none.
 #
-# ## Memory: model states, and what is saved for backward
-
-# %%
-print(
-    f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  {'saved in forward':>16}  {'held after forward':>18}"
-)
-for mode in MODES:
-    states, saved, held = results[mode]["states"], results[mode]["saved"], results[mode]["held"]
-    print(
-        f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}"
-    )
-glue("fp8_params", sum(p.numel() for p in make_model().parameters()), display=False)
-# float32: 4 bytes each
-glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)
-
-# %% [markdown]
-# Model states are the same in every mode ({glue:text}`fp8_params:,` parameters:
-# {glue:text}`fp8_rank_params:,` per rank, 4 bytes each): FSDP2 keeps each rank's shard in float32 and casts while it gathers (to
-# bfloat16, or to float8 with the scale), so that shard *is* the master copy the
-# optimizer updates. There is no second float32 copy.
-#
-# What differs is the activation memory. The two right-hand columns count the tensors
-# autograd saves in the forward: *saved in forward* counts each when it is saved, the
-# gathered weights included; *held after forward* counts what is still allocated when the
-# forward ends. FSDP2 frees each unit's gathered weights after its forward (and gathers
-# them again for backward), so the second column is what the forward leaves for backward:
-# the activations, and in FP8 modes a few bytes of scales.
-#
-# **FP8 alone holds as much as FP32, and more than BF16**: `Float8Linear` keeps its input
-# in the precision it arrives in, float32 here, so it holds float32 activations where BF16
-# mixed precision holds bfloat16 ones. That is the first way to get "FP8 used more memory
-# than BF16". The fix is to give FP8 low-precision inputs too: FP8 with the BF16 policy
-# (`fp8+bf16`) holds what BF16 holds, plus the scales. It holds no less: FP8's smaller
-# weights show in the first column only, and those are freed after the forward either way.
-#
-# ## Two master copies: the optimizer's and FSDP's
-#
-# The second way is the one reported when FSDP support was added to MS-AMP, an FP8
-# library (Azure/MS-AMP pull request #149, "Support FSDP"): t5-3b took 28 GB with BF16,
-# 40 GB with FP32 and 34 GB with FP8. The reviewer's
-# diagnosis: with FSDP mixed precision on, FSDP keeps the weights in FP32, and the FP8
-# optimizer keeps *its own* FP32 {term}`master weights` beside them. Two master copies.
-#
-# To reproduce it we need an optimizer that keeps master weights. torch has none (MS-AMP's
-# and apex's need CUDA), so here is a stand-in that does what they do: step float32
-# copies of the parameters, then write the result back into the parameters.
-
-
-# %%
-class MasterWeightAdamW(torch.optim.AdamW):
-    """AdamW on float32 master copies of the parameters, written back after each step."""
-
-    def __init__(self, params, **kwargs):
-        self.model_params = list(params)
-        super().__init__([p.detach().float().clone() for p in self.model_params], **kwargs)
-
-    @torch.no_grad()
-    def step(self):
-        masters = self.param_groups[0]["params"]
-        for param, master in zip(self.model_params, masters):
-            master.grad = param.grad.float()
-        super().step()
-        for param, master in zip(self.model_params, masters):
-            param.copy_(master)  # rounded to the parameter's dtype
-            master.grad = None
-
-    def zero_grad(self, set_to_none=True):
-        for param in self.model_params:
-            param.grad = None
-
-
-# %% [markdown]
-# Four set-ups, each trained 3 steps on 2 ranks and measured with
-# {func}`fsdp_guide.memory.measure` (which counts an optimizer's master copies as
-# optimizer state) beside {func}`fsdp_guide.memory.estimate` for the same dtypes:
-
-# %%
-from fsdp_guide.memory import estimate
-
-SETUPS = {  # name: (mode, optimizer, dtype FSDP stores the parameters in)
-    "bf16, AdamW": ("bf16", torch.optim.AdamW, torch.float32),
-    "fp8, master-weight AdamW": ("fp8+bf16", MasterWeightAdamW, torch.float32),
-    "fp8, AdamW": ("fp8+bf16", torch.optim.AdamW, torch.float32),
-    "fp8, bf16 stored, master AdamW": ("fp8+bf16", MasterWeightAdamW, torch.bfloat16),
-}
-
-
-def model_states(mode, optimizer_class, stored):
-    from fsdp_guide.fp8 import quiet_torchao
-
-    quiet_torchao()
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    device = fsdp_guide.device()
-    model = build(mode, stored)
-    optimizer = optimizer_class(model.parameters(), lr=1e-2)
-    for step in range(3):
-        x, y = batch(step, dist.get_rank(), device)
-        F.mse_loss(model(x).float(), y).backward()
-        optimizer.step()
-        precompute_float8_dynamic_scale_for_fsdp(model) if mode.startswith("fp8") else None
-        optimizer.zero_grad()
-    loss = F.mse_loss(model(x).float(), y)
-    loss.backward()  # measure with gradients present, as inside a step
-    return measure(model, optimizer), loss.item()
-
-
-def all_setups():
-    return {name: model_states(*setup) for name, setup in SETUPS.items()}
-
-
-measured = launch(all_setups, output="none")[0]
-off_by = []
-num_params = sum(p.numel() for p in make_model().parameters())
-print(
-    f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
-    f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}"
-)
-for name, (_, optimizer_class, stored) in SETUPS.items():
-    got, loss = measured[name]
-    expected = estimate(
-        num_params,
-        2,
-        "FULL_SHARD",
-        param_dtype=stored,
-        master_weights=optimizer_class is MasterWeightAdamW,
-    )
-    print(
-        f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
-        f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}"
-    )
-    off_by.append(got.total - expected.total)
-print("measured - estimated, bytes, each set-up:", off_by)
-master, bf16_states = (
-    measured[name][0].total / (num_params / 2)
-    for name in ("fp8, master-weight AdamW", "bf16, AdamW")
-)
-# model-state bytes per parameter, as the table's column
-glue("fp8_master_bytes", master, display=False)
-glue("fp8_bf16_bytes", bf16_states, display=False)
-glue("fp8_master_ratio", master / bf16_states, display=False)
-
-# %% [markdown]
-# With FSDP storing float32 shards *and* an optimizer keeping float32 masters, FP8 holds
-# {glue:text}`fp8_master_bytes:.0f` bytes of model states per parameter where the BF16 run holds {glue:text}`fp8_bf16_bytes:.0f`: the FP32 weights
-# are there twice, once as FSDP's shard and once as the optimizer's master. The measured
-# bytes are exactly what `estimate` predicts for that pair of settings (0 bytes apart, the
-# line under the table). What this
-# reproduces of MS-AMP's report is the cause, a second float32 copy of the weights, not its
-# numbers: their 34 GB against 28 GB (1.21) is the whole GPU memory of t5-3b with MS-AMP's
-# own FP8 optimizer against BF16, activations and buffers included, while
-# {glue:text}`fp8_master_bytes:.0f`/{glue:text}`fp8_bf16_bytes:.0f` = {glue:text}`fp8_master_ratio:.2f` here
-# is model states alone, with this page's stand-in optimizer.
-#
-# Either copy can go; keep exactly one float32 copy of the weights:
-#
-# - **FSDP's shard is the master** (`fp8, AdamW`): a plain optimizer updates FSDP's
-#   float32 shard, and the `MixedPrecisionPolicy` casts it on every all-gather. This is
-#   the FSDP2 recipe, and what torchao's float8 training expects.
-# - **The optimizer's copy is the master** (`fp8, bf16 stored, master AdamW`): shard
-#   parameters that are already bfloat16 (`model.to(torch.bfloat16)` before
-#   `fully_shard`), so FSDP keeps 2 bytes per parameter and its gradients are bfloat16
-#   too. This is ZeRO's accounting (2 + 2 + 12 bytes).
-#
-# All four take their 3 steps (the last column is the loss after them); what differs is the memory.
-#
 # ## Gradient accumulation with FP8
 #
 # Two micro-batches of 16 with `set_requires_gradient_sync(False)` on the first, against
@@ -450,12 +238,12 @@ def accumulation():
 
     quiet_torchao()
     device = fsdp_guide.device()
-    x, y = batch(0, dist.get_rank(), device)
+    x, y = regression_batch(0, dist.get_rank(), device)
 
     reduce_scatters = {}
 
     def gradients(mode, micro_batches):
-        model = build(mode)
+        model = shard_in_precision(mode)
         with record_dtypes() as comm:
             for i, rows in enumerate(torch.arange(32, device=device).chunk(micro_batches)):
                 model.set_requires_gradient_sync(i == micro_batches - 1)  # reduce once, at the end
@@ -514,8 +302,8 @@ print(
 # (fp8-tips)=
 # ## The tips behind this
 #
-# - {ref}`tip-fp8-fsdp`
-# - {ref}`tip-memory-estimate`: model states per rank, estimated and measured.
+# - {ref}`tip-fp8-fsdp`: convert first, precompute the scales (its memory half is
+#   {ref}`tutorial-fp8-memory`'s).
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

@@ -193,7 +193,7 @@ glue("mem_in_step_4_fsdp2", params_ratio(4, "  in step", "fsdp2"), display=False
 # {glue:text}`mem_in_step_4:.2f` on 4 with FSDP1, {glue:text}`mem_in_step_4_fsdp2:.2f` with FSDP2's padding;
 # grads not yet produced). ZeRO's stage 2 has no such extra copy because its fp32 master weights
 # are part of the optimizer state (K); in FSDP the fp32 shard *is* the master copy (the
-# {ref}`FP8 tutorial <tutorial-fp8>` shows that FSDP2 keeps no other, and what happens when the
+# {ref}`FP8 memory tutorial <tutorial-fp8-memory>` shows that FSDP2 keeps no other, and what happens when the
 # optimizer keeps one too).
 
 # %% mystnb={"image": {"alt": "Stacked bars of model-state memory measured per rank, in MB, split into parameters, gradients and optimizer state, for each strategy and API, on 2 ranks (left) and 4 ranks (right)."}}

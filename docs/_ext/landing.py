@@ -69,6 +69,7 @@ GROUPS = {
             "mixed_precision": ("Mixed precision", "What runs in bf16 and what stays fp32, made visible."),
             "fp16_scaler": ("float16 needs a gradient scaler", "float16 stops learning without one; bf16 needs none."),
             "fp8": ("FP8 with torchao", "Float8 training under FSDP2, against bf16."),
+            "fp8_memory": ("FP8 memory", "Activations and a second master copy: why FP8 can use more."),
             "compile": ("torch.compile", "Where to compile a sharded model, and how to check it."),
             "compile_recompiles": ("Recompiles and dynamo's logs", "What recompiles, and what the logs say."),
             "compile_checkpointing": (

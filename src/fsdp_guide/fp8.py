@@ -5,6 +5,9 @@
 ``fully_shard`` each of them and the root. Two things are added for the machines
 this guide runs on, both said where they happen: gloo cannot all-gather float8
 tensors, and torchao's import logs warnings about CUDA kernels a CPU build lacks.
+
+The FP8 pages share one small model, sharded in four precisions, and its batches:
+``three_linears``, ``shard_in_precision`` and ``regression_batch``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["quiet_torchao", "float8_fully_shard"]
+__all__ = ["quiet_torchao", "float8_fully_shard", "three_linears", "shard_in_precision", "regression_batch"]
+
+_PRECISIONS = ("fp32", "bf16", "fp8", "fp8+bf16")
 
 
 def quiet_torchao() -> None:
@@ -95,3 +100,59 @@ def float8_fully_shard(model: nn.Module, **fully_shard_kwargs) -> nn.Module:
         if dist.get_backend() == "gloo":
             unit.set_custom_all_gather(_float8_as_bytes_all_gather())
     return model
+
+
+def three_linears(width: int = 128) -> nn.Sequential:
+    """The FP8 pages' model: three ``width`` x ``width`` Linears without bias, ReLU between.
+
+    Seeded, so every rank (and every call) builds the same weights; ``width`` a multiple of 16
+    keeps every Linear float8-capable.
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(width, width, bias=False),
+        nn.ReLU(),
+        nn.Linear(width, width, bias=False),
+        nn.ReLU(),
+        nn.Linear(width, width, bias=False),
+    )
+
+
+def shard_in_precision(precision: str, stored: torch.dtype = torch.float32, width: int = 128) -> nn.Module:
+    """``three_linears(width)`` with its parameters in ``stored``, sharded in one of four precisions.
+
+    ``precision`` is ``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"fp8+bf16"``; ``stored`` is the
+    dtype FSDP2 keeps (and shards) the parameters in. ``"bf16"`` in ``precision`` adds a
+    ``MixedPrecisionPolicy`` computing in bfloat16 and reducing gradients in float32;
+    ``"fp8"`` converts the Linears with :func:`float8_fully_shard`. Each Linear is a unit,
+    then the root. Call it on every rank, inside a process group.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)}")
+    model = three_linears(width).to(stored)
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if "bf16" in precision
+        else MixedPrecisionPolicy()
+    )
+    if precision.startswith("fp8"):
+        return float8_fully_shard(model, mp_policy=mp_policy)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mp_policy)
+    return fully_shard(model, mp_policy=mp_policy)
+
+
+def regression_batch(
+    step: int, rank: int, device: torch.device | str, rows: int = 32, width: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's batch for a step: ``rows`` random inputs and their targets ``tanh(x @ W)``, ``W`` fixed.
+
+    Drawn on the CPU (the same numbers on any device), then moved to ``device``.
+    """
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(rows, width, generator=g)
+    target = torch.randn(width, width, generator=torch.Generator().manual_seed(7)) / width**0.5
+    return x.to(device), torch.tanh(x @ target).to(device)
