@@ -8,8 +8,10 @@ turns the page's "On GPUs" line from "not verified" to what the record says.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import gpu_run
 import pytest
@@ -28,8 +30,16 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu():
 
 
 def test_nox_s_gpu_refuses_cleanly_without_a_gpu():
+    # --no-venv runs the `python` on PATH: this environment's, as under `nox -s tests`, also where
+    # pytest was started from the environment without activating it
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(
-        [sys.executable, "-m", "nox", "-s", "gpu", "--no-venv"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "nox", "-s", "gpu", "--no-venv"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     output = done.stdout + done.stderr
     assert done.returncode != 0
