@@ -1122,6 +1122,11 @@ def test_checkpoint_placement_tutorial_counts_the_gathers_of_each_placement(exec
     assert count[("FSDP1", "no_reentrant", "whole-model")] > count[("FSDP1", "no_reentrant", "inside")]
     assert len({n for (api, _, _), n in count.items() if api == "FSDP2"}) == 1
     assert all(count[(api, impl, "inside")] <= n for (api, impl, _), n in count.items())
+    # docs/fsdp.rst's claim: around FSDP1's whole model, reentrant gathers more than non-reentrant, and
+    # either more than inside each unit
+    whole = {impl: count[("FSDP1", impl, "whole-model")] for impl in ("reentrant", "no_reentrant")}
+    assert whole["reentrant"] > whole["no_reentrant"] > count[("FSDP1", "no_reentrant", "inside")]
+    assert whole["reentrant"] > count[("FSDP1", "reentrant", "inside")]
     assert _glued(executed["checkpoint_placement"]).keys() >= {
         "fsdp1_reentrant_around",
         "fsdp1_reentrant_inside",

@@ -252,7 +252,7 @@ glue("held_unsynced", max(held_unsynced), display=False)
 # - **Reduce-scatters fall from {glue:text}`scatters_synced` per step to {glue:text}`scatters_unsynced`**: one per unit (3) per backward that
 #   reduces, so *M* x 3 become 3, and the {glue:text}`scattered_synced:.0f` *P* of gradients handed to them per step
 #   become {glue:text}`scattered_unsynced:.0f` *P*.
-# - **Gradient memory rises from P/2 to P per rank**: from the first micro-batch to the
+# - **Gradient memory rises from {glue:text}`held_synced:.1f` *P* to {glue:text}`held_unsynced:.1f` *P* per rank**: from the first micro-batch to the
 #   reduction, every rank holds the whole model's gradients, unsharded, where the default
 #   holds only its shard (1/N of them on N ranks).
 # - The final gradients are one process's, to rounding, either way (each micro-batch's
