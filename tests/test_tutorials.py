@@ -24,6 +24,12 @@ def _text_outputs(notebook) -> str:
     return "".join(chunks)
 
 
+def _cells(line: str) -> list[str]:
+    """The cells of a line of a displayed Table's text (``fsdp_guide.table``): columns are
+    two or more spaces apart, a cell has at most single spaces inside."""
+    return re.split(r"\s{2,}", line.strip())
+
+
 def _glued(notebook) -> dict:
     """The values a page glued for its prose (``myst_nb.glue``), by name, as their text (the
     ``text/plain`` that myst-nb records under its own mime type)."""
@@ -1248,22 +1254,20 @@ def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
 def test_fp8_tutorial_measures_bytes_scales_and_accumulation(executed):
     text = _text_outputs(executed["fp8"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
-    last = [float(v) for v in next(ln for ln in text.splitlines() if ln.startswith("last  ")).split()[1:]]
+    last = [float(v) for v in next(_cells(ln) for ln in text.splitlines() if _cells(ln)[0] == "last")[1:]]
     assert len(last) == 4 and max(last) <= 1.01 * min(last)  # the prose's "the last losses within 1%"
-    gathered = {tuple(ln.split()[:2]): ln.split() for ln in text.splitlines() if " all-gather " in ln}
+    rows = [_cells(ln) for ln in text.splitlines()]
+    gathered = {tuple(row[:2]): row for row in rows if len(row) == 6 and row[2] == "all-gather"}
     assert gathered[("fp32", "forward")][-2:] == ["3", "196608"]
     assert gathered[("bf16", "forward")][-3:] == ["bfloat16", "3", "98304"]
     assert gathered[("fp8", "forward")][-3:] == ["uint8", "3", "49152"]  # one byte per element, as uint8 on gloo
     assert _glued(executed["fp8"]).keys() >= {"fp8_fp32_gathered"}
     assert "{'forward all-reduce': '3 x float32', 'backward all-reduce': '3 x float32'}" in text
     assert "{'c10d_functional.all_reduce': 1}" in text
-    accumulation = {
-        ln.split("relative difference")[0].strip(): float(ln.split()[-1])
-        for ln in text.splitlines()
-        if "relative difference" in ln
-    }
+    accumulation = {row[0]: float(row[1]) for row in rows if len(row) == 2 and row[0].endswith(" batch")}
+    assert len(accumulation) == 3
     assert accumulation["fp32: 2 micro-batches vs 1 batch"] < 1e-6
-    assert 0 < accumulation["fp8:  2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
+    assert 0 < accumulation["fp8: 2 micro-batches vs 1 batch"] <= 1.5 * accumulation["fp8 vs fp32, 1 batch"]
     counts = re.findall(
         r"micro-batch(?:es)?: (\d+)", next(ln for ln in text.splitlines() if "reduce-scatters in" in ln)
     )

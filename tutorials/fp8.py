@@ -83,6 +83,8 @@ import torch.nn.functional as F
 from fsdp_guide import launch
 from fsdp_guide.fp8 import regression_batch, shard_in_precision
 from fsdp_guide.precision import record_dtypes
+from fsdp_guide.table import Table
+from IPython.display import display
 
 WIDTH, STEPS = 128, 12
 MODES = ("fp32", "bf16", "fp8", "fp8+bf16")  # the precisions shard_in_precision takes
@@ -125,10 +127,11 @@ def train_all_modes():
 
 results = launch(train_all_modes, output="none")[0]
 
-print(f"{'step':>4}  " + "  ".join(f"{mode:>9}" for mode in MODES))
-for step in range(0, STEPS, 3):
-    print(f"{step:4}  " + "  ".join(f"{results[m]['losses'][step]:9.5f}" for m in MODES))
-print(f"{'last':>4}  " + "  ".join(f"{results[m]['losses'][-1]:9.5f}" for m in MODES))
+rows = [
+    [step] + [f"{results[m]['losses'][step]:.5f}" for m in MODES] for step in range(0, STEPS, 3)
+]
+rows.append(["last"] + [f"{results[m]['losses'][-1]:.5f}" for m in MODES])
+display(Table(["step", *MODES], rows))  # an HTML table on the site, aligned text elsewhere
 
 # %% mystnb={"image": {"alt": "Loss per step for the same model in fp32, bf16, fp8 and fp8 with bf16: the four curves fall together."}}
 import matplotlib.pyplot as plt
@@ -149,15 +152,21 @@ fig.tight_layout()
 # The collectives of one step, per rank:
 
 # %%
-print(f"{'mode':9} {'phase':9} {'collective':15} {'dtype':9} {'count':>5} {'bytes':>8}")
-for mode in MODES:
-    for (phase, kind), (dtype, count, nbytes) in sorted(results[mode]["collectives"].items()):
-        if kind != "matmul":
-            print(f"{mode:9} {phase:9} {kind:15} {dtype:9} {count:5} {nbytes:8}")
-print("\nmatmul operands, forward | backward:")
-for mode in MODES:
-    matmuls = results[mode]["collectives"]
-    print(f"{mode:9} {matmuls[('forward', 'matmul')][0]:14} | {matmuls[('backward', 'matmul')][0]}")
+rows = [
+    [mode, phase, kind, dtype, count, nbytes]
+    for mode in MODES
+    for (phase, kind), (dtype, count, nbytes) in sorted(results[mode]["collectives"].items())
+    if kind != "matmul"
+]
+display(Table(["mode", "phase", "collective", "dtype", "count", "bytes"], rows))
+matmuls = [
+    [
+        mode,
+        *(results[mode]["collectives"][(phase, "matmul")][0] for phase in ("forward", "backward")),
+    ]
+    for mode in MODES
+]
+display(Table(["mode", "matmul operands, forward", "matmul operands, backward"], matmuls))
 
 # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 from myst_nb import glue
@@ -259,15 +268,15 @@ def accumulation():
     fp32, fp8 = gradients("fp32", 1), gradients("fp8", 1)
     differences = {
         "fp32: 2 micro-batches vs 1 batch": relative(gradients("fp32", 2), fp32),
-        "fp8:  2 micro-batches vs 1 batch": relative(gradients("fp8", 2), fp8),
+        "fp8: 2 micro-batches vs 1 batch": relative(gradients("fp8", 2), fp8),
         "fp8 vs fp32, 1 batch": relative(fp8, fp32),
     }
     return differences, reduce_scatters
 
 
 differences, reduce_scatters = launch(accumulation, output="none")[0]
-for comparison, difference in differences.items():
-    print(f"{comparison:34} relative difference {difference:.1e}")
+rows = [[comparison, f"{difference:.1e}"] for comparison, difference in differences.items()]
+display(Table(["comparison", "relative difference"], rows))
 print(
     "reduce-scatters in backward:", ", ".join(f"{run}: {n}" for run, n in reduce_scatters.items())
 )
