@@ -1341,9 +1341,9 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_boundary_between_poli
 
 def test_fp16_scaler_float16_stops_learning_without_a_scaler_and_an_overflow_skips_every_rank(executed):
     text = _text_outputs(executed["fp16_scaler"])
-    runs = {
-        line[:30].strip(): line[30:].split() for line in text.splitlines() if ", no scaler" in line or "Scaler " in line
-    }
+    rows = [_cells(line) for line in text.splitlines()]
+    runs = {row[0]: row[1:] for row in rows if len(row) == 4 and (", no scaler" in row[0] or "Scaler" in row[0])}
+    assert len(runs) == 5
     assert runs["fp16, no scaler"][0] == runs["fp16, no scaler"][1] and runs["fp16, no scaler"][2] == "100%"
     assert (
         float(runs["fp16, GradScaler"][1]) < float(runs["fp16, GradScaler"][0]) and runs["fp16, GradScaler"][2] == "0%"

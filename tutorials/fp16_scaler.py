@@ -47,15 +47,18 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # normal times `eps`), and a cast shows what float16 does with values below them:
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue
 
-print(f"{'':9} {'largest':>10} {'smallest normal':>16} {'smallest subnormal':>19}")
+rows = []
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
     info = torch.finfo(dtype)
     subnormal = info.smallest_normal * info.eps  # the smallest positive number: 2**-24 for float16
-    print(
-        f"{str(dtype).removeprefix('torch.'):9} {info.max:10.5g} {info.smallest_normal:16.4g} {subnormal:19.4g}"
-    )
+    name = str(dtype).removeprefix("torch.")
+    rows.append([name, f"{info.max:.5g}", f"{info.smallest_normal:.4g}", f"{subnormal:.4g}"])
+header = ["dtype", "largest", "smallest normal", "smallest subnormal"]
+display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
 print(
     "cast to float16:",
     ", ".join(
@@ -174,9 +177,11 @@ def scaler_runs():
 
 
 runs = launch(scaler_runs, output="none")[0]
-print(f"{'':30} {'loss at step 0':>15} {'loss at step 7':>15}  zero gradients")
-for name, (losses, zeros) in runs.items():
-    print(f"{name:30} {losses[0]:15.5f} {losses[-1]:15.5f}  {zeros[-1]:6.0%}")
+rows = [
+    [name, f"{losses[0]:.5f}", f"{losses[-1]:.5f}", f"{zeros[-1]:.0%}"]
+    for name, (losses, zeros) in runs.items()
+]
+display(Table(["run", "loss at step 0", "loss at step 7", "zero gradients"], rows))
 
 # %% [markdown]
 # Without a scaler, float16 turns every gradient to zero and the loss does not move at
