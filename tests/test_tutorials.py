@@ -399,8 +399,8 @@ def test_loss_and_accumulation_measures_normalisation_errors_per_rank_and_under_
     text = _text_outputs(executed["loss_and_accumulation"])
     lines = text.splitlines()
 
-    def rows(prefix):
-        return [line.split() for line in lines if line.startswith(prefix)]
+    def rows(first):  # the rows of the page's tables whose first cell is `first`
+        return [_cells(line) for line in lines if _cells(line)[0] == first]
 
     assert "real tokens per rank: [75, 120]" in text  # the weights the page's prose works out
     reference = float(text.split("one process: loss ")[1].split()[0])

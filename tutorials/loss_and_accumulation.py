@@ -140,6 +140,8 @@ print(f"one process: loss {reference_loss:.6f}")
 import fsdp_guide
 import torch.distributed as dist
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -199,9 +201,12 @@ def every_way():
 
 
 results = launch(every_way, output="none")[0]
-print(f"{'loss formed as':32} {'logged loss':>12} {'gradient error vs one process':>30}")
-for how, (logged, grads) in results.items():
-    print(f"{how:32} {logged:12.6f} {relative_error(grads):30.1e}")
+rows = [
+    [how, f"{logged:.6f}", f"{relative_error(grads):.1e}"]
+    for how, (logged, grads) in results.items()
+]
+header = ["loss formed as", "logged loss", "gradient error vs one process"]
+display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
 
 # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 from myst_nb import glue
@@ -329,9 +334,8 @@ print(
     "rank 1:",
     results[1]["global count, divide factor 1"][0],
 )
-print(f"{'loss formed as':36} {'gradient error vs one process':>30}")
-for how, (_, grads) in results[0].items():
-    print(f"{how:36} {relative_error(grads):30.1e}")
+rows = [[how, f"{relative_error(grads):.1e}"] for how, (_, grads) in results[0].items()]
+display(Table(["loss formed as", "gradient error vs one process"], rows))
 
 glue(
     "accumulated_mean_error",
