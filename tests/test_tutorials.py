@@ -1320,11 +1320,12 @@ def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
 def test_mixed_precision_tutorial_shows_the_dtypes_and_the_boundary_between_policies(executed):
     text = _text_outputs(executed["mixed_precision"])
     rows = {
-        line[:22].strip(): line[22:].split()
-        for line in text.splitlines()
-        if line[:22].strip()
+        cells[0]: cells[1:]
+        for cells in (_cells(line) for line in text.splitlines())
+        if cells[0]
         in ("no mixed precision", "autocast bf16 only", "FSDP bf16 only", "FSDP1 bf16 only", "FSDP + autocast bf16")
     }
+    assert len(rows) == 5 and all(len(row) == 8 for row in rows.values())
     # all-gather, forward weight, matmul, softmax, loss, grad matmul, stored grad, reduce
     assert rows["no mixed precision"] == ["float32"] * 8
     assert rows["autocast bf16 only"][:3] == ["float32", "float32", "bfloat16"]  # fp32 weights, cast per matmul

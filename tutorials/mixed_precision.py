@@ -56,13 +56,17 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #   rounding:
 
 # %%
-print(f"{'':9} {'largest':>10} {'smallest normal':>16} {'smallest subnormal':>19}")
+from fsdp_guide.table import Table
+from IPython.display import display
+
+rows = []
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
     info = torch.finfo(dtype)
     subnormal = info.smallest_normal * info.eps  # the smallest positive number: 2**-24 for float16
-    print(
-        f"{str(dtype).removeprefix('torch.'):9} {info.max:10.5g} {info.smallest_normal:16.4g} {subnormal:19.4g}"
-    )
+    name = str(dtype).removeprefix("torch.")
+    rows.append([name, f"{info.max:.5g}", f"{info.smallest_normal:.4g}", f"{subnormal:.4g}"])
+header = ["dtype", "largest", "smallest normal", "smallest subnormal"]
+display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
 print(
     "cast to float16:",
     ", ".join(
@@ -168,9 +172,8 @@ columns = (
     "stored grad",
     "reduce",
 )
-print(f"{'':22}" + "".join(f"{c:>15}" for c in columns))
-for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0]):
-    print(f"{name:22}" + "".join(f"{v:>15}" for v in row))
+rows = [[name, *row] for (name, *_), row in zip(CASES, launch(all_cases, output="none")[0])]
+display(Table(["case", *columns], rows))
 
 # %% [markdown]
 # What the table shows:
