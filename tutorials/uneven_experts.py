@@ -53,6 +53,8 @@ import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.moe import DIM, EXPERTS, gap, one_process, one_step
+from fsdp_guide.table import Table
+from IPython.display import display
 
 runs = {"divide factor": launch(one_step, "divide factor", world_size=4, output="none")}
 _, reference = one_process()
@@ -69,11 +71,10 @@ print(
 
 # %%
 ranks = runs["divide factor"]
-print(f"{'tokens from':>11} " + " ".join(f"{f'e{e}':>4}" for e in range(EXPERTS)))
-for rank, r in enumerate(ranks):
-    print(f"{f'rank {rank}':>11} " + " ".join(f"{n:4}" for n in r["sent"]))
 total = [sum(column) for column in zip(*(r["sent"] for r in ranks))]
-print(f"{'all ranks':>11} " + " ".join(f"{n:4}" for n in total))
+rows = [[f"rank {rank}", *r["sent"]] for rank, r in enumerate(ranks)] + [["all ranks", *total]]
+header = ["tokens from", *(f"e{e}" for e in range(EXPERTS))]
+display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
 print(f"tokens per expert: mean {sum(total) / EXPERTS:.1f}, most {max(total)}, fewest {min(total)}")
 print("tokens each rank's expert copies compute:")
 for rank, r in enumerate(ranks):
@@ -108,8 +109,7 @@ print(
 # The collectives of that step on rank 0, per mesh dimension, with their bytes:
 
 # %%
-for dim, kind, count, nbytes in ranks[0]["collectives"]:
-    print(f"  {dim:4} {kind:15} {count:3} x, {nbytes:6} bytes")
+display(Table(["mesh dim", "collective", "count", "bytes"], ranks[0]["collectives"]))
 sent0, computed0 = sum(ranks[0]["sent"]), sum(ranks[0]["computed"])
 print(
     f"ep bytes from the routing: {EXPERTS} counts x 8 bytes + 2 (forward, backward) x "
@@ -121,8 +121,8 @@ print(
 # - **`ep`, all-to-all**: one to exchange the counts, then in forward one to send the
 #   tokens to their experts and one to bring the outputs back, and the same two again in
 #   backward for their gradients. The bytes are what rank 0 sends (its own share to itself
-#   included), and follow the routing exactly: the second line derives them from the table
-#   above.
+#   included), and follow the routing exactly: the line under the table derives them from
+#   the tokens table above.
 # - **`edp`**: the experts' unit, gathered for forward and again for backward (it is not
 #   the root, so it reshards after forward), and its gradients reduce-scattered once.
 # - **`dp`**: the root unit (everything but the experts), gathered once: `fully_shard`
@@ -269,10 +269,7 @@ for case, shifts in SHIFTS.items():
 # the experts' all-gathers filled on rank 0:
 
 # %%
-print(
-    f"{'experts':>7} {'placement':>9} {'w1 shard, rank 0':>17} {'rank 2':>12} {'edp all-gather bytes':>21} "
-    f"{'largest relative grad gap':>26}"
-)
+rows = []
 for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
     per_rank = (
         runs["divide factor"]
@@ -282,10 +279,10 @@ for n, dim in [(8, 0), (8, 1), (2, 0), (2, 1)]:
     _, reference_n = one_process(n)
     gathered = dict(((d, k), b) for d, k, _, b in per_rank[0]["collectives"])[("edp", "all-gather")]
     worst = torch.tensor([gap(per_rank, reference_n, name, n) for name in reference_n]).max().item()
-    print(
-        f"{n:7} {f'Shard({dim})':>9} {str(per_rank[0]['shapes']['moe.experts.w1']):>17} "
-        f"{str(per_rank[2]['shapes']['moe.experts.w1']):>12} {gathered:21} {worst:26.1e}"
-    )
+    shards = [str(per_rank[r]["shapes"]["moe.experts.w1"]) for r in (0, 2)]
+    rows.append([n, f"Shard({dim})", *shards, gathered, f"{worst:.1e}"])
+header = ["experts", "placement", "w1 shard, rank 0", "rank 2", "edp all-gather bytes"]
+display(Table([*header, "largest relative grad gap"], rows))
 
 # %% [markdown]
 # With 2 experts, each `ep` rank holds 1, and `Shard(0)` cannot split 1 expert over 2
