@@ -55,6 +55,8 @@ from pathlib import Path
 
 from fsdp_guide import launch
 from fsdp_guide.isolation import loopback_only
+from fsdp_guide.table import Table
+from IPython.display import display
 
 workdir = Path(tempfile.mkdtemp(prefix="torchft-recovery-"))
 
@@ -146,10 +148,12 @@ def segments(quorums: dict) -> list[tuple[int, int, tuple, tuple]]:
 
 # each step of the final weights: which groups averaged it, which received the state
 quorums = replicas.quorums(logs)
-print(f"{'steps':>7}  {'gradients averaged from':24} {'receiving the state':20}")
+rows = []
 for first, last_step, averaged, healing in segments(quorums):
-    groups = ", ".join(f"group {g}" for g in averaged)
-    print(f"{first:3}-{last_step:<3}  {groups:24} {', '.join(f'group {g}' for g in healing):20}")
+    groups, receiving = (", ".join(f"group {g}" for g in gs) for gs in (averaged, healing))
+    rows.append([f"{first}-{last_step}", groups, receiving])
+header = ["steps", "gradients averaged from", "receiving the state"]
+display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
 
 # %% [markdown]
 # The two groups are started together, and their workers wait for each other before the
@@ -281,13 +285,16 @@ print(
 
 # %%
 assert all(same), "a group did not end as the replay (see above)"
-print(f"{'':38} {'torchrun --max-restarts':>24} {'torchft':>10}")
-print(f"{'steps computed again':38} {torchrun['redone']:>24} {computed_again:>10}")
-print(
-    f"{'seconds until the lost rank steps again':38} {torchrun['restart']:24.1f} "
-    f"{back[0]['time'] - death['time']:10.1f}"
-)
-print(f"{'steps the other ranks took meanwhile':38} {'none: stopped':>24} {len(alone):>10}")
+rows = [
+    ["steps computed again", torchrun["redone"], computed_again],
+    [
+        "seconds until the lost rank steps again",
+        f"{torchrun['restart']:.1f}",
+        f"{back[0]['time'] - death['time']:.1f}",
+    ],
+    ["steps the other ranks took meanwhile", "none: stopped", len(alone)],
+]
+display(Table(["", "torchrun --max-restarts", "torchft"], rows))
 
 # %% [markdown]
 # The seconds are not quite the same measure. torchrun's run from the kill to the start of
