@@ -252,7 +252,7 @@ print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight differ
 
 # %% [markdown]
 # With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
-# builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the GPUs per node.
+# builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is a node's GPU count.
 #
 # (cluster-script)=
 # ## The script to copy
@@ -348,14 +348,14 @@ print("torchrun's exit status:", run.returncode)
 # its peer left mid-barrier, and gloo says so in the words of whichever it saw first
 # (`Connection closed by peer` or `reset by peer`), unless torchrun's `SIGTERM` stopped rank 0 before
 # it noticed. Read the box for the rank that failed first, then its own lines (prefixed `[rank1]:`),
-# where a rank that raised prints its traceback. On a cluster a `SIGKILL` is expected to come from
-# outside the process (the kernel's out-of-memory killer, seen in `dmesg`, or the scheduler's limits),
-# not from torch.
+# where a rank that raised prints its traceback. On a cluster, expect a `SIGKILL` from outside the
+# process (the kernel's out-of-memory killer, seen in `dmesg`, or the scheduler's limits), not torch.
 #
 # Two jobs on one `MASTER_PORT`, and a job whose other ranks never arrive (a node that did not start,
 # a wrong address or `--nnodes`, a firewall):
 
 # %%
+# The stores run in a child process, with the page's failure() helper, from its source.
 STORES = f"""
 import traceback
 from datetime import timedelta
