@@ -15,21 +15,18 @@
 # (cluster)=
 # # Running on a cluster: torchrun, SLURM and HSDP
 #
-# The tutorials start their ranks from a notebook with {func}`fsdp_guide.launch`. On a
-# cluster, `torchrun` starts them, and the same worker code is written to run unchanged:
-# `launch` sees that `torchrun` has set `RANK` and `WORLD_SIZE` and runs the function in
-# the process `torchrun` started.
+# The tutorials start their ranks with {func}`fsdp_guide.launch`; on a cluster `torchrun` starts
+# them, and the same worker code runs unchanged: `launch` sees the `RANK` and `WORLD_SIZE` that
+# `torchrun` set and runs the function in the process `torchrun` started.
 #
 # **What you will learn**
 #
-# - the `torchrun` commands for one machine and for several, and the environment
-#   variables that matter;
+# - the `torchrun` commands for one machine and for several, and the environment variables that matter;
 # - a SLURM script, with restarts when a rank dies;
-# - hybrid sharding (HSDP) on a 2 x 2 mesh: shard within a node, replicate across nodes,
-#   executed.
-# - the messages a launch fails with (a script started without `torchrun`, a port in use, a
-#   rank that never arrives, a backend missing for a device, a mesh of the wrong size), each
-#   reproduced, and `torchrun`'s `ChildFailedError` read for the rank that caused it.
+# - hybrid sharding (HSDP) on a 2 x 2 mesh, executed: shard within a node, replicate across nodes;
+# - the messages a launch fails with (a script started without `torchrun`, a port in use, a rank that
+#   never arrives, a backend missing for a device, a mesh of the wrong size), each reproduced, and
+#   `torchrun`'s `ChildFailedError` read for the rank that caused it.
 #
 # **What you need**: a CPU; 4 processes on gloo for the HSDP cell; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # Back to {doc}`fsdp` (how FSDP works) or {doc}`fsdp_tips`.
@@ -47,34 +44,15 @@
 #     -m fsdp_guide.recipes.train_llm --checkpoint-dir /shared/ckpt --checkpoint-every 500
 # ```
 #
-# `--rdzv-backend=c10d` makes the first `torchrun` to start on HOST serve a small
-# key-value store on port 29500; the others connect to it, agree on the ranks, and every
-# rank then reads `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` from
-# its environment. Checkpoints must go to a file system every node sees. The test suite
-# runs the two-machine form as two `torchrun` processes on one machine (one rank each)
-# and checks that they produce exactly the losses of one machine with 2 ranks.
-#
-# By default that store accepts connections on *every* interface of HOST, not only on the
-# address named in the endpoint, and so does the process group's own store: a `TCPStore`
-# server is given a port but no address to listen on (`TCPStoreOptions` in torch's
-# installed header `torch/include/torch/csrc/distributed/c10d/TCPStore.hpp`; the one
-# alternative is a socket you bind yourself, passed as `master_listen_fd`, which
-# torchrun's c10d rendezvous, `_create_tcp_store` in
-# `torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py`, does not pass). Run
-# on a private network, or behind a firewall that only lets the cluster's nodes reach
-# those ports.
-#
-# ## The environment variables that matter
-#
-# | variable | what it does |
-# | --- | --- |
-# | `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` | set by `torchrun` for each rank; `init_process_group()` reads them |
-# | `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME` | the network interface the collectives use (e.g. `ib0`, `eth0`); set them when a node has several and the default one cannot reach the others |
-# | `NCCL_DEBUG=INFO` (`NCCL_DEBUG_SUBSYS=INIT,NET`) | NCCL prints the interfaces, transports (InfiniBand, sockets) and rings it chose: the first thing to read when multi-node runs hang or are slow |
-# | `NCCL_IB_DISABLE=1`, `NCCL_IB_HCA` | turn InfiniBand off, or choose the adapters |
-# | `TORCH_NCCL_ASYNC_ERROR_HANDLING` | on by default (`ProcessGroupNCCL.hpp` in torch's installed headers): a failed or timed-out collective aborts the process instead of hanging it |
-# | `TORCH_DISTRIBUTED_DEBUG=DETAIL` | checks that every rank calls the same collectives with matching shapes (slow; for debugging) |
-# | `OMP_NUM_THREADS` | CPU threads per rank; when it is unset and `--nproc-per-node` is more than 1, `torchrun` sets it to 1 and logs a warning saying so (`config_from_args` in `torch/distributed/run.py`); raise it to cores per rank for CPU work |
+# With `--rdzv-backend=c10d` the first `torchrun` to start on HOST serves a small key-value store on
+# port 29500; the others connect to it and agree on the ranks, and every rank then reads `RANK`,
+# `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` from its environment (these and the
+# other variables that matter: {ref}`fsdp-torchrun-environment`). Checkpoints must go to a file
+# system every node sees. The test suite runs the two-machine form as two one-rank `torchrun`
+# processes on one machine and checks that they produce exactly the losses of one machine with 2
+# ranks. That store, and the process group's own, accept connections on *every* interface of HOST,
+# not only the endpoint's ({ref}`fsdp-torchrun-stores`): run on a private network, or behind a
+# firewall that lets only the cluster's nodes reach those ports.
 #
 # ## SLURM
 #
@@ -104,43 +82,35 @@ srun torchrun --nnodes="$SLURM_NNODES" --nproc-per-node=8 --max-restarts=3 \
 """
 
 # %% [markdown]
-# `--resume auto` resumes from the newest complete checkpoint in `--checkpoint-dir` when
-# there is one, and starts at step 1 when there is none, printing which it did: the first
-# attempt and every requeued one run the same command. (`--resume latest` fails when there
-# is no checkpoint, for a run that must not start afresh by mistake.) The recipe publishes a
-# checkpoint only when it is complete ({ref}`tip-exact-resume`), so a job killed during a
-# save resumes from the one before.
+# `--resume auto` resumes from the newest complete checkpoint in `--checkpoint-dir`, or starts at
+# step 1 when there is none, and prints which: the first attempt and every requeued one run the same
+# command (`--resume latest` fails without a checkpoint, for a run that must not start afresh by
+# mistake). The recipe publishes a checkpoint only once complete ({ref}`tip-exact-resume`): a job
+# killed during a save resumes from the one before.
 #
 # (cluster-max-restarts)=
-# `--max-restarts=3` lets `torchrun` handle a rank that dies without giving up the
-# allocation: it stops the other ranks, starts them all again (up to 3 times), and
-# `--resume auto` takes them to the newest complete checkpoint. The guide's tests do this
-# on one machine (`tests/test_llm.py`): under `torchrun --max-restarts=1` they kill rank 1
-# with `SIGKILL`, once in the middle of training and once while it saves, and the
-# restarted run ends with the losses, weights, optimizer state and random states of a run
-# that was never interrupted, bit for bit. Export `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
-# for such a job: by default `torchrun` keeps one rendezvous store for all its attempts and
-# shares it with the ranks (`DynamicRendezvousHandler.next_rendezvous` in
-# `torch/distributed/elastic/rendezvous/dynamic_rendezvous.py` makes its server once;
-# `_create_c10d_store` in `torch/distributed/rendezvous.py` adds no prefix per attempt,
-# assuming a new store for every retry), so a restarted rank can read the address a rank of
-# the previous attempt published and fail to connect (pytorch/pytorch#135712, closed, on
-# NCCL; those tests run with this setting).
-# The recipe warns when it runs under a `torchrun` that restarts on a shared store.
+# `--max-restarts=3` lets `torchrun` handle a rank that dies without giving up the allocation: it
+# stops the other ranks, starts them all again (up to 3 times), and `--resume auto` takes them to the
+# newest complete checkpoint. The guide's tests do this on one machine (`tests/test_llm.py`): under
+# `torchrun --max-restarts=1` they kill rank 1 with `SIGKILL`, once mid-training and once while it
+# saves, and the restarted run ends with the losses, weights, optimizer state and random states of an
+# uninterrupted run, bit for bit. Export `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` for such a job (the
+# recipe warns when a restarting `torchrun` shares its store): by default `torchrun` keeps one
+# rendezvous store for all its attempts and shares it with the ranks, so a restarted rank can read the
+# address a rank of the previous attempt published and fail to connect (pytorch/pytorch#135712,
+# closed, on NCCL; those tests run with this setting; the source: {ref}`fsdp-torchrun-stores`).
 # {ref}`tutorial-rank-dies` runs such a restart on one machine and measures what it costs;
-# {ref}`tutorial-torchft-recovery` sets it beside torchft, which keeps the other replicas
-# training instead.
+# {ref}`tutorial-torchft-recovery` sets it beside torchft, which keeps the other replicas training.
 #
 # ## HSDP: shard within a node, replicate across nodes
 #
-# `FULL_SHARD` over many nodes all-gathers every layer across the slow links between
-# them. Hybrid sharding ({term}`HSDP`) shards within a group of ranks (a node, whose GPUs are typically linked by NVLink) and
-# keeps a full replica of the shards on each group: all-gathers stay inside the node,
-# and only the gradient reduction crosses nodes. FSDP1 calls it
-# `ShardingStrategy.HYBRID_SHARD`; FSDP2 takes a 2-D {term}`device mesh`, `(replicate, shard)`. Here
-# 4 ranks stand for 2 nodes of 2, as CPU processes on gloo. Each rank builds its mesh and
-# puts its batch on {func}`fsdp_guide.device` (its GPU `cuda:LOCAL_RANK` where it has one,
-# else the CPU), so the same code is written to run unchanged with one GPU per rank (NCCL):
+# `FULL_SHARD` over many nodes all-gathers every layer across the slow links between them. Hybrid
+# sharding ({term}`HSDP`) shards within a group of ranks (a node, whose GPUs are typically linked by
+# NVLink) and keeps a full replica of the shards on each group: all-gathers stay inside the node, and
+# only the gradient reduction crosses nodes. FSDP1 calls it `ShardingStrategy.HYBRID_SHARD`; FSDP2
+# takes a 2-D {term}`device mesh`, `(replicate, shard)`. Here 4 CPU processes on gloo stand for 2
+# nodes of 2, each putting its batch on {func}`fsdp_guide.device` (`cuda:LOCAL_RANK` where it has a
+# GPU, else the CPU), so the same code is written to run unchanged with one GPU per rank (NCCL):
 
 # %%
 import sys
@@ -254,26 +224,19 @@ def draw_mesh(ranks):
 
 figure = draw_mesh(ranks)  # shown by the inline backend, once
 # %% [markdown]
-# Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold halves of it, as do
-# ranks 2 and 3) and `Replicate()` across the replicate groups (ranks 0 and 2 hold the same
-# half). The counts above do not say which group each collective used; that follows from
-# the mesh, in torch's source (`FSDPParamGroup` in
-# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`): the all-gathers and the
-# reduce-scatters use `_all_gather_process_group` and `_reduce_scatter_process_group`,
-# the mesh's `shard` dimension, and the all-reduces `_all_reduce_process_group`, its
-# `replicate` dimension. So the {glue:text}`hsdp_all_gathers` all-gathers (2 units, in forward and again in backward)
-# run inside the shard group of 2; each unit's gradients are reduce-scattered inside it
-# ({glue:text}`hsdp_reduce_scatters`) and then all-reduced across the replicate group ({glue:text}`hsdp_all_reduces`),
-# so every rank ends with its shard of the gradient averaged over all 4 ranks. (The counts
-# are this run's, glued from the line above; JupyterLab does not render glue's roles: read
-# them there.)
-#
-# The `UserWarning`s printed with the table (the collectives are counted with it) come from `CommDebugMode`, not from the model. On
-# entry it registers a full backward pre-hook on every module (`_CommModeModuleTracker.__enter__`
-# in `torch/distributed/tensor/debug/_comm_mode.py`), and torch runs such hooks by passing each
-# module's output through an identity autograd function (`BackwardHook` in
-# `torch/utils/hooks.py`, `BackwardHookFunction`): FSDP2 then sees a view as the unit's output
-# and warns, and the hook warns that it fires where no input of the module requires grad.
+# Each weight is `Shard(0)` within a shard group (ranks 0 and 1 hold its halves, as do 2 and 3) and
+# `Replicate()` across the replicate groups (ranks 0 and 2 hold the same half). The counts do not say
+# which group each collective used; the mesh does, in torch's source (`FSDPParamGroup` in
+# `torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py`): all-gathers and reduce-scatters use
+# `_all_gather_process_group` and `_reduce_scatter_process_group`, the mesh's `shard` dimension, and
+# all-reduces `_all_reduce_process_group`, its `replicate` dimension. So the
+# {glue:text}`hsdp_all_gathers` all-gathers (2 units, in forward and again in backward) run inside the
+# shard group of 2; each unit's gradients are reduce-scattered inside it
+# ({glue:text}`hsdp_reduce_scatters`), then all-reduced across the replicate group
+# ({glue:text}`hsdp_all_reduces`), so every rank ends with its shard of the gradient averaged over all
+# 4 ranks (counts glued from the line above, this run's; JupyterLab shows glue's roles unrendered).
+# The `UserWarning`s printed with the table come from `CommDebugMode`, which counts the collectives,
+# not from the model ({ref}`fsdp-commdebugmode-warnings`).
 #
 # That this is data-parallel training, up to float rounding:
 
@@ -289,39 +252,33 @@ print(f"HSDP on a 2 x 2 mesh vs one process on all 4 batches: max |weight differ
 
 # %% [markdown]
 # With `fsdp_guide.shard`, `{"sharding_strategy": "HYBRID_SHARD", "data_parallel_shard_degree": 2}`
-# builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is the
-# number of GPUs per node.
-
-# %% [markdown]
+# builds the same mesh ({ref}`tip-fsdp-config`); on a cluster, the shard degree is a node's GPU count.
+#
 # (cluster-script)=
 # ## The script to copy
 #
-# This page's idea as a plain torchrun script, with torch alone:
-# {download}`../tutorials/scripts/cluster.py`. `torchrun --nproc-per-node=4 cluster.py` starts
-# the ranks; each builds the (replicate, shard) mesh, shards the model over it and trains on its
-# slice of every batch, and rank 0 prints its groups and its shard, then the largest differences
-# in losses and final weights from the same training in one process. The tests run this file
-# under torchrun on 4 CPU ranks and check that both are at most 1e-5 (`tests/test_scripts.py`).
+# This page's idea as a plain torchrun script, with torch alone: {download}`../tutorials/scripts/cluster.py`.
+# Under `torchrun --nproc-per-node=4 cluster.py` each rank builds the (replicate, shard) mesh, shards
+# the model over it and trains on its slice of every batch; rank 0 prints its groups and its shard,
+# then the largest differences in losses and final weights from the same training in one process,
+# which the tests (`tests/test_scripts.py`, 4 CPU ranks under torchrun) check are at most 1e-5.
 #
 # ```{literalinclude} ../tutorials/scripts/cluster.py
 # :language: python
 # ```
-
-# %% [markdown]
+#
 # (cluster-launch-errors)=
 # ## When the launch itself fails: the messages, reproduced
 #
-# Many of the messages in user reports of FSDP runs come before FSDP does anything: the
-# processes cannot find each other, or the process group has no backend for a tensor.
-# Each cell makes one such mistake on purpose, on this machine, and prints what Python
-# prints (`traceback.format_exception_only`); the {ref}`errors-index` links here.
-#
-# A torchrun script started with `python`, and a collective before `init_process_group`:
+# Many messages in user reports of FSDP runs come before FSDP does anything: the processes cannot
+# find each other, or the process group has no backend for a tensor. Each cell below makes one such
+# mistake and prints what Python prints (`traceback.format_exception_only`); the {ref}`errors-index`
+# links here. A torchrun script started with `python`, and a collective before `init_process_group`:
 
 # %%
+import inspect
 import os
 import subprocess
-import sys
 import traceback
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -334,19 +291,26 @@ def last_words(code: str) -> str:
     return run.stderr.strip().splitlines()[-1]
 
 
+def failure(attempt) -> str:
+    """The message ``attempt()`` raises, as Python prints it."""
+    try:
+        attempt()
+    except Exception as error:
+        return "".join(traceback.format_exception_only(error)).strip()
+    raise AssertionError("expected an error")
+
+
 print("python train.py ->", last_words("import torch.distributed as dist; dist.init_process_group()"))
 print("a collective first ->", last_words("import torch, torch.distributed as dist; dist.all_reduce(torch.ones(1))"))
 
 # %% [markdown]
-# `init_process_group()` reads the rank, the world size and the address of rank 0's store
-# from the variables `torchrun` sets; started with `python`, none is set. Start the script
-# with `torchrun --nproc-per-node=N train.py` (or, in a notebook, {func}`fsdp_guide.launch`),
-# and call `init_process_group` before any collective (`fully_shard` and
-# `init_device_mesh` call it for you when the variables are there).
+# `init_process_group()` reads the rank, the world size and rank 0's store address from variables
+# that `torchrun` sets and `python` does not. Start the script with `torchrun --nproc-per-node=N train.py`
+# (in a notebook, {func}`fsdp_guide.launch`) and call `init_process_group` before any collective
+# (`fully_shard` and `init_device_mesh` call it for you when the variables are there).
 #
-# Under `torchrun`, the last thing printed when a rank fails is `torchrun`'s own summary,
-# `ChildFailedError`, and it is not the error. Here rank 1 of a two-rank script is killed
-# with `SIGKILL`, as the kernel's out-of-memory killer or a scheduler kills a process:
+# Under `torchrun` the last thing printed when a rank fails is its summary, `ChildFailedError`, not
+# the error. Here rank 1 of two is killed with `SIGKILL`, as an out-of-memory killer or a scheduler would:
 
 # %%
 import tempfile
@@ -379,35 +343,26 @@ print(*lines[summary:], sep="\n")
 print("torchrun's exit status:", run.returncode)
 
 # %% [markdown]
-# The box names the root cause, rank 1, and how it ended: exit code -9, `Signal 9
-# (SIGKILL)`, with no traceback, since a killed process writes none. Any Python error
-# above the box is rank 0's, and a consequence: its peer went away in the middle of the
-# barrier, and gloo says so in the words of whichever it saw first (`Connection closed by
-# peer` or `reset by peer`), unless torchrun's `SIGTERM` stopped rank 0 before it noticed.
-# Read the box for the rank that failed first, then that rank's own lines
-# (prefixed `[rank1]:`) for its error; a rank that raised prints its traceback there. A
-# `SIGKILL` on a cluster is expected to come from outside the process (the kernel's
-# out-of-memory killer, seen in `dmesg`, or the scheduler's limits), not from torch.
+# The box names the root cause, rank 1, killed (exit code -9, `Signal 9 (SIGKILL)`) with no
+# traceback: a killed process writes none. Any Python error above the box is rank 0's, a consequence:
+# its peer left mid-barrier, and gloo says so in the words of whichever it saw first
+# (`Connection closed by peer` or `reset by peer`), unless torchrun's `SIGTERM` stopped rank 0 before
+# it noticed. Read the box for the rank that failed first, then its own lines (prefixed `[rank1]:`),
+# where a rank that raised prints its traceback. On a cluster, expect a `SIGKILL` from outside the
+# process (the kernel's out-of-memory killer, seen in `dmesg`, or the scheduler's limits), not torch.
 #
-# Two jobs on one `MASTER_PORT`, and a job whose other ranks never arrive (a node that did
-# not start, a wrong address or `--nnodes`, a firewall):
+# Two jobs on one `MASTER_PORT`, and a job whose other ranks never arrive (a node that did not start,
+# a wrong address or `--nnodes`, a firewall):
 
 # %%
-STORES = """
+# The stores run in a child process, with the page's failure() helper, from its source.
+STORES = f"""
 import traceback
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-
-def failure(attempt):
-    try:
-        attempt()
-    except Exception as error:
-        return "".join(traceback.format_exception_only(error)).strip()
-    raise AssertionError("expected an error")
-
-
+{inspect.getsource(failure)}
 first_job = TCPStore("127.0.0.1", 29500, is_master=True, wait_for_workers=False)
 print("a second job on port 29500 ->", failure(lambda: TCPStore("127.0.0.1", 29500, is_master=True)))
 print("rank 1 never comes ->", failure(lambda: TCPStore(
@@ -419,35 +374,23 @@ run = subprocess.run(loopback_only([sys.executable, "-c", STORES]), capture_outp
 print(run.stdout or run.stderr)
 
 # %% [markdown]
-# `init_process_group` meets the other ranks through a `TCPStore` at `MASTER_ADDR:MASTER_PORT`:
-# a server on rank 0 and clients on the others, or under `torchrun` clients of the store
-# its agent serves (`_create_c10d_store` in `torch/distributed/rendezvous.py`). A port
-# another job holds is refused at once: on one machine, `torchrun --standalone` picks a
-# free port; on a cluster, give each job its own. The other two wait for the timeout (1 s
-# here; `init_process_group(timeout=...)`, by default 30 minutes, 10 for NCCL:
-# `_get_default_timeout` in `torch/distributed/distributed_c10d.py`): the server for ranks
-# that never connect, a client for a store no one serves at that address.
-# Check that every node started, with the same `--nnodes` and endpoint, and that each can
-# reach `MASTER_ADDR` (the error names the address it tried).
+# `init_process_group` meets the other ranks through a `TCPStore` at `MASTER_ADDR:MASTER_PORT`: a
+# server on rank 0 and clients on the others, or under `torchrun` clients of the store its agent
+# serves (`_create_c10d_store` in `torch/distributed/rendezvous.py`). A port another job holds is
+# refused at once: `torchrun --standalone` picks a free one on one machine; on a cluster, give each
+# job its own. The other two wait for the timeout (1 s here; `init_process_group(timeout=...)`, by
+# default 30 minutes, 10 for NCCL: `_get_default_timeout` in `torch/distributed/distributed_c10d.py`):
+# the server for ranks that never connect, a client for a store no one serves there. Check that every
+# node started with the same `--nnodes` and endpoint and can reach `MASTER_ADDR` (named in the error).
 #
-# The backend: a script written for GPUs on a torch built without NCCL (the CPU wheel this
-# site runs with), and a process group without a backend for CPU tensors:
+# The backend: a script written for GPUs on a torch built without NCCL (the CPU wheel this site runs
+# with), and a process group without a backend for CPU tensors:
 
 # %%
 import warnings
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-
-
-def failure(attempt) -> str:
-    """The message ``attempt()`` raises, as Python prints it."""
-    try:
-        attempt()
-    except Exception as error:
-        return "".join(traceback.format_exception_only(error)).strip()
-    raise AssertionError("expected an error")
-
 
 CPU = "cpu"  # cpu-only: the error below is about tensors on the CPU
 
@@ -472,21 +415,19 @@ def backend_errors():
 print(*launch(backend_errors, output="none")[0], sep="\n")
 
 # %% [markdown]
-# `init_process_group` gives a group a backend per device type, from its `backend`
-# string (`BackendConfig` in `torch/distributed/distributed_c10d.py`): `"nccl"` alone
-# serves CUDA tensors only, and so does `init_process_group()` with no backend on a GPU
-# machine (it picks the accelerator's backend alone), so any collective on a CPU tensor
-# fails as above. With FSDP2 that is a CPU DTensor's collective: a `full_tensor()` of
-# shards moved to the CPU, or `clip_grad_norm_` over gradients that `CPUOffloadPolicy`
-# keeps on the CPU, whose norm is all-reduced there (expected on GPUs from the same code
-# path; not run here). Give every device its backend, and NCCL only where there is CUDA:
+# `init_process_group` gives a group a backend per device type, from its `backend` string
+# (`BackendConfig` in `torch/distributed/distributed_c10d.py`): `"nccl"` serves CUDA tensors only, as
+# does `init_process_group()` with no backend on a GPU machine (it picks the accelerator's backend
+# alone), so any collective on a CPU tensor fails as above. With FSDP2 that is a CPU DTensor's: a
+# `full_tensor()` of shards moved to the CPU, or `clip_grad_norm_` over gradients `CPUOffloadPolicy`
+# keeps on the CPU, whose norm is all-reduced there (expected on GPUs from the same code path; not
+# run here). Give every device its backend, and NCCL only where there is CUDA:
 #
 # ```python
 # dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 # ```
 #
-# And a mesh whose shape does not multiply to the world size (here `(2, 4)` on the 4
-# ranks of the HSDP cell, a node count typed wrong):
+# A mesh that does not multiply to the world size (`(2, 4)` on 4 ranks: a node count typed wrong):
 
 
 # %%
@@ -499,8 +440,8 @@ def wrong_mesh():
 print(launch(wrong_mesh, world_size=4, output="none")[0])
 
 # %% [markdown]
-# The mesh's shape is (nodes, ranks per node) for HSDP, and its product must be the
-# world size `torchrun` started: `WORLD_SIZE`, `--nnodes` times `--nproc-per-node`.
+# The mesh's shape is (nodes, ranks per node) for HSDP, and its product must be the world size
+# `torchrun` started: `WORLD_SIZE`, `--nnodes` times `--nproc-per-node`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on
