@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -110,3 +111,36 @@ def test_a_2d_mesh_shows_named_dims_the_strided_shard_and_the_rows_each_rank_hol
     assert [holds[r]["0.weight"] for r in range(4)] == ["[0:2, :]", "[4:6, :]", "[2:4, :]", "[6:8, :]"]
     assert [holds[r]["2.weight"] for r in range(4)] == ["[0:3, 0:4]", "[0:3, 4:8]", "[3:6, 0:4]", "[3:6, 4:8]"]
     assert all(all(same.values()) for _, _, same in results)
+
+
+def test_draw_sharding_puts_each_ranks_block_where_its_rows_are_and_names_every_rank_of_a_replica():
+    from fsdp_guide.describe import ShardingTable, draw_sharding
+
+    results = launch(_describe_2d, world_size=4, output="none")
+    tables = [ShardingTable(rows.values()) for _, rows, _ in results]
+    ax = draw_sharding(tables, "0.weight", label=lambda rank: f"rank {rank} (dp {rank // 2}, tp {rank % 2})")
+    # (text, top row) of each block: the strided shard interleaves the dp ranks within each TP shard
+    placed = sorted((patch.get_y(), text.get_text()) for patch, text in zip(ax.patches, ax.texts))
+    assert [label for _, label in placed] == [
+        "rank 0 (dp 0, tp 0)",
+        "rank 2 (dp 1, tp 0)",
+        "rank 1 (dp 0, tp 1)",
+        "rank 3 (dp 1, tp 1)",
+    ]
+    assert [top for top, _ in placed] == [0, 2, 4, 6]
+    assert sum(patch.get_width() * patch.get_height() for patch in ax.patches) == 8 * 4  # every element, once
+    # the bias is replicated over tp: each block names both ranks of a TP group
+    ax = draw_sharding(tables, "2.bias")
+    assert sorted(text.get_text() for text in ax.texts) == ["rank 0, rank 1", "rank 2, rank 3"]
+    assert ax.get_ylim() == (1, 0) and ax.get_xlim() == (0, 6)  # one row of 6
+
+
+def test_draw_sharding_names_what_is_wrong_with_a_name_it_cannot_find_or_an_fsdp1_table():
+    from fsdp_guide.describe import ShardingTable, draw_sharding
+
+    tables = [ShardingTable(rows) for rows, *_ in launch(_describe, "fsdp2", world_size=2, output="none")]
+    with pytest.raises(ValueError, match=r"rank 0's table has no parameter named 'weight'; it has: 0.weight, 0.bias"):
+        draw_sharding(tables, "weight")
+    tables = [ShardingTable(rows) for rows, *_ in launch(_describe, "fsdp1", world_size=2, output="none")]
+    with pytest.raises(ValueError, match="part of FSDP1's flattened parameter, not blocks of the tensor"):
+        draw_sharding(tables, "0.weight")

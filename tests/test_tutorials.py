@@ -1661,6 +1661,8 @@ def test_placements_splits_experts_by_rows_keeps_tied_weights_in_one_unit_and_re
     error = {k: float(v.rsplit("=", 1)[1]) for k, v in ignored.items()}
     assert apart["False"] > 1e-4 and error["False"] > 1e-4  # FSDP did not reduce it
     assert apart["True"] == 0 and error["True"] < 1e-6
+    drawn = next(c for c in executed["placements"].cells if "draw_sharding(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # both layouts, drawn once
     placed = text.split("shard_placement_fn: ")[1:]
     assert "Shard(dim=0) over mesh 2  [0:2, :, :]" in placed[0] and "[2:3, :, :]" in placed[0]  # 2 experts and 1
     assert "Shard(dim=1) over mesh 2  [:, 0:16, :]" in placed[1] and "[:, 16:32, :]" in placed[1]  # rows of all 3
@@ -1860,6 +1862,8 @@ def test_the_moe_module_is_the_code_the_experts_page_writes_out():
 
 def test_uneven_experts_handle_empty_routes_unused_experts_and_too_few_experts_to_split(executed):
     text = _text_outputs(executed["uneven_experts"])
+    drawn = next(c for c in executed["uneven_experts"].cells if "np.ndenumerate(grid)" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # where the tokens go, drawn once
     # the experts page's step, divide factor: every gradient one process's
     assert float(text.split("largest |gradient - one process|, relative: ")[1].split()[0]) < 1e-5
     rows = [_cells(line) for line in text.splitlines()]

@@ -116,21 +116,36 @@ def train_experts(split_rows, sharded=True):
         name: (p.full_tensor() if isinstance(p, dt.DTensor) else p.detach()).cpu()
         for name, p in model.named_parameters()
     }
-    if not sharded:
-        return [], weights
-    # the header, the experts' weight, the total
-    table = str(fsdp_guide.describe_sharding(model)).splitlines()
-    return [table[0], *(line for line in table if line.startswith(("weight ", "total")))], weights
+    return fsdp_guide.describe_sharding(model) if sharded else None, weights
+
+
+def experts_weight_rows(table):
+    """The header, the experts' weight and the total of a describe_sharding table's text."""
+    lines = str(table).splitlines()
+    return [lines[0], *(line for line in lines if line.startswith(("weight ", "total")))]
 
 
 _, one = launch(train_experts, False, False, world_size=1, output="none")[0]
+tables = {}
 for split_rows in (False, True):
     ranks = launch(train_experts, split_rows, world_size=2, output="none")
     error = largest_difference((ranks[0][1][name], one[name]) for name in one)
     how = "Shard(1) for the experts' weight" if split_rows else "none (dim 0 for all)"
     print(f"shard_placement_fn: {how}; max |weights - one process| after 3 steps = {error:.1e}")
-    for rank, (held, _) in enumerate(ranks):
+    tables[how] = [table for table, _ in ranks]
+    for rank, table in enumerate(tables[how]):
+        held = experts_weight_rows(table)
         print(f"  rank {rank}: " + "\n          ".join(held if rank == 0 else held[1:]))
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The experts' weight, three 32 by 32 slices side by side, coloured by the rank that holds each part: with the default, rank 0 holds slices 0 and 1 and rank 1 slice 2; with Shard(1) for the weight, each rank holds half the rows of all three slices."}}
+import matplotlib.pyplot as plt
+from fsdp_guide.describe import draw_sharding
+
+fig, axes = plt.subplots(2, 1, figsize=(8, 5))
+for ax, (how, ranks_tables) in zip(axes, tables.items()):
+    draw_sharding(ranks_tables, "weight", ax=ax)
+    ax.set_title(f"the experts' weight, shard_placement_fn: {how}")
+fig.tight_layout()
 
 # %% [markdown]
 # By default rank 0 holds experts 0 and 1, rank 1 expert 2: twice the bytes on rank 0 (the

@@ -90,6 +90,28 @@ print(
     f"the busiest expert {max(total) / (sum(total) / EXPERTS):.2f}x"
 )
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Two heat maps over 4 ranks and 8 experts: the tokens each rank sends to each expert, and the tokens each rank's expert copies compute, blank where a rank holds no copy of that expert; the busiest expert stands out, and a copy that receives no token shows a zero."}}
+import matplotlib.pyplot as plt
+import numpy as np
+
+sent = np.array([r["sent"] for r in ranks])
+computed = np.full(sent.shape, np.nan)  # blank where the rank holds no copy of the expert
+for rank, r in enumerate(ranks):
+    first = r["ep"] * len(r["computed"])
+    computed[rank, first : first + len(r["computed"])] = r["computed"]
+fig, axes = plt.subplots(1, 2, figsize=(9, 2.8))
+for ax, grid, title in zip(
+    axes, (sent, computed), ("tokens each rank sends", "tokens each rank's copies compute")
+):
+    ax.imshow(grid, cmap="Blues", vmin=0, vmax=np.nanmax(computed) * 1.2)
+    for (rank, expert), n in np.ndenumerate(grid):
+        if not np.isnan(n):
+            ax.text(expert, rank, int(n), ha="center", va="center", fontsize=8)
+    ax.set(title=title, xlabel="expert", ylabel="rank")
+    ax.set_xticks(range(EXPERTS), [f"e{e}" for e in range(EXPERTS)])
+    ax.set_yticks(range(len(ranks)))
+fig.tight_layout()
+
 # %% [markdown]
 # With a router that has learned nothing yet, the busiest expert gets several times the
 # tokens of the idlest, over only 128 tokens; the ranks, 4

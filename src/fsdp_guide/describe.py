@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import html
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, fields
 
 import torch
@@ -11,7 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP's placement on a 2D mesh
 
-__all__ = ["describe_sharding", "ParamShard", "ShardingTable"]
+__all__ = ["describe_sharding", "draw_sharding", "ParamShard", "ShardingTable"]
 
 
 @dataclass(frozen=True)
@@ -209,3 +211,89 @@ def _is_fsdp1_view(name: str) -> bool:
     # With use_orig_params=True, FSDP1 also registers the original parameters as views
     # into the FlatParameter; the FlatParameter rows already describe them.
     return "_fsdp_wrapped_module" in name
+
+
+def draw_sharding(tables: Sequence[ShardingTable], name: str, label: Callable[[int], str] | None = None, ax=None):
+    """Which rank holds each element of the parameter ``name``: the full tensor, a block per shard.
+
+    ``tables``: every rank's :func:`describe_sharding` of the same model, in rank order (what
+    ``launch`` returns when the worker returns it). A block names the ranks that hold it
+    (``label(rank)``, ``"rank 0"`` by default); a replicated block names them all. A 1-D
+    parameter is drawn as one row, a 3-D one (stacked experts) as its dim-0 slices side by side.
+    JAX's ``visualize_array_sharding`` draws a jax.Array's the same way. Returns the axes
+    (drawn on ``ax``, or on a new figure's). The shards are read from the tables' ``holds``:
+    FSDP1's flattened shards are not blocks of the tensor and are refused.
+
+    >>> import torch.nn as nn
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> from fsdp_guide import launch
+    >>> from fsdp_guide.describe import describe_sharding, draw_sharding
+    >>> tables = launch(lambda: describe_sharding(fully_shard(nn.Linear(4, 4))), world_size=2, output="none")
+    >>> ax = draw_sharding(tables, "weight")
+    >>> sorted(text.get_text() for text in ax.texts)
+    ['rank 0', 'rank 1']
+    """
+    import matplotlib.pyplot as plt
+
+    label = label or (lambda rank: f"rank {rank}")
+    rows = [_row_named(table, name, rank) for rank, table in enumerate(tables)]
+    shape = rows[0].full_shape
+    if not 1 <= len(shape) <= 3:
+        raise ValueError(f"{name} has {len(shape)} dimensions; draw_sharding draws tensors of 1, 2 or 3 dimensions")
+    owners: dict[tuple, list[int]] = {}  # a block (its range in each dimension) -> the ranks that hold it
+    for rank, row in enumerate(rows):
+        for block in _blocks(row):
+            owners.setdefault(block, []).append(rank)
+    # A 1-D tensor is one row; a 3-D one is its dim-0 slices side by side, a column apart.
+    panels = shape[0] if len(shape) == 3 else 1
+    height, width = (1, shape[0]) if len(shape) == 1 else shape[-2:]
+    ax = ax or plt.subplots(figsize=(min(10, 1.5 + 2.5 * panels), 2.8 if len(shape) > 1 else 1.2))[1]
+    colours = plt.get_cmap("Pastel1").colors
+    groups = sorted({tuple(ranks) for ranks in owners.values()})
+    for block, ranks in owners.items():
+        block = [*([(0, 1)] if len(shape) == 1 else []), *block]  # (panel,) rows, columns
+        first, last = block[0] if len(shape) == 3 else (0, 1)
+        (top, bottom), (left, right) = block[-2:]
+        for panel in range(first, last):
+            x = panel * (width + 1) + left
+            colour = colours[groups.index(tuple(ranks)) % len(colours)]
+            ax.add_patch(plt.Rectangle((x, top), right - left, bottom - top, facecolor=colour, edgecolor="0.3"))
+            text = ", ".join(label(rank) for rank in ranks)
+            ax.text(x + (right - left) / 2, (top + bottom) / 2, text, ha="center", va="center", fontsize=7)
+    ax.set(xlim=(0, panels * (width + 1) - 1), ylim=(height, 0), title=name)
+    if len(shape) == 3:
+        ax.set_xticks([p * (width + 1) + width / 2 for p in range(panels)], [f"[{p}]" for p in range(panels)])
+        ax.set_xlabel(f"dim 0 (each a {height} x {width} slice: dim 1 down, dim 2 across)")
+    else:
+        ax.set_xlabel("dim 0" if len(shape) == 1 else "dim 1")
+        ax.set_ylabel("" if len(shape) == 1 else "dim 0")
+    if len(shape) == 1:
+        ax.set_yticks([])
+    return ax
+
+
+def _row_named(table: ShardingTable, name: str, rank: int) -> ParamShard:
+    found = [row for row in table if row.name == name]
+    if not found:
+        names = ", ".join(row.name for row in table)
+        raise ValueError(f"rank {rank}'s table has no parameter named {name!r}; it has: {names}")
+    return found[0]
+
+
+def _blocks(row: ParamShard) -> list[tuple]:
+    """The blocks of the full tensor a row's ``holds`` names: one (start, stop) per dimension each."""
+    if row.holds.startswith("elements") or row.placement in ("none on this rank",) or "flat shard" in row.placement:
+        raise ValueError(
+            f"{row.name}: {row.holds!r} is a part of FSDP1's flattened parameter, not blocks of the tensor"
+        )
+    if row.holds == "all":
+        return [tuple((0, size) for size in row.full_shape)]
+    runs = []
+    for spec, size in zip(row.holds.strip("[]").split(", "), row.full_shape):
+        if spec == ":":
+            runs.append([(0, size)])
+        elif spec == "none":
+            return []  # nothing of this tensor on this rank (fewer rows than ranks)
+        else:
+            runs.append([tuple(int(i) for i in run.split(":")) for run in spec.split("+")])
+    return list(itertools.product(*runs))
