@@ -691,6 +691,8 @@ def test_tp_gradients_shows_partial_sums_clipping_across_meshes_and_implicit_rep
 def test_loss_parallel_splits_the_edge_layers_by_vocabulary_and_never_gathers_the_logits(executed):
     text = _text_outputs(executed["loss_parallel"])
     lines = text.splitlines()
+    drawn = next(c for c in executed["loss_parallel"].cells if "draw_sharding(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the three weights, drawn once
 
     def numbers(prefix):
         return _numbers_after(lines, prefix)

@@ -215,11 +215,13 @@ def edge_layer_layouts():
             on_a_rank(out),
             seen.rows(),
             (local - expected).abs().max().item(),
+            fsdp_guide.describe_sharding(module),  # for the figure below
         )
     return result
 
 
-edges = launch(edge_layer_layouts, world_size=4, output="none")[0]
+edge_ranks = launch(edge_layer_layouts, world_size=4, output="none")
+edges = edge_ranks[0]
 header = [
     "plan",
     "weight on a rank",
@@ -228,13 +230,31 @@ header = [
     "vs unsharded",
 ]
 table = []
-for name, (weight, out, seen, gap) in edges.items():
+for name, (weight, out, seen, gap, _) in edges.items():
     collectives = ", ".join(f"{kind} {n} {nbytes}" for _, kind, n, nbytes in seen) or "none"
     table.append([name, weight, out, collectives, f"{gap:.0e}"])
 display(Table(header, table))  # an HTML table on the site, aligned text elsewhere
 # (dim, kind, n, bytes)
 glue("tp_emb_reduce_bytes", edges["embedding, vocabulary-split"][2][0][3], display=False)
 glue("tp_logits_gather_bytes", edges["output layer, logits gathered"][2][0][3], display=False)
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The 256 by 32 weights of the embedding, split two ways, and of the output layer, coloured by the rank of a TP group that holds each part: vocabulary-split, tp rank 0 holds rows 0 to 127 and tp rank 1 rows 128 to 255; dimension-split, each holds 16 of the 32 columns of every row; the output layer is split by rows, as the vocabulary-split embedding."}}
+import matplotlib.pyplot as plt
+from fsdp_guide.describe import draw_sharding
+
+shown = [  # one TP group, ranks 0 and 1 (ranks 2 and 3 hold the same, for the other dp rank)
+    "embedding, vocabulary-split",
+    "embedding, dimension-split",
+    "output layer, logits left split",
+]
+fig, axes = plt.subplots(1, 3, figsize=(9, 4))
+for ax, plan in zip(axes, shown):
+    draw_sharding(
+        [edge_ranks[rank][plan][4] for rank in (0, 1)], "weight", lambda r: f"tp {r}", ax=ax
+    )
+    ax.set(title=plan.split(",")[0] + ",\n" + plan.split(", ")[1], ylabel="dim 0: the vocabulary")
+    ax.set_xlabel("dim 1: the hidden features")
+fig.tight_layout()
 
 # %% [markdown]
 # - The vocabulary-split embedding holds half the rows and all-reduces its output (a
