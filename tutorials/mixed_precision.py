@@ -49,15 +49,17 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #   precision-sensitive ones such as softmax to float32 on CUDA.
 # - **The low dtype itself**: bfloat16 has float32's range (the same smallest normal
 #   number, almost the same largest); float16 has more mantissa bits but a range that ends
-#   at 65,504, loses precision below 6.1e-5 (its smallest normal number) and has nothing
-#   below 2<sup>-24</sup> (about 6e-8, its smallest subnormal number): smaller values round
-#   to that or, at or below 2<sup>-25</sup> (about 3e-8), to zero. `torch.finfo` gives the
+#   at {glue:text}`mp_fp16_max`, loses precision below {glue:text}`mp_fp16_smallest_normal`
+#   (its smallest normal number) and has nothing below 2<sup>-24</sup> (about 6e-8, its
+#   smallest subnormal number): smaller values round to that or, at or below 2<sup>-25</sup>
+#   (about 3e-8), to zero. `torch.finfo` gives the
 #   limits (the smallest subnormal is the smallest normal times `eps`), and a cast shows the
 #   rounding:
 
 # %%
 from fsdp_guide.table import Table
 from IPython.display import display
+from myst_nb import glue
 
 rows = []
 for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -67,6 +69,8 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32):
     rows.append([name, f"{info.max:.5g}", f"{info.smallest_normal:.4g}", f"{subnormal:.4g}"])
 header = ["dtype", "largest", "smallest normal", "smallest subnormal"]
 display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
+glue("mp_fp16_max", f"{torch.finfo(torch.float16).max:,.0f}", display=False)
+glue("mp_fp16_smallest_normal", f"{torch.finfo(torch.float16).smallest_normal:.2g}", display=False)
 print(
     "cast to float16:",
     ", ".join(
