@@ -1334,10 +1334,6 @@ def test_mixed_precision_tutorial_shows_the_dtypes_and_the_boundary_between_poli
     assert rows["FSDP bf16 only"] == rows["FSDP1 bf16 only"] == ["bfloat16"] * 6 + ["float32"] * 2
     assert rows["FSDP + autocast bf16"][4] == "float32"  # the contrast: autocast runs the loss in float32
     assert "torch.autocast('cuda') without dtype= computes in torch.float16" in text
-    limits = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines()) if cells[0] == "float16"}
-    glued = _glued(executed["mixed_precision"])
-    assert float(glued["mp_fp16_max"].strip("'").replace(",", "")) == float(limits["float16"][0])
-    assert float(glued["mp_fp16_smallest_normal"].strip("'")) == pytest.approx(float(limits["float16"][1]), rel=0.02)
     boundary = dict(re.findall(r"^(body bf16[^:\n]*):\n    (.*)$", text, re.M))
     assert boundary["body bf16, head float32"].startswith("body ['bfloat16 -> bfloat16'], head ['-']: RuntimeError")
     assert boundary["body bf16 with output_dtype=float32"] == "body bfloat16 -> bfloat16, head float32 -> float32"

@@ -48,40 +48,24 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # - **Autocast** (`torch.autocast`) casts per operation: matmuls to the low dtype,
 #   precision-sensitive ones such as softmax to float32 on CUDA.
 # - **The low dtype itself**: bfloat16 has float32's range (the same smallest normal
-#   number, almost the same largest); float16 has more mantissa bits but a range that ends
-#   at {glue:text}`mp_fp16_max`, loses precision below {glue:text}`mp_fp16_smallest_normal`
-#   (its smallest normal number) and has nothing below 2<sup>-24</sup> (about 6e-8, its
-#   smallest subnormal number): smaller values round to that or, at or below 2<sup>-25</sup>
-#   (about 3e-8), to zero. `torch.finfo` gives the
-#   limits (the smallest subnormal is the smallest normal times `eps`), and a cast shows the
-#   rounding:
-
-# %%
-from fsdp_guide.table import Table
-from IPython.display import display
-from myst_nb import glue
-
-rows = []
-for dtype in (torch.float16, torch.bfloat16, torch.float32):
-    info = torch.finfo(dtype)
-    subnormal = info.smallest_normal * info.eps  # the smallest positive number: 2**-24 for float16
-    name = str(dtype).removeprefix("torch.")
-    rows.append([name, f"{info.max:.5g}", f"{info.smallest_normal:.4g}", f"{subnormal:.4g}"])
-header = ["dtype", "largest", "smallest normal", "smallest subnormal"]
-display(Table(header, rows))  # an HTML table on the site, aligned text elsewhere
-glue("mp_fp16_max", f"{torch.finfo(torch.float16).max:,.0f}", display=False)
-glue("mp_fp16_smallest_normal", f"{torch.finfo(torch.float16).smallest_normal:.2g}", display=False)
-print(
-    "cast to float16:",
-    ", ".join(
-        f"{v:.3g} -> {torch.tensor(v).half().item():.3g}" for v in (2**-24, 1.01 * 2**-25, 2**-25)
-    ),
-)
+#   number, almost the same largest); float16 has more mantissa bits but a far smaller
+#   range, which the {ref}`float16 page <tutorial-fp16-scaler>` measures, with the
+#   gradient scaler it needs.
 
 # %% [markdown]
-# The model below has a matmul, a softmax and a second matmul. Each case runs one
-# forward and backward on 2 ranks while {func}`fsdp_guide.precision.record_dtypes`
-# records what each operation ran in.
+# The model has a matmul, a softmax and a second matmul, and each linear layer is an FSDP
+# unit, sharded with FSDP2's `MixedPrecisionPolicy` or FSDP1's `MixedPrecision`
+# (`param_dtype` the low dtype, `reduce_dtype` float32); the {ref}`float16 page
+# <tutorial-fp16-scaler>` trains the same, so both import it from `fsdp_guide.precision`:
+#
+# ```{literalinclude} ../src/fsdp_guide/precision.py
+# :language: python
+# :pyobject: shard_with_policy
+# ```
+#
+# (`Attentionish`, {func}`its source <fsdp_guide.precision.Attentionish>`, is
+# `values(softmax(scores(x)))`.) Each case runs one forward and backward on 2 ranks while
+# {func}`fsdp_guide.precision.record_dtypes` records what each operation ran in.
 #
 # (fsdp2-fully-shard-mp-policy)=
 # (fsdp2-mixedprecisionpolicy)=
@@ -91,35 +75,12 @@ print(
 # %%
 import fsdp_guide
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
-from fsdp_guide.precision import record_dtypes
+from fsdp_guide.precision import Attentionish, record_dtypes, shard_with_policy
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
-
-
-class Attentionish(nn.Module):
-    def __init__(self, width=32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.scores = nn.Linear(width, width, bias=False)
-        self.values = nn.Linear(width, 4, bias=False)
-
-    def forward(self, x):
-        return self.values(torch.softmax(self.scores(x), dim=-1))
-
-
-def shard_with_policy(model, api, low, device):
-    """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
-    if api == "fsdp1":
-        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
-        return FSDP(model, device_id=device, mixed_precision=policy)
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    for layer in (model.scores, model.values):
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
-
 
 # (name, API, FSDP's param_dtype, autocast dtype)
 CASES = [
@@ -281,6 +242,10 @@ print(
 
 
 # %%
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
 class Recorded(nn.Linear):
     """A linear layer that writes down the dtype of its input and of its output."""
 
