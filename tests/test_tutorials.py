@@ -775,6 +775,19 @@ def test_tp_checkpoints_loads_a_2d_checkpoint_on_a_1d_mesh_and_exports_it_exactl
         and "exported file equals the 2D parameters exactly: True" in text
     )
     assert "the 2D run's own export equals them exactly: True" in text
+    # DCP's metadata: one chunk of the weight per rank of the 2 x 2 run, exactly the block that rank held
+    chunks = re.findall(
+        r"^chunk \[(\d+):(\d+), 0:32\] in __(\d)_0\.distcp; rank (\d) of the 2 x 2 run held \[(\d+):(\d+), :\]$",
+        text,
+        re.M,
+    )
+    assert sorted(writer for _, _, writer, _, _, _ in chunks) == ["0", "1", "2", "3"]
+    assert all((start, stop) == (r0, r1) for start, stop, _, _, r0, r1 in chunks)  # the block its writer held
+    assert sorted(int(start) for start, *_ in chunks) == [0, 8, 16, 24] and all(
+        int(b) - int(a) == 8 for a, b, *_ in chunks
+    )
+    drawn = next(c for c in executed["tp_checkpoints"].cells if "draw_sharding(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # saved and loaded, drawn once
 
 
 def test_compile_shows_where_to_compile_and_how_to_measure_it(executed):

@@ -168,7 +168,8 @@ def train_2d_and_save(directory):
         name: optimizer.state[p]["exp_avg"].full_tensor().cpu()
         for name, p in model.named_parameters()
     }
-    return {name: p.cpu() for name, p in full_parameters(model).items()}, optimizer_state
+    params = {name: p.cpu() for name, p in full_parameters(model).items()}
+    return params, optimizer_state, fsdp_guide.describe_sharding(model)
 
 
 def load_on_1d_and_export(directory):
@@ -184,13 +185,13 @@ def load_on_1d_and_export(directory):
         for name, p in model.named_parameters()
     }
     checkpoint.export_consolidated(model, Path(directory) / "model.pt")
-    return step, {name: p.cpu() for name, p in full_parameters(model).items()}, optimizer_state
+    params = {name: p.cpu() for name, p in full_parameters(model).items()}
+    return step, params, optimizer_state, fsdp_guide.describe_sharding(model)
 
 
-saved_params, saved_moments = launch(train_2d_and_save, run_dir, world_size=4, output="none")[0]
-step, loaded_params, loaded_moments = launch(
-    load_on_1d_and_export, run_dir, world_size=2, output="none"
-)[0]
+saved = launch(train_2d_and_save, run_dir, world_size=4, output="none")
+loaded = launch(load_on_1d_and_export, run_dir, world_size=2, output="none")
+(saved_params, saved_moments, _), (step, loaded_params, loaded_moments, _) = saved[0], loaded[0]
 plain = GPT(CONFIG)
 print(
     "exported file into a plain GPT:",
@@ -213,6 +214,43 @@ print(
     "the 2D run's own export equals them exactly:",
     all(torch.equal(exported_2d[n], p) for n, p in saved_params.items()),
 )
+
+# %% [markdown]
+# What the checkpoint holds of one weight, read from DCP's metadata: a chunk per rank of
+# the 2 x 2 run (its offset and size in the global tensor, and the file it is in), the
+# same blocks that rank held; the 2-rank run then holds other blocks, each read from two
+# of those chunks:
+
+# %%
+import matplotlib.pyplot as plt
+from fsdp_guide.describe import draw_sharding
+from torch.distributed.checkpoint import FileSystemReader
+
+WEIGHT = "blocks.0.attn.q.weight"
+metadata = FileSystemReader(checkpoint.latest(run_dir)).read_metadata()
+chunks = metadata.state_dict_metadata[f"model.{WEIGHT}"].chunks
+files = {
+    i.offset: d.relative_path
+    for i, d in metadata.storage_data.items()
+    if i.fqn == f"model.{WEIGHT}"
+}
+held = [next(row.holds for row in table if row.name == WEIGHT) for _, _, table in saved]
+for chunk in chunks:
+    block = ", ".join(f"{start}:{start + size}" for start, size in zip(chunk.offsets, chunk.sizes))
+    writer = int(files[chunk.offsets].split("_")[2])  # DCP names a rank's file __<rank>_<n>.distcp
+    print(
+        f"chunk [{block}] in {files[chunk.offsets]}; rank {writer} of the 2 x 2 run held {held[writer]}"
+    )
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The 32 by 32 weight blocks.0.attn.q.weight coloured by the rank that holds each part: saved by the 2 by 2 run in four bands of 8 rows, ranks 0, 2, 1, 3 from the top; loaded by the 2-rank FSDP run in two halves, rank 0 rows 0 to 15 and rank 1 rows 16 to 31."}}
+fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+draw_sharding(
+    [r[2] for r in saved], WEIGHT, lambda r: f"rank {r} (dp {r // 2}, tp {r % 2})", ax=axes[0]
+)
+draw_sharding([r[3] for r in loaded], WEIGHT, ax=axes[1])
+axes[0].set_title(f"{WEIGHT}: saved by the 2 x 2 run")
+axes[1].set_title("loaded by the 2-rank FSDP run")
+fig.tight_layout()
 
 # %% [markdown]
 # Nothing in the checkpoint ties it to the mesh that wrote it: DCP stores each tensor's
