@@ -381,6 +381,8 @@ def test_hang_state_dict_shows_py_spy_on_a_gather_on_rank_0_only_and_the_fix(exe
 
 def test_set_order_sums_wrong_on_cold_ranks_right_on_warm_ones_and_right_sorted(executed):
     text = _text_outputs(executed["set_order"])
+    drawn = next(c for c in executed["set_order"].cells if "paired_wrong" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the pairing, drawn once
     # warm ranks share the server's hash seed, cold ones (as torchrun's) do not: see fsdp_guide._warm
     assert re.search(
         r"set order, cold \(as torchrun\) +warm=False +same order on both ranks: False +"

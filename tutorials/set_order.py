@@ -105,15 +105,43 @@ def show(how, results):
         f"{how:34} warm={warm!s:5}  same order on both ranks: {order0 == order1!s:5}  "
         f"every sum right: {right0 and right1}"
     )
+    return order0, order1
 
 
 with as_torchrun_starts_them():
-    show(
+    cold_orders = show(
         "set order, cold (as torchrun)", launch(reduce_per_name, False, world_size=2, output="none")
     )
 show("set order, warm (forked)", launch(reduce_per_name, False, world_size=2, output="none"))
 with as_torchrun_starts_them():
     show("sorted, cold (as torchrun)", launch(reduce_per_name, True, world_size=2, output="none"))
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The 16 all-reduces of the cold ranks in the order each rank issued them, a row per rank, each box the number of the parameter name it summed; the collectives pair by position, and the boxes where the two ranks summed different names are red."}}
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(10, 1.8))
+for position, names in enumerate(zip(*cold_orders), start=1):
+    paired_wrong = names[0] != names[1]
+    for rank, name in enumerate(names):
+        colour = "tab:red" if paired_wrong else "0.85"
+        ax.add_patch(plt.Rectangle((position - 0.45, rank - 0.35), 0.9, 0.7, facecolor=colour))
+        number = name.split(".")[1]  # blocks.<n>.weight
+        ax.text(
+            position,
+            rank,
+            number,
+            ha="center",
+            va="center",
+            color="white" if paired_wrong else "black",
+        )
+ax.set(xlim=(0.4, len(cold_orders[0]) + 0.6), ylim=(1.5, -0.5))
+ax.set_yticks([0, 1], ["rank 0", "rank 1"])
+ax.set_xticks(range(1, len(cold_orders[0]) + 1))
+ax.set_xlabel(
+    "all-reduce number (each box: n of the blocks.n.weight it sums; red: paired with another name)"
+)
+ax.set_title("cold ranks, iterating a set: the collectives pair by position, not by name")
+fig.tight_layout()
 
 # %% [markdown]
 # Cold ranks visit the 16 names in different orders and sum the wrong values together,
