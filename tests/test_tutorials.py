@@ -1510,25 +1510,27 @@ def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_ov
 
 def test_communication_tutorial_measures_the_wire_the_step_and_the_order(executed):
     text = _text_outputs(executed["communication"])
+    rows = [_cells(line) for line in text.splitlines()]
+    # ranks, collective, sent by all ranks / S, ring optimum
     wire = {
-        (int(ln.split()[0]), ln.split()[1]): float(ln.split()[2])
-        for ln in text.splitlines()
-        if ln.split()[1:2] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]) and ln.split()[0].isdigit()
+        (int(row[0]), row[1]): float(row[2])
+        for row in rows
+        if len(row) == 4 and row[1] in ("all-reduce", "all-gather", "reduce-scatter") and row[0].isdigit()
     }
+    assert len(wire) == 6
     for world in (2, 4):
         assert wire[(world, "all-gather")] == pytest.approx(world - 1, rel=0.1)  # the ring optimum
         assert wire[(world, "all-reduce")] == pytest.approx(2 * (world - 1), rel=0.1)
         assert wire[(world, "reduce-scatter")] == pytest.approx(wire[(world, "all-reduce")], rel=0.1)  # gloo's
-    steps = {
-        ln.split()[0]: ln
-        for ln in text.splitlines()
-        if ln.startswith(("DDP ", "replicate ", "SHARD_GRAD_OP ", "FULL_SHARD "))
-    }
-    assert "2 all-reduce" in steps["DDP"]  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
-    assert "4 all-reduce" in steps["replicate"]  # one per unit
-    assert "4 all-gather, 4 reduce-scatter" in steps["SHARD_GRAD_OP"]
-    assert "8 all-gather, 4 reduce-scatter" in steps["FULL_SHARD"]
-    ratio = {name: float(line.split()[-4]) for name, line in steps.items()}
+    # strategy, collectives per step, sent / P, vs DDP, textbook vs DDP, params held / P, grads held / P
+    strategies = ("DDP", "replicate", "SHARD_GRAD_OP", "FULL_SHARD")
+    steps = {row[0]: row[1:] for row in rows if len(row) == 7 and row[0] in strategies}
+    assert steps.keys() == set(strategies)
+    assert steps["DDP"][0] == "2 all-reduce"  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
+    assert steps["replicate"][0] == "4 all-reduce"  # one per unit
+    assert steps["SHARD_GRAD_OP"][0] == "4 all-gather, 4 reduce-scatter"
+    assert steps["FULL_SHARD"][0] == "8 all-gather, 4 reduce-scatter"
+    ratio = {name: float(row[2]) for name, row in steps.items()}
     assert ratio["replicate"] == pytest.approx(1.0, rel=0.05)
     # The prose quotes these ratios (glued); what it claims of them: on gloo the reduce-scatter costs an
     # all-reduce, so each strategy moves what the first table's collectives predict (an all-gather and a
@@ -1546,7 +1548,7 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
         "shard_grad_op_vs_ddp",
         "full_shard_vs_ddp",
     }
-    held = {name: [float(x) for x in line.split()[-2:]] for name, line in steps.items()}  # params, grads / P
+    held = {name: [float(x) for x in row[-2:]] for name, row in steps.items()}  # params, grads / P
     assert held["DDP"] == held["replicate"] == [1.0, 1.0]  # the whole model and gradient on each of 2 ranks
     assert held["SHARD_GRAD_OP"] == held["FULL_SHARD"] == [0.5, 0.5]
     assert "the gradient buckets DDP all-reduced, in order: 1.00 MiB, 3.00 MiB\n" in text  # the measured step's only
