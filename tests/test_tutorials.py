@@ -780,25 +780,22 @@ def test_compile_shows_where_to_compile_and_how_to_measure_it(executed):
     lines = text.splitlines()
     backend = text.split("backend: ")[1].split()[0]
     assert backend in ("inductor", "aot_eager")
-    rows = {
-        line[:32].strip(): line[32:].split()
-        for line in lines
-        if line.startswith(("eager ", "each block, after", "each block, before", "whole model "))
-    }
-    eager_losses = rows["eager"][:3]
+    # compiled, losses, params vs eager, graphs, linears per graph, AG+RS, compiled runs
+    places = ("eager", "each block, after fully_shard", "each block, before fully_shard", "whole model")
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in lines) if cells[0] in places}
+    assert rows.keys() == set(places) and all(len(row) == 6 for row in rows.values())
+    eager_losses = rows["eager"][0].split()
+    assert len(eager_losses) == 3
     assert rows["eager"][-1] == "0"  # nothing compiled ran
-    for where in ("each block, after fully_shard", "each block, before fully_shard", "whole model"):
-        losses, difference, graphs, linears, collectives, runs = (
-            rows[where][:3],
-            float(rows[where][3]),
-            *rows[where][4:],
-        )
+    for where in places[1:]:
+        losses, difference, graphs, linears, collectives, runs = rows[where]
+        losses, difference = losses.split(), float(difference)
         assert (graphs, linears) == ("1", "[6]")  # one graph, a block's, shared by both blocks
         assert runs == "2"  # the profiled step ran the compiled graph, once per block
         assert collectives == rows["eager"][-2]  # FSDP's all-gathers + reduce-scatters unchanged
         assert difference == 0.0 if backend == "aot_eager" else difference < 1e-4
         assert losses == eager_losses or backend == "inductor"
-    assert "dynamo: graph break in loop" in text  # the root's frame, run eagerly
+    assert "whole model, dynamo: graph break in loop" in text  # the root's frame, run eagerly
     assert "fullgraph=True, each block   -> compiles" in text
     assert "fullgraph=True, whole model  -> Unsupported: Attempted to call function marked as skipped" in text
     # a dispatch mode makes dynamo run the frame eagerly, then and afterwards, until reset()
