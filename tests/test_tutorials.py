@@ -1107,10 +1107,11 @@ def test_checkpoint_placement_tutorial_counts_the_gathers_of_each_placement(exec
     assert "UserWarning: None of the inputs have requires_grad=True" in reentrant[0]
     assert "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn" in reentrant[0]
     assert reentrant[1].lstrip().startswith("trained: 6 gradients")
+    # API, checkpoint, placement, all-gathers, reduce-scatters, max |w - 1 process|
     gathers = {
-        tuple(line.split()[:3]): line.split()[-3:]
-        for line in text.splitlines()
-        if line.startswith(("FSDP1 ", "FSDP2 ")) and line.split()[2] in ("inside", "around", "whole-model")
+        tuple(cells[:3]): cells[3:]
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 6 and cells[0] in ("FSDP1", "FSDP2") and cells[2] in ("inside", "around", "whole-model")
     }
     assert len(gathers) == 12  # 2 APIs x 2 checkpoint implementations x 3 placements
     # The prose quotes the counts (glued); what it claims of them: reentrant checkpointing around each FSDP1
