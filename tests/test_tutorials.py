@@ -1140,9 +1140,11 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(execu
     text = _text_outputs(executed["fsdp_config"])
     assert text.count("[rank0] fsdp_config -> ") == 2 and "[rank1]" not in text
     assert "[rank0]     blocks.0                 Sequential            1,056  checkpoint" in text
-    rows = {
-        tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))
-    }
+    tables = [_cells(line) for line in text.splitlines()]
+    # API, strategy, stored, all-gathers, reduce-scatters, all-reduces, loss vs 1 process
+    strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+    rows = {tuple(cells[:2]): cells[2:] for cells in tables if len(cells) == 7 and cells[1] in strategies}
+    assert len(rows) == 8  # 2 APIs x 4 strategies
     for api in ("fsdp2", "fsdp1"):  # stored share, all-gathers, reduce-scatters, all-reduces, loss difference
         # the prose quotes FULL_SHARD's all-gathers (glued) and claims two per unit but the root's one
         share, gathers, scatters, reduces = rows[(api, "FULL_SHARD")][:4]
@@ -1150,10 +1152,11 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(execu
         assert rows[(api, "SHARD_GRAD_OP")][:4] == ["0.250", "4", "4", "0"]
         assert rows[(api, "NO_SHARD")][:4] == ["1.000", "0", "0", "4"]
         assert rows[(api, "HYBRID_SHARD")][0] == "0.500" and rows[(api, "HYBRID_SHARD")][3] == "4"
-        assert all(float(rows[(api, s)][4]) < 1e-6 for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
+        assert all(float(rows[(api, s)][4]) < 1e-6 for s in strategies)
     assert rows[("fsdp2", "FULL_SHARD")][1] == rows[("fsdp1", "FULL_SHARD")][1]  # "both APIs"
     assert _glued(executed["fsdp_config"]).keys() >= {"full_shard_all_gathers"}
-    presets = [line.split() for line in text.splitlines() if line.split()[1:2] in (["FULL"], ["DEFAULT"], ["PURE"])]
+    # API, preset, low, forward matmul, grad matmul, reduce-scatter, buffer
+    presets = [cells for cells in tables if len(cells) == 7 and cells[1] in ("FULL", "DEFAULT", "PURE")]
     assert ["fsdp2", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "float32"] in presets
     assert ["fsdp1", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "bfloat16"] in presets  # FSDP1 casts buffers
     assert ["fsdp2", "PURE", "bf16", "bfloat16", "bfloat16", "bfloat16", "float32"] in presets
