@@ -953,18 +953,18 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(executed):
     assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
     assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
     assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
-    rows = {
-        line.split()[0]: line.split()[-3:]
-        for line in text.splitlines()
-        if line.startswith(("build, then wrap", "wrap as you build", "meta device"))
-    }
+    # build, most between blocks, ratio, after sharding
+    builds = ("build, then wrap", "wrap as you build", "meta device, shard, to_empty")
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in text.splitlines()) if cells[0] in builds}
+    assert rows.keys() == set(builds) and all(len(row) == 3 for row in rows.values())
     ratios = {name: float(row[1]) for name, row in rows.items()}  # max parameter bytes / building first's
     # The prose quotes building first's share of the model and wrapping as you build's ratio (glued); what it
     # claims of them: building first holds the whole model (100%); wrapping as you build, 15/16 · 1/2 + 1/16 of
     # it on 2 ranks; on meta, the shards only: 1/world_size
     full_model = int(re.search(r"full model: ([\d,]+) bytes", text)[1].replace(",", ""))
-    assert int(rows["build,"][0].replace(",", "")) == full_model and ratios["build,"] == 1.0
-    assert ratios["wrap"] == round(15 / 16 * 1 / 2 + 1 / 16, 2) and ratios["meta"] == 1 / 2
+    assert int(rows["build, then wrap"][0].replace(",", "")) == full_model and ratios["build, then wrap"] == 1.0
+    assert ratios["wrap as you build"] == round(15 / 16 * 1 / 2 + 1 / 16, 2)
+    assert ratios["meta device, shard, to_empty"] == 1 / 2
     assert _glued(executed["enable_wrap"]).keys() >= {"wrap_build_first", "wrap_as_you_build"}
 
 
