@@ -1202,26 +1202,29 @@ def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
 
 def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     text = _text_outputs(executed["memory"])
-    totals = {
-        line.split()[0]: line.split()[-1]
-        for line in text.splitlines()
-        if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line
-    }
+    # strategy, params, grads, optimizer, total (GB per device)
+    zero = [_cells(line) for line in text.split("GB per device:\n", 1)[1].splitlines()[1:4]]
+    totals = {row[0]: row[-1] for row in zero if len(row) == 5}
     # the prose quotes the totals (glued) and claims them the paper's numbers: ZeRO's Figure 1, constants from the paper
     assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
+    # strategy, API, estimated MB, measured MB, measured / estimated params, grads, optimizer; one table per rank count
+    measured = text.split("\n2 ranks:\n", 1)[1].split("\n4 ranks:\n", 1)
+    assert len(measured) == 2
+    tables = {ranks: [_cells(line) for line in table.splitlines()] for ranks, table in zip((2, 4), measured)}
     rows = [
-        line.split()
-        for line in text.splitlines()
-        if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD")) and len(line.split()) == 7
+        row
+        for table in tables.values()
+        for row in table
+        if len(row) == 7 and row[0] in ("DDP", "NO_SHARD", "FULL_SHARD")
     ]
     assert len(rows) == 10  # DDP, NO_SHARD x 2 APIs, FULL_SHARD x 2 APIs; on 2 and 4 ranks
     assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
     params = {}  # (ranks, strategy, api) -> measured / estimated parameters; "in step": SHARD_GRAD_OP in the step
-    for ranks, table in zip((2, 4), text.split("\n4 ranks ", 1)):
-        for line in table.splitlines():
-            fields = line.replace("in step", "in_step").split()
-            if len(fields) == 7 and fields[1] in ("ddp", "fsdp2", "fsdp1"):
-                params[(ranks, fields[0], fields[1])] = float(fields[4])
+    for ranks, table in tables.items():
+        for row in table:
+            if len(row) == 7 and row[1] in ("ddp", "fsdp2", "fsdp1"):
+                params[(ranks, row[0].replace("in step", "in_step"), row[1])] = float(row[4])
+    assert len(params) == 18  # 9 rows per rank count
     # The prose quotes the padding and the in-step ratios (glued); what it claims of them: FSDP2 pads on 4 ranks,
     # on 2 nothing; FSDP1 pads too, less (once per unit); in the step SHARD_GRAD_OP holds 1 + 1/N of the
     # estimate, with FSDP2's padding on 4 ranks (the gathered parameters are padded too)
