@@ -797,25 +797,22 @@ def test_compile_shows_where_to_compile_and_how_to_measure_it(executed):
     lines = text.splitlines()
     backend = text.split("backend: ")[1].split()[0]
     assert backend in ("inductor", "aot_eager")
-    rows = {
-        line[:32].strip(): line[32:].split()
-        for line in lines
-        if line.startswith(("eager ", "each block, after", "each block, before", "whole model "))
-    }
-    eager_losses = rows["eager"][:3]
+    # compiled, losses, params vs eager, graphs, linears per graph, AG+RS, compiled runs
+    places = ("eager", "each block, after fully_shard", "each block, before fully_shard", "whole model")
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in lines) if cells[0] in places}
+    assert rows.keys() == set(places) and all(len(row) == 6 for row in rows.values())
+    eager_losses = rows["eager"][0].split()
+    assert len(eager_losses) == 3
     assert rows["eager"][-1] == "0"  # nothing compiled ran
-    for where in ("each block, after fully_shard", "each block, before fully_shard", "whole model"):
-        losses, difference, graphs, linears, collectives, runs = (
-            rows[where][:3],
-            float(rows[where][3]),
-            *rows[where][4:],
-        )
+    for where in places[1:]:
+        losses, difference, graphs, linears, collectives, runs = rows[where]
+        losses, difference = losses.split(), float(difference)
         assert (graphs, linears) == ("1", "[6]")  # one graph, a block's, shared by both blocks
         assert runs == "2"  # the profiled step ran the compiled graph, once per block
         assert collectives == rows["eager"][-2]  # FSDP's all-gathers + reduce-scatters unchanged
         assert difference == 0.0 if backend == "aot_eager" else difference < 1e-4
         assert losses == eager_losses or backend == "inductor"
-    assert "dynamo: graph break in loop" in text  # the root's frame, run eagerly
+    assert "whole model, dynamo: graph break in loop" in text  # the root's frame, run eagerly
     assert "fullgraph=True, each block   -> compiles" in text
     assert "fullgraph=True, whole model  -> Unsupported: Attempted to call function marked as skipped" in text
     # a dispatch mode makes dynamo run the frame eagerly, then and afterwards, until reset()
@@ -871,11 +868,10 @@ def test_compile_recompiles_shows_what_recompiles_and_what_dynamo_reports(execut
 def test_compile_checkpointing_shows_each_order_saves_and_trains(executed):
     text = _text_outputs(executed["compile_checkpointing"])
     lines = text.splitlines()
-    orders = {
-        line[:26].strip(): line[26:].split()
-        for line in lines
-        if line.startswith(("no checkpointing", "checkpointing, eager", "checkpoint, then", "compile, then"))
-    }
+    # order, graphs, linears per graph, saved KiB, params vs no checkpointing
+    names = ("no checkpointing, eager", "checkpointing, eager", "checkpoint, then compile", "compile, then checkpoint")
+    orders = {cells[0]: cells[1:] for cells in (_cells(line) for line in lines) if cells[0] in names}
+    assert orders.keys() == set(names) and all(len(row) == 4 for row in orders.values())
     saved = {order: float(row[2]) for order, row in orders.items()}
     assert all(float(row[3]) == 0.0 for row in orders.values())  # checkpointing changes no number
     assert orders["checkpoint, then compile"][:2] == ["1", "[0]"] and orders["compile, then checkpoint"][:2] == [
@@ -908,30 +904,27 @@ def test_compiled_autograd_loses_the_root_callback_and_the_optimizer_step_compil
     text = _text_outputs(executed["compiled_autograd"])
     lines = text.splitlines()
     # compiled autograd: the root's final callback and its reduce-scatter never happen
-    ca = {
-        line[:34].strip(): line[34:].split()
-        for line in lines
-        if line.startswith(
-            (
-                "all-gathers",
-                "reduce-scatters",
-                "root's final callback",
-                "compiled autograd graphs",
-                "graph breaks ",
-                "sharded parameters with a grad",
-                "left unsharded after backward",
-            )
-        )
-    }
+    # one step, eager backward, compiled autograd
+    names = (
+        "all-gathers",
+        "reduce-scatters",
+        "root's final callback",
+        "compiled autograd graphs",
+        "graph breaks",
+        "sharded parameters with a grad",
+        "left unsharded after backward",
+    )
+    ca = {cells[0]: cells[1:] for cells in (_cells(line) for line in lines) if cells[0] in names}
+    assert ca.keys() == set(names) and all(len(row) == 2 for row in ca.values())
     assert ca["all-gathers"][0] == ca["all-gathers"][1]
     assert int(ca["reduce-scatters"][1]) == int(ca["reduce-scatters"][0]) - 1
     assert ca["root's final callback"] == ["1", "0"]
     assert (
         int(ca["compiled autograd graphs"][1]) > 1 and ca["graph breaks"][0] == "0" and int(ca["graph breaks"][1]) > 0
     )
-    with_grad = ca["sharded parameters with a grad"]
-    assert with_grad[0] == with_grad[3].rstrip(")") and int(with_grad[1]) == int(with_grad[0]) - 4
-    assert ca["left unsharded after backward"][:2] == ["0", "4"]
+    (eager_grads, of), (compiled_grads, of_too) = (cell.split(" of ") for cell in ca["sharded parameters with a grad"])
+    assert eager_grads == of == of_too and int(compiled_grads) == int(eager_grads) - 4
+    assert ca["left unsharded after backward"] == ["0", "4"]
     assert "block parameters' gradients vs eager: 0.0e+00" in text
     for name in ("tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias"):
         line = next(line for line in lines if line.startswith(f"{name:15} gradient vs eager"))
@@ -954,7 +947,9 @@ def test_compiled_autograd_loses_the_root_callback_and_the_optimizer_step_compil
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):
     text = _text_outputs(executed["quickstart"])
     assert "[rank0] step  0  loss" in text and "[rank1]" not in text
-    assert "layers.0.weight    (64, 16)      (32, 16)      (32, 16)" in text
+    # parameter, full shape, rank 0 holds, rank 1 holds
+    shapes = {cells[0]: cells[1:] for cells in (_cells(line) for line in text.splitlines()) if len(cells) == 4}
+    assert shapes["layers.0.weight"] == ["(64, 16)", "(32, 16)", "(32, 16)"]
     for api in ("FSDP2", "FSDP1"):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"{api} on 2 ranks vs 1 process"))
         assert float(line.rsplit("=", 1)[1]) <= 1e-5
@@ -977,18 +972,18 @@ def test_enable_wrap_tutorial_measures_wrap_as_you_build(executed):
     assert "FSDP1 unit 2       sharding_strategy=FULL_SHARD" in text
     assert "FSDP2 unit 1 after forward: weight is a Parameter" in text
     assert "FSDP2 unit 2 after forward: weight is a DTensor" in text
-    rows = {
-        line.split()[0]: line.split()[-3:]
-        for line in text.splitlines()
-        if line.startswith(("build, then wrap", "wrap as you build", "meta device"))
-    }
+    # build, most between blocks, ratio, after sharding
+    builds = ("build, then wrap", "wrap as you build", "meta device, shard, to_empty")
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in text.splitlines()) if cells[0] in builds}
+    assert rows.keys() == set(builds) and all(len(row) == 3 for row in rows.values())
     ratios = {name: float(row[1]) for name, row in rows.items()}  # max parameter bytes / building first's
     # The prose quotes building first's share of the model and wrapping as you build's ratio (glued); what it
     # claims of them: building first holds the whole model (100%); wrapping as you build, 15/16 · 1/2 + 1/16 of
     # it on 2 ranks; on meta, the shards only: 1/world_size
     full_model = int(re.search(r"full model: ([\d,]+) bytes", text)[1].replace(",", ""))
-    assert int(rows["build,"][0].replace(",", "")) == full_model and ratios["build,"] == 1.0
-    assert ratios["wrap"] == round(15 / 16 * 1 / 2 + 1 / 16, 2) and ratios["meta"] == 1 / 2
+    assert int(rows["build, then wrap"][0].replace(",", "")) == full_model and ratios["build, then wrap"] == 1.0
+    assert ratios["wrap as you build"] == round(15 / 16 * 1 / 2 + 1 / 16, 2)
+    assert ratios["meta device, shard, to_empty"] == 1 / 2
     assert _glued(executed["enable_wrap"]).keys() >= {"wrap_build_first", "wrap_as_you_build"}
 
 
@@ -1131,10 +1126,11 @@ def test_checkpoint_placement_tutorial_counts_the_gathers_of_each_placement(exec
     assert "UserWarning: None of the inputs have requires_grad=True" in reentrant[0]
     assert "RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn" in reentrant[0]
     assert reentrant[1].lstrip().startswith("trained: 6 gradients")
+    # API, checkpoint, placement, all-gathers, reduce-scatters, max |w - 1 process|
     gathers = {
-        tuple(line.split()[:3]): line.split()[-3:]
-        for line in text.splitlines()
-        if line.startswith(("FSDP1 ", "FSDP2 ")) and line.split()[2] in ("inside", "around", "whole-model")
+        tuple(cells[:3]): cells[3:]
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 6 and cells[0] in ("FSDP1", "FSDP2") and cells[2] in ("inside", "around", "whole-model")
     }
     assert len(gathers) == 12  # 2 APIs x 2 checkpoint implementations x 3 placements
     # The prose quotes the counts (glued); what it claims of them: reentrant checkpointing around each FSDP1
@@ -1163,9 +1159,11 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(execu
     text = _text_outputs(executed["fsdp_config"])
     assert text.count("[rank0] fsdp_config -> ") == 2 and "[rank1]" not in text
     assert "[rank0]     blocks.0                 Sequential            1,056  checkpoint" in text
-    rows = {
-        tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line.startswith(("fsdp1 ", "fsdp2 "))
-    }
+    tables = [_cells(line) for line in text.splitlines()]
+    # API, strategy, stored, all-gathers, reduce-scatters, all-reduces, loss vs 1 process
+    strategies = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+    rows = {tuple(cells[:2]): cells[2:] for cells in tables if len(cells) == 7 and cells[1] in strategies}
+    assert len(rows) == 8  # 2 APIs x 4 strategies
     for api in ("fsdp2", "fsdp1"):  # stored share, all-gathers, reduce-scatters, all-reduces, loss difference
         # the prose quotes FULL_SHARD's all-gathers (glued) and claims two per unit but the root's one
         share, gathers, scatters, reduces = rows[(api, "FULL_SHARD")][:4]
@@ -1173,10 +1171,11 @@ def test_fsdp_config_tutorial_shows_the_plan_the_strategies_and_the_dtypes(execu
         assert rows[(api, "SHARD_GRAD_OP")][:4] == ["0.250", "4", "4", "0"]
         assert rows[(api, "NO_SHARD")][:4] == ["1.000", "0", "0", "4"]
         assert rows[(api, "HYBRID_SHARD")][0] == "0.500" and rows[(api, "HYBRID_SHARD")][3] == "4"
-        assert all(float(rows[(api, s)][4]) < 1e-6 for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
+        assert all(float(rows[(api, s)][4]) < 1e-6 for s in strategies)
     assert rows[("fsdp2", "FULL_SHARD")][1] == rows[("fsdp1", "FULL_SHARD")][1]  # "both APIs"
     assert _glued(executed["fsdp_config"]).keys() >= {"full_shard_all_gathers"}
-    presets = [line.split() for line in text.splitlines() if line.split()[1:2] in (["FULL"], ["DEFAULT"], ["PURE"])]
+    # API, preset, low, forward matmul, grad matmul, reduce-scatter, buffer
+    presets = [cells for cells in tables if len(cells) == 7 and cells[1] in ("FULL", "DEFAULT", "PURE")]
     assert ["fsdp2", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "float32"] in presets
     assert ["fsdp1", "DEFAULT", "bf16", "bfloat16", "bfloat16", "float32", "bfloat16"] in presets  # FSDP1 casts buffers
     assert ["fsdp2", "PURE", "bf16", "bfloat16", "bfloat16", "bfloat16", "float32"] in presets
@@ -1222,26 +1221,29 @@ def test_memory_tutorial_shows_where_cpu_offloading_puts_the_states(executed):
 
 def test_memory_tutorial_reproduces_zero_and_matches_measurements(executed):
     text = _text_outputs(executed["memory"])
-    totals = {
-        line.split()[0]: line.split()[-1]
-        for line in text.splitlines()
-        if line.startswith(("DDP ", "SHARD_GRAD_OP ", "FULL_SHARD ")) and "GB" not in line
-    }
+    # strategy, params, grads, optimizer, total (GB per device)
+    zero = [_cells(line) for line in text.split("GB per device:\n", 1)[1].splitlines()[1:4]]
+    totals = {row[0]: row[-1] for row in zero if len(row) == 5}
     # the prose quotes the totals (glued) and claims them the paper's numbers: ZeRO's Figure 1, constants from the paper
     assert totals == {"DDP": "120.0", "SHARD_GRAD_OP": "16.6", "FULL_SHARD": "1.9"}
+    # strategy, API, estimated MB, measured MB, measured / estimated params, grads, optimizer; one table per rank count
+    measured = text.split("\n2 ranks:\n", 1)[1].split("\n4 ranks:\n", 1)
+    assert len(measured) == 2
+    tables = {ranks: [_cells(line) for line in table.splitlines()] for ranks, table in zip((2, 4), measured)}
     rows = [
-        line.split()
-        for line in text.splitlines()
-        if line.strip().startswith(("DDP ", "NO_SHARD", "FULL_SHARD")) and len(line.split()) == 7
+        row
+        for table in tables.values()
+        for row in table
+        if len(row) == 7 and row[0] in ("DDP", "NO_SHARD", "FULL_SHARD")
     ]
     assert len(rows) == 10  # DDP, NO_SHARD x 2 APIs, FULL_SHARD x 2 APIs; on 2 and 4 ranks
     assert all(1 <= float(r) <= 1.01 for row in rows for r in row[4:])  # measured = estimated, up to padding
     params = {}  # (ranks, strategy, api) -> measured / estimated parameters; "in step": SHARD_GRAD_OP in the step
-    for ranks, table in zip((2, 4), text.split("\n4 ranks ", 1)):
-        for line in table.splitlines():
-            fields = line.replace("in step", "in_step").split()
-            if len(fields) == 7 and fields[1] in ("ddp", "fsdp2", "fsdp1"):
-                params[(ranks, fields[0], fields[1])] = float(fields[4])
+    for ranks, table in tables.items():
+        for row in table:
+            if len(row) == 7 and row[1] in ("ddp", "fsdp2", "fsdp1"):
+                params[(ranks, row[0].replace("in step", "in_step"), row[1])] = float(row[4])
+    assert len(params) == 18  # 9 rows per rank count
     # The prose quotes the padding and the in-step ratios (glued); what it claims of them: FSDP2 pads on 4 ranks,
     # on 2 nothing; FSDP1 pads too, less (once per unit); in the step SHARD_GRAD_OP holds 1 + 1/N of the
     # estimate, with FSDP2's padding on 4 ranks (the gathered parameters are padded too)
@@ -1527,25 +1529,27 @@ def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_ov
 
 def test_communication_tutorial_measures_the_wire_the_step_and_the_order(executed):
     text = _text_outputs(executed["communication"])
+    rows = [_cells(line) for line in text.splitlines()]
+    # ranks, collective, sent by all ranks / S, ring optimum
     wire = {
-        (int(ln.split()[0]), ln.split()[1]): float(ln.split()[2])
-        for ln in text.splitlines()
-        if ln.split()[1:2] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]) and ln.split()[0].isdigit()
+        (int(row[0]), row[1]): float(row[2])
+        for row in rows
+        if len(row) == 4 and row[1] in ("all-reduce", "all-gather", "reduce-scatter") and row[0].isdigit()
     }
+    assert len(wire) == 6
     for world in (2, 4):
         assert wire[(world, "all-gather")] == pytest.approx(world - 1, rel=0.1)  # the ring optimum
         assert wire[(world, "all-reduce")] == pytest.approx(2 * (world - 1), rel=0.1)
         assert wire[(world, "reduce-scatter")] == pytest.approx(wire[(world, "all-reduce")], rel=0.1)  # gloo's
-    steps = {
-        ln.split()[0]: ln
-        for ln in text.splitlines()
-        if ln.startswith(("DDP ", "replicate ", "SHARD_GRAD_OP ", "FULL_SHARD "))
-    }
-    assert "2 all-reduce" in steps["DDP"]  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
-    assert "4 all-reduce" in steps["replicate"]  # one per unit
-    assert "4 all-gather, 4 reduce-scatter" in steps["SHARD_GRAD_OP"]
-    assert "8 all-gather, 4 reduce-scatter" in steps["FULL_SHARD"]
-    ratio = {name: float(line.split()[-4]) for name, line in steps.items()}
+    # strategy, collectives per step, sent / P, vs DDP, textbook vs DDP, params held / P, grads held / P
+    strategies = ("DDP", "replicate", "SHARD_GRAD_OP", "FULL_SHARD")
+    steps = {row[0]: row[1:] for row in rows if len(row) == 7 and row[0] in strategies}
+    assert steps.keys() == set(strategies)
+    assert steps["DDP"][0] == "2 all-reduce"  # DDP's first bucket is capped at 1 MiB, the other 3 MiB share the next
+    assert steps["replicate"][0] == "4 all-reduce"  # one per unit
+    assert steps["SHARD_GRAD_OP"][0] == "4 all-gather, 4 reduce-scatter"
+    assert steps["FULL_SHARD"][0] == "8 all-gather, 4 reduce-scatter"
+    ratio = {name: float(row[2]) for name, row in steps.items()}
     assert ratio["replicate"] == pytest.approx(1.0, rel=0.05)
     # The prose quotes these ratios (glued); what it claims of them: on gloo the reduce-scatter costs an
     # all-reduce, so each strategy moves what the first table's collectives predict (an all-gather and a
@@ -1563,7 +1567,7 @@ def test_communication_tutorial_measures_the_wire_the_step_and_the_order(execute
         "shard_grad_op_vs_ddp",
         "full_shard_vs_ddp",
     }
-    held = {name: [float(x) for x in line.split()[-2:]] for name, line in steps.items()}  # params, grads / P
+    held = {name: [float(x) for x in row[-2:]] for name, row in steps.items()}  # params, grads / P
     assert held["DDP"] == held["replicate"] == [1.0, 1.0]  # the whole model and gradient on each of 2 ranks
     assert held["SHARD_GRAD_OP"] == held["FULL_SHARD"] == [0.5, 0.5]
     assert "the gradient buckets DDP all-reduced, in order: 1.00 MiB, 3.00 MiB\n" in text  # the measured step's only

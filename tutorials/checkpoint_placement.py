@@ -45,6 +45,8 @@ import fsdp_guide
 import torch.distributed as dist
 import torch.nn as nn
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -137,12 +139,12 @@ def compare_checkpoint_placements():
     return rows
 
 
-print(
-    f"{'':6} {'checkpoint':12} {'placement':12} all-gathers  reduce-scatters  max |w - 1 process|"
-)
 rows = launch(compare_checkpoint_placements, output="none")[0]
+shown = []
 for api, impl, where, gathers, scatters, error in rows:
-    print(f"{api:6} {impl:12} {where:12} {gathers:11}  {scatters:15}  {error:.1e}")
+    shown.append([api, impl, where, gathers, scatters, f"{error:.1e}"])
+header = ["API", "checkpoint", "placement", "all-gathers", "reduce-scatters", "max |w - 1 process|"]
+display(Table(header, shown))
 
 from myst_nb import glue  # the counts the text below quotes, from this table
 

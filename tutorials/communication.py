@@ -69,6 +69,8 @@ from pathlib import Path
 import fsdp_guide
 import torch.distributed as dist
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 
 S = 4 * 2**20  # bytes of the full tensor: 1M float32
 
@@ -122,11 +124,12 @@ def one_collective_each():
 # x (N - 1) S in all: the optimal algorithms
 RING = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}
 print(f"lo's MTU: {int(Path('/sys/class/net/lo/mtu').read_text()) // 1024} KiB")
-print(f"{'ranks':>5}  {'collective':15} {'sent by all ranks / S':>22} {'ring optimum':>13}")
+rows = []
 for world in (2, 4):
     measured_bytes = launch(one_collective_each, world_size=world, backend="gloo", output="none")[0]
     for name, value in measured_bytes.items():
-        print(f"{world:5}  {name:15} {value:22.2f} {RING[name] * (world - 1):13}")
+        rows.append([world, name, f"{value:.2f}", RING[name] * (world - 1)])
+display(Table(["ranks", "collective", "sent by all ranks / S", "ring optimum"], rows))
 
 # %% [markdown]
 # All-reduce and all-gather move what the ring algorithms need, compared column by column
@@ -241,16 +244,31 @@ def every_strategy():
 
 
 steps = launch(every_strategy, backend="gloo", output="none")[0]
-print(
-    f"{'strategy':14} {'collectives per step':30} {'sent / P':>9} {'vs DDP':>7} {'textbook vs DDP':>16}"
-    f" {'params held / P':>16} {'grads held / P':>15}"
-)
+rows = []
 for strategy, (counts, wire, _, (params, grads)) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    print(
-        f"{strategy:14} {described:30} {wire:9.2f} {wire / steps['DDP'][1]:7.2f} "
-        f"{TEXTBOOK[strategy] / TEXTBOOK['DDP']:16.2f} {params:16.2f} {grads:15.2f}"
+    vs_ddp, textbook = wire / steps["DDP"][1], TEXTBOOK[strategy] / TEXTBOOK["DDP"]
+    rows.append(
+        [
+            strategy,
+            described,
+            f"{wire:.2f}",
+            f"{vs_ddp:.2f}",
+            f"{textbook:.2f}",
+            f"{params:.2f}",
+            f"{grads:.2f}",
+        ]
     )
+header = [
+    "strategy",
+    "collectives per step",
+    "sent / P",
+    "vs DDP",
+    "textbook vs DDP",
+    "params held / P",
+    "grads held / P",
+]
+display(Table(header, rows))
 print(
     "the gradient buckets DDP all-reduced, in order:",
     ", ".join(f"{nbytes / 2**20:.2f} MiB" for nbytes in steps["DDP"][2]),

@@ -69,6 +69,8 @@ from fsdp_guide import launch
 from fsdp_guide.collectives import collective_kind
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -225,18 +227,24 @@ def every_place():
 backend, results = launch(every_place, output="none")[0]
 eager_losses, eager_params, *_ = results["eager"]
 print(f"backend: {backend}")
-print(
-    f"{'compiled':32} {'losses':>30} {'params vs eager':>16} {'graphs (linears)':>17} "
-    f"{'AG+RS':>6} {'compiled runs':>14}"
-)
-for where, (losses, params, graphs, skipped, collectives, runs) in results.items():
+rows = []
+for where, (losses, params, graphs, _, collectives, runs) in results.items():
     difference = largest_difference((params[name], p) for name, p in eager_params.items())
-    print(
-        f"{where:32} {' '.join(f'{x:.6f}' for x in losses):>30} {difference:16.1e} "
-        f"{len(graphs):>6} {str(graphs):>10} {collectives:>6} {runs:>14}"
-    )
-    for reason in skipped:
-        print(f"{'':34}dynamo: {reason}")
+    losses = " ".join(f"{x:.6f}" for x in losses)
+    rows.append([where, losses, f"{difference:.1e}", len(graphs), str(graphs), collectives, runs])
+header = [
+    "compiled",
+    "losses",
+    "params vs eager",
+    "graphs",
+    "linears per graph",
+    "AG+RS",
+    "compiled runs",
+]
+display(Table(header, rows))
+for where, (_, _, _, skipped, _, _) in results.items():
+    for reason in skipped:  # the frames dynamo ran eagerly, and why
+        print(f"{where}, dynamo: {reason}")
 
 # %% [markdown]
 # - **Each block, in either order**, compiles one graph: the block's forward (6 linears),

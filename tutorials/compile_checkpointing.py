@@ -124,6 +124,8 @@ class CompileLog:
 
 # %%
 from fsdp_guide.memory import saved_for_backward
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 ORDERS = (
@@ -160,10 +162,12 @@ def every_order():
 
 runs = launch(every_order, output="none")[0]
 _, reference, *_ = runs["no checkpointing, eager"]
-print(f"{'':26} {'graphs (linears)':>17} {'saved, KiB':>11} {'params vs no checkpointing':>27}")
+rows = []
 for order, (_, params, graphs, saved, _) in runs.items():
     difference = largest_difference((params[name], p) for name, p in reference.items())
-    print(f"{order:26} {len(graphs):>6} {str(graphs):>10} {saved / 1024:11.0f} {difference:27.1e}")
+    rows.append([order, len(graphs), str(graphs), f"{saved / 1024:.0f}", f"{difference:.1e}"])
+header = ["order", "graphs", "linears per graph", "saved, KiB", "params vs no checkpointing"]
+display(Table(header, rows))
 print(
     f"the CPU generator's state: {torch.get_rng_state().numel() / 1024:.1f} KiB, "
     f"a {str(torch.get_rng_state().dtype).removeprefix('torch.')} tensor of {torch.get_rng_state().numel()}"

@@ -59,6 +59,8 @@ from fsdp_guide import launch
 from fsdp_guide.collectives import collective_kind
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -203,19 +205,20 @@ def eager_and_compiled_autograd():
 
 ranks = launch(eager_and_compiled_autograd, output="none")
 eager, compiled = ranks[0]
-print(f"{'':34} {'eager backward':>15} {'compiled autograd':>18}")
-for event in EVENTS:
-    print(f"{event:34} {eager['ran'].get(event, 0):>15} {compiled['ran'].get(event, 0):>18}")
-print(f"{'compiled autograd graphs':34} {'-':>15} {compiled['backward graphs']:>18}")
-print(f"{'graph breaks':34} {eager['graph breaks']:>15} {compiled['graph breaks']:>18}")
-print(
-    f"{'sharded parameters with a grad':34} {eager['with a gradient']:>15} {compiled['with a gradient']:>18}"
-    f"   (of {len(eager['grads'])})"
+rows = [[event, eager["ran"].get(event, 0), compiled["ran"].get(event, 0)] for event in EVENTS]
+rows.append(["compiled autograd graphs", "-", compiled["backward graphs"]])
+rows.append(["graph breaks", eager["graph breaks"], compiled["graph breaks"]])
+of = len(eager["grads"])
+rows.append(
+    [
+        "sharded parameters with a grad",
+        f"{eager['with a gradient']} of {of}",
+        f"{compiled['with a gradient']} of {of}",
+    ]
 )
-print(
-    f"{'left unsharded after backward':34} {len(eager['unsharded']):>15} {len(compiled['unsharded']):>18}"
-    f"   {', '.join(compiled['unsharded'])}"
-)
+rows.append(["left unsharded after backward", len(eager["unsharded"]), len(compiled["unsharded"])])
+display(Table(["one step", "eager backward", "compiled autograd"], rows))
+print(f"left unsharded by compiled autograd's backward: {', '.join(compiled['unsharded'])}")
 for reason in compiled["break reasons"]:
     print(f"compiled autograd's graph breaks: {reason}")
 blocks = largest_difference(

@@ -52,6 +52,8 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 import fsdp_guide
 import torch.nn as nn
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import enable_wrap, wrap
@@ -279,13 +281,14 @@ measured = {name: launch(fn, world_size=2, output="none") for name, fn in BUILDS
 full_model = N_BLOCKS * (WIDTH * WIDTH + WIDTH) * 4
 print(f"full model: {full_model:,} bytes of fp32 parameters")
 print(
-    f"{'':30} {'max parameter bytes between blocks, rank 0':>43} {'ratio':>6} "
-    f"{'after sharding':>15}"
+    "parameter bytes on rank 0: the most between blocks, its ratio to building first's, and after sharding"
 )
 baseline = measured["build, then wrap"][0][0]
+rows = []
 for name, per_rank in measured.items():
     peak, after = per_rank[0]
-    print(f"{name:30} {peak:>43,} {peak / baseline:>6.2f} {after:>15,}")
+    rows.append([name, f"{peak:,}", f"{peak / baseline:.2f}", f"{after:,}"])
+display(Table(["build", "most between blocks", "ratio", "after sharding"], rows))
 
 # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 from myst_nb import glue

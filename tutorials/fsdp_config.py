@@ -55,6 +55,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch, shard
+from fsdp_guide.table import Table
+from IPython.display import display
 
 fsdp_config = {
     "sharding_strategy": "FULL_SHARD",
@@ -184,18 +186,22 @@ def strategy_table(api):
     return rows
 
 
-print(
-    f"{'':5} {'strategy':14} stored  all-gathers  reduce-scatters  all-reduces  "
-    "|loss after a step - 1 process|"
-)
-collectives = {}
+collectives, rows = {}, []
 for api in ("fsdp2", "fsdp1"):
     for strategy, share, sent, error in launch(strategy_table, api, world_size=4, output="none")[0]:
         collectives[api, strategy] = sent
-        print(
-            f"{api:5} {strategy:14} {share:6.3f}  {sent['all-gather']:11}  "
-            f"{sent['reduce-scatter']:15}  {sent['all-reduce']:11}  {error:.1e}"
-        )
+        counts = [sent["all-gather"], sent["reduce-scatter"], sent["all-reduce"]]
+        rows.append([api, strategy, f"{share:.3f}", *counts, f"{error:.1e}"])
+header = [
+    "API",
+    "strategy",
+    "stored",
+    "all-gathers",
+    "reduce-scatters",
+    "all-reduces",
+    "loss vs 1 process",
+]
+display(Table(header, rows))
 
 from myst_nb import glue  # the count the text below quotes, from this table
 
@@ -214,7 +220,7 @@ glue("full_shard_all_gathers", collectives["fsdp2", "FULL_SHARD"]["all-gather"],
 #   replicate-only mode, `dp_mesh_dims=DataParallelMeshDims(replicate=...)`, for parameters
 #   that are DTensors on that mesh already: `_get_mesh_info_from_named_dims` in
 #   `torch/distributed/fsdp/_fully_shard/_fsdp_init.py`; not used here.) For FSDP1's
-#   `NO_SHARD`, torch prints the `FutureWarning` shown with the fsdp1 rows: it deprecates
+#   `NO_SHARD`, torch prints the `FutureWarning` shown above the table: it deprecates
 #   that strategy and recommends `DistributedDataParallel` instead (raised in
 #   `_init_core_state`, `torch/distributed/fsdp/_init_utils.py`).
 # - `HYBRID_SHARD` shards inside groups of `data_parallel_shard_degree` ranks (by default
@@ -271,13 +277,11 @@ def preset_dtypes(api):
     return rows
 
 
-print(
-    f"{'':5} {'preset':8} {'low':5} {'forward matmul':15} {'grad matmul':12} "
-    f"{'reduce-scatter':15} buffer"
-)
+rows = []
 for api in ("fsdp2", "fsdp1"):
-    for row in launch(preset_dtypes, api, output="none")[0]:
-        print(f"{api:5} " + " ".join(f"{v:{w}}" for v, w in zip(row, (8, 5, 15, 12, 15, 0))))
+    rows += [[api, *row] for row in launch(preset_dtypes, api, output="none")[0]]
+header = ["API", "preset", "low", "forward matmul", "grad matmul", "reduce-scatter", "buffer"]
+display(Table(header, rows))
 
 # %% [markdown]
 # `FULL` is all float32. `DEFAULT` computes forward and backward in the low-precision

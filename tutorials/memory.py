@@ -48,20 +48,19 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 
 # %%
 from fsdp_guide.memory import estimate
+from fsdp_guide.table import Table
+from IPython.display import display
 
-print(
-    f"{'strategy':14} {'params':>9} {'grads':>9} {'optimizer':>10} {'total':>9}   (GB per device)"
-)
-zero = {}
+zero, rows = {}, []
 for strategy in ("DDP", "SHARD_GRAD_OP", "FULL_SHARD"):
     m = estimate(
         7.5e9, 64, strategy, param_dtype=torch.float16, optimizer="adam", master_weights=True
     )
     zero[strategy] = float(m.total / 1e9)
-    print(
-        f"{strategy:14} {m.params / 1e9:9.2f} {m.grads / 1e9:9.2f} {m.optimizer / 1e9:10.2f} "
-        f"{m.total / 1e9:9.1f}"
-    )
+    parts = [m.params / 1e9, m.grads / 1e9, m.optimizer / 1e9]
+    rows.append([strategy, *(f"{gb:.2f}" for gb in parts), f"{m.total / 1e9:.1f}"])
+print("GB per device:")
+display(Table(["strategy", "params", "grads", "optimizer", "total"], rows))
 
 # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 from myst_nb import glue
@@ -87,7 +86,10 @@ glue("mem_zero_stage3", zero["FULL_SHARD"], display=False)
 # each layer its own FSDP unit, trained one step with Adam in fp32 under every strategy,
 # on 2 and then 4 ranks.
 # `measure` counts this rank's distinct tensor storages: parameters (its shard of each),
-# their gradients, and the optimizer's moment tensors.
+# their gradients, and the optimizer's moment tensors. Each table gives the model states of a
+# rank in MB, estimated and measured, then measured / estimated for the parameters, the
+# gradients and the optimizer state; "in step" is `SHARD_GRAD_OP` measured again between
+# forward and backward.
 
 # %%
 import fsdp_guide
@@ -145,17 +147,14 @@ def compare_all():
 results = {}
 for world_size in (2, 4):
     results[world_size] = launch(compare_all, world_size=world_size, output="none")[0]
-    print(f"\n{world_size} ranks  {'':14} {'':6} estimated  measured   measured / estimated")
-    print(
-        f"{'':8} {'strategy':14} {'api':6} {'MB total':>9} {'MB total':>9}   "
-        f"params  grads   optimizer"
-    )
+    rows = []
     for strategy, api, est, got in results[world_size]:
         ratios = [got.params / est.params, got.grads / est.grads, got.optimizer / est.optimizer]
-        print(
-            f"{'':8} {strategy:14} {api:6} {est.total / 1e6:9.3f} {got.total / 1e6:9.3f}   "
-            + "  ".join(f"{r:6.4f}" for r in ratios)
-        )
+        totals = [f"{est.total / 1e6:.3f}", f"{got.total / 1e6:.3f}"]
+        rows.append([strategy.strip(), api, *totals, *(f"{r:.4f}" for r in ratios)])
+    print(f"{world_size} ranks:")
+    header = ["strategy", "API", "estimated", "measured", "params", "grads", "optimizer"]
+    display(Table(header, rows))
 
 
 def params_ratio(world_size, strategy, api):

@@ -178,13 +178,15 @@ fsdp2 = launch(train_fsdp2, world_size=2, output="rank0")
 # halves, and each rank trained on half of every global batch.
 
 # %%
+from fsdp_guide.table import Table  # shown as an HTML table on the site, aligned text elsewhere
+from IPython.display import display
+
 rank0, rank1 = fsdp2
 print(f"the placements of the parameters, each a DTensor: {rank0['placement']}")
-header = ("parameter", "full shape", "rank 0 holds", "rank 1 holds")
-print(f"{header[0]:16} {header[1]:>10} {header[2]:>13} {header[3]:>13}")
-for name, full in rank0["full"].items():
-    local0, local1 = str(rank0["local"][name]), str(rank1["local"][name])
-    print(f"{name:16} {str(full):>10} {local0:>13} {local1:>13}")
+rows = [
+    [name, full, rank0["local"][name], rank1["local"][name]] for name, full in rank0["full"].items()
+]
+display(Table(["parameter", "full shape", "rank 0 holds", "rank 1 holds"], rows))
 print(
     f"rows of each {GLOBAL_BATCH}-sample batch: "
     f"rank 0 trained on {rank0['rows']}, rank 1 on {rank1['rows']}"
