@@ -144,9 +144,9 @@ def compare_all():
     return [row for strategy, api in cases for row in compare(strategy, api, device)]
 
 
-results = {}
+# both launches first: their ranks' warnings come out before the tables, not inside one
+results = {n: launch(compare_all, world_size=n, output="none")[0] for n in (2, 4)}
 for world_size in (2, 4):
-    results[world_size] = launch(compare_all, world_size=world_size, output="none")[0]
     rows = []
     for strategy, api, est, got in results[world_size]:
         ratios = [got.params / est.params, got.grads / est.grads, got.optimizer / est.optimizer]
@@ -179,7 +179,7 @@ glue("mem_in_step_4_fsdp2", params_ratio(4, "  in step", "fsdp2"), display=False
 # {glue:text}`mem_fsdp2_padding:.1%` here; on 2 ranks nothing), FSDP1 pads each unit's flat
 # parameter once ({glue:text}`mem_fsdp1_padding:.2%`).
 #
-# The `FutureWarning` printed with each table comes from FSDP1's `NO_SHARD` rows: torch
+# The `FutureWarning`s printed above the tables come from FSDP1's `NO_SHARD` rows: torch
 # deprecates FSDP1's `NO_SHARD` and recommends `DistributedDataParallel` for it (the
 # warning is raised in `_init_core_state`, `torch/distributed/fsdp/_init_utils.py`). It is
 # measured here only to compare; as the table shows, it holds what DDP holds, up to

@@ -333,6 +333,9 @@ def _show_warnings(per_rank: list[list[tuple]]) -> None:
         prefix = "" if cls.__name__ == category else f"{category}: "
         where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         warnings.warn_explicit(f"{prefix}{message} (on {where})", cls, filename, lineno, module="fsdp_guide.ranks")
+    # Out now: a Jupyter kernel sends stderr and stdout each on its own timer, so what the cell
+    # prints next could otherwise come out before these warnings, or between them.
+    sys.stderr.flush()
 
 
 def _under_torchrun() -> bool:
