@@ -1731,41 +1731,22 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
 def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
     text = _text_outputs(executed["pipeline"])
     one_process = float(text.split("one process: loss ")[1].split()[0])
-    # GPipe                      True             4  5.5789211                  5.8e-07
-    exact = [
-        line.split() for line in text.splitlines() if re.match(r"(GPipe|1F1B) +(True|False) +\d+ +\d\.\d{7} ", line)
-    ]
+    table = [_cells(line) for line in text.splitlines()]
+    # GPipe  True  4  5.5789211  5.8e-07
+    exact = [row for row in table if len(row) == 5 and row[0] in ("GPipe", "1F1B")]
     assert len(exact) == 8  # two schedules, both reshard settings, 4 and 8 micro-batches
     assert all(abs(float(row[3]) - one_process) < 1e-6 and float(row[4]) < 1e-5 for row in exact)
 
     units = int(text.split("FSDP units per stage: ")[1].split()[0])
     whole = [float(x) for x in re.findall(r"stage \d ([\d.]+) MiB", text)]
     assert "ranks 1 and 3 ran the same collectives as ranks 0 and 2: True" in text
-    # GPipe       True  4          15         8.22               3       0.82        2.47    1.64     4   stage 0
-    # (then the same run's stage 1, its label blank)
-    rows, label = [], None
-    for line in text.splitlines():
-        if line.endswith(("stage 0", "stage 1")) and "MiB" not in line:
-            fields = line.split()
-            label = fields[:3] if fields[0] in ("GPipe", "1F1B") else label
-            gathers, gathered, scatters, after_f, after_b, grads, alive, _, stage = fields[-9:]
-            rows.append(
-                (
-                    label[0],
-                    label[1] == "True",
-                    int(label[2]),
-                    int(stage),
-                    int(gathers),
-                    float(gathered),
-                    int(scatters),
-                    float(after_f),
-                    float(after_b),
-                    float(grads),
-                    int(alive),
-                )
-            )
+    # GPipe  True  4  0  15  8.22  3  0.82  2.47  1.64  4: schedule, reshard, m, stage, then what it sent and held
+    rows = [row for row in table if len(row) == 11 and row[0] in ("GPipe", "1F1B")]
     assert len(rows) == 16
     for schedule, reshard, m, stage, gathers, gathered, scatters, after_f, after_b, grads, alive in rows:
+        reshard = reshard == "True"
+        m, stage, gathers, scatters, alive = map(int, (m, stage, gathers, scatters, alive))
+        gathered, after_f, after_b, grads = map(float, (gathered, after_f, after_b, grads))
         shards = whole[stage] / 2  # sharded over the 2 ranks of dp
         assert scatters == units  # gradients reduced once per step, whatever m
         assert grads == pytest.approx(whole[stage], abs=0.01)  # whole-size gradients accumulated, either way
@@ -1781,11 +1762,11 @@ def test_pipeline_bubble_times_the_schedules_against_the_formula_and_draws_them(
     text = _text_outputs(executed["pipeline_bubble"])
     drawn = next(c for c in executed["pipeline_bubble"].cells if "ax.broken_barh" in c.source)
     assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the schedules, drawn once
-    # GPipe                 1     0.328          0.53          0.48          0.50         0.02
+    # GPipe  1  0.328  0.53  0.48  0.50  0.02: schedule, m, step (s), idle on stage 0 and 1, the formula, the spread
     idle = {
-        (fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))
-        for fields in (line.split() for line in text.splitlines())
-        if len(fields) == 7 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]
+        (cells[0], int(cells[1])): (float(cells[3]), float(cells[4]), float(cells[5]), float(cells[6]))
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 7 and cells[0] in ("GPipe", "1F1B")
     }
     assert set(idle) == {("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)}
     assert all(idle["GPipe", m][2] == pytest.approx(1 / (m + 1), abs=0.005) for m in (1, 2, 4, 8))  # p = 2
