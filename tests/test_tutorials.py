@@ -335,13 +335,20 @@ def test_hang_branch_shows_the_tools_pointing_past_the_branch_its_stacks_finding
         f"torchfrtrace, by rank: collective {parted + 1} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
         "rank 1 ran all_gather"
     ) in text
-    rows = {int(line.split()[0]): line for line in lines if re.match(r"\d+ +all_(gather|reduce) \[", line)}
-    assert all(rows[n].count("pre_forward, y = body(x)") == 2 for n in range(1, parted))
-    # the recorder's stacks show where the ranks parted
-    assert re.search(
-        r"pre_forward, y = expert\(y\) +all_gather \[136\], pre_backward, y\.sum\(\)\.backward\(\)", rows[parted]
+    # 3  all_gather [136], pre_forward, y = body(x)  all_gather [136], pre_forward, y = body(x): #, rank 0, rank 1
+    rows = {
+        int(cells[0]): cells[1:]
+        for cells in map(_cells, lines)
+        if len(cells) == 3 and cells[0].isdigit() and re.match(r"all_(gather|reduce) \[", cells[1])
+    }
+    assert all(
+        len(rows[n]) == 2 and all(cell.endswith("pre_forward, y = body(x)") for cell in rows[n])
+        for n in range(1, parted)
     )
-    assert "all_reduce [272], post_backward" in rows[parted + 1]
+    # the recorder's stacks show where the ranks parted
+    assert rows[parted][0].endswith("pre_forward, y = expert(y)")
+    assert rows[parted][1] == "all_gather [136], pre_backward, y.sum().backward()"
+    assert any(cell.startswith("all_reduce [272], post_backward") for cell in rows[parted + 1])
     # the fix: the expert's gradient is the mean over the ranks' batches, not the rank's own
     grads = [
         [float(x) for x in re.findall(r"\d\.\de[+-]\d+", line)]
@@ -753,11 +760,15 @@ def test_tp_attention_needs_heads_that_divide_and_says_context_parallelism_does_
     text = _text_outputs(executed["tp_attention"])
     lines = text.splitlines()
     # GQA: heads and KV heads must each divide by the TP degree
-    gqa = {tuple(line.split()[:2]): line for line in lines if re.match(r"\s+\d+\s+\d+\s+\(", line)}
-    assert "runs; output vs unsharded" in gqa[("4", "2")] and "runs; output vs unsharded" in gqa[("6", "2")]
-    assert all(float(gqa[h].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
-    assert "(4, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64" in gqa[("4", "1")]
-    assert "(12, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid" in gqa[("6", "3")]
+    # 4  1  (4, 32)  RuntimeError: ...: heads, KV heads, k.weight on a rank, the forward's outcome
+    gqa = {(row[0], row[1]): row[2:] for row in map(_cells, lines) if len(row) == 4 and row[2].startswith("(")}
+    assert gqa[("4", "2")][1].startswith("runs; output vs unsharded")
+    assert gqa[("6", "2")][1].startswith("runs; output vs unsharded")
+    assert all(float(gqa[h][1].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
+    assert gqa[("4", "1")][0] == "(4, 32)"
+    assert gqa[("4", "1")][1].startswith("RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64")
+    assert gqa[("6", "3")][0] == "(12, 32)"
+    assert gqa[("6", "3")][1].startswith("RuntimeError: shape '[2, 8, -1, 8]' is invalid")
     # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
     assert (
         "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
@@ -992,9 +1003,9 @@ def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
 def test_state_attributes_tutorial_shows_the_timelines(executed):
     text = _text_outputs(executed["state_attributes"])
     lines = {
-        line.split()[0] + " " + line.split()[1]: line.split()[2:]
-        for line in text.splitlines()
-        if line.startswith(("inside forward", "after backward"))
+        row[0]: row[1:]
+        for row in (_cells(line) for line in text.splitlines())
+        if row[0] in ("inside forward", "after backward")
     }
     assert "_shard_param_infos" in text and "_unpadded_unsharded_size" in text
     assert "rank 1  placements           (Shard(dim=0),)" in text
@@ -1031,11 +1042,12 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     assert bias[4] == f"elements 0:{numel(bias[1])} (flattened)" and bias[3].startswith(
         f"at [{rest}:{rest + numel(bias[1])}] "
     )
+    # the two timeline Tables, FSDP2's then FSDP1's (its header the one with "weight's bytes"): when, then values
     fsdp2, fsdp1 = (
         {
-            line[:22].strip(): re.split(r"\s{2,}", line[22:].strip())
-            for line in part.splitlines()
-            if line.startswith(("before forward ", "inside forward ", "after backward "))
+            row[0]: row[1:]
+            for row in (_cells(line) for line in part.splitlines())
+            if row[0] in ("before forward", "inside forward", "after backward")
         }
         for part in text.split("weight's bytes", 1)
     )
@@ -1278,12 +1290,12 @@ def test_fp8_tutorial_measures_bytes_scales_and_accumulation(executed):
 def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
     text = _text_outputs(executed["fp8_memory"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
+    rows = [_cells(line) for line in text.splitlines()]
+    # fp8  49152  49152  98304  ...: mode, params, grads, optimizer, saved in forward, held after forward
     memory = {
-        ln.split()[0]: [int(v) for v in ln.split()[1:]]
-        for ln in text.splitlines()
-        if ln.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"])
-        and len(ln.split()) == 6
-        and all(v.isdigit() for v in ln.split()[1:])
+        row[0]: [int(v) for v in row[1:]]
+        for row in rows
+        if row[0] in ("fp32", "bf16", "fp8", "fp8+bf16") and len(row) == 6 and all(v.isdigit() for v in row[1:])
     }
     assert len(memory) == 4  # a row for each precision
     assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
@@ -1293,9 +1305,8 @@ def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
     assert held["fp8"] > held["bf16"]  # "FP8 used more memory than BF16": float32 activations
     assert 0 < held["fp8"] - held["fp32"] < 64 and 0 < held["fp8+bf16"] - held["bf16"] < 64  # + the scales
     assert saved["fp8+bf16"] < saved["bf16"]  # float8 weights are smaller when saved, then freed
-    setups = {
-        line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))
-    }
+    # fp8, AdamW  ...: set-up, params, grads, optimizer, total, bytes/param, measured/estimated, loss
+    setups = {row[0]: row[1:] for row in rows if row[0].startswith(("bf16, ", "fp8, ")) and len(row) == 8}
     per_param = {name: int(v[4]) for name, v in setups.items()}
     # one fp32 copy, either way
     assert per_param == {
@@ -1805,11 +1816,11 @@ def test_experts_match_one_process_only_with_the_divide_factor(executed):
     one_process = float(text.split("loss: one process ")[1].split(";")[0])
     losses = [float(x) for x in re.findall(r"(?:average|divide factor|sum, global tokens) (\d\.\d{7})", text)]
     assert len(losses) == 3 and all(abs(x - one_process) < 1e-5 for x in losses)  # the forward is right every way
-    #   moe.experts.w1                1.0e+00            1.1e-07            1.1e-07
+    # moe.experts.w1  1.0e+00  1.1e-07  1.1e-07: the parameter, then its gap averaged, divided, summed
     gaps = {
-        fields[0]: [float(x) for x in fields[1:]]
-        for fields in (line.split() for line in text.splitlines())
-        if len(fields) == 4 and re.fullmatch(r"\d\.\de[+-]\d\d", fields[1])
+        cells[0]: [float(x) for x in cells[1:]]
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 4 and cells[0] != "parameter"
     }
     assert len(gaps) == 7
     for name, (average, divided, summed) in gaps.items():
