@@ -335,13 +335,20 @@ def test_hang_branch_shows_the_tools_pointing_past_the_branch_its_stacks_finding
         f"torchfrtrace, by rank: collective {parted + 1} has errors, COLLECTIVE_TYPE_MISMATCH: rank 0 ran all_reduce, "
         "rank 1 ran all_gather"
     ) in text
-    rows = {int(line.split()[0]): line for line in lines if re.match(r"\d+ +all_(gather|reduce) \[", line)}
-    assert all(rows[n].count("pre_forward, y = body(x)") == 2 for n in range(1, parted))
-    # the recorder's stacks show where the ranks parted
-    assert re.search(
-        r"pre_forward, y = expert\(y\) +all_gather \[136\], pre_backward, y\.sum\(\)\.backward\(\)", rows[parted]
+    # 3  all_gather [136], pre_forward, y = body(x)  all_gather [136], pre_forward, y = body(x): #, rank 0, rank 1
+    rows = {
+        int(cells[0]): cells[1:]
+        for cells in map(_cells, lines)
+        if len(cells) == 3 and cells[0].isdigit() and re.match(r"all_(gather|reduce) \[", cells[1])
+    }
+    assert all(
+        len(rows[n]) == 2 and all(cell.endswith("pre_forward, y = body(x)") for cell in rows[n])
+        for n in range(1, parted)
     )
-    assert "all_reduce [272], post_backward" in rows[parted + 1]
+    # the recorder's stacks show where the ranks parted
+    assert rows[parted][0].endswith("pre_forward, y = expert(y)")
+    assert rows[parted][1] == "all_gather [136], pre_backward, y.sum().backward()"
+    assert any(cell.startswith("all_reduce [272], post_backward") for cell in rows[parted + 1])
     # the fix: the expert's gradient is the mean over the ranks' batches, not the rank's own
     grads = [
         [float(x) for x in re.findall(r"\d\.\de[+-]\d+", line)]
@@ -567,9 +574,10 @@ def test_tensor_parallel_shows_the_2d_layout_and_the_collectives_of_one_step_per
     def numbers(prefix):
         return _numbers_after(lines, prefix)
 
-    assert "   2   1   0         [0, 2]        [2, 3]" in text  # rank 2: dp 1, tp 0
+    rows = [_cells(line) for line in lines]
+    assert ["2", "1", "0", "[0, 2]", "[2, 3]"] in rows  # rank 2: dp 1, tp 0, its dp group, its tp group
     # FSDP splits each TP shard's rows: rank 2 (dp 1, tp 0) holds rows 8:16 of q, not 16:24
-    assert re.search(r"2 \(1, 0\)\s+\[8:16, :\]\s+\[16:32, 0:16\]\s+\[16:32\]\s+\[128:256, :\]", text)
+    assert ["2 (1, 0)", "[8:16, :]", "[16:32, 0:16]", "[16:32]", "[128:256, :]"] in rows
     assert "_StridedShard(dim=0, sf=2) over dp=2, Shard(dim=0) over tp=2" in text
     # the collectives table (a Table: its text form, one row per setup and mesh dimension)
     assert re.search(r"^setup\s+dim\s+all-gathers\s+gathered / P\s+reduce-scatters", text, re.M)
@@ -756,11 +764,15 @@ def test_tp_attention_needs_heads_that_divide_and_says_context_parallelism_does_
     text = _text_outputs(executed["tp_attention"])
     lines = text.splitlines()
     # GQA: heads and KV heads must each divide by the TP degree
-    gqa = {tuple(line.split()[:2]): line for line in lines if re.match(r"\s+\d+\s+\d+\s+\(", line)}
-    assert "runs; output vs unsharded" in gqa[("4", "2")] and "runs; output vs unsharded" in gqa[("6", "2")]
-    assert all(float(gqa[h].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
-    assert "(4, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64" in gqa[("4", "1")]
-    assert "(12, 32)  RuntimeError: shape '[2, 8, -1, 8]' is invalid" in gqa[("6", "3")]
+    # 4  1  (4, 32)  RuntimeError: ...: heads, KV heads, k.weight on a rank, the forward's outcome
+    gqa = {(row[0], row[1]): row[2:] for row in map(_cells, lines) if len(row) == 4 and row[2].startswith("(")}
+    assert gqa[("4", "2")][1].startswith("runs; output vs unsharded")
+    assert gqa[("6", "2")][1].startswith("runs; output vs unsharded")
+    assert all(float(gqa[h][1].split()[-1]) < 1e-5 for h in (("4", "2"), ("6", "2")))
+    assert gqa[("4", "1")][0] == "(4, 32)"
+    assert gqa[("4", "1")][1].startswith("RuntimeError: shape '[2, 8, -1, 8]' is invalid for input of size 64")
+    assert gqa[("6", "3")][0] == "(12, 32)"
+    assert gqa[("6", "3")][1].startswith("RuntimeError: shape '[2, 8, -1, 8]' is invalid")
     # The page's prose says CP does not handle the CPU's attention operator: its output must show it.
     assert (
         "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
@@ -1003,9 +1015,9 @@ def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
 def test_state_attributes_tutorial_shows_the_timelines(executed):
     text = _text_outputs(executed["state_attributes"])
     lines = {
-        line.split()[0] + " " + line.split()[1]: line.split()[2:]
-        for line in text.splitlines()
-        if line.startswith(("inside forward", "after backward"))
+        row[0]: row[1:]
+        for row in (_cells(line) for line in text.splitlines())
+        if row[0] in ("inside forward", "after backward")
     }
     assert "_shard_param_infos" in text and "_unpadded_unsharded_size" in text
     assert "rank 1  placements           (Shard(dim=0),)" in text
@@ -1042,11 +1054,12 @@ def test_state_attributes_tutorial_shows_the_timelines(executed):
     assert bias[4] == f"elements 0:{numel(bias[1])} (flattened)" and bias[3].startswith(
         f"at [{rest}:{rest + numel(bias[1])}] "
     )
+    # the two timeline Tables, FSDP2's then FSDP1's (its header the one with "weight's bytes"): when, then values
     fsdp2, fsdp1 = (
         {
-            line[:22].strip(): re.split(r"\s{2,}", line[22:].strip())
-            for line in part.splitlines()
-            if line.startswith(("before forward ", "inside forward ", "after backward "))
+            row[0]: row[1:]
+            for row in (_cells(line) for line in part.splitlines())
+            if row[0] in ("before forward", "inside forward", "after backward")
         }
         for part in text.split("weight's bytes", 1)
     )
@@ -1296,12 +1309,12 @@ def test_fp8_tutorial_measures_bytes_scales_and_accumulation(executed):
 def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
     text = _text_outputs(executed["fp8_memory"])
     assert "Failed to load" not in text and "_pytree" not in text  # torchao's import noise is silenced
+    rows = [_cells(line) for line in text.splitlines()]
+    # fp8  49152  49152  98304  ...: mode, params, grads, optimizer, saved in forward, held after forward
     memory = {
-        ln.split()[0]: [int(v) for v in ln.split()[1:]]
-        for ln in text.splitlines()
-        if ln.split()[:1] in (["fp32"], ["bf16"], ["fp8"], ["fp8+bf16"])
-        and len(ln.split()) == 6
-        and all(v.isdigit() for v in ln.split()[1:])
+        row[0]: [int(v) for v in row[1:]]
+        for row in rows
+        if row[0] in ("fp32", "bf16", "fp8", "fp8+bf16") and len(row) == 6 and all(v.isdigit() for v in row[1:])
     }
     assert len(memory) == 4  # a row for each precision
     assert len({tuple(v[:3]) for v in memory.values()}) == 1  # the same model states in every mode
@@ -1311,9 +1324,8 @@ def test_fp8_memory_tutorial_measures_activations_and_master_copies(executed):
     assert held["fp8"] > held["bf16"]  # "FP8 used more memory than BF16": float32 activations
     assert 0 < held["fp8"] - held["fp32"] < 64 and 0 < held["fp8+bf16"] - held["bf16"] < 64  # + the scales
     assert saved["fp8+bf16"] < saved["bf16"]  # float8 weights are smaller when saved, then freed
-    setups = {
-        line[:31].strip(): line[31:].split() for line in text.splitlines() if line.startswith(("bf16, ", "fp8, "))
-    }
+    # fp8, AdamW  ...: set-up, params, grads, optimizer, total, bytes/param, measured/estimated, loss
+    setups = {row[0]: row[1:] for row in rows if row[0].startswith(("bf16, ", "fp8, ")) and len(row) == 8}
     per_param = {name: int(v[4]) for name, v in setups.items()}
     # one fp32 copy, either way
     assert per_param == {
@@ -1411,11 +1423,11 @@ def test_llm_checkpoints_resume_exactly_survive_a_crash_save_in_the_background_a
     assert int(repeats["plain restart"]) == 20 and int(repeats["position from the checkpoint"]) == 0
     assert "LaunchError: rank 1" in text and "left on disk: ['.partial-step-00000040', 'step-00000020']" in text
     assert "steps 21-40 after the crash equal the straight run: True" in text
+    # slow storage  synchronous  1012.3  1008.9: storage, saves, the ms training waited at steps 20 and 40
     stalls = {
-        how: [float(ms) for ms in line[28:].split()]
-        for line in text.splitlines()
-        for how in ("slow storage, synchronous", "slow storage, asynchronous")
-        if line.startswith(how)
+        f"{row[0]}, {row[1]}": [float(ms) for ms in row[2:]]
+        for row in (_cells(line) for line in text.splitlines())
+        if len(row) == 4 and row[0] == "slow storage"
     }
     assert all(ms > 500 for ms in stalls["slow storage, synchronous"])  # the half-second write, waited for
     # step 20's write went on while training did: the asynchronous save's writes ran off the training
@@ -1754,41 +1766,22 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
 def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
     text = _text_outputs(executed["pipeline"])
     one_process = float(text.split("one process: loss ")[1].split()[0])
-    # GPipe                      True             4  5.5789211                  5.8e-07
-    exact = [
-        line.split() for line in text.splitlines() if re.match(r"(GPipe|1F1B) +(True|False) +\d+ +\d\.\d{7} ", line)
-    ]
+    table = [_cells(line) for line in text.splitlines()]
+    # GPipe  True  4  5.5789211  5.8e-07
+    exact = [row for row in table if len(row) == 5 and row[0] in ("GPipe", "1F1B")]
     assert len(exact) == 8  # two schedules, both reshard settings, 4 and 8 micro-batches
     assert all(abs(float(row[3]) - one_process) < 1e-6 and float(row[4]) < 1e-5 for row in exact)
 
     units = int(text.split("FSDP units per stage: ")[1].split()[0])
     whole = [float(x) for x in re.findall(r"stage \d ([\d.]+) MiB", text)]
     assert "ranks 1 and 3 ran the same collectives as ranks 0 and 2: True" in text
-    # GPipe       True  4          15         8.22               3       0.82        2.47    1.64     4   stage 0
-    # (then the same run's stage 1, its label blank)
-    rows, label = [], None
-    for line in text.splitlines():
-        if line.endswith(("stage 0", "stage 1")) and "MiB" not in line:
-            fields = line.split()
-            label = fields[:3] if fields[0] in ("GPipe", "1F1B") else label
-            gathers, gathered, scatters, after_f, after_b, grads, alive, _, stage = fields[-9:]
-            rows.append(
-                (
-                    label[0],
-                    label[1] == "True",
-                    int(label[2]),
-                    int(stage),
-                    int(gathers),
-                    float(gathered),
-                    int(scatters),
-                    float(after_f),
-                    float(after_b),
-                    float(grads),
-                    int(alive),
-                )
-            )
+    # GPipe  True  4  0  15  8.22  3  0.82  2.47  1.64  4: schedule, reshard, m, stage, then what it sent and held
+    rows = [row for row in table if len(row) == 11 and row[0] in ("GPipe", "1F1B")]
     assert len(rows) == 16
     for schedule, reshard, m, stage, gathers, gathered, scatters, after_f, after_b, grads, alive in rows:
+        reshard = reshard == "True"
+        m, stage, gathers, scatters, alive = map(int, (m, stage, gathers, scatters, alive))
+        gathered, after_f, after_b, grads = map(float, (gathered, after_f, after_b, grads))
         shards = whole[stage] / 2  # sharded over the 2 ranks of dp
         assert scatters == units  # gradients reduced once per step, whatever m
         assert grads == pytest.approx(whole[stage], abs=0.01)  # whole-size gradients accumulated, either way
@@ -1804,11 +1797,11 @@ def test_pipeline_bubble_times_the_schedules_against_the_formula_and_draws_them(
     text = _text_outputs(executed["pipeline_bubble"])
     drawn = next(c for c in executed["pipeline_bubble"].cells if "ax.broken_barh" in c.source)
     assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the schedules, drawn once
-    # GPipe                 1     0.328          0.53          0.48          0.50         0.02
+    # GPipe  1  0.328  0.53  0.48  0.50  0.02: schedule, m, step (s), idle on stage 0 and 1, the formula, the spread
     idle = {
-        (fields[0], int(fields[1])): (float(fields[3]), float(fields[4]), float(fields[5]), float(fields[6]))
-        for fields in (line.split() for line in text.splitlines())
-        if len(fields) == 7 and fields[0] in ("GPipe", "1F1B") and "." in fields[2]
+        (cells[0], int(cells[1])): (float(cells[3]), float(cells[4]), float(cells[5]), float(cells[6]))
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 7 and cells[0] in ("GPipe", "1F1B")
     }
     assert set(idle) == {("GPipe", 1), ("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 4), ("1F1B", 8)}
     assert all(idle["GPipe", m][2] == pytest.approx(1 / (m + 1), abs=0.005) for m in (1, 2, 4, 8))  # p = 2
@@ -1846,11 +1839,11 @@ def test_experts_match_one_process_only_with_the_divide_factor(executed):
     one_process = float(text.split("loss: one process ")[1].split(";")[0])
     losses = [float(x) for x in re.findall(r"(?:average|divide factor|sum, global tokens) (\d\.\d{7})", text)]
     assert len(losses) == 3 and all(abs(x - one_process) < 1e-5 for x in losses)  # the forward is right every way
-    #   moe.experts.w1                1.0e+00            1.1e-07            1.1e-07
+    # moe.experts.w1  1.0e+00  1.1e-07  1.1e-07: the parameter, then its gap averaged, divided, summed
     gaps = {
-        fields[0]: [float(x) for x in fields[1:]]
-        for fields in (line.split() for line in text.splitlines())
-        if len(fields) == 4 and re.fullmatch(r"\d\.\de[+-]\d\d", fields[1])
+        cells[0]: [float(x) for x in cells[1:]]
+        for cells in (_cells(line) for line in text.splitlines())
+        if len(cells) == 4 and cells[0] != "parameter"
     }
     assert len(gaps) == 7
     for name, (average, divided, summed) in gaps.items():
@@ -1961,12 +1954,12 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_computes_the_interval(exe
     import math
 
     text = _text_outputs(executed["rank_dies"])
-    # killed after step 7               6            1       3.7  True
+    table = [_cells(line) for line in text.splitlines()]
+    # killed after step 7  6  1  3.7  True: run, resumed at, steps redone, restart s, = uninterrupted
     rows = {
-        m[1]: (int(m[2]), int(m[3]), float(m[4]), m[5])
-        for m in re.finditer(
-            r"^(killed after step 7|killed saving step 12) +(\d+) +(\d+) +([\d.]+) +(\w+)$", text, re.M
-        )
+        run: (int(resumed), int(redone), float(restart), same)
+        for run, resumed, redone, restart, same in (row for row in table if len(row) == 5)
+        if run in ("killed after step 7", "killed saving step 12")
     }
     # a checkpoint every 2 steps: step 6 was the newest before step 7; every 6: step 12's was being written
     assert rows["killed after step 7"][:2] == (6, 1) and rows["killed saving step 12"][:2] == (6, 6), text
@@ -1976,8 +1969,8 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_computes_the_interval(exe
 
     save = float(text.split("a save δ = ")[1].split(" ms")[0]) / 1000
     assert "Daly's Fig. 3 (M = 24 h, δ = 5 min): τ = 117 min" in text  # the paper's own example
-    #            1 h     22.3s     22.2s      308      0.72%
-    rows = re.findall(r"^ +(\d+) h +([\d.]+)s +([\d.]+)s ", text, re.M)
+    # 1 h  22.30  22.20  308  0.72%: failure every, Young τ (s), Daly τ (s), Daly τ (steps), time lost
+    rows = [(row[0].removesuffix(" h"), row[1], row[2]) for row in table if len(row) == 5 and row[0].endswith(" h")]
     assert [int(hours) for hours, _, _ in rows] == [1, 8, 24]
     for hours, young, daly in rows:
         assert float(young) == pytest.approx(math.sqrt(2 * save * int(hours) * 3600), rel=0.02, abs=0.1)

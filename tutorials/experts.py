@@ -222,6 +222,8 @@ import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.collectives import count_collectives
 from fsdp_guide.compare import largest_difference
+from fsdp_guide.table import Table
+from IPython.display import display
 
 
 def sharded(reduction, n_experts=EXPERTS, experts_on_dim=0):
@@ -282,8 +284,7 @@ runs = {
     reduction: launch(one_step, reduction, world_size=4, output="none") for reduction in REDUCTIONS
 }
 print("what rank 0 holds of each parameter (its local shard's shape):")
-for name, shape in runs["average"][0]["shapes"].items():
-    print(f"  {name:18} {str(shape):14}")
+display(Table(["parameter", "shape on rank 0"], runs["average"][0]["shapes"].items()))
 
 # %% [markdown]
 # Rank 0 holds a quarter of every dense parameter (16 of the embedding's 64 rows, 2 of the
@@ -331,12 +332,11 @@ print(
     + f"; the sum of the ranks' losses: sum, global tokens {sum(r['loss'] for r in runs[REDUCTIONS[2]]):.7f}"
 )
 print("largest |gradient - one process|, relative to the largest gradient:")
-print(f"  {'parameter':18} " + " ".join(f"{reduction:>18}" for reduction in REDUCTIONS))
-for name in reference:
-    print(
-        f"  {name:18} "
-        + " ".join(f"{gap(runs[reduction], reference, name):18.1e}" for reduction in REDUCTIONS)
-    )
+rows = [
+    [name, *(f"{gap(runs[reduction], reference, name):.1e}" for reduction in REDUCTIONS)]
+    for name in reference
+]
+display(Table(["parameter", *REDUCTIONS], rows))
 # torch's max, not Python's: it keeps a NaN wherever it is (fsdp_guide.compare)
 twice = (
     torch.tensor(

@@ -64,6 +64,8 @@ import torch.nn.functional as F
 from fsdp_guide import launch
 from fsdp_guide.fp8 import regression_batch, shard_in_precision, three_linears
 from fsdp_guide.memory import measure, saved_for_backward
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue
 
 STEPS = 3
@@ -106,14 +108,12 @@ results = launch(all_modes, output="none")[0]
 # JupyterLab, which does not render glue's roles, read them from the table above each paragraph.
 
 # %%
-print(
-    f"{'mode':9} {'params':>8} {'grads':>8} {'optimizer':>9}  {'saved in forward':>16}  {'held after forward':>18}"
-)
+rows = []
 for mode in MODES:
     states, saved, held = results[mode]["states"], results[mode]["saved"], results[mode]["held"]
-    print(
-        f"{mode:9} {states.params:8} {states.grads:8} {states.optimizer:9}  {saved:16}  {held:18}"
-    )
+    rows.append([mode, states.params, states.grads, states.optimizer, saved, held])
+header = ["mode", "params", "grads", "optimizer", "saved in forward", "held after forward"]
+display(Table(header, rows))
 glue("fp8_params", sum(p.numel() for p in three_linears().parameters()), display=False)
 # float32: 4 bytes each
 glue("fp8_rank_params", results["fp32"]["states"].params // 4, display=False)
@@ -217,10 +217,7 @@ def all_setups():
 measured = launch(all_setups, output="none")[0]
 off_by = []
 num_params = sum(p.numel() for p in three_linears().parameters())
-print(
-    f"{'set-up':31} {'params':>7} {'grads':>7} {'optimizer':>9} {'total':>7} "
-    f"{'bytes/param':>11} {'measured/estimated':>18} {'loss':>7}"
-)
+rows = []
 for name, (_, optimizer_class, stored) in SETUPS.items():
     got, loss = measured[name]
     expected = estimate(
@@ -230,11 +227,11 @@ for name, (_, optimizer_class, stored) in SETUPS.items():
         param_dtype=stored,
         master_weights=optimizer_class is MasterWeightAdamW,
     )
-    print(
-        f"{name:31} {got.params:7} {got.grads:7} {got.optimizer:9} {got.total:7} "
-        f"{got.total / (num_params / 2):11.0f} {got.total / expected.total:18.4f} {loss:7.4f}"
-    )
+    ratios = [f"{got.total / (num_params / 2):.0f}", f"{got.total / expected.total:.4f}"]
+    rows.append([name, got.params, got.grads, got.optimizer, got.total, *ratios, f"{loss:.4f}"])
     off_by.append(got.total - expected.total)
+header = ["set-up", "params", "grads", "optimizer", "total", "bytes/param", "measured/estimated"]
+display(Table([*header, "loss"], rows))
 print("measured - estimated, bytes, each set-up:", off_by)
 master, bf16_states = (
     measured[name][0].total / (num_params / 2)

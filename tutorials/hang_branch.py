@@ -278,6 +278,9 @@ glue("hang2_matched", mismatched(report) and mismatched(report) - 1, display=Fal
 # the FSDP hook that issued it and the worker's line:
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
+
 FSDP_HOOKS = ("pre_forward", "pre_backward", "_prefetch_unshard", "post_backward")
 
 
@@ -298,11 +301,11 @@ def issued_by(entry, fn):
 
 
 traces = [flight_recorder(workdir / "hang2", rank)["entries"] for rank in (0, 1)]
-print(f"{'':3}{'rank 0':56}rank 1")
-for number, entries in enumerate(zip(*traces), start=1):
-    print(
-        f"{number:<3}" + "".join(f"{issued_by(entry, train_with_a_branch):56}" for entry in entries)
-    )
+rows = [
+    [number, *(issued_by(entry, train_with_a_branch) for entry in entries)]
+    for number, entries in enumerate(zip(*traces), start=1)
+]
+display(Table(["#", "rank 0", "rank 1"], rows))
 
 # the first collective the two ranks issued from different FSDP hooks
 parted = next(

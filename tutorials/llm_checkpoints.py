@@ -252,6 +252,9 @@ class SlowStorage(FileSystemWriter):
 
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
+
 runs, writers = {}, {}
 for storage in ("local disk", "slow storage"):
     for mode in ("synchronous", "asynchronous"):
@@ -273,11 +276,12 @@ for storage in ("local disk", "slow storage"):
         writers[storage, mode] = sorted(
             set((workdir / "slow-writes.txt").read_text().split("\n")) - {""}
         )
-print(f"{'':28} {'training waited in the saves at steps 20 and 40, ms':>52}")
-for (storage, mode), run in runs.items():
-    print(
-        f"{storage + ', ' + mode:28} " + "  ".join(f"{1000 * s:8.1f}" for s in run["save_stall_s"])
-    )
+print("training waited in the saves at steps 20 and 40, in ms:")
+rows = [
+    [storage, mode, *(f"{1000 * s:.1f}" for s in run["save_stall_s"])]
+    for (storage, mode), run in runs.items()
+]
+display(Table(["storage", "saves", "step 20", "step 40"], rows))
 for mode in ("synchronous", "asynchronous"):
     print(
         f"{mode} saves to slow storage: the half-second writes ran on {' and '.join(writers['slow storage', mode])}"

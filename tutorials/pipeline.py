@@ -169,6 +169,8 @@ import fsdp_guide
 from fsdp_guide import launch
 from fsdp_guide.collectives import count_collectives
 from fsdp_guide.compare import largest_difference
+from fsdp_guide.table import Table
+from IPython.display import display
 
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
 # the global batch
@@ -268,13 +270,12 @@ def grad_gap(ranks):
 
 
 print(f"one process: loss {reference_loss:.7f}")
-print(
-    f"{'schedule':9} {'reshard after forward':>21} {'micro-batches':>13} {'loss':>10} {'max relative |grad gap|':>24}"
-)
-for (schedule, reshard, m), ranks in runs.items():
-    print(
-        f"{schedule:9} {str(reshard):>21} {m:13} {mean_loss(ranks):10.7f} {grad_gap(ranks):24.1e}"
-    )
+rows = [
+    [schedule, reshard, m, f"{mean_loss(ranks):.7f}", f"{grad_gap(ranks):.1e}"]
+    for (schedule, reshard, m), ranks in runs.items()
+]
+header = ["schedule", "reshard after forward", "micro-batches", "loss", "max relative |grad gap|"]
+display(Table(header, rows))
 
 # %% [markdown]
 # Every schedule, either way, computes the one-process loss and gradients to float32's
@@ -308,11 +309,6 @@ same = all(
     for ranks in runs.values()
 )
 print(f"ranks 1 and 3 ran the same collectives as ranks 0 and 2: {same}")
-print(f"{'':31} {'':>12} {'':>15} {'MiB held: params after':>22} {'grads':>7}")
-print(
-    f"{'schedule':9} {'reshard':>6} {'m':>2} {'all-gathers':>11} {'gathered MiB':>12} {'reduce-scatters':>15} "
-    f"{'a forward':>10} {'a backward':>11} {'most':>7} {'alive':>5}"
-)
 
 
 def alive(spans):
@@ -329,17 +325,17 @@ def most(spans, kind=None, what=2):
     return max(span[what] for span in spans if kind in (None, span[0])) / 2**20
 
 
+rows = []
 for (schedule, reshard, m), ranks in runs.items():
     for r in (ranks[0], ranks[2]):  # rank 0 holds stage 0, rank 2 stage 1
         gathers, gathered = r["collectives"]["dp all-gather"]
-        label = (
-            f"{schedule:9} {str(reshard):>6} {m:2}" if r is ranks[0] else f"{'':9} {'':>6} {'':>2}"
-        )
-        print(
-            f"{label} {gathers:11} {gathered / 2**20:12.2f} {r['collectives']['dp reduce-scatter'][0]:15} "
-            f"{most(r['spans'], 'F'):10.2f} {most(r['spans'], 'B'):11.2f} {most(r['spans'], what=3):7.2f} "
-            f"{alive(r['spans']):5}   stage {r['stage']}"
-        )
+        spans = r["spans"]
+        sent = [gathers, f"{gathered / 2**20:.2f}", r["collectives"]["dp reduce-scatter"][0]]
+        held = [f"{most(spans, 'F'):.2f}", f"{most(spans, 'B'):.2f}", f"{most(spans, what=3):.2f}"]
+        rows.append([schedule, reshard, m, r["stage"], *sent, *held, alive(spans)])
+header = ["schedule", "reshard", "m", "stage", "all-gathers", "gathered MiB", "reduce-scatters"]
+header += ["params MiB after a forward", "params MiB after a backward", "grads MiB", "most alive"]
+display(Table(header, rows))
 
 # %% [markdown]
 # Read it stage by stage, each stage being 3 FSDP units (its 2 blocks and the stage

@@ -169,6 +169,9 @@ class TimedStage(PipelineStage):
 # %% tags=["alone"]
 import os
 
+from fsdp_guide.table import Table
+from IPython.display import display
+
 TIMED = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=384)
 
 
@@ -249,16 +252,13 @@ def spread(ranks):
 
 
 print(f"{os.cpu_count()} CPU cores here, one rank per stage")
-print(
-    f"{'schedule':9} {'micro-batches':>13} {'step (s)':>9} {'idle, stage 0':>13} {'idle, stage 1':>13} "
-    f"{'(p-1)/(m+p-1)':>13} {'step to step':>12}"
-)
+rows = []
 for (schedule, m), ranks in timed.items():
     idle, p, seconds = bubble(ranks), len(ranks), step_seconds(ranks)
-    print(
-        f"{schedule:9} {m:13} {sum(seconds) / len(seconds):9.3f} {idle[0]:13.2f} {idle[1]:13.2f} "
-        f"{(p - 1) / (m + p - 1):13.2f} {spread(ranks):12.2f}"
-    )
+    fractions = [f"{x:.2f}" for x in (*idle, (p - 1) / (m + p - 1), spread(ranks))]
+    rows.append([schedule, m, f"{sum(seconds) / len(seconds):.3f}", *fractions])
+header = ["schedule", "micro-batches", "step (s)", "idle, stage 0", "idle, stage 1"]
+display(Table(header + ["(p-1)/(m+p-1)", "step to step"], rows))
 
 # %% [markdown]
 # The last kept step drawn from those records, one character per slice of time: a digit is a

@@ -202,9 +202,11 @@ for name, run in restarted.items():
 # step 12, rank 1 left a checkpoint that was not complete: {func}`fsdp_guide.checkpoint.save`
 # writes into a temporary directory and renames it only once every rank has written, so
 # the restart did not see it and resumed from step 6 ({ref}`tip-exact-resume`). Each run's
-# end against the uninterrupted one:
+# end (its losses and its last checkpoint) against the uninterrupted one:
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 
@@ -231,10 +233,7 @@ def identical(a, b) -> bool:
 
 last = f"step-{STEPS:08d}"
 reference = saved(workdir / "straight" / last)
-print(
-    f"{'':24} {'resumed at':>10} {'steps redone':>12} {'restart s':>9}  losses and step {STEPS}'s checkpoint "
-    "= uninterrupted"
-)
+rows = []
 for name, run in restarted.items():
     log, summary = run["log"], run["summary"]
     resumed = summary["first_step"] - 1
@@ -246,7 +245,8 @@ for name, run in restarted.items():
         saved(run["checkpoints"] / last), reference
     )
     run.update(redone=run["computed"] - resumed, restart=again - killed, same=same)
-    print(f"{name:24} {resumed:10} {run['redone']:12} {run['restart']:9.1f}  {same}")
+    rows.append([name, resumed, run["redone"], f"{run['restart']:.1f}", same])
+display(Table(["run", "resumed at", "steps redone", "restart s", "= uninterrupted"], rows))
 
 # %% [markdown]
 # Both runs end bit for bit where the uninterrupted run ends: the losses of every step
@@ -297,14 +297,16 @@ print(
     f"measured here: a save δ = {save_seconds * 1000:.0f} ms, a step {step_seconds * 1000:.0f} ms, "
     f"a restart R = {restart_seconds:.1f} s"
 )
-print(
-    f"{'failure every':>14} {'Young τ':>9} {'Daly τ':>9} {'= steps':>8} {'time lost (Daly τ)':>19}"
-)
+rows = []
 for hours in (1, 8, 24):
     M = hours * 3600
     young, daly = math.sqrt(2 * save_seconds * M), daly_interval(save_seconds, M)
     lost = save_seconds / daly + (daly / 2 + restart_seconds) / M
-    print(f"{hours:12} h {young:8.2f}s {daly:8.2f}s {daly / step_seconds:8.0f} {lost:19.2%}")
+    rows.append(
+        [f"{hours} h", f"{young:.2f}", f"{daly:.2f}", f"{daly / step_seconds:.0f}", f"{lost:.2%}"]
+    )
+header = ["failure every", "Young τ (s)", "Daly τ (s)", "Daly τ (steps)", "time lost (Daly τ)"]
+display(Table(header, rows))
 
 # %% [markdown]
 # This model's save is short, and so are the intervals in the τ columns. Put your own

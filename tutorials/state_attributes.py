@@ -204,6 +204,8 @@ for name, (kind, value) in launch(flat_param_attributes, world_size=2, output="n
 # optimizer step.
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.tensor import DTensor
 
 
@@ -260,14 +262,9 @@ def fsdp2_timeline():
     }
 
 
-def show(rows, header):
-    print(f"{'':22}" + "".join(f"{h:>18}" for h in header))
-    for when, *values in rows:
-        print(f"{when:22}" + "".join(f"{str(v):>18}" for v in values))
-
-
 fsdp2_rank0 = launch(fsdp2_timeline, world_size=2, output="none")[0]
-show(fsdp2_rank0["rows"], ["weight is a", "its shape", "bytes stored", "local grad"])
+header = ["when", "weight is a", "its shape", "bytes stored", "local grad"]
+display(Table(header, fsdp2_rank0["rows"]))
 print(f"after backward, weight.grad is a {fsdp2_rank0['grad type']}")
 print(
     f"optimizer step: the shard's storage is the same: {fsdp2_rank0['same storage']}, "
@@ -309,7 +306,8 @@ def fsdp1_timeline():
 
 
 fsdp1_rank0 = launch(fsdp1_timeline, world_size=2, output="none")[0]
-show(fsdp1_rank0, ["weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"])
+header = ["when", "weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"]
+display(Table(header, fsdp1_rank0))
 
 fsdp1_when = {when: values for when, *values in fsdp1_rank0}
 glue("sa_fsdp1_freed_bytes", fsdp1_when["before forward"][2], display=False)  # the weight's

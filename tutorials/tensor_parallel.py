@@ -88,6 +88,10 @@ def whole_bytes(model):
 
 
 # %%
+from fsdp_guide.table import Table
+from IPython.display import display
+
+
 def where_am_i():
     mesh = make_mesh()
     dp, tp = mesh.get_coordinate()
@@ -95,9 +99,8 @@ def where_am_i():
     return dist.get_rank(), dp, tp, groups["dp"], groups["tp"]
 
 
-print(f"{'rank':>4} {'dp':>3} {'tp':>3}  {'its dp group':>13} {'its tp group':>13}")
-for rank, dp, tp, dp_group, tp_group in launch(where_am_i, world_size=4, output="none"):
-    print(f"{rank:4} {dp:3} {tp:3}  {str(dp_group):>13} {str(tp_group):>13}")
+rows = launch(where_am_i, world_size=4, output="none")
+display(Table(["rank", "dp", "tp", "its dp group", "its tp group"], rows))
 
 # %% [markdown]
 # The mesh is the ranks laid out as a 2 x 2 grid, row by row. Each named dimension is a
@@ -218,16 +221,12 @@ def what_each_rank_holds():
 
 tables = launch(what_each_rank_holds, world_size=4, output="none")
 print(tables[0])
-print()
-print(
-    f"{'rank (dp, tp)':14} {'attn.q.weight':>14} {'attn.proj.weight':>17} {'ln_1.weight':>12} {'tok_emb.weight':>15}"
-)
+names = ["attn.q.weight", "attn.proj.weight", "ln_1.weight", "tok_emb.weight"]
+rows = []
 for rank, table in enumerate(tables):
-    holds = {row.name: row.holds for row in table}
-    print(
-        f"{rank} ({rank // 2}, {rank % 2}){'':7} {holds['blocks.0.attn.q.weight']:>14} "
-        f"{holds['blocks.0.attn.proj.weight']:>17} {holds['blocks.0.ln_1.weight']:>12} {holds['tok_emb.weight']:>15}"
-    )
+    holds = {row.name.removeprefix("blocks.0."): row.holds for row in table}
+    rows.append([f"{rank} ({rank // 2}, {rank % 2})", *(holds[name] for name in names)])
+display(Table(["rank (dp, tp)", *names], rows))
 
 # %% tags=["hide-input"] mystnb={"image": {"alt": "Two 32 by 32 weights coloured by the rank that holds each part: attn.q.weight in four bands of 8 rows, held in the order rank 0, 2, 1, 3 from the top (each dp rank's rows interleaved, a strided shard), and attn.proj.weight in four quarters, one per rank."}}
 import matplotlib.pyplot as plt
@@ -290,8 +289,6 @@ fig.tight_layout()
 # %%
 from fsdp_guide.collectives import count_collectives
 from fsdp_guide.memory import measure, saved_for_backward
-from fsdp_guide.table import Table
-from IPython.display import display
 
 SETUPS = {
     "FSDP alone (dp=4)": ((4, 1), True),

@@ -51,6 +51,8 @@ import fsdp_guide
 import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -108,11 +110,9 @@ def gqa_under_tp():
     return result
 
 
-print(f"{'heads':>5} {'KV heads':>8}  {'k.weight on a rank':>18}  forward with a TP degree of 2")
-for (n_head, n_kv_head), (k_shape, outcome) in launch(gqa_under_tp, world_size=2, output="none")[
-    0
-].items():
-    print(f"{n_head:5} {n_kv_head:8}  {str(k_shape):>18}  {outcome}")
+results = launch(gqa_under_tp, world_size=2, output="none")[0]
+rows = [[*heads, k_shape, outcome] for heads, (k_shape, outcome) in results.items()]
+display(Table(["heads", "KV heads", "k.weight on a rank", "forward with a TP degree of 2"], rows))
 
 # %% [markdown]
 # `parallelize_module` splits the weights without looking at heads (a head is 8 rows

@@ -14,6 +14,7 @@ pickles the page with the placeholder node, whose class must then be importable)
 
 from __future__ import annotations
 
+import html
 import re
 from importlib.metadata import version
 from typing import NamedTuple
@@ -82,6 +83,23 @@ def messages(text: str) -> list[tuple[str, str]]:
         if (pair := (match.group(1), match.group(2).strip())) not in found:
             found.append(pair)
     return found
+
+
+def tables_as_lines(text: str) -> str:
+    """An output's text with each HTML table in it (a displayed ``fsdp_guide.table.Table``, which the
+    site shows as raw HTML) turned into its cells' text, one cell a line: a message in a cell is then
+    found whole, as in the table's text form, and not run on into the next cells' markup.
+
+    >>> tables_as_lines('<table><tr><td>4</td><td>RuntimeError: shape &#x27;[2]&#x27; is invalid</td></tr></table>')
+    "4\\nRuntimeError: shape '[2]' is invalid\\n"
+    >>> messages(tables_as_lines('<table><tr><th>a</th></tr><tr><td>ValueError: x</td><td>2</td></tr></table>'))
+    [('ValueError', 'x')]
+    """
+
+    def cells(table: re.Match) -> str:
+        return html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"</t[dh]>", "\n", table.group(0))))
+
+    return re.sub(r"<table\b.*?</table>", cells, text, flags=re.S)
 
 
 def _unescaped(text: str, quote: str) -> list[int]:
@@ -297,7 +315,9 @@ def setup(app):
 
     def outputs_text(cell) -> str:
         return "\n".join(
-            node.astext() for node in cell.findall(nodes.Element) if node.get("nb_element") == "cell_code_output"
+            tables_as_lines(node.astext())  # a displayed Table is raw HTML: its cells, a line each
+            for node in cell.findall(nodes.Element)
+            if node.get("nb_element") == "cell_code_output"
         )
 
     def collect(app, doctree):
