@@ -48,7 +48,8 @@ def test_fsdp2_rows_are_dtensor_shards():
         "bytes",
         "dtype",
     ]
-    assert html0.startswith("<table>") and "<td>0.weight</td>" in html0
+    assert html0.startswith('<table class="fsdp-guide-table">') and "<td>0.weight</td>" in html0
+    assert f"total local bytes: {bytes0}</td></tr></tfoot>" in html0
 
 
 def test_fsdp1_rows_show_each_parameters_slice_of_the_flat_parameter():

@@ -1014,6 +1014,8 @@ def test_deterministic_init_tutorial_reproduces_the_bug_and_every_fix(executed):
 
 def test_state_attributes_tutorial_shows_the_timelines(executed):
     text = _text_outputs(executed["state_attributes"])
+    drawn = next(c for c in executed["state_attributes"].cells if "def element_ranges(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # FSDP1's and FSDP2's split, drawn
     lines = {
         row[0]: row[1:]
         for row in (_cells(line) for line in text.splitlines())

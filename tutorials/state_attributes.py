@@ -77,10 +77,13 @@ def tables():
     }
 
 
+from IPython.display import display
+
 per_rank = launch(tables, world_size=2, output="none")
 for api in ("FSDP2", "FSDP1"):
     for rank in (0, 1):
-        print(f"{api}, rank {rank}:\n{per_rank[rank][api]}\n")
+        print(f"{api}, rank {rank}:")
+        display(per_rank[rank][api])  # an HTML table on the site, aligned text elsewhere
 
 import math
 import re
@@ -117,6 +120,45 @@ glue(
 glue("sa_r1_weight_elements", first_to_last(fsdp1_rows[1]["0.weight"].holds), display=False)
 glue("sa_r1_weight_at", first_to_last(fsdp1_rows[1]["0.weight"].placement), display=False)
 glue("sa_r1_bias_at", first_to_last(fsdp1_rows[1]["0.bias"].placement), display=False)
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Two bars of the model's 68 numbers, parameter after parameter, coloured by the rank that holds each: with FSDP1 the first half of the flat vector is rank 0's and the second rank 1's, so 0.weight straddles the ranks and the rest lies on rank 1; with FSDP2 every parameter is split in two, its first rows on rank 0 and the rest on rank 1."}}
+import matplotlib.pyplot as plt
+
+
+def element_ranges(row, rank):
+    """(first, stop) of the elements of the flattened parameter this rank's row says it holds."""
+    if row.holds == "none":
+        return None
+    if row.holds.startswith("elements"):  # FSDP1: elements a:b (flattened)
+        return tuple(map(int, re.search(r"(\d+):(\d+)", row.holds).groups()))
+    rows = re.search(r"\[(\d+):(\d+)", row.holds).groups()  # FSDP2: rows a:b of dim 0
+    per_row = math.prod(row.full_shape[1:])
+    return int(rows[0]) * per_row, int(rows[1]) * per_row
+
+
+fig, axes = plt.subplots(2, 1, figsize=(9, 2.6), sharex=True)
+for ax, (api, by_rank) in zip(axes, (("FSDP1", fsdp1_rows), ("FSDP2", fsdp2_rows))):
+    start = 0
+    for name, row in by_rank[0].items():  # the parameters in the model's order
+        for rank in (0, 1):
+            held = element_ranges(by_rank[rank][name], rank)
+            if held and held[1] > held[0]:
+                left, width = start + held[0], held[1] - held[0]
+                ax.barh(
+                    0, width, left=left, color=plt.get_cmap("Pastel1").colors[rank], edgecolor="0.3"
+                )
+                ax.text(left + width / 2, 0, f"r{rank}", ha="center", va="center", fontsize=7)
+        size = math.prod(row.full_shape)
+        ax.text(start + size / 2, 0.55, name, ha="center", va="bottom", fontsize=7)
+        ax.axvline(start, color="black", linewidth=1.5)
+        start += size
+    ax.set(
+        xlim=(0, start), ylim=(-0.5, 1.1), yticks=[], title=f"{api}: who holds each number (r0, r1)"
+    )
+axes[1].set_xlabel(
+    "the model's numbers, parameter after parameter (black lines: where a parameter starts)"
+)
+fig.tight_layout()
 
 # %% [markdown]
 # The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in

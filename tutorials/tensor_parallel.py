@@ -220,7 +220,7 @@ def what_each_rank_holds():
 
 
 tables = launch(what_each_rank_holds, world_size=4, output="none")
-print(tables[0])
+display(tables[0])  # rank 0's: an HTML table on the site, aligned text elsewhere
 names = ["attn.q.weight", "attn.proj.weight", "ln_1.weight", "tok_emb.weight"]
 rows = []
 for rank, table in enumerate(tables):

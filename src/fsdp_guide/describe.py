@@ -53,11 +53,14 @@ class ShardingTable(list):
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines + [f"total local bytes: {self.local_bytes}"])
 
+    __repr__ = __str__  # what Jupyter shows as text/plain: the table, not the list of rows
+
     def _repr_html_(self) -> str:
         header, rows = self._cells()
         head = "".join(f"<th>{html.escape(c)}</th>" for c in header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        total = f'<tfoot><tr><td colspan="{len(header)}">total local bytes: {self.local_bytes}</td></tr></tfoot>'
+        return f'<table class="fsdp-guide-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody>{total}</table>'
 
 
 def describe_sharding(module: nn.Module) -> ShardingTable:
