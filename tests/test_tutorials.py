@@ -485,34 +485,36 @@ def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(
 
 def test_beyond_the_step_measures_evaluation_and_generation(executed):
     text = _text_outputs(executed["beyond_the_step"])
-    lines = text.splitlines()
-
-    def row(prefix):
-        return next(line for line in lines if line.startswith(prefix)).split()
-
-    default, kept = row("None (the default)"), row("False ")
-    assert default[3:6] == ["3", "2", "2"] and kept[1:4] == ["3", "0", "0"]  # the root stays gathered by default
-    assert float(default[6]) > 0.6 and float(kept[4]) == 1.5 and default[9] == kept[7] == "0.50"  # reshard() frees
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in text.splitlines())}
+    # all-gathers in forwards 1, 2, 3; held / P after each; after reshard(); plain after forward 3, after reshard()
+    default, kept = rows["None (the default)"], rows["False"]
+    assert len(default) == len(kept) == 5
+    default_held, kept_held = default[1].split(), kept[1].split()
+    assert default[0].split() == ["3", "2", "2"] and kept[0].split() == ["3", "0", "0"]  # the root stays gathered
+    assert float(default_held[0]) > 0.6 and float(kept_held[0]) == 1.5 and default[2] == kept[2] == "0.50"
     # the prose's claims: the default holds its shards plus the root whole, False the whole model beside its shards
-    assert float(default[9]) < float(default[6]) < 1 and float(kept[4]) == pytest.approx(1 + float(kept[7]), abs=0.011)
+    assert float(default[2]) < float(default_held[0]) < 1
+    assert float(kept_held[0]) == pytest.approx(1 + float(kept[2]), abs=0.011)
     # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
-    assert default[6:9] == ["0.77"] * 3
-    n_params = int(text.split("plain tensors among the ")[1].split()[0])
-    assert 0 < int(default[10]) < n_params and int(kept[8]) == n_params  # gathered: plain tensors in parameters()
-    assert default[11] == kept[9] == "0"  # and shards again after reshard()
-    one = float(row("one process")[3])
-    padded, exact = row("DistributedSampler (pads)"), row("every example once")
-    assert padded[5] == "10" and float(padded[3]) != one  # an example counted twice
-    assert exact[6] == "9" and abs(float(exact[4]) - one) < 1e-5 and text.count("batches per rank [3, 2]") == 1
-    resharded, gathered = row("resharded after each forward"), row("kept gathered")
+    assert default_held == ["0.77"] * 3
+    n_params = int(text.split("plain: how many of the ")[1].split()[0])
+    assert 0 < int(default[3]) < n_params and int(kept[3]) == n_params  # gathered: plain tensors in parameters()
+    assert default[4] == kept[4] == "0"  # and shards again after reshard()
+    # loss, examples, batches per rank
+    one = float(rows["one process"][0])
+    padded, exact = rows["DistributedSampler (pads)"], rows["every example once"]
+    assert padded[1] == "10" and float(padded[0]) != one and padded[2] == "3, 3"  # an example counted twice
+    assert exact[1] == "9" and abs(float(exact[0]) - one) < 1e-5 and exact[2] == "3, 2"
+    # all-gathers, per new token, held / P, tokens as one process
+    resharded, gathered = rows["resharded after each forward"], rows["kept gathered (reshard_after_forward=False)"]
     assert resharded[-1] == gathered[-1] == "True"  # one process's tokens either way
-    assert int(resharded[-4]) == 3 + 2 * 5 and int(gathered[-4]) == 3 and float(gathered[-2]) == 1.5
-    assert resharded[-3] == "2.17"  # the tip's all-gathers per token
-    assert float(resharded[-2]) == float(default[6])  # the root left gathered, as in evaluation
+    assert int(resharded[0]) == 3 + 2 * 5 and int(gathered[0]) == 3 and float(gathered[2]) == 1.5
+    assert resharded[1] == "2.17"  # the tip's all-gathers per token
+    assert float(resharded[2]) == float(default_held[0])  # the root left gathered, as in evaluation
     assert "False -> RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor" in text
     assert "True  -> features of shape (1, 8, 32)" in text
     # generating kept gathered holds what evaluation with False holds
-    assert float(gathered[-2]) == float(kept[4])
+    assert float(gathered[2]) == float(kept_held[0])
     assert _glued(executed["beyond_the_step"]).keys() >= {
         "bts_eval_default_held",
         "bts_eval_shards",
@@ -535,8 +537,13 @@ def test_ema_and_teacher_keeps_a_second_copy_on_the_shards(executed):
     assert trained < 1e-4 and ema <= 2 * trained
     assert "loads into a plain GPT: <All keys matched successfully>" in text
     assert "from 1 towards 2: 1.0010 in fp32, 1.0000 in bf16" in text  # an EMA update bf16 rounds away
-    teachers = [line.split() for line in lines if line.startswith(("default ", "reshard_after_forward=True "))]
-    (_, _, t1, t2, t_held), (_, _, s1, s2, s_held), (_, _, r1, r2, r_held), (_, _, q1, q2, q_held) = teachers
+    # teacher root, model, all-gathers in steps 1, 2, model states held / P
+    teachers = [cells for cells in map(_cells, lines) if cells[0] in ("default", "reshard_after_forward=True")]
+    assert [cells[:2] for cells in teachers] == [
+        [root, who] for root in ("default", "reshard_after_forward=True") for who in ("teacher", "student")
+    ]
+    teachers = [[*cells[2].split(), cells[3]] for cells in teachers]
+    (t1, t2, t_held), (s1, s2, s_held), (r1, r2, r_held), (q1, q2, q_held) = teachers
     # the default teacher holds what evaluation's root left gathered (0.77 P, as beyond_the_step's test checks),
     # the resharded one its shards (0.50 P)
     assert (t1, t2, t_held) == ("3", "2", "0.77") and (r1, r2, r_held) == ("3", "3", "0.50")
