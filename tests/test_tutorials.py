@@ -223,7 +223,16 @@ def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(ex
 
     assert row("LoRA on a frozen bf16 base").endswith(": runs")
     assert "FSDP expects uniform original parameter dtype" in row("LoRA, bf16 norms trained too")
-    fixes = {fix: row(fix).split()[-3:] for fix in ("LoRA on the frozen", "1. adapters", "2. fp32", "3. adapters")}
+    table = {cells[0]: cells[1:] for cells in map(_cells, lines)}
+    # frozen, trained dtypes; units, all-gathers per forward, rank 0 model states in MiB
+    names = {
+        "LoRA on the frozen": "LoRA on the frozen bf16 base",
+        "1. adapters": "1. adapters in their own units",
+        "2. fp32": "2. fp32 storage, bf16 compute",
+        "3. adapters": "3. adapters cast to bf16",
+    }
+    fixes = {fix: table[name][-3:] for fix, name in names.items()}
+    assert all(len(table[name]) == 5 for name in names.values())
     units, gathers, states = ({fix: float(v[i]) for fix, v in fixes.items()} for i in range(3))
     assert units["LoRA on the frozen"] == gathers["LoRA on the frozen"] == 5  # one unit per layer, and the root
     assert units["1. adapters"] == gathers["1. adapters"] == 5 + 16  # and one per adapter module
@@ -231,10 +240,9 @@ def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(ex
     assert 1.8 * states["1. adapters"] < states["2. fp32"] < 2.2 * states["1. adapters"]
     assert states["3. adapters"] < states["1. adapters"]
     assert "1 + 1/300 = 1.0033 in fp32, 1.0000 in bf16" in text  # the update bf16 adapters lose
-    traffic = {
-        mode: [float(x) for x in row(mode)[36:].split()]
-        for mode in ("reshard after forward", "kept from forward to backward", "kept gathered across", "replicated")
-    }
+    modes = ("reshard after forward", "kept from forward to backward", "kept gathered across micro-batches")
+    traffic = {mode: [float(x) for x in table[mode]] for mode in (*modes, "replicated")}
+    assert all(len(row) == 9 for row in traffic.values())
     # per micro-batch 1-4 (base sizes gathered), per step, all-gathers, reductions, held in forward, held between
     resharded, kept, window, replicated = traffic.values()
     assert all(1.9 < resharded[i] < 2.1 and 0.95 < kept[i] < 1.05 for i in range(4))
@@ -439,12 +447,14 @@ def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(
     text = _text_outputs(executed["no_sync"])
     lines = text.splitlines()
 
-    def rows(prefix):
-        return [line.split() for line in lines if line.startswith(prefix)]
+    def rows(mode):
+        return [cells for cells in map(_cells, lines) if cells[0] == mode]
 
-    def costs(prefix, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
-        values = [float(v) for v in rows(prefix)[table][-11:]]
-        return [values[0:2], values[2:4], values[4:6]], values[6:10], values[10]
+    def costs(mode, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
+        cells = rows(mode)[table]
+        assert len(cells) == 9
+        values = [float(v) for v in cells[1:7]]
+        return [values[0:2], values[2:4], values[4:6]], [float(h) for h in cells[7].split()], float(cells[8])
 
     tables = {
         (mode, table): costs(mode, table)
