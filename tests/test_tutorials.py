@@ -108,15 +108,13 @@ def test_tutorial_executes(tutorial, executed):
 
 def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_exactly(executed):
     text = _text_outputs(executed["finetune_hf"])
-    rows = {
-        line[:28].strip(): line[28:].replace("/", " ").split()
-        for line in text.splitlines()
-        if line.startswith(("every rank reads", "rank 0 reads", "each rank reads"))
-    }
+    # loading; rank 0 and rank 1: resident / private; shard kept
+    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines())}
     every, broadcast, sliced = (
-        list(map(float, rows[k]))
+        [float(x) for cell in rows[k] for x in cell.split(" / ")]
         for k in ("every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices")
     )
+    assert len(every) == len(broadcast) == len(sliced) == 5
     # (rank 0 resident, rank 0 private, rank 1 resident, rank 1 private, shard kept), in model sizes
     assert every[1] >= 1.0 and every[3] >= 1.0  # a whole fp32 model allocated on each rank
     assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
@@ -138,6 +136,10 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert first < 1e-5  # "to fp32 rounding"
     relative = float(text.split("largest relative difference: ")[1].split()[0])
     assert relative < 1e-4
+    # step, loss on 2 ranks, loss in 1 process: the 5 steps, the losses falling
+    table = [cells for cells in map(_cells, text.splitlines()) if len(cells) == 3 and cells[0].isdigit()]
+    losses = [[float(x) for x in cells[1:]] for cells in table]
+    assert [len(step) for step in losses] == [2] * 5 and losses[-1][0] < losses[0][0]
     assert "logits equal the sharded model's: True" in text
     # what the export wrote for the tied pair, read from the file, and both equal to what the ranks trained
     assert "the tied pair: model.embed_tokens.weight written, lm_head.weight not written" in text
@@ -179,7 +181,11 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
     def row(prefix):
         return next(line for line in lines if line.startswith(prefix))
 
-    full, lora = (float(row(how).split()[-1]) for how in ("full fine-tuning" + " " * 20, "LoRA" + " " * 20))
+    # fine-tuning, then rank 0's model states in MiB: params, grads, optimizer, total
+    tables = [cells for cells in map(_cells, lines) if len(cells) == 5]
+    states = {cells[0]: [float(x) for x in cells[1:]] for cells in tables if cells[0] in ("full fine-tuning", "LoRA")}
+    assert len(states) == 2
+    full, lora = states["full fine-tuning"][-1], states["LoRA"][-1]
     assert lora < full / 3  # the frozen base has no gradients or optimizer state
     # adapt: once per rank on the structure, and once more on rank 0, on the whole pretrained model
     given = [
@@ -192,7 +198,7 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
         ("rank 0", True),
         ("rank 1", False),
     ]
-    params_kept = float(row("LoRA" + " " * 20).split()[1])
+    params_kept = states["LoRA"][0]
     # the same fp32 model every time; the pretrained one, on rank 0, about twice what a rank keeps (the prose's claim)
     assert len({mib for _, mib, _ in given}) == 1 and 1.9 * params_kept < given[1][1] < 2.1 * params_kept
     assert (given[1][1], params_kept) == (15.07, 7.59)  # bytes from the shapes alone; docs/fsdp_tips.rst types both
@@ -200,6 +206,9 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
     for how in ("full fine-tuning  measured", "LoRA              measured"):
         assert abs(float(row(how).rsplit("(", 1)[1].rstrip("%)"))) < 0.05  # measure agrees with estimate
     assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
+    # step, loss on 2 ranks, loss in 1 process: the 5 steps, the losses falling
+    losses = [[float(x) for x in cells[1:]] for cells in map(_cells, lines) if len(cells) == 3 and cells[0].isdigit()]
+    assert [len(step) for step in losses] == [2] * 5 and losses[-1][0] < losses[0][0]
     assert "logits equal the sharded model's: True" in text
     trainable = int(text.split(" trainable (")[0].rsplit(" ", 1)[1].replace(",", ""))
     file_kib = int(text.split("'adapter_model.safetensors'] (")[1].split(" KiB)")[0])
@@ -1505,6 +1514,10 @@ def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_ov
     text = _text_outputs(executed["migration"])
     line = next(ln for ln in text.splitlines() if ln.startswith("max |FSDP1 - FSDP2| over"))
     assert float(line.rsplit(":", 1)[1]) < 1e-5
+    # step, FSDP1's loss, FSDP2's: a row per step, the two columns the same
+    table = [cells for cells in map(_cells, text.splitlines()) if len(cells) == 3 and cells[0].isdigit()]
+    assert [int(cells[0]) for cells in table] == list(range(6))
+    assert all(abs(float(fsdp1) - float(fsdp2)) < 1e-5 for _, fsdp1, fsdp2 in table)
     carried = {
         ln.split("checkpoint, ")[1].split(":")[0].strip(): float(ln.rsplit("=", 1)[1])
         for ln in text.splitlines()
