@@ -152,12 +152,13 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     losses = [float(v) for v in text.split("loss per step: ")[1].splitlines()[0].split()]
     assert losses[-1] < losses[0]
     assert "tensors loaded, each equal to the trained one: True (largest difference 0.0e+00)" in text
-    # write='rank0'    2 ranks    1.3 / 1.3          0.4 / 0.4     0.60: rank 0, the other ranks' most, seconds
+    # export, ranks; rank 0 and the other ranks' most: resident / private; seconds
     rows = {
-        (line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[3:] if v != "/"]
-        for line in text.splitlines()
-        if line.startswith("write=")
+        (cells[0], int(cells[1])): [float(v) for cell in cells[2:] for v in cell.split(" / ")]
+        for cells in map(_cells, text.splitlines())
+        if cells[0].startswith("write=")
     }
+    assert len(rows) == 4 and all(len(row) == 5 for row in rows.values())
     gathered = {world: rows[("write='rank0'", world)][0] for world in (2, 4)}  # rank 0's resident peak
     every = {world: max(rows[("write='sharded'", world)][0], rows[("write='sharded'", world)][2]) for world in (2, 4)}
     assert all(peak > 1.0 for peak in gathered.values())  # "more than the model", on any number of ranks
@@ -1737,12 +1738,13 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     header = text.split("the model: ")[1]
     model, largest = float(header.split(" MiB")[0]), float(header.split("its largest ")[1].split(" MiB")[0])
     parameters = int(header.split(" parameters")[0].split(", ")[-1])
-    # gathered state dict, bfloat16    147.5    56.3       84     0.50  1.3e-02
+    # sync; rank 0's and rank 1's peak rise, MiB; messages; seconds; max |engine - trainer| logits
     rows = {
-        line[:30].strip(): line[30:].split()
-        for line in text.splitlines()
-        if line.startswith(("gathered state dict,", "per parameter,", "bucketed,"))
+        cells[0]: cells[1:]
+        for cells in map(_cells, text.splitlines())
+        if cells[0].startswith(("gathered state dict,", "per parameter,", "bucketed,"))
     }
+    assert len(rows) == 4 and all(len(row) == 5 for row in rows.values())
     rank0, rank1 = ({how: float(row[i]) for how, row in rows.items()} for i in (0, 1))
     messages = {how: int(row[2]) for how, row in rows.items()}
     gap = {how: float(row[4]) for how, row in rows.items()}
