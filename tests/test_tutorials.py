@@ -108,15 +108,13 @@ def test_tutorial_executes(tutorial, executed):
 
 def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_exactly(executed):
     text = _text_outputs(executed["finetune_hf"])
-    rows = {
-        line[:28].strip(): line[28:].replace("/", " ").split()
-        for line in text.splitlines()
-        if line.startswith(("every rank reads", "rank 0 reads", "each rank reads"))
-    }
+    # loading; rank 0 and rank 1: resident / private; shard kept
+    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines())}
     every, broadcast, sliced = (
-        list(map(float, rows[k]))
+        [float(x) for cell in rows[k] for x in cell.split(" / ")]
         for k in ("every rank reads", "rank 0 reads, broadcasts", "each rank reads its slices")
     )
+    assert len(every) == len(broadcast) == len(sliced) == 5
     # (rank 0 resident, rank 0 private, rank 1 resident, rank 1 private, shard kept), in model sizes
     assert every[1] >= 1.0 and every[3] >= 1.0  # a whole fp32 model allocated on each rank
     assert broadcast[1] <= 0.6 and broadcast[3] <= 0.75 and sliced[1] <= 0.6 and sliced[3] <= 0.6
@@ -138,6 +136,10 @@ def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_e
     assert first < 1e-5  # "to fp32 rounding"
     relative = float(text.split("largest relative difference: ")[1].split()[0])
     assert relative < 1e-4
+    # step, loss on 2 ranks, loss in 1 process: the 5 steps, the losses falling
+    table = [cells for cells in map(_cells, text.splitlines()) if len(cells) == 3 and cells[0].isdigit()]
+    losses = [[float(x) for x in cells[1:]] for cells in table]
+    assert [len(step) for step in losses] == [2] * 5 and losses[-1][0] < losses[0][0]
     assert "logits equal the sharded model's: True" in text
     # what the export wrote for the tied pair, read from the file, and both equal to what the ranks trained
     assert "the tied pair: model.embed_tokens.weight written, lm_head.weight not written" in text
@@ -150,12 +152,13 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     losses = [float(v) for v in text.split("loss per step: ")[1].splitlines()[0].split()]
     assert losses[-1] < losses[0]
     assert "tensors loaded, each equal to the trained one: True (largest difference 0.0e+00)" in text
-    # write='rank0'    2 ranks    1.3 / 1.3          0.4 / 0.4     0.60: rank 0, the other ranks' most, seconds
+    # export, ranks; rank 0 and the other ranks' most: resident / private; seconds
     rows = {
-        (line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[3:] if v != "/"]
-        for line in text.splitlines()
-        if line.startswith("write=")
+        (cells[0], int(cells[1])): [float(v) for cell in cells[2:] for v in cell.split(" / ")]
+        for cells in map(_cells, text.splitlines())
+        if cells[0].startswith("write=")
     }
+    assert len(rows) == 4 and all(len(row) == 5 for row in rows.values())
     gathered = {world: rows[("write='rank0'", world)][0] for world in (2, 4)}  # rank 0's resident peak
     every = {world: max(rows[("write='sharded'", world)][0], rows[("write='sharded'", world)][2]) for world in (2, 4)}
     assert all(peak > 1.0 for peak in gathered.values())  # "more than the model", on any number of ranks
@@ -179,7 +182,11 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
     def row(prefix):
         return next(line for line in lines if line.startswith(prefix))
 
-    full, lora = (float(row(how).split()[-1]) for how in ("full fine-tuning" + " " * 20, "LoRA" + " " * 20))
+    # fine-tuning, then rank 0's model states in MiB: params, grads, optimizer, total
+    tables = [cells for cells in map(_cells, lines) if len(cells) == 5]
+    states = {cells[0]: [float(x) for x in cells[1:]] for cells in tables if cells[0] in ("full fine-tuning", "LoRA")}
+    assert len(states) == 2
+    full, lora = states["full fine-tuning"][-1], states["LoRA"][-1]
     assert lora < full / 3  # the frozen base has no gradients or optimizer state
     # adapt: once per rank on the structure, and once more on rank 0, on the whole pretrained model
     given = [
@@ -192,7 +199,7 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
         ("rank 0", True),
         ("rank 1", False),
     ]
-    params_kept = float(row("LoRA" + " " * 20).split()[1])
+    params_kept = states["LoRA"][0]
     # the same fp32 model every time; the pretrained one, on rank 0, about twice what a rank keeps (the prose's claim)
     assert len({mib for _, mib, _ in given}) == 1 and 1.9 * params_kept < given[1][1] < 2.1 * params_kept
     assert (given[1][1], params_kept) == (15.07, 7.59)  # bytes from the shapes alone; docs/fsdp_tips.rst types both
@@ -200,6 +207,9 @@ def test_lora_measures_states_trains_like_one_process_and_exports_exactly(execut
     for how in ("full fine-tuning  measured", "LoRA              measured"):
         assert abs(float(row(how).rsplit("(", 1)[1].rstrip("%)"))) < 0.05  # measure agrees with estimate
     assert float(text.split("largest relative difference: ")[1].split()[0]) < 1e-5
+    # step, loss on 2 ranks, loss in 1 process: the 5 steps, the losses falling
+    losses = [[float(x) for x in cells[1:]] for cells in map(_cells, lines) if len(cells) == 3 and cells[0].isdigit()]
+    assert [len(step) for step in losses] == [2] * 5 and losses[-1][0] < losses[0][0]
     assert "logits equal the sharded model's: True" in text
     trainable = int(text.split(" trainable (")[0].rsplit(" ", 1)[1].replace(",", ""))
     file_kib = int(text.split("'adapter_model.safetensors'] (")[1].split(" KiB)")[0])
@@ -223,7 +233,16 @@ def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(ex
 
     assert row("LoRA on a frozen bf16 base").endswith(": runs")
     assert "FSDP expects uniform original parameter dtype" in row("LoRA, bf16 norms trained too")
-    fixes = {fix: row(fix).split()[-3:] for fix in ("LoRA on the frozen", "1. adapters", "2. fp32", "3. adapters")}
+    table = {cells[0]: cells[1:] for cells in map(_cells, lines)}
+    # frozen, trained dtypes; units, all-gathers per forward, rank 0 model states in MiB
+    names = {
+        "LoRA on the frozen": "LoRA on the frozen bf16 base",
+        "1. adapters": "1. adapters in their own units",
+        "2. fp32": "2. fp32 storage, bf16 compute",
+        "3. adapters": "3. adapters cast to bf16",
+    }
+    fixes = {fix: table[name][-3:] for fix, name in names.items()}
+    assert all(len(table[name]) == 5 for name in names.values())
     units, gathers, states = ({fix: float(v[i]) for fix, v in fixes.items()} for i in range(3))
     assert units["LoRA on the frozen"] == gathers["LoRA on the frozen"] == 5  # one unit per layer, and the root
     assert units["1. adapters"] == gathers["1. adapters"] == 5 + 16  # and one per adapter module
@@ -231,10 +250,9 @@ def test_frozen_weights_dtype_rule_its_fixes_and_the_traffic_of_a_frozen_base(ex
     assert 1.8 * states["1. adapters"] < states["2. fp32"] < 2.2 * states["1. adapters"]
     assert states["3. adapters"] < states["1. adapters"]
     assert "1 + 1/300 = 1.0033 in fp32, 1.0000 in bf16" in text  # the update bf16 adapters lose
-    traffic = {
-        mode: [float(x) for x in row(mode)[36:].split()]
-        for mode in ("reshard after forward", "kept from forward to backward", "kept gathered across", "replicated")
-    }
+    modes = ("reshard after forward", "kept from forward to backward", "kept gathered across micro-batches")
+    traffic = {mode: [float(x) for x in table[mode]] for mode in (*modes, "replicated")}
+    assert all(len(row) == 9 for row in traffic.values())
     # per micro-batch 1-4 (base sizes gathered), per step, all-gathers, reductions, held in forward, held between
     resharded, kept, window, replicated = traffic.values()
     assert all(1.9 < resharded[i] < 2.1 and 0.95 < kept[i] < 1.05 for i in range(4))
@@ -448,12 +466,14 @@ def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(
     text = _text_outputs(executed["no_sync"])
     lines = text.splitlines()
 
-    def rows(prefix):
-        return [line.split() for line in lines if line.startswith(prefix)]
+    def rows(mode):
+        return [cells for cells in map(_cells, lines) if cells[0] == mode]
 
-    def costs(prefix, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
-        values = [float(v) for v in rows(prefix)[table][-11:]]
-        return [values[0:2], values[2:4], values[4:6]], values[6:10], values[10]
+    def costs(mode, table):  # [(all-gathers, bytes), (reduce-scatters, bytes), (all-reduces, bytes)], held, error
+        cells = rows(mode)[table]
+        assert len(cells) == 9
+        values = [float(v) for v in cells[1:7]]
+        return [values[0:2], values[2:4], values[4:6]], [float(h) for h in cells[7].split()], float(cells[8])
 
     tables = {
         (mode, table): costs(mode, table)
@@ -494,34 +514,36 @@ def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(
 
 def test_beyond_the_step_measures_evaluation_and_generation(executed):
     text = _text_outputs(executed["beyond_the_step"])
-    lines = text.splitlines()
-
-    def row(prefix):
-        return next(line for line in lines if line.startswith(prefix)).split()
-
-    default, kept = row("None (the default)"), row("False ")
-    assert default[3:6] == ["3", "2", "2"] and kept[1:4] == ["3", "0", "0"]  # the root stays gathered by default
-    assert float(default[6]) > 0.6 and float(kept[4]) == 1.5 and default[9] == kept[7] == "0.50"  # reshard() frees
+    rows = {cells[0]: cells[1:] for cells in (_cells(line) for line in text.splitlines())}
+    # all-gathers in forwards 1, 2, 3; held / P after each; after reshard(); plain after forward 3, after reshard()
+    default, kept = rows["None (the default)"], rows["False"]
+    assert len(default) == len(kept) == 5
+    default_held, kept_held = default[1].split(), kept[1].split()
+    assert default[0].split() == ["3", "2", "2"] and kept[0].split() == ["3", "0", "0"]  # the root stays gathered
+    assert float(default_held[0]) > 0.6 and float(kept_held[0]) == 1.5 and default[2] == kept[2] == "0.50"
     # the prose's claims: the default holds its shards plus the root whole, False the whole model beside its shards
-    assert float(default[9]) < float(default[6]) < 1 and float(kept[4]) == pytest.approx(1 + float(kept[7]), abs=0.011)
+    assert float(default[2]) < float(default_held[0]) < 1
+    assert float(kept_held[0]) == pytest.approx(1 + float(kept[2]), abs=0.011)
     # bytes from the shapes alone; docs/fsdp_tips.rst types 0.77 P (the prose glues it)
-    assert default[6:9] == ["0.77"] * 3
-    n_params = int(text.split("plain tensors among the ")[1].split()[0])
-    assert 0 < int(default[10]) < n_params and int(kept[8]) == n_params  # gathered: plain tensors in parameters()
-    assert default[11] == kept[9] == "0"  # and shards again after reshard()
-    one = float(row("one process")[3])
-    padded, exact = row("DistributedSampler (pads)"), row("every example once")
-    assert padded[5] == "10" and float(padded[3]) != one  # an example counted twice
-    assert exact[6] == "9" and abs(float(exact[4]) - one) < 1e-5 and text.count("batches per rank [3, 2]") == 1
-    resharded, gathered = row("resharded after each forward"), row("kept gathered")
+    assert default_held == ["0.77"] * 3
+    n_params = int(text.split("plain: how many of the ")[1].split()[0])
+    assert 0 < int(default[3]) < n_params and int(kept[3]) == n_params  # gathered: plain tensors in parameters()
+    assert default[4] == kept[4] == "0"  # and shards again after reshard()
+    # loss, examples, batches per rank
+    one = float(rows["one process"][0])
+    padded, exact = rows["DistributedSampler (pads)"], rows["every example once"]
+    assert padded[1] == "10" and float(padded[0]) != one and padded[2] == "3, 3"  # an example counted twice
+    assert exact[1] == "9" and abs(float(exact[0]) - one) < 1e-5 and exact[2] == "3, 2"
+    # all-gathers, per new token, held / P, tokens as one process
+    resharded, gathered = rows["resharded after each forward"], rows["kept gathered (reshard_after_forward=False)"]
     assert resharded[-1] == gathered[-1] == "True"  # one process's tokens either way
-    assert int(resharded[-4]) == 3 + 2 * 5 and int(gathered[-4]) == 3 and float(gathered[-2]) == 1.5
-    assert resharded[-3] == "2.17"  # the tip's all-gathers per token
-    assert float(resharded[-2]) == float(default[6])  # the root left gathered, as in evaluation
+    assert int(resharded[0]) == 3 + 2 * 5 and int(gathered[0]) == 3 and float(gathered[2]) == 1.5
+    assert resharded[1] == "2.17"  # the tip's all-gathers per token
+    assert float(resharded[2]) == float(default_held[0])  # the root left gathered, as in evaluation
     assert "False -> RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor" in text
     assert "True  -> features of shape (1, 8, 32)" in text
     # generating kept gathered holds what evaluation with False holds
-    assert float(gathered[-2]) == float(kept[4])
+    assert float(gathered[2]) == float(kept_held[0])
     assert _glued(executed["beyond_the_step"]).keys() >= {
         "bts_eval_default_held",
         "bts_eval_shards",
@@ -544,8 +566,13 @@ def test_ema_and_teacher_keeps_a_second_copy_on_the_shards(executed):
     assert trained < 1e-4 and ema <= 2 * trained
     assert "loads into a plain GPT: <All keys matched successfully>" in text
     assert "from 1 towards 2: 1.0010 in fp32, 1.0000 in bf16" in text  # an EMA update bf16 rounds away
-    teachers = [line.split() for line in lines if line.startswith(("default ", "reshard_after_forward=True "))]
-    (_, _, t1, t2, t_held), (_, _, s1, s2, s_held), (_, _, r1, r2, r_held), (_, _, q1, q2, q_held) = teachers
+    # teacher root, model, all-gathers in steps 1, 2, model states held / P
+    teachers = [cells for cells in map(_cells, lines) if cells[0] in ("default", "reshard_after_forward=True")]
+    assert [cells[:2] for cells in teachers] == [
+        [root, who] for root in ("default", "reshard_after_forward=True") for who in ("teacher", "student")
+    ]
+    teachers = [[*cells[2].split(), cells[3]] for cells in teachers]
+    (t1, t2, t_held), (s1, s2, s_held), (r1, r2, r_held), (q1, q2, q_held) = teachers
     # the default teacher holds what evaluation's root left gathered (0.77 P, as beyond_the_step's test checks),
     # the resharded one its shards (0.50 P)
     assert (t1, t2, t_held) == ("3", "2", "0.77") and (r1, r2, r_held) == ("3", "3", "0.50")
@@ -1521,6 +1548,10 @@ def test_migration_tutorial_trains_both_ways_alike_and_carries_the_checkpoint_ov
     text = _text_outputs(executed["migration"])
     line = next(ln for ln in text.splitlines() if ln.startswith("max |FSDP1 - FSDP2| over"))
     assert float(line.rsplit(":", 1)[1]) < 1e-5
+    # step, FSDP1's loss, FSDP2's: a row per step, the two columns the same
+    table = [cells for cells in map(_cells, text.splitlines()) if len(cells) == 3 and cells[0].isdigit()]
+    assert [int(cells[0]) for cells in table] == list(range(6))
+    assert all(abs(float(fsdp1) - float(fsdp2)) < 1e-5 for _, fsdp1, fsdp2 in table)
     carried = {
         ln.split("checkpoint, ")[1].split(":")[0].strip(): float(ln.rsplit("=", 1)[1])
         for ln in text.splitlines()
@@ -1744,12 +1775,13 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
     header = text.split("the model: ")[1]
     model, largest = float(header.split(" MiB")[0]), float(header.split("its largest ")[1].split(" MiB")[0])
     parameters = int(header.split(" parameters")[0].split(", ")[-1])
-    # gathered state dict, bfloat16    147.5    56.3       84     0.50  1.3e-02
+    # sync; rank 0's and rank 1's peak rise, MiB; messages; seconds; max |engine - trainer| logits
     rows = {
-        line[:30].strip(): line[30:].split()
-        for line in text.splitlines()
-        if line.startswith(("gathered state dict,", "per parameter,", "bucketed,"))
+        cells[0]: cells[1:]
+        for cells in map(_cells, text.splitlines())
+        if cells[0].startswith(("gathered state dict,", "per parameter,", "bucketed,"))
     }
+    assert len(rows) == 4 and all(len(row) == 5 for row in rows.values())
     rank0, rank1 = ({how: float(row[i]) for how, row in rows.items()} for i in (0, 1))
     messages = {how: int(row[2]) for how, row in rows.items()}
     gap = {how: float(row[4]) for how, row in rows.items()}

@@ -140,18 +140,20 @@ def both_settings():
     return {setting: evaluation_forwards(setting) for setting in (None, False)}
 
 
+from fsdp_guide.table import Table
+from IPython.display import display
+
 n_params = len(list(build_model().parameters()))
-print(
-    f"{'reshard_after_forward':24} {'all-gathers in forward 1, 2, 3':>32} {'held / P after each':>22} "
-    f"{'after reshard()':>16}   plain tensors among the {n_params} parameters(): after forward 3, after reshard()"
-)
 evaluation = launch(both_settings, output="none")[0]
-for setting, (rows, after, (plain, plain_after)) in evaluation.items():
+rows = []
+for setting, (forwards, after, (plain, plain_after)) in evaluation.items():
     name = "None (the default)" if setting is None else str(setting)
-    print(
-        f"{name:24} {' '.join(f'{c:3}' for c, _ in rows):>32} {' '.join(f'{h:.2f}' for _, h in rows):>22} "
-        f"{after:16.2f}   {plain:3} {plain_after:3}"
-    )
+    counts = " ".join(str(count) for count, _ in forwards)
+    held_each = " ".join(f"{h:.2f}" for _, h in forwards)
+    rows.append([name, counts, held_each, f"{after:.2f}", plain, plain_after])
+print(f"plain: how many of the {n_params} parameters() are gathered tensors, after forward 3")
+header = ["reshard_after_forward", "all-gathers per forward", "held / P per forward"]
+display(Table([*header, "held / P after reshard()", "plain", "plain after reshard()"], rows))
 
 # the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 from myst_nb import glue
@@ -178,7 +180,7 @@ glue("bts_eval_kept_held", evaluation[False][0][-1][1], display=False)
 #   Call it after evaluating: the next training step would reuse the gathered root and
 #   reshard it in its backward, but whatever runs in between (a checkpoint, generation,
 #   an EMA update) would have the memory held, and would see plain gathered tensors where
-#   `parameters()` otherwise gives the shards (the last column: the root's parameters with
+#   `parameters()` otherwise gives the shards (the last two columns: the root's parameters with
 #   the default, all of them with `False`, none after `reshard()`). Then `model.train()`
 #   again.
 #
@@ -261,11 +263,12 @@ def evaluate_both_ways():
     return {"DistributedSampler (pads)": padded, "every example once": exact}
 
 
-print(f"{'one process':28} loss {evaluate_one_process():.6f} over {EVAL_EXAMPLES} examples")
 results = launch(evaluate_both_ways, output="none")
+rows = [["one process", f"{evaluate_one_process():.6f}", EVAL_EXAMPLES, "1"]]
 for name, (loss, examples, _) in results[0].items():
-    batches = [r[name][2] for r in results]
-    print(f"{name:28} loss {loss:.6f} over {examples} examples, batches per rank {batches}")
+    batches = ", ".join(str(r[name][2]) for r in results)
+    rows.append([name, f"{loss:.6f}", examples, batches])
+display(Table(["evaluation", "loss", "examples", "batches per rank"], rows))
 glue("bts_padded_examples", results[0]["DistributedSampler (pads)"][1], display=False)
 glue("bts_exact_examples", results[0]["every example once"][1], display=False)
 
@@ -273,7 +276,7 @@ glue("bts_exact_examples", results[0]["every example once"][1], display=False)
 # `DistributedSampler` evaluated {glue:text}`bts_padded_examples` examples, one of them twice, and its loss differs from
 # one process's; splitting without padding counts each of the {glue:text}`bts_exact_examples` once and gives one
 # process's loss (to the float32 rounding of the sums), though one rank had a batch fewer
-# (the batches per rank, printed).
+# (the table's batches per rank).
 # The empty batch ran through PyTorch's own attention (`scaled_dot_product_attention`) here;
 # with an attention kernel that rejects zero rows, run one real row instead, with its loss
 # and count multiplied by zero.
@@ -321,14 +324,14 @@ def generation_both_ways():
 
 one_process = build_model().eval().generate(prompts(), NEW_TOKENS, temperature=0).tolist()
 results = launch(generation_both_ways, output="none")
-print(
-    f"{'':44} {'all-gathers':>11} {'per new token':>13} {'held / P':>9} {'tokens as one process':>22}"
-)
+rows = []
 for keep in (False, True):
     _, count, during = results[0][keep]
     same = all(results[rank][keep][0] == one_process[rank] for rank in (0, 1))
     name = "kept gathered (reshard_after_forward=False)" if keep else "resharded after each forward"
-    print(f"{name:44} {count:11} {count / NEW_TOKENS:13.2f} {during:9.2f} {str(same):>22}")
+    rows.append([name, count, f"{count / NEW_TOKENS:.2f}", f"{during:.2f}", same])
+header = ["generation", "all-gathers", "per new token", "held / P", "tokens as one process"]
+display(Table(header, rows))
 glue("bts_generation_kept_held", results[0][True][2], display=False)
 glue("bts_generation_gathers", results[0][False][1], display=False)
 glue("bts_new_tokens", NEW_TOKENS, display=False)

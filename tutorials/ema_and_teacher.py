@@ -55,6 +55,8 @@ from fsdp_guide.compare import largest_difference
 from fsdp_guide.gpt import GPT, GPTConfig
 from fsdp_guide.memory import measure
 from fsdp_guide.precision import record_dtypes
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -219,7 +221,7 @@ print(
 # head under both names, which a plain `GPT` loads with no missing or unexpected key.
 #
 # Two cautions. While a unit is gathered, `parameters()` gives its whole plain tensors, not
-# the shards ({ref}`the evaluation table's last column <beyond-eval>`): `reshard()` the EMA model after
+# the shards ({ref}`the evaluation table's last two columns <beyond-eval>`): `reshard()` the EMA model after
 # evaluating it (and the model before updating the EMA), or the update mixes tensors and
 # `DTensor`s, or updates a gathered copy that resharding then drops. And the EMA's dtype is
 # its parameters': under a `MixedPrecisionPolicy` the sharded parameters keep their
@@ -281,12 +283,15 @@ def both_teachers():
     return {setting: distillation_step(setting) for setting in (None, True)}
 
 
-print(f"{'teacher root':28} {'':8} {'all-gathers in step 1, 2':>25} {'model states held / P':>22}")
 teachers = launch(both_teachers, output="none")[0]
+rows = []
 for setting, parts in teachers.items():
     for who, (counts, states) in parts.items():
         name = "default" if setting is None else "reshard_after_forward=True"
-        print(f"{name:28} {who:8} {' '.join(f'{c:3}' for c in counts):>25} {states:22.2f}")
+        rows.append([name, who, " ".join(str(c) for c in counts), f"{states:.2f}"])
+display(
+    Table(["teacher root", "model", "all-gathers in steps 1, 2", "model states held / P"], rows)
+)
 glue("bts_student_held", teachers[None]["student"][1], display=False)
 glue("bts_teacher_default_held", teachers[None]["teacher"][1], display=False)
 glue("bts_teacher_resharded_held", teachers[True]["teacher"][1], display=False)

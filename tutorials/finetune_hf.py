@@ -118,6 +118,8 @@ print(sorted(f.name for f in path.iterdir()))
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 from fsdp_guide.memory import host_peak_rise  # VmHWM, and RssAnon sampled every millisecond
+from fsdp_guide.table import Table
+from IPython.display import display
 
 
 def every_rank_reads(path):
@@ -161,13 +163,15 @@ from myst_nb import glue  # the figures the text below quotes, taken from this r
 print(
     f"peak rise while loading, in model sizes ({model_mb:.0f} MiB); all resident memory / the private part"
 )
-print(f"{'':28} {'rank 0':>13} {'rank 1':>13} {'shard kept':>11}")
-in_sizes = {}
+in_sizes, rows = {}, []
 for how, ranks in measured.items():
     (rss0, private0, kept), (rss1, private1, _) = in_sizes[how] = tuple(
         tuple(v / model_mb for v in r) for r in ranks
     )
-    print(f"{how:28} {rss0:5.1f} / {private0:3.1f} {rss1:7.1f} / {private1:3.1f} {kept:10.2f}")
+    rows.append(
+        [how, f"{rss0:.1f} / {private0:.1f}", f"{rss1:.1f} / {private1:.1f}", f"{kept:.2f}"]
+    )
+display(Table(["loading", "rank 0", "rank 1", "shard kept"], rows))
 every, broadcast, sliced = (in_sizes[how] for how in ways)
 glue("every_rank_private", min(every[0][1], every[1][1]), display=False)
 glue("rank0_mapped", broadcast[0][0] - broadcast[0][1], display=False)
@@ -271,9 +275,9 @@ for _ in range(STEPS):
     optimizer.zero_grad()
     single_losses.append(loss.item())
 
-print("step  2 ranks      1 process")
-for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
-    print(f"{step:4}  {a:.6f}  {b:.6f}")
+pairs = enumerate(zip(sharded_losses, single_losses))
+rows = [[step, f"{a:.6f}", f"{b:.6f}"] for step, (a, b) in pairs]
+display(Table(["step", "loss, 2 ranks", "loss, 1 process"], rows))
 relative = [abs(a - b) / b for a, b in zip(sharded_losses, single_losses)]
 print(
     f"relative difference at the first step: {relative[0]:.0e}; "

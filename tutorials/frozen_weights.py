@@ -74,6 +74,8 @@ print(
 
 # %%
 from fsdp_guide import launch
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -234,18 +236,15 @@ fixed = {
     fix: launch(one_step_states, path, world_size=2, output="none", **options)[0]
     for fix, options in fixes.items()
 }
-print(
-    f"{'':32} {'frozen':>8} {'trained':>16} {'units':>5} {'all-gathers per forward':>23} "
-    f"{'rank 0 model states, MiB':>25}"
-)
+rows = []
 for fix, r in fixed.items():
-    print(
-        f"{fix:32} {r['frozen dtype']:>8} {r['trainable dtype']:>16} {r['units']:5} {r['gathers']:23} "
-        f"{r['states'].total / 2**20:25.2f}"
-    )
+    states = f"{r['states'].total / 2**20:.2f}"
+    rows.append([fix, r["frozen dtype"], r["trainable dtype"], r["units"], r["gathers"], states])
+header = ["fix", "frozen", "trained", "units", "all-gathers per forward"]
+display(Table([*header, "rank 0 model states, MiB"], rows))
 weight, update = torch.tensor(1.0), torch.tensor(1 / 300)  # an update of 1/300 of a weight
 print(
-    f"\n1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16"
+    f"1 + 1/300 = {(weight + update).item():.4f} in fp32, {(weight.to(bf16) + update.to(bf16)).item():.4f} in bf16"
 )
 
 # %% [markdown]
@@ -365,21 +364,19 @@ modes = [
 traffic = {
     mode: launch(accumulation_traffic, path, mode, world_size=2, output="none")[0] for mode in modes
 }
+base_mib = traffic["replicated"]["base"] / 2**20
 print(
-    f"frozen base: {traffic['replicated']['base'] / 2**20:.2f} MiB in fp32. On rank 0, in base sizes: the bytes "
-    f"its all-gathers filled; the parameters it held"
+    f"frozen base: {base_mib:.2f} MiB in fp32. On rank 0, in base sizes: the bytes its all-gathers"
+    f" filled in micro-batches 1 to {MICRO} and per step; the parameters it held"
 )
-print(
-    f"{'micro-batch:':36} {'':5}"
-    + "".join(f"{i:5}" for i in range(1, MICRO + 1))
-    + f" {'per step':>9} {'all-gathers':>11} {'reductions':>10} {'held: in forward':>16} {'between':>7}"
-)
+rows = []
 for mode, r in traffic.items():
     per_micro = [b / r["base"] for b in r["gathered"]]
-    print(
-        f"{mode:36} {'':>5}" + "".join(f"{x:5.2f}" for x in per_micro) + f" {sum(per_micro):9.2f} "
-        f"{r['gathers']:11} {r['reductions']:10} {r['in forward'] / r['base']:16.2f} {r['between'] / r['base']:7.2f}"
-    )
+    gathered = [f"{x:.2f}" for x in [*per_micro, sum(per_micro)]]
+    held = [f"{r[when] / r['base']:.2f}" for when in ("in forward", "between")]
+    rows.append([mode, *gathered, r["gathers"], r["reductions"], *held])
+header = ["mode", *map(str, range(1, MICRO + 1)), "per step", "all-gathers", "reductions"]
+display(Table([*header, "held in forward", "held between"], rows))
 resharded, kept = traffic["reshard after forward"], traffic["kept from forward to backward"]
 # micro-batch 1
 glue("frozen_resharded_gathered", resharded["gathered"][0] / resharded["base"], display=False)

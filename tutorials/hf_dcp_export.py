@@ -194,6 +194,8 @@ print(
 
 # %%
 from fsdp_guide.memory import host_peak_rise  # VmHWM, and RssAnon sampled every millisecond
+from fsdp_guide.table import Table
+from IPython.display import display
 
 
 def export_and_measure(write, source, out, warmup):
@@ -233,13 +235,12 @@ exports = {
 print(
     f"peak rise while exporting, in model sizes ({model_mb:.0f} MiB); all resident / the private part"
 )
-print(f"{'':26} {'rank 0':>13} {'other ranks, most':>18} {'seconds':>8}")
+rows = []
 for (write, world), ((seconds, rss0, private0), *others) in exports.items():
     rss, private = (max(rank[i] for rank in others) / model_mb for i in (1, 2))
-    print(
-        f"write={write!r:10} {world} ranks  {rss0 / model_mb:5.1f} / {private0 / model_mb:3.1f} "
-        f"{rss:12.1f} / {private:3.1f} {seconds:8.2f}"
-    )
+    rank0 = f"{rss0 / model_mb:.1f} / {private0 / model_mb:.1f}"
+    rows.append([f"write={write!r}", world, rank0, f"{rss:.1f} / {private:.1f}", f"{seconds:.2f}"])
+display(Table(["export", "ranks", "rank 0", "other ranks, most", "seconds"], rows))
 
 
 # %% [markdown]

@@ -123,6 +123,8 @@ print(sorted(f.name for f in path.iterdir()))
 # %%
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
+from fsdp_guide.table import Table
+from IPython.display import display
 
 
 def one_step_states(path, lora, dtype):
@@ -184,16 +186,12 @@ print(
     f"LoRA: {lora['params'] / 1e6:.2f}M parameters, {lora['trainable']:,} trainable "
     f"({lora['trainable'] / lora['params']:.2%}); every parameter sharded (a DTensor): {lora['all DTensors']}"
 )
-print(
-    f"\nfp32 model states on rank 0 after one AdamW step, MiB: {'params':>7} {'grads':>7} {'optimizer':>9} "
-    f"{'total':>7}"
-)
+print("\nfp32 model states on rank 0 after one AdamW step, MiB:")
+rows = []
 for how, ranks in fp32.items():
     s = ranks[0]["states"]
-    print(
-        f"{how:50} {s.params / 2**20:7.2f} {s.grads / 2**20:7.2f} {s.optimizer / 2**20:9.2f} "
-        f"{s.total / 2**20:7.2f}"
-    )
+    rows.append([how, *(f"{x / 2**20:.2f}" for x in (s.params, s.grads, s.optimizer, s.total))])
+display(Table(["fine-tuning", "params", "grads", "optimizer", "total"], rows))
 print("\nwhat adapt was called on, each time, per rank (the model without its adapters):")
 for rank, r in enumerate(fp32["LoRA"]):
     for nbytes, dtype, where, pretrained in r["adapt given"]:
@@ -310,9 +308,9 @@ for _ in range(STEPS):
     optimizer.step()
     optimizer.zero_grad()
     single_losses.append(loss.item())
-print("step  2 ranks      1 process")
-for step, (a, b) in enumerate(zip(sharded_losses, single_losses)):
-    print(f"{step:4}  {a:.6f}  {b:.6f}")
+pairs = enumerate(zip(sharded_losses, single_losses))
+rows = [[step, f"{a:.6f}", f"{b:.6f}"] for step, (a, b) in pairs]
+display(Table(["step", "loss, 2 ranks", "loss, 1 process"], rows))
 print(
     f"largest relative difference: {largest_difference(zip(sharded_losses, single_losses), relative=True):.0e}"
 )

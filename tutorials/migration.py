@@ -73,6 +73,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
+from fsdp_guide.table import Table
+from IPython.display import display
 
 WIDTH, STEPS = 32, 6
 
@@ -143,9 +145,9 @@ def both_apis():
 
 
 losses = launch(both_apis, output="none")[0]
-print(f"{'step':>4}  {'FSDP1':>10}  {'FSDP2':>10}")
-for step, (a, b) in enumerate(zip(losses["fsdp1"], losses["fsdp2"])):
-    print(f"{step:4}  {a:10.6f}  {b:10.6f}")
+pairs = enumerate(zip(losses["fsdp1"], losses["fsdp2"]))
+rows = [[step, f"{a:.6f}", f"{b:.6f}"] for step, (a, b) in pairs]
+display(Table(["step", "loss, FSDP1", "loss, FSDP2"], rows))
 difference = largest_difference(zip(losses["fsdp1"], losses["fsdp2"]))
 print(f"max |FSDP1 - FSDP2| over {STEPS} steps: {difference:.1e}")
 

@@ -53,6 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fsdp_guide import launch
 from fsdp_guide.gpt import GPT, GPTConfig
+from fsdp_guide.table import Table
+from IPython.display import display
 from myst_nb import glue  # the figures the text quotes, from the run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -201,22 +203,17 @@ def print_costs(measured, world):
     _, step_reference = one_process_gradients(
         torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
     )
-    print(
-        f"{'':30} {'all-gathers':>15} {'reduce-scatters':>15} {'all-reduces':>15}   "
-        f"{'gradients held / P after':>24}  {'gradient error':>14}"
-    )
-    print(
-        f"{'':30}"
-        + f" {'count   bytes/P':>15}" * 3
-        + f"   {'micro-batch 1, 2, 3, 4':>24}  {'vs one process':>14}"
-    )
+    kinds = ("all-gather", "reduce-scatter", "all-reduce")
+    rows = []
     for mode, (traffic, held, grads) in measured.items():
-        cells = " ".join(
-            f"{traffic[k][0]:6} {traffic[k][1]:8.2f}"
-            for k in ("all-gather", "reduce-scatter", "all-reduce")
-        )
+        counts = [cell for k in kinds for cell in (traffic[k][0], f"{traffic[k][1]:.2f}")]
         error = relative_error(grads, step_reference)
-        print(f"{mode:30} {cells}   {' '.join(f'{h:5.2f}' for h in held):>24}  {error:14.1e}")
+        rows.append([mode, *counts, " ".join(f"{h:.2f}" for h in held), f"{error:.1e}"])
+    header = ["mode", *(name for k in kinds for name in (f"{k}s", f"{k} bytes/P"))]
+    print(
+        "gradients held / P: after micro-batches 1, 2, 3, 4; error: the final gradients', vs one process's"
+    )
+    display(Table([*header, "gradients held / P", "error"], rows))
 
 
 measured = launch(costs, ["sync every micro-batch", "no sync until the last"], (2,), output="none")[

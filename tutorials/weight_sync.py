@@ -57,6 +57,8 @@ import torch.distributed as dist
 from fsdp_guide import launch
 from fsdp_guide.gpt import GPT, GPTConfig
 from fsdp_guide.memory import tensor_peak_rise
+from fsdp_guide.table import Table
+from IPython.display import display
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512)
@@ -228,15 +230,14 @@ print(
     f"the model: {model_mib:.0f} MiB in fp32, {len(sizes)} parameters, its largest {max(sizes):.0f} MiB; "
     "peak rise of the tensors each trainer rank holds while syncing, in MiB"
 )
-print(
-    f"{'':30} {'rank 0':>7} {'rank 1':>7} {'messages':>8} {'seconds':>8}  max |engine - trainer| logits"
-)
+rows = []
 for (how, dtype), (r0, r1, engine) in runs.items():
     gap = (engine["logits"] - r0["logits"]).abs().max().item()
-    print(
-        f"{how + ', ' + str(dtype).removeprefix('torch.'):30} {r0['peak']:7.1f} {r1['peak']:7.1f} "
-        f"{r0['sends']:8} {r0['seconds']:8.2f}  {gap:.1e}"
-    )
+    name = f"{how}, {str(dtype).removeprefix('torch.')}"
+    peaks = [f"{r['peak']:.1f}" for r in (r0, r1)]
+    rows.append([name, *peaks, r0["sends"], f"{r0['seconds']:.2f}", f"{gap:.1e}"])
+header = ["sync", "rank 0", "rank 1", "messages", "seconds"]
+display(Table([*header, "logits, max |engine - trainer|"], rows))
 engine_bf16 = [
     engine["logits"] for (how, dtype), (_, _, engine) in runs.items() if dtype == torch.bfloat16
 ]
