@@ -60,7 +60,7 @@ nitpick_ignore_regex = [
     # No intersphinx (the build is offline): names from the standard library and torch stay plain text.
     (
         "py:class",
-        r"(collections\.abc\.)?(Callable|Iterator|Iterable|Mapping)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future|DeviceMesh",
+        r"(collections\.abc\.)?(Callable|Iterator|Iterable|Mapping|Sequence)|Any|typing\..*|torch\..*|os\.PathLike|(pathlib\.)?Path|(concurrent\.futures\.)?Future|DeviceMesh",
     ),
 ]
 

@@ -41,6 +41,12 @@ def _glued(notebook) -> dict:
     }
 
 
+def test_no_page_runs_past_450_lines():
+    # issue 47: one idea a page; a page that grows past this has grown a second idea, or a harness to fold away
+    lengths = {page.stem: len(page.read_text().splitlines()) for page in NOTEBOOKS}
+    assert len(lengths) >= 50 and not {stem: n for stem, n in lengths.items() if n > 450}
+
+
 def test_every_tutorial_is_tested():
     assert [t.stem for t in TUTORIALS] == [
         "beyond_the_step",

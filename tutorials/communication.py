@@ -247,27 +247,10 @@ steps = launch(every_strategy, backend="gloo", output="none")[0]
 rows = []
 for strategy, (counts, wire, _, (params, grads)) in steps.items():
     described = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
-    vs_ddp, textbook = wire / steps["DDP"][1], TEXTBOOK[strategy] / TEXTBOOK["DDP"]
-    rows.append(
-        [
-            strategy,
-            described,
-            f"{wire:.2f}",
-            f"{vs_ddp:.2f}",
-            f"{textbook:.2f}",
-            f"{params:.2f}",
-            f"{grads:.2f}",
-        ]
-    )
-header = [
-    "strategy",
-    "collectives per step",
-    "sent / P",
-    "vs DDP",
-    "textbook vs DDP",
-    "params held / P",
-    "grads held / P",
-]
+    figures = wire, wire / steps["DDP"][1], TEXTBOOK[strategy] / TEXTBOOK["DDP"], params, grads
+    rows.append([strategy, described, *(f"{x:.2f}" for x in figures)])
+header = ["strategy", "collectives per step", "sent / P", "vs DDP", "textbook vs DDP"]
+header += ["params held / P", "grads held / P"]
 display(Table(header, rows))
 print(
     "the gradient buckets DDP all-reduced, in order:",

@@ -391,24 +391,15 @@ def tp_collectives(plan, kind):
 
 
 PAGE, GATHERED, PARALLEL, _ = OUTPUT_PLANS
-gathered_reduces, parallel_reduces = (
-    tp_collectives(GATHERED, "all-reduce"),
-    tp_collectives(PARALLEL, "all-reduce"),
-)
+gathered_n, gathered_bytes = tp_collectives(GATHERED, "all-reduce")
+parallel_n, parallel_bytes = tp_collectives(PARALLEL, "all-reduce")
+extra_gather = tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1]
 glue("tp_logits_bytes", results[PAGE][2], display=False)  # the logits on a rank, the blocks' plan
-glue(
-    "tp_extra_gather_bytes",
-    tp_collectives(GATHERED, "all-gather")[1] - tp_collectives(PAGE, "all-gather")[1],
-    display=False,
-)
-# each all-reduce's
-glue("tp_hidden_reduce_bytes", gathered_reduces[1] // gathered_reduces[0], display=False)
+glue("tp_extra_gather_bytes", extra_gather, display=False)
+glue("tp_hidden_reduce_bytes", gathered_bytes // gathered_n, display=False)  # each all-reduce's
 # each of loss parallel's own all-reduces
-glue(
-    "tp_lp_reduce_bytes",
-    (parallel_reduces[1] - gathered_reduces[1]) // (parallel_reduces[0] - gathered_reduces[0]),
-    display=False,
-)
+lp_reduce = (parallel_bytes - gathered_bytes) // (parallel_n - gathered_n)
+glue("tp_lp_reduce_bytes", lp_reduce, display=False)
 
 # %% [markdown]
 # - With the blocks' plan every rank computes all the logits of all 8 sequences

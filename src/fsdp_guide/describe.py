@@ -219,7 +219,7 @@ def _is_fsdp1_view(name: str) -> bool:
 def draw_sharding(tables: Sequence[ShardingTable], name: str, label: Callable[[int], str] | None = None, ax=None):
     """Which rank holds each element of the parameter ``name``: the full tensor, a block per shard.
 
-    ``tables``: every rank's :func:`describe_sharding` of the same model, in rank order (what
+    ``tables``: every rank's :func:`fsdp_guide.describe_sharding` of the same model, in rank order (what
     ``launch`` returns when the worker returns it). A block names the ranks that hold it
     (``label(rank)``, ``"rank 0"`` by default); a replicated block names them all. A 1-D
     parameter is drawn as one row, a 3-D one (stacked experts) as its dim-0 slices side by side.
