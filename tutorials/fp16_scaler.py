@@ -70,17 +70,42 @@ glue("fp16_smallest_normal", f"{torch.finfo(torch.float16).smallest_normal:.2g}"
 glue("fp16_to_zero", f"{2**-25:.2g}", display=False)  # half the smallest subnormal: rounds to 0
 
 # %% [markdown]
-# The model and its sharding are the previous page's, {func}`fsdp_guide.precision.shard_with_policy`:
-# a matmul, a softmax and a second matmul, each linear layer an FSDP unit, sharded with
-# FSDP2's `MixedPrecisionPolicy` or FSDP1's `MixedPrecision`, `param_dtype` the low dtype
-# and `reduce_dtype` float32.
+# The model and its sharding are the previous page's (hidden; click to show): a matmul, a
+# softmax and a second matmul, each linear layer an FSDP unit, sharded with FSDP2's
+# `MixedPrecisionPolicy` or FSDP1's `MixedPrecision`, `param_dtype` the low dtype and
+# `reduce_dtype` float32.
 
-# %%
+# %% tags=["hide-input"]
 import fsdp_guide
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
-from fsdp_guide.precision import Attentionish, shard_with_policy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+
+class Attentionish(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scores = nn.Linear(width, width, bias=False)
+        self.values = nn.Linear(width, 4, bias=False)
+
+    def forward(self, x):
+        return self.values(torch.softmax(self.scores(x), dim=-1))
+
+
+def shard_with_policy(model, api, low, device):
+    """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
+    if api == "fsdp1":
+        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
+        return FSDP(model, device_id=device, mixed_precision=policy)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    for layer in (model.scores, model.values):
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
 
 # %% [markdown]
 # (mixed-precision-fp16-scaler)=
@@ -101,6 +126,7 @@ from fsdp_guide.precision import Attentionish, shard_with_policy
 # accepts float16 gradients, which `GradScaler.unscale_` refuses ("Attempting to unscale
 # FP16 gradients.", `torch/amp/grad_scaler.py`). A plain `GradScaler` with FSDP1 is not
 # run here.
+
 # %%
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -53,19 +53,9 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 #   gradient scaler it needs.
 
 # %% [markdown]
-# The model has a matmul, a softmax and a second matmul, and each linear layer is an FSDP
-# unit, sharded with FSDP2's `MixedPrecisionPolicy` or FSDP1's `MixedPrecision`
-# (`param_dtype` the low dtype, `reduce_dtype` float32); the {ref}`float16 page
-# <tutorial-fp16-scaler>` trains the same, so both import it from `fsdp_guide.precision`:
-#
-# ```{literalinclude} ../src/fsdp_guide/precision.py
-# :language: python
-# :pyobject: shard_with_policy
-# ```
-#
-# (`Attentionish`, {func}`its source <fsdp_guide.precision.Attentionish>`, is
-# `values(softmax(scores(x)))`.) Each case runs one forward and backward on 2 ranks while
-# {func}`fsdp_guide.precision.record_dtypes` records what each operation ran in.
+# The model below has a matmul, a softmax and a second matmul. Each case runs one
+# forward and backward on 2 ranks while {func}`fsdp_guide.precision.record_dtypes`
+# records what each operation ran in.
 #
 # (fsdp2-fully-shard-mp-policy)=
 # (fsdp2-mixedprecisionpolicy)=
@@ -75,12 +65,37 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # %%
 import fsdp_guide
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_guide import launch
-from fsdp_guide.precision import Attentionish, record_dtypes, shard_with_policy
+from fsdp_guide.precision import record_dtypes
 from fsdp_guide.table import Table
 from IPython.display import display
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+
+class Attentionish(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scores = nn.Linear(width, width, bias=False)
+        self.values = nn.Linear(width, 4, bias=False)
+
+    def forward(self, x):
+        return self.values(torch.softmax(self.scores(x), dim=-1))
+
+
+def shard_with_policy(model, api, low, device):
+    """FSDP with param_dtype=low and reduce_dtype=float32, or without mixed precision (low=None)."""
+    if api == "fsdp1":
+        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
+        return FSDP(model, device_id=device, mixed_precision=policy)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
+    for layer in (model.scores, model.values):
+        fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
 
 # (name, API, FSDP's param_dtype, autocast dtype)
 CASES = [
@@ -242,10 +257,6 @@ print(
 
 
 # %%
-import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-
 class Recorded(nn.Linear):
     """A linear layer that writes down the dtype of its input and of its output."""
 

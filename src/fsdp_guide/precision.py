@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_guide.collectives import _OPS, _nbytes
 
-__all__ = ["record_dtypes", "DtypeRecord", "low_precision_dtype", "Attentionish", "shard_with_policy"]
+__all__ = ["record_dtypes", "DtypeRecord", "low_precision_dtype"]
 
 # Schema names (without overload) -> the kind reported, for what computes. Collectives
 # come from fsdp_guide.collectives' table (c10d's ops as gloo and NCCL run them, and the
@@ -164,46 +163,3 @@ def low_precision_dtype() -> torch.dtype:
             if not torch.cuda.is_bf16_supported(including_emulation=False):
                 return torch.float16
     return torch.bfloat16
-
-
-class Attentionish(nn.Module):
-    """A matmul, a softmax and a second matmul: the mixed-precision pages' model, with the
-    operation autocast keeps in float32 (the softmax) between two it casts."""
-
-    def __init__(self, width: int = 32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.scores = nn.Linear(width, width, bias=False)
-        self.values = nn.Linear(width, 4, bias=False)
-
-    def forward(self, x):
-        return self.values(torch.softmax(self.scores(x), dim=-1))
-
-
-def shard_with_policy(model: Attentionish, api: str, low: torch.dtype | None, device: torch.device) -> nn.Module:
-    """Each linear layer and the root an FSDP unit, with ``param_dtype=low`` and
-    ``reduce_dtype=float32``, or without mixed precision (``low=None``); ``api`` is
-    ``"fsdp2"`` (``fully_shard``, ``MixedPrecisionPolicy``) or ``"fsdp1"`` (``FullyShardedDataParallel``,
-    ``MixedPrecision``).
-
-    >>> import fsdp_guide
-    >>> from fsdp_guide import launch
-    >>> def gathered_in():
-    ...     model = shard_with_policy(Attentionish(), "fsdp2", torch.bfloat16, fsdp_guide.device())
-    ...     seen = []
-    ...     model.scores.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-    ...     model(torch.randn(2, 32, device=fsdp_guide.device()))
-    ...     return seen[0], model.scores.weight.dtype  # forward's gathered weight; the shard it keeps
-    >>> launch(gathered_in, world_size=2, output="none")[0]
-    (torch.bfloat16, torch.float32)
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard
-
-    if api == "fsdp1":
-        policy = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if low else None
-        return FSDP(model, device_id=device, mixed_precision=policy)
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
-    for layer in (model.scores, model.values):
-        fully_shard(layer, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
