@@ -23,7 +23,7 @@
 # - why the reentrant implementation trains nothing on an input that needs no gradient, and
 #   the non-reentrant one does.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its own GPU (`cuda:LOCAL_RANK`) where each rank has one, else
 # the CPU (as on the machine that executed this page). Inputs are built on the CPU from

@@ -22,7 +22,7 @@
 # - compiling the optimizer step on FSDP2's DTensor parameters: one graph, no collectives,
 #   parameters within rounding of eager's.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU;
 # what this page says about GPUs is what is expected there, not something it ran.

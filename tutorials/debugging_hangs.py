@@ -29,7 +29,7 @@
 # (with `py-spy`), {ref}`wrong sums from the order of a set <tutorial-set-order>`; NCCL's
 # watchdog, from torch's source: {ref}`debugging-hangs-gpu`; symptom → tool → fix: {ref}`symptom-hang`.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent waiting in
+# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent waiting in
 # hangs, for a timeout or for the dumps. The hangs run on gloo on purpose, even where GPUs are present
 # (`backend="gloo"`): a gloo collective holds the calling Python line until it completes
 # (the stacks below find each rank on that line), where an NCCL rank would run on and hang

@@ -23,7 +23,7 @@
 #   one (`torch.amp.GradScaler` with FSDP2, `ShardedGradScaler` with FSDP1);
 # - that a step skipped for an overflow on one rank's shard is skipped on every rank.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # It follows {ref}`tutorial-mixed-precision`, which shows in which dtype each operation,

@@ -28,7 +28,7 @@
 # copy) is the next page's idea: {ref}`tutorial-fp8-memory`.
 #
 # **What you need**: torchao; a CPU (where torch runs the float8 matmul); 2 processes on
-# gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is written to run unchanged with one GPU per rank
+# gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is written to run unchanged with one GPU per rank
 # (NCCL), each rank computing on {func}`fsdp_guide.device` (its GPU `cuda:LOCAL_RANK`
 # where it has one, else the CPU); torchao's float8 training then needs GPUs with float8
 # matmuls: CUDA compute capability 8.9 or 9.0 and newer, the condition torch's own tests

@@ -27,7 +27,7 @@
 # with FSDP2.
 #
 # **What you need**: torchao; a CPU (where torch runs the float8 matmul); 2 processes on
-# gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is written to run unchanged with one GPU per rank
+# gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is written to run unchanged with one GPU per rank
 # (NCCL), each rank computing on {func}`fsdp_guide.device` (its GPU `cuda:LOCAL_RANK`
 # where it has one, else the CPU); torchao's float8 training then needs GPUs with float8
 # matmuls (compute capability 8.9 and newer, as {ref}`the FP8 page <tutorial-fp8>` says).

@@ -27,7 +27,7 @@
 # <tutorial-debugging-hangs>`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `py-spy` (the package's `test` or `docs`
-# extra); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent
+# extra); about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`), much of it spent
 # waiting in the hang for the dumps. The hang runs on gloo on purpose, even where GPUs are
 # present (`backend="gloo"`): a gloo collective holds the calling Python line until it
 # completes, where an NCCL rank would run on and hang later ({ref}`on GPUs

@@ -27,7 +27,7 @@
 # - DCP's background save (`dcp.async_save`) with a `DefaultStager` on a CPU.
 #
 # **What you need**: a CPU; 2 and 4 processes on gloo; Linux (the memory readings come from
-# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
+# `/proc`); `transformers` and `safetensors` (the package's `hf` extra); about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the "pretrained" model is a small Llama built from a
 # config with a fixed seed, as in {ref}`tutorial-finetune-hf`, which loads it into FSDP2 and
 # writes it back by gathering to rank 0. The same worker code is written to run unchanged
 # with one GPU per rank (NCCL): the shards live on {func}`fsdp_guide.device`. The tips are

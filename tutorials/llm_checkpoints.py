@@ -26,7 +26,7 @@
 # - the ways a `state_dict` or a checkpoint gets loaded into a sharded model wrongly, and the
 #   right ones.
 #
-# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 processes on gloo, 4 for one cell; about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU. The
 # training is {ref}`the LLM recipe <tutorial-llm>`'s, run briefly here: a small GPT over the bytes

@@ -26,7 +26,7 @@
 # - a published MFU reproduced from its throughput, and three ways to get it wrong.
 #
 # **What you need**: a CPU; 2 processes on gloo; transformers, for one cell that builds
-# Llama 3.1 8B's shapes without their memory; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# Llama 3.1 8B's shapes without their memory; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The same code is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU, and the
 # recipe then prints its MFU over the GPU's dense bf16 peak itself

@@ -23,7 +23,7 @@
 # - a bfloat16 unit next to a float32 one, and what `output_dtype` and
 #   `cast_forward_inputs` do at their boundary.
 #
-# **What you need**: a CPU; 2 processes on gloo, about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
+# **What you need**: a CPU; 2 processes on gloo, about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The same code is
 # written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU.
 # Why float16 needs a gradient scaler and bfloat16 does not, shown by training: the next

@@ -24,7 +24,7 @@
 # - that 1F1B runs its chunks in another order than GPipe but idles about as long: what
 #   it saves is memory.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 25 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 processes on gloo; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The worker code is written to run unchanged with one GPU per rank (NCCL): the stages are
 # built on {func}`fsdp_guide.device`. The previous page, {ref}`tutorial-pipeline`, cuts
 # the GPT into the stages timed here and shards them with FSDP2; this one leaves FSDP out,

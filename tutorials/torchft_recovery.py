@@ -31,7 +31,7 @@
 # rendezvous store and torchft's manager listen on every interface, so the page runs them in
 # a network namespace of their own where only loopback exists
 # ({func}`fsdp_guide.isolation.loopback_only`); on a cluster they run as they are. 2 and 4
-# processes on gloo; about 30 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The training code is written to run unchanged with
+# processes on gloo; about 35 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The training code is written to run unchanged with
 # one GPU per rank (NCCL inside a group, torchft's NCCL group across groups, each group on
 # GPUs of its own): each rank's device is {func}`fsdp_guide.device`'s. The tips it
 # demonstrates are listed {ref}`at the end <torchft-recovery-tips>`.

@@ -21,7 +21,7 @@
 # - gradient clipping when the parameters live on two meshes (FSDP x TP);
 # - `implicit_replication` when plain tensors sit next to DTensors (TP alone).
 #
-# **What you need**: a CPU; 4 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
+# **What you need**: a CPU; 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The
 # worker code is written to run unchanged with one GPU per rank (NCCL): the mesh is built
 # on {func}`fsdp_guide.device`'s type.
 # The tips it demonstrates are listed {ref}`at the end <tp-gradients-tips>`.
