@@ -1805,6 +1805,8 @@ def test_weight_sync_measures_three_ways_and_the_engine_computes_the_trainers_lo
 
 def test_pipeline_matches_one_process_and_counts_all_gathers_per_micro_batch(executed):
     text = _text_outputs(executed["pipeline"])
+    drawn = next(c for c in executed["pipeline"].cells if "parameters held after it, MiB" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # what stage 0 holds, drawn
     one_process = float(text.split("one process: loss ")[1].split()[0])
     table = [_cells(line) for line in text.splitlines()]
     # GPipe  True  4  5.5789211  5.8e-07

@@ -337,6 +337,24 @@ header = ["schedule", "reshard", "m", "stage", "all-gathers", "gathered MiB", "r
 header += ["params MiB after a forward", "params MiB after a backward", "grads MiB", "most alive"]
 display(Table(header, rows))
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The parameters stage 0 holds after each forward (F) and backward (B) chunk of one step of 4 micro-batches, under GPipe and under 1F1B, resharded after forward and kept gathered: resharded, it holds only its shards after each forward and its whole parameters after the backwards; kept gathered, it holds them whole after every chunk."}}
+import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 3), sharey=True)
+for ax, schedule in zip(axes, ("GPipe", "1F1B")):
+    for reshard, style in ((True, "o-"), (False, "s--")):
+        spans = runs[schedule, reshard, 4][0]["spans"]  # rank 0: stage 0
+        held = [params / 2**20 for _, _, params, _ in spans]
+        label = "resharded after forward" if reshard else "kept gathered"
+        ax.plot(range(len(spans)), held, style, label=label)
+    ax.set_xticks(range(len(spans)), [f"{kind}{chunk}" for kind, chunk, *_ in spans])
+    ax.set(
+        title=f"{schedule}, 4 micro-batches: stage 0", xlabel="chunk, in the order the stage ran it"
+    )
+axes[0].set_ylabel("parameters held after it, MiB")
+axes[0].legend(fontsize=8)
+fig.tight_layout()
+
 # %% [markdown]
 # Read it stage by stage, each stage being 3 FSDP units (its 2 blocks and the stage
 # itself), sharded over 2 ranks: a stage's shards are half its parameters, and gathered it
