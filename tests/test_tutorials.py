@@ -1877,6 +1877,8 @@ def test_pipeline_bubble_times_the_schedules_against_the_formula_and_draws_them(
 
 def test_experts_match_one_process_only_with_the_divide_factor(executed):
     text = _text_outputs(executed["experts"])
+    drawn = next(c for c in executed["experts"].cells if 'draw_sharding(tables, "emb.weight"' in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # who holds what, drawn once
     assert float(text.split("max |MoE layer - every expert on every token| = ")[1].split()[0]) < 1e-6
     one_process = float(text.split("loss: one process ")[1].split(";")[0])
     losses = [float(x) for x in re.findall(r"(?:average|divide factor|sum, global tokens) (\d\.\d{7})", text)]

@@ -273,6 +273,7 @@ def one_step(reduction, n_experts=EXPERTS, experts_on_dim=0):
         "ep": experts_mesh["ep"].get_local_rank(),
         "grads": {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()},
         "shapes": {name: tuple(p.to_local().shape) for name, p in model.named_parameters()},
+        "sharding": fsdp_guide.describe_sharding(model),  # for the figure
         "sent": model.moe.sent.tolist(),
         "computed": model.moe.computed,
         "collectives": seen.rows(),
@@ -285,6 +286,28 @@ runs = {
 }
 print("what rank 0 holds of each parameter (its local shard's shape):")
 display(Table(["parameter", "shape on rank 0"], runs["average"][0]["shapes"].items()))
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Which rank holds each of the 8 experts' weights, and each quarter of the embedding: ranks 0 and 2 hold experts 0 to 3, two each, ranks 1 and 3 experts 4 to 7, two each; every rank holds a quarter of the embedding's rows."}}
+import matplotlib.pyplot as plt
+from fsdp_guide.describe import draw_sharding
+
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3.2), height_ratios=(1, 1.4))
+colours = plt.get_cmap("Pastel1").colors
+for rank, r in enumerate(runs["average"]):
+    w1 = next(row for row in r["sharding"] if row.name == "moe.experts.w1")
+    start, stop = map(
+        int, w1.holds.strip("[").split(",")[0].split(":")
+    )  # of this ep rank's experts
+    for local in range(start, stop):
+        expert = r["ep"] * w1.full_shape[0] + local  # ep rank e holds experts e*4 ... e*4+3
+        top.add_patch(plt.Rectangle((expert, 0), 1, 1, facecolor=colours[rank], edgecolor="0.3"))
+        top.text(expert + 0.5, 0.5, f"e{expert}\nrank {rank}", ha="center", va="center", fontsize=8)
+top.set(xlim=(0, EXPERTS), ylim=(0, 1), xticks=[], yticks=[])
+top.set_title("the experts' weights (w1, w2): one rank each, over ep and edp")
+tables = [r["sharding"] for r in runs["average"]]
+draw_sharding(tables, "emb.weight", ax=bottom)
+bottom.set_title("the embedding (and every other dense parameter): a quarter on each rank, over dp")
+fig.tight_layout()
 
 # %% [markdown]
 # Rank 0 holds a quarter of every dense parameter (16 of the embedding's 64 rows, 2 of the

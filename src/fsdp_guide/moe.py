@@ -169,6 +169,7 @@ def one_step(reduction, n_experts=EXPERTS, experts_on_dim=0):
         "ep": experts_mesh["ep"].get_local_rank(),
         "grads": {name: p.grad.full_tensor().cpu() for name, p in model.named_parameters()},
         "shapes": {name: tuple(p.to_local().shape) for name, p in model.named_parameters()},
+        "sharding": fsdp_guide.describe_sharding(model),  # for the figure
         "sent": model.moe.sent.tolist(),
         "computed": model.moe.computed,
         "collectives": seen.rows(),
