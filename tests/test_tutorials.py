@@ -470,6 +470,8 @@ def test_loss_and_accumulation_measures_normalisation_errors_per_rank_and_under_
 
 def test_no_sync_measures_traffic_and_gradient_memory_with_and_without_the_sync(executed):
     text = _text_outputs(executed["no_sync"])
+    drawn = next(c for c in executed["no_sync"].cells if "gradients held on a rank" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # held per micro-batch, drawn
     lines = text.splitlines()
 
     def rows(mode):

@@ -234,6 +234,22 @@ glue("scattered_unsynced", unsynced["reduce-scatter"][1], display=False)
 glue("held_synced", max(held_synced), display=False)
 glue("held_unsynced", max(held_unsynced), display=False)
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The gradients a rank holds after each of the 4 micro-batches of a step, in units of the parameters' bytes, syncing every micro-batch and not syncing until the last: synced, it holds its shard's worth after each; unsynced, it holds the whole unsharded gradient until the last micro-batch's reduce-scatter shards it."}}
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(6, 2.6))
+for mode, (_, held, _) in measured.items():
+    ax.plot(range(1, len(held) + 1), held, "o-", label=mode)
+ax.set(
+    xlabel="after micro-batch",
+    ylabel="gradients held / P",
+    ylim=(0, 1.15),
+    xticks=range(1, STEP_MICRO + 1),
+)
+ax.set_title("gradients held on a rank, 2 ranks")
+ax.legend(fontsize=8, loc="lower left")
+fig.tight_layout()
+
 # %% [markdown]
 # Per step of 4 micro-batches on 2 ranks, P the parameters' bytes:
 #
