@@ -2012,6 +2012,8 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_computes_the_interval(exe
     assert all(restart > 0 and same == "True" for _, _, restart, same in rows.values())
     assert text.count("failed (exitcode: -9) local_rank: 1") == 2  # SIGKILL, once per run, as torchrun saw it
     assert text.count("starting at step 1 (--resume auto)") == 2
+    drawn = next(c for c in executed["rank_dies"].cells if "computed again after the restart" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # the two attempts, drawn
 
     save = float(text.split("a save δ = ")[1].split(" ms")[0]) / 1000
     assert "Daly's Fig. 3 (M = 24 h, δ = 5 min): τ = 117 min" in text  # the paper's own example

@@ -248,6 +248,27 @@ for name, run in restarted.items():
     rows.append([name, resumed, run["redone"], f"{run['restart']:.1f}", same])
 display(Table(["run", "resumed at", "steps redone", "restart s", "= uninterrupted"], rows))
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Two runs as timelines of steps: the first attempt computes steps up to where rank 1 is killed, the second resumes after the newest complete checkpoint and computes to the last step; the steps computed twice are red. The run killed between saves redoes the steps since its last checkpoint; the run killed while saving redoes a whole checkpoint interval."}}
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(8, 2.2))
+for row, run in enumerate(restarted.values()):
+    resumed = run["computed"] - run["redone"]
+    y = 2 * row
+    ax.barh(y + 0.45, run["computed"], left=0.5, height=0.8, color="0.8", edgecolor="0.3")
+    ax.barh(y - 0.45, STEPS - resumed, left=resumed + 0.5, height=0.8, color="tab:blue", alpha=0.5)
+    ax.barh(y - 0.45, run["redone"], left=resumed + 0.5, height=0.8, color="tab:red", alpha=0.8)
+    ax.plot(run["computed"] + 0.5, y + 0.45, "kx", markersize=10)  # rank 1 killed
+ax.set_yticks(
+    [y for row in range(len(restarted)) for y in (2 * row + 0.45, 2 * row - 0.45)],
+    [f"{name}: attempt {n}" for name in restarted for n in (1, 2)],
+)
+ax.set(
+    xlabel="step (x: rank 1 killed; red: computed again after the restart)", xlim=(0.5, STEPS + 0.5)
+)
+ax.set_xticks(range(1, STEPS + 1))
+fig.tight_layout()
+
 # %% [markdown]
 # Both runs end bit for bit where the uninterrupted run ends: the losses of every step
 # after the resume, and everything in the last checkpoint, the optimizer's moments, the
