@@ -157,7 +157,9 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_the_other_is_ended(t
     assert tb.startswith("Traceback (most recent call last):") and 'fails.py", line 10, in <module>' in tb, tb
     assert 'fails.py", line 6, in fail' in tb and "runpy" not in tb and "_script.py" not in tb, tb
     assert "Traceback from rank 1" in str(error)
-    assert "[rank1] ValueError: rank 1 fails on purpose" in capfd.readouterr().err  # streamed as Python printed it
+    err = capfd.readouterr().err  # streamed as Python printed it, through torch's hook that prefixes "[rank1]:"
+    assert "\n[rank1]: ValueError: rank 1 fails on purpose" in err and "[rank1] [rank1]" not in err, err
+    assert '[rank1]:   File "' + str(script) + '", line 10, in <module>' in err and "runpy" not in err, err
 
 
 HANGS = """
@@ -176,13 +178,14 @@ HANGS = """
 def test_a_hang_ends_at_the_timeout_with_each_ranks_stack(tmp_path, capfd, nothing_left):
     script = _script(tmp_path, HANGS, "hangs.py")
     with pytest.raises(LaunchError) as caught:
-        run(script, nproc=2, timeout=20)
+        run(script, nproc=2, timeout=15)
     error = caught.value
     assert capfd.readouterr().out.count("initialised") == 2  # both were past init_process_group
-    assert "did not finish within timeout=20 s" in str(error) and error.ranks == [0, 1], str(error)
+    assert "did not finish within timeout=15 s" in str(error) and error.ranks == [0, 1], str(error)
     assert set(error.stacks) == {0, 1}, str(error)
     assert "barrier" in error.stacks[0] and 'hangs.py", line 8' in error.stacks[0], error.stacks[0]
     assert 'hangs.py", line 10' in error.stacks[1], error.stacks[1]
+    assert all(stack.splitlines()[-1].endswith("in <module>") for stack in error.stacks.values()), error.stacks
 
 
 @pytest.mark.parametrize(

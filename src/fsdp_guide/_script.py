@@ -54,6 +54,7 @@ def main() -> None:
         raise  # the script's own exit status, as Python gives it
     except BaseException as exc:  # noqa: BLE001 - what the script did not catch ends it, as in `python SCRIPT`
         tb = _from_the_script(exc.__traceback__, os.path.abspath(script))
+        exc.__traceback__ = tb  # what Python's hook prints (torch's, set by init_process_group, calls it)
         sys.stdout.flush()
         sys.excepthook(type(exc), exc, tb)
         sys.stderr.flush()

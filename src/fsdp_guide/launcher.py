@@ -747,8 +747,11 @@ class _Ranks:
         self.tails[rank].append(line.rstrip("\r\n"))
         if show:
             out = sys.stdout if stream == "stdout" else sys.stderr
-            out.write(f"[rank{rank}] {line}")
+            out.write(f"{self._prefix(rank, line)}{line}")
             out.flush()
+
+    def _prefix(self, rank: int, line: str) -> str:
+        return f"[rank{rank}] "
 
     def wait(self, timeout: float | None) -> list:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -1087,6 +1090,10 @@ class _ScriptRanks(_Ranks):
     def _rank_failed(self, rank: int, code: int) -> bool:
         return code != 0
 
+    def _prefix(self, rank: int, line: str) -> str:
+        # torch's own hook (set by init_process_group) already starts each line of a traceback with "[rankN]:"
+        return "" if line.startswith(f"[rank{rank}]:") else f"[rank{rank}] "
+
     def _results(self) -> None:
         return None
 
@@ -1097,11 +1104,30 @@ class _ScriptRanks(_Ranks):
             return f"raised {tb.strip().splitlines()[-1]} (exit code {code})"
         return _describe_exit(code)
 
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's stack down to the script's top level, without runpy's and fsdp_guide._script's frames."""
+        stacks = super()._stacks(ranks)
+        for rank, stack in stacks.items():
+            lines = stack.splitlines()
+            runpy = next((i for i, line in enumerate(lines) if "runpy" in line), len(lines))
+            stacks[rank] = "\n".join(lines[:runpy])
+        return stacks
+
+    def _root_cause_first(self, failed: list[int]) -> list[int]:
+        ordered = super()._root_cause_first(failed)
+        self._named = ordered[0] if ordered else None  # the rank whose traceback the error shows
+        return ordered
+
     def _last_output(self, rank: int) -> str:
-        """The rank's last lines before the traceback it printed, which the error shows on its own."""
+        """The rank's last lines; for the rank named first, those before the traceback the error shows on its own."""
         tail = list(self.tails[rank])
-        if self._traceback(rank) is not None:
-            starts = [i for i, line in enumerate(tail) if line.startswith("Traceback (most recent call last):")]
+        if rank == getattr(self, "_named", None) and self._traceback(rank) is not None:
+            starts = [
+                i
+                for i, line in enumerate(tail)
+                # torch's hook prefixes each line with "[rankN]: " once the group is initialised
+                if line.removeprefix(f"[rank{rank}]: ").startswith("Traceback (most recent call last):")
+            ]
             tail = tail[: starts[-1]] if starts else tail
         return f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail) if tail else ""
 
