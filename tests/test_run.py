@@ -84,6 +84,7 @@ WAITS_FOR_THE_TEST = """
 def test_the_ranks_get_torchruns_environment_and_listen_on_loopback_only(tmp_path, capfd, nothing_left, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the caller's, passed on untouched
     script = _script(tmp_path, WAITS_FOR_THE_TEST)
+    before = _children()  # a kernel or server another test left to this worker may listen too: not this run's
     returned = []
     runner = threading.Thread(
         target=lambda: returned.append(
@@ -99,6 +100,7 @@ def test_the_ranks_get_torchruns_environment_and_listen_on_loopback_only(tmp_pat
         listening = [
             (p.pid, c.laddr)
             for p in psutil.Process().children(recursive=True)
+            if p.pid not in before
             for c in p.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN
         ]
