@@ -11,7 +11,6 @@ from fsdp_guide.launcher import LaunchError, launch
 
 __all__ = [
     "launch",
-    "run",
     "LaunchError",
     "device",
     "executed_on",
@@ -29,7 +28,6 @@ _LAZY = {
     "auto_wrap": "fsdp_guide.wrap",
     "describe_sharding": "fsdp_guide.describe",
     "shard": "fsdp_guide.config",
-    "run": "fsdp_guide.launcher",
 }
 
 
