@@ -797,6 +797,8 @@ def test_loss_parallel_splits_the_edge_layers_by_vocabulary_and_never_gathers_th
 
 def test_tp_attention_needs_heads_that_divide_and_says_context_parallelism_does_not_run_on_the_cpu(executed):
     text = _text_outputs(executed["tp_attention"])
+    drawn = next(c for c in executed["tp_attention"].cells if "draw_sharding(" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # k's rows and heads, drawn
     lines = text.splitlines()
     # GQA: heads and KV heads must each divide by the TP degree
     # 4  1  (4, 32)  RuntimeError: ...: heads, KV heads, k.weight on a rank, the forward's outcome
@@ -2028,6 +2030,8 @@ def test_rank_dies_restarts_exactly_under_torchrun_and_computes_the_interval(exe
 
 def test_torchft_recovery_keeps_the_other_group_training_and_ends_as_the_quorums_computed(executed):
     text = _text_outputs(executed["torchft_recovery"])
+    drawn = next(c for c in executed["torchft_recovery"].cells if "a tick per step" in c.source)
+    assert [out["data"].keys() >= {"image/png"} for out in drawn.outputs] == [True]  # each worker's steps, drawn
     # 6-71  group 0  (steps, gradients averaged from, receiving the state: empty at the line's end)
     rows = [_cells(line) for line in text.splitlines()]
     segments = [

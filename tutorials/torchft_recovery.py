@@ -189,6 +189,23 @@ print(
     f"{len(alone)} with its own gradients alone; its longest pause {pause:.1f} s, after step {after}"
 )
 
+# %% tags=["hide-input"] mystnb={"image": {"alt": "Each worker's steps over time, a tick per step and a row per group and rank: group 0's two ranks step throughout, pausing once; group 1's rank 1 is killed, both of group 1's ranks stop, and after torchrun restarts them their steps resume at the step group 0 has reached; steps not committed are grey."}}
+import matplotlib.pyplot as plt
+
+start = min(line["time"] for lines in logs.values() for line in lines)
+fig, ax = plt.subplots(figsize=(10, 2.4))
+for row, lines in enumerate(logs.values()):
+    for line in lines:
+        colour = ("tab:blue", "tab:orange")[line["attempt"]] if line["committed"] else "0.6"
+        ax.plot(line["time"] - start, row, "|", markersize=14, color=colour)
+ax.plot(death["time"] - start, list(logs).index((1, 1)), "kx", markersize=10)
+ax.set_yticks(range(len(logs)), [f"group {group}, rank {rank}" for group, rank in logs])
+ax.set_ylim(len(logs) - 0.5, -0.5)
+ax.set_xlabel(
+    "seconds from the first step: a tick per step (orange: after torchrun's restart; x: rank 1 killed)"
+)
+fig.tight_layout()
+
 # %% [markdown]
 # No rank of group 0 restarted, but group 0 did pause (its longest pause, printed). The
 # Lighthouse forms a new quorum only from more than half of the replicas that heartbeat to

@@ -106,13 +106,27 @@ def gqa_under_tp():
             outcome = f"runs; output vs unsharded {(attention(x) - whole).abs().max().item():.0e}"
         except RuntimeError as e:
             outcome = f"RuntimeError: {str(e).splitlines()[0]}"
-        result[(n_head, n_kv_head)] = (tuple(attention.k.weight.to_local().shape), outcome)
+        k_shape = tuple(attention.k.weight.to_local().shape)
+        result[(n_head, n_kv_head)] = (k_shape, outcome, fsdp_guide.describe_sharding(attention))
     return result
 
 
-results = launch(gqa_under_tp, world_size=2, output="none")[0]
-rows = [[*heads, k_shape, outcome] for heads, (k_shape, outcome) in results.items()]
+per_rank = launch(gqa_under_tp, world_size=2, output="none")
+rows = [[*heads, k_shape, outcome] for heads, (k_shape, outcome, _) in per_rank[0].items()]
 display(Table(["heads", "KV heads", "k.weight on a rank", "forward with a TP degree of 2"], rows))
+
+# %% tags=["hide-input"] mystnb={"image": {"alt": "The k weight of each of the four attentions, its rows coloured by the TP rank that holds them and a line between its KV heads of 8 rows: with 2 KV heads each rank holds one whole head; with 1, each holds half of it; with 3, the split falls inside the second head."}}
+import matplotlib.pyplot as plt
+from fsdp_guide.describe import draw_sharding
+
+fig, axes = plt.subplots(1, len(HEADS), figsize=(10, 3.2))
+for ax, heads in zip(axes, HEADS):
+    draw_sharding([rank[heads][2] for rank in per_rank], "k.weight", ax=ax)
+    for boundary in range(8, heads[1] * 8, 8):  # a KV head is head_dim = 8 rows
+        ax.axhline(boundary, color="black", linewidth=2, linestyle="--")
+    ax.set_title(f"{heads[0]} heads, {heads[1]} KV heads", fontsize=9)
+fig.suptitle("k.weight's rows by TP rank; dashed: between KV heads (8 rows each)", fontsize=10)
+fig.tight_layout()
 
 # %% [markdown]
 # `parallelize_module` splits the weights without looking at heads (a head is 8 rows
