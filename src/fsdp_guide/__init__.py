@@ -11,6 +11,7 @@ from fsdp_guide.launcher import LaunchError, launch
 
 __all__ = [
     "launch",
+    "run",
     "LaunchError",
     "device",
     "executed_on",
@@ -28,6 +29,7 @@ _LAZY = {
     "auto_wrap": "fsdp_guide.wrap",
     "describe_sharding": "fsdp_guide.describe",
     "shard": "fsdp_guide.config",
+    "run": "fsdp_guide.launcher",
 }
 
 

@@ -227,6 +227,19 @@ def _finish_saves() -> None:
         checkpoint._wait_in_flight()
 
 
+_INITIALISED_TWICE = "trying to initialize the default process group twice"  # torch's words (distributed_c10d.py)
+
+
+def _initialised_twice(fn) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    return (
+        f"{name} called init_process_group, but launch initialises each rank's process group before the "
+        "function runs. For a script or main() that initialises its own group (torchrun style), save it as a "
+        "script and run it with fsdp_guide.run('train.py', nproc=2, args=[...]); or, to use launch, remove "
+        "the call (or guard it with `if not dist.is_initialized():`)."
+    )
+
+
 def main(prepare=None) -> None:
     """Run this rank. ``prepare``: what a warm rank does first to look like a cold one (its
     environment, working directory, process state and seeds: ``_warm._Rank._bootstrap``), inside
@@ -247,7 +260,12 @@ def main(prepare=None) -> None:
         backend = init_process_group(config["backend"], store=store, timeout=config["collective_timeout"])
         where = where_this_rank_ran(backend)
         with _warnings_kept(not _shown(config["output"], rank)) as caught:
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except ValueError as exc:
+                if _INITIALISED_TWICE in str(exc):
+                    raise ValueError(_initialised_twice(fn)) from exc
+                raise
             _finish_saves()
         if dist.is_initialized():  # the function may have torn it down itself
             wait_for_every_rank(store, "fsdp_guide/returned", rank, config["world_size"], config["collective_timeout"])

@@ -39,8 +39,9 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ import cloudpickle
 
 from fsdp_guide import _warm
 from fsdp_guide._rank import BOOTSTRAP, STACKS_SIGNAL
+from fsdp_guide._script import RANK_BOOTSTRAP, STORE_BOOTSTRAP
 
-__all__ = ["launch", "LaunchError", "launches"]
+__all__ = ["launch", "run", "LaunchError", "launches"]
 
 _BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 _OUTPUTS = ("all", "rank0", "none")
@@ -60,6 +62,7 @@ _SAME_GPUS_ENV = "FSDP_GUIDE_SAME_GPUS"  # fsdp_guide.devices.SAME_GPUS_ENV (tha
 _LAUNCH_LOG_ENV = "FSDP_GUIDE_LAUNCH_LOG"  # a JSON-lines file that every launch is appended to
 
 _launches: list[dict] = []
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)  # where a script's rank imports this package from
 
 
 class LaunchError(RuntimeError):
@@ -240,6 +243,131 @@ def launch(
     return results
 
 
+def run(
+    script: str | os.PathLike[str],
+    nproc: int = 2,
+    args: Sequence[str] = (),
+    *,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run an unmodified torchrun script on ``nproc`` local ranks, as ``torchrun --nproc-per-node=NPROC`` would.
+
+    Each rank is ``python SCRIPT *ARGS`` with this process's Python (``sys.executable``, a notebook
+    kernel's own), in the current directory, with the environment torchrun gives its workers:
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``,
+    ``ROLE_WORLD_SIZE``, ``MASTER_ADDR`` (127.0.0.1), ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID`` and the
+    rest of what torch's ``LocalElasticAgent`` sets, and ``OMP_NUM_THREADS=1`` unless it is set. So a
+    script that calls ``dist.init_process_group()`` itself (``env://``) and reads those variables
+    runs as it is: a page's script, or a ``main()`` from pytorch/examples or torchtitan, which
+    :func:`fsdp_guide.launch` cannot run (it initialises the group itself, before the function). The script
+    decides its own device; ``CUDA_VISIBLE_DEVICES`` is left as it is.
+
+    Nothing listens beyond 127.0.0.1: as under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``), the
+    ranks connect to a rendezvous store they do not serve; here a small process serves it on a
+    loopback port this process binds first, and gloo binds loopback (``GLOO_SOCKET_IFNAME=lo``).
+    Each line a rank prints is streamed while it runs, prefixed with ``[rankN]``.
+
+    Args:
+        script: the path of the script.
+        nproc: the number of ranks (processes) to start.
+        args: the script's command-line arguments, a list of strings (``shlex.split("--steps 10")``).
+        timeout: seconds to wait for every rank to exit before stopping them all; ``None``: no limit.
+        env: variables to set in the ranks' environment, beside this process's (torchrun's own
+            variables are the launcher's to set).
+
+    Returns:
+        0, the exit status of every rank.
+
+    Raises:
+        LaunchError: a rank exited with another status, or was killed: its exit code, and the
+            traceback it printed if it raised. The other ranks are stopped (one blocked in a
+            collective with it too), and nothing is left running. Past ``timeout``: where each
+            rank still running was (its Python stack), and every rank stopped.
+        ValueError: a script that is not a file, ``nproc`` not an int >= 1, ``args`` not a list of
+            strings, a timeout that is not a number of seconds > 0, ``env`` not a mapping of
+            strings to strings or naming one of torchrun's variables; said before anything starts.
+        KeyboardInterrupt: the wait was interrupted (Ctrl-C, Jupyter's stop button), once every
+            rank is stopped.
+
+    Example:
+
+    >>> import pathlib, tempfile
+    >>> script = pathlib.Path(tempfile.mkdtemp()) / "hello.py"
+    >>> _ = script.write_text(
+    ...     "import os, torch, torch.distributed as dist\\n"
+    ...     "dist.init_process_group('gloo')\\n"
+    ...     "t = torch.ones(1) * int(os.environ['RANK'])\\n"
+    ...     "dist.all_reduce(t)\\n"
+    ...     "if dist.get_rank() == 0:\\n"
+    ...     "    print(f'sum of ranks over {dist.get_world_size()} ranks: {t.item():g}')\\n"
+    ...     "dist.destroy_process_group()\\n"
+    ... )
+    >>> run(script, nproc=2)
+    [rank0] sum of ranks over 2 ranks: 1
+    0
+    """
+    script, args, env = _check_run(script, nproc, args, timeout, env)
+    with _interrupts_noted() as interrupted, tempfile.TemporaryDirectory(prefix="fsdp_guide-run-") as run_dir:
+        ranks = _ScriptRanks(Path(run_dir), script, args, nproc, env, interrupted=interrupted)
+        try:
+            ranks.start()
+            ranks.wait(timeout)
+        except KeyboardInterrupt:
+            interrupted.set()
+        finally:
+            ranks.stop()
+    if interrupted.is_set():
+        raise KeyboardInterrupt(f"run interrupted: its {len(ranks.procs)} rank(s) were stopped") from None
+    return 0
+
+
+# What torchrun sets for its workers (fsdp_guide.launcher._ScriptRanks._env): not the caller's to change
+_TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "GLOO_SOCKET_IFNAME",
+)  # fmt: skip
+
+
+def _check_run(script, nproc, args, timeout, env) -> tuple[Path, list[str], dict]:
+    """run()'s arguments checked before anything starts: the script, its arguments and the environment to use."""
+    if not isinstance(script, (str, os.PathLike)):
+        raise ValueError(f"script must be the path of a Python script (a str or a Path), got {script!r}")
+    path = Path(script)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(
+            f"script {str(script)!r} {what} (looked for {path.absolute()}): give the path of a Python file, "
+            f"absolute or relative to the current directory {os.getcwd()}"
+        )
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be an int >= 1 (the number of ranks to start), got {nproc!r}")
+    if isinstance(args, (str, bytes)):
+        raise ValueError(
+            f"args must be a list of strings, one per argument, got the string {args!r}: "
+            f"split it, e.g. args=shlex.split({args!r})"
+        )
+    if not isinstance(args, (list, tuple)) or not all(isinstance(a, str) for a in args):
+        wrong = args if not isinstance(args, (list, tuple)) else next(a for a in args if not isinstance(a, str))
+        raise ValueError(
+            f"args must be a list of strings, e.g. ['--steps', '10'], got {args!r} ({wrong!r} is a "
+            f"{type(wrong).__name__}): write each argument as it would be on the command line, str(value)"
+        )
+    _seconds("timeout", timeout, none_ok=True)
+    env = {} if env is None else env
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError(f"env must be a dict of str to str (variables for the ranks), got {env!r}")
+    if taken := sorted(set(env) & set(_TORCHRUN_ENV)):
+        raise ValueError(
+            f"env sets {', '.join(taken)}, which run sets for each rank (torchrun's variables, and gloo's "
+            f"interface: loopback): leave "
+            f"{'them' if len(taken) > 1 else 'it'} out (nproc decides the world size)"
+        )
+    return path.absolute(), list(args), dict(env)
+
+
 @contextlib.contextmanager
 def _interrupts_noted():
     """While a launch runs, SIGINT (Ctrl-C, Jupyter's stop button) sets the event it yields
@@ -381,7 +509,13 @@ def _world_size(asked: int | None) -> int:
 def _run_in_this_process(fn, args, kwargs, backend, timeout):
     import torch.distributed as dist
 
-    from fsdp_guide._rank import _finish_saves, init_process_group, wait_for_every_rank
+    from fsdp_guide._rank import (
+        _INITIALISED_TWICE,
+        _finish_saves,
+        _initialised_twice,
+        init_process_group,
+        wait_for_every_rank,
+    )
 
     created = not dist.is_initialized()
     if created:
@@ -389,7 +523,12 @@ def _run_in_this_process(fn, args, kwargs, backend, timeout):
     global _torchrun_launches
     _torchrun_launches += 1
     try:
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except ValueError as exc:
+            if created and _INITIALISED_TWICE in str(exc):
+                raise ValueError(_initialised_twice(fn)) from exc
+            raise
         _finish_saves()
         if created and dist.is_initialized():  # no rank tears the group down while a peer still sets it up
             from torch.distributed.distributed_c10d import _get_default_store
@@ -469,6 +608,9 @@ def _free_loopback_socket() -> socket.socket:
     return sock
 
 
+_LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"  # the interface gloo binds and connects on
+
+
 def _threads_per_rank(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores // world_size)
@@ -522,6 +664,13 @@ class _Ranks:
             sock.close()  # rank 0 holds its own copy
 
     def _start_rank(self, rank: int, sock: socket.socket) -> subprocess.Popen:
+        proc = self._spawn(rank, self._env(rank, sock.getsockname()[1]), sock)
+        self._background(self._forward, rank, proc.stdout, "stdout")
+        self._background(self._forward, rank, proc.stderr, "stderr")
+        self._background(self._reap, rank, proc)
+        return proc
+
+    def _env(self, rank: int, port: int) -> dict:
         env = dict(
             os.environ,
             RANK=str(rank),
@@ -530,25 +679,23 @@ class _Ranks:
             LOCAL_WORLD_SIZE=str(self.world_size),
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(sock.getsockname()[1]),
-            GLOO_SOCKET_IFNAME="lo0" if sys.platform == "darwin" else "lo",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=_LOOPBACK,
             **{_SAME_GPUS_ENV: "1"},  # these ranks all see the same GPUs (fsdp_guide.devices)
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(self.world_size)))
+        return env
+
+    def _spawn(self, rank: int, env: dict, sock: socket.socket):
         if self.warm:
-            proc = _warm.WarmRank(
+            return _warm.WarmRank(
                 [str(self.run_dir), str(rank)],
                 env,
                 pass_fd=sock.fileno() if rank == 0 else None,
                 interrupted=self.interrupted,
             )
-        else:
-            proc = self._start_cold(rank, env, sock)
-        self._background(self._forward, rank, proc.stdout, "stdout")
-        self._background(self._forward, rank, proc.stderr, "stderr")
-        self._background(self._reap, rank, proc)
-        return proc
+        return self._start_cold(rank, env, sock)
 
     def _start_cold(self, rank: int, env: dict, sock: socket.socket) -> subprocess.Popen:
         if rank == 0:
@@ -600,8 +747,11 @@ class _Ranks:
         self.tails[rank].append(line.rstrip("\r\n"))
         if show:
             out = sys.stdout if stream == "stdout" else sys.stderr
-            out.write(f"[rank{rank}] {line}")
+            out.write(f"{self._prefix(rank, line)}{line}")
             out.flush()
+
+    def _prefix(self, rank: int, line: str) -> str:
+        return f"[rank{rank}] "
 
     def wait(self, timeout: float | None) -> list:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -613,6 +763,9 @@ class _Ranks:
         if self._failed():
             self._let_the_others_exit(_CASCADE_S)
             raise self._failure()
+        return self._results()
+
+    def _results(self):
         records = [self._result_or_error(r) for r in range(self.world_size)]
         return [record[1] for record in records], [record[2] for record in records], [record[3] for record in records]
 
@@ -635,7 +788,10 @@ class _Ranks:
     def _failed(self) -> list[int]:
         with self.exited:  # the reaper threads add to exits: read a snapshot under their lock
             exits = list(self.exits.items())
-        return [r for r, (_, code) in exits if code != 0 or not self._has_result(r)]
+        return [r for r, (_, code) in exits if self._rank_failed(r, code)]
+
+    def _rank_failed(self, rank: int, code: int) -> bool:
+        return code != 0 or not self._has_result(rank)  # a launch's rank that succeeded wrote its result
 
     def _has_result(self, rank: int) -> bool:
         return (self.run_dir / f"rank{rank}.pkl").exists()
@@ -659,6 +815,8 @@ class _Ranks:
                 output=list(self.tails[rank]),
             ) from None
 
+    _TIMEOUT_HINT = "a rank waiting in a collective that another rank never calls waits up to collective_timeout."
+
     def _timeout(self, timeout: float) -> LaunchError:
         with self.exited:
             running = [r for r in range(self.world_size) if r not in self.exits]
@@ -668,7 +826,7 @@ class _Ranks:
             f"the ranks did not finish within timeout={timeout:g} s; still running: "
             f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))}. "
             "All ranks were stopped. Raise `timeout` (or pass None) if the work is just slow; "
-            "a rank waiting in a collective that another rank never calls waits up to collective_timeout."
+            + self._TIMEOUT_HINT
             + _where(stacks),
             ranks=running,
             output=[f"[rank{r}] {line}" for r in running for line in self.tails[r]],
@@ -834,6 +992,172 @@ class _Ranks:
     def _has_exited(self, rank: int) -> bool:
         with self.exited:
             return rank in self.exits
+
+
+class _ScriptRanks(_Ranks):
+    """The ranks of :func:`run`: processes of an unmodified torchrun script, and the rendezvous store they share.
+
+    What differs from a launch's ranks: each runs the script (``fsdp_guide._script``) with
+    torchrun's environment, a rank succeeds by exiting with 0 (it returns no value), and the
+    store the script's ``init_process_group`` connects to is served by a process of its own on
+    the loopback socket the parent bound, as torchrun's agent serves it to its workers."""
+
+    _TIMEOUT_HINT = (
+        "a rank waiting in a collective that another rank never calls waits up to its process group's "
+        "timeout (init_process_group's `timeout`)."
+    )
+
+    def __init__(self, run_dir: Path, script: Path, args: list[str], nproc: int, env: dict, **kwargs):
+        super().__init__(run_dir, nproc, "all", warm=False, **kwargs)
+        self.script, self.args, self.extra_env = script, args, env
+        self.run_id = uuid.uuid4().hex  # torchrun --standalone: a new run id each time
+        self.store: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        sock = _free_loopback_socket()
+        try:
+            self.store = self._start_store(sock)
+            for rank in range(self.world_size):
+                self.procs.append(self._start_rank(rank, sock))
+        finally:
+            sock.close()  # the store holds its own copy
+
+    def _start_store(self, sock: socket.socket) -> subprocess.Popen:
+        env = dict(os.environ, FSDP_GUIDE_STORE_FD=str(sock.fileno()))
+        with open(self.run_dir / "store.err", "wb") as err:
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    STORE_BOOTSTRAP,
+                    _PACKAGE_PARENT,
+                    str(self.world_size),
+                    str(sock.getsockname()[1]),
+                ],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                pass_fds=(sock.fileno(),),
+                start_new_session=True,
+            )
+
+    def _env(self, rank: int, port: int) -> dict:
+        """torchrun's environment for its worker ``rank`` of a single-node job: the variables its agent sets
+        (``LocalElasticAgent._start_workers`` in ``torch/distributed/elastic/agent/server/local_elastic_agent.py``,
+        torch 2.13), ``TORCHELASTIC_ERROR_FILE`` (``torch/distributed/elastic/multiprocessing/api.py``) and
+        ``OMP_NUM_THREADS=1`` where it is unset (``torch/distributed/run.py``); then gloo kept on loopback and
+        the output unbuffered, so each line reaches the cell as it is printed."""
+        n = str(self.world_size)
+        env = {**os.environ, **self.extra_env}
+        if self.world_size > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            LOCAL_WORLD_SIZE=n,
+            WORLD_SIZE=n,
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=n,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID=self.run_id,
+            # the ranks connect to the store as clients: none of them serves one (on every interface)
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            TORCHELASTIC_ERROR_FILE=str(self.run_dir / f"rank{rank}.error.json"),
+            GLOO_SOCKET_IFNAME=_LOOPBACK,
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _spawn(self, rank: int, env: dict, sock: socket.socket) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", RANK_BOOTSTRAP, _PACKAGE_PARENT, str(self.run_dir), str(rank), str(self.script)]
+            + self.args,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: stopping it stops its children too
+        )
+
+    def _rank_failed(self, rank: int, code: int) -> bool:
+        return code != 0
+
+    def _prefix(self, rank: int, line: str) -> str:
+        # torch's own hook (set by init_process_group) already starts each line of a traceback with "[rankN]:"
+        return "" if line.startswith(f"[rank{rank}]:") else f"[rank{rank}] "
+
+    def _results(self) -> None:
+        return None
+
+    def _how(self, rank: int) -> str:
+        tb = self._traceback(rank)
+        code = self.exits[rank][1]
+        if tb is not None:
+            return f"raised {tb.strip().splitlines()[-1]} (exit code {code})"
+        return _describe_exit(code)
+
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's stack down to the script's top level, without runpy's and fsdp_guide._script's frames."""
+        stacks = super()._stacks(ranks)
+        for rank, stack in stacks.items():
+            lines = stack.splitlines()
+            runpy = next((i for i, line in enumerate(lines) if "runpy" in line), len(lines))
+            stacks[rank] = "\n".join(lines[:runpy])
+        return stacks
+
+    def _root_cause_first(self, failed: list[int]) -> list[int]:
+        ordered = super()._root_cause_first(failed)
+        self._named = ordered[0] if ordered else None  # the rank whose traceback the error shows
+        return ordered
+
+    def _last_output(self, rank: int) -> str:
+        """The rank's last lines; for the rank named first, those before the traceback the error shows on its own."""
+        tail = list(self.tails[rank])
+        if rank == getattr(self, "_named", None) and self._traceback(rank) is not None:
+            starts = [
+                i
+                for i, line in enumerate(tail)
+                # torch's hook prefixes each line with "[rankN]: " once the group is initialised
+                if line.removeprefix(f"[rank{rank}]: ").startswith("Traceback (most recent call last):")
+            ]
+            tail = tail[: starts[-1]] if starts else tail
+        return f"\nLast output of rank {rank}:\n" + "\n".join(f"  {line}" for line in tail) if tail else ""
+
+    def _wait_for_an_exit(self, deadline: float) -> bool:
+        if self.store is not None and self.store.poll() is not None:
+            with self.exited:
+                done = len(self.exits) == self.world_size and not self._failed()
+            if not done:
+                self.stop()
+                error = (self.run_dir / "store.err").read_text(errors="replace").strip()
+                raise LaunchError(
+                    f"the rendezvous store's process exited (code {self.store.returncode}) before the ranks "
+                    f"finished; every rank was stopped.\n{error}",
+                    ranks=list(range(self.world_size)),
+                    exit_code=self.store.returncode,
+                )
+        return super()._wait_for_an_exit(deadline)
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            store, self.store = self.store, None
+            if store is not None:
+                store.stdin.close()  # end of file: it exits
+                try:
+                    store.wait(timeout=_TERMINATE_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _signal_group(store, signal.SIGKILL, exited=False)
+                    store.wait()
 
 
 def _main_thread_stack(dump: str) -> str | None:
