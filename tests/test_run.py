@@ -165,6 +165,45 @@ def test_a_rank_that_raises_is_named_with_its_traceback_and_the_other_is_ended(t
     assert '[rank1]:   File "' + str(script) + '", line 10, in <module>' in err and "runpy" not in err, err
 
 
+ENDS_AS_PYTHON_DOES = """
+    import atexit, os, sys, threading, time
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    log = open(f"rank{rank}.log", "w")  # never closed: the end of the process flushes it
+    log.write("written, not flushed")
+    atexit.register(print, f"atexit on rank {rank}")
+    threading.Thread(target=lambda: (time.sleep(0.5), print(f"thread done on rank {rank}", flush=True))).start()
+    dist.destroy_process_group()
+    sys.exit(int(os.environ.get("STATUS", "0")))
+"""
+
+
+def test_a_script_ends_as_python_ends_it_threads_atexit_and_open_files(tmp_path, capfd, nothing_left, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run(_script(tmp_path, ENDS_AS_PYTHON_DOES, "ends.py"), nproc=2, timeout=120) == 0
+    out = capfd.readouterr().out
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.log").read_text() == "written, not flushed"
+        assert f"[rank{rank}] thread done on rank {rank}" in out and f"[rank{rank}] atexit on rank {rank}" in out, out
+        assert out.index(f"thread done on rank {rank}") < out.index(f"atexit on rank {rank}"), out
+
+
+@pytest.mark.parametrize(("exit_with", "status"), [("3", 3), ("'a message'", 1), ("None", 0)])
+def test_a_scripts_sys_exit_gives_its_status(exit_with, status, tmp_path, capfd, nothing_left):
+    script = _script(tmp_path, f"import sys\nprint('ran')\nsys.exit({exit_with})\n", "exits.py")
+    if status == 0:
+        assert run(script, nproc=1, timeout=120) == 0
+    else:
+        with pytest.raises(LaunchError) as caught:
+            run(script, nproc=1, timeout=120)
+        assert caught.value.failed == {0: status}, str(caught.value)
+    captured = capfd.readouterr()
+    assert "[rank0] ran" in captured.out
+    assert ("a message" in captured.err) == (exit_with == "'a message'"), captured.err
+
+
 HANGS = """
     import time
     import torch.distributed as dist

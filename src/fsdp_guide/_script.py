@@ -20,6 +20,7 @@ rank's ``init_process_group`` opens a listening socket of its own on every inter
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -50,8 +51,8 @@ def main() -> None:
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise  # the script's own exit status, as Python gives it
+    except SystemExit as exc:
+        _exit_as_python_would(exc.code)  # the script's own exit status, as Python gives it
     except BaseException as exc:  # noqa: BLE001 - what the script did not catch ends it, as in `python SCRIPT`
         tb = _from_the_script(exc.__traceback__, os.path.abspath(script))
         exc.__traceback__ = tb  # what Python's hook prints (torch's, set by init_process_group, calls it)
@@ -61,6 +62,44 @@ def main() -> None:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         _write_result(run_dir, rank, ("error", time.time(), type(exc).__name__, text))
         os._exit(1)
+    _exit_as_python_would(None)
+
+
+def _exit_as_python_would(code) -> None:
+    """End the rank as Python ends a script, but for the interpreter's own teardown.
+
+    What ``python SCRIPT`` does after the script, in its order (``Py_FinalizeEx``): wait for the
+    threads the script left running (not daemons), run its ``atexit`` functions, flush the
+    streams, and exit with the status ``SystemExit`` carried (None: 0; a number: it; anything
+    else: printed, and 1). Then ``os._exit``, without the teardown of modules and C++ objects
+    that follows: there, torch 2.15 (its CUDA build, on a CPU) aborts a rank now and then with
+    "terminate called without an active exception" after the script has destroyed its process
+    group and returned (3 of 66 runs of the quickstart script beside two busy loops; under
+    torchrun too, and with no Python frame on the stack), as launch's ranks once did
+    (``fsdp_guide._rank.main`` ends the same way). Files the script left open are flushed first,
+    as the teardown would have."""
+    import atexit
+    import gc
+    import io
+
+    threading._shutdown()  # what Python's finalization calls first: join the non-daemon threads
+    atexit._run_exitfuncs()
+    # Files the script left open lose nothing: the teardown would have flushed them. By type(), not
+    # isinstance(), which reads __class__ from every object (torch's deprecated aliases warn on it).
+    for stream in gc.get_objects():
+        if issubclass(type(stream), io.IOBase) and not stream.closed and stream.writable():
+            with contextlib.suppress(Exception):
+                stream.flush()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _from_the_script(tb, script: str):
