@@ -117,6 +117,22 @@ PROCESS_TESTS = [
     "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported",
     "test_a_notebook_kernel_that_launched_shuts_down_by_itself",
 ]
+# The same for the live ranks (fsdp_guide.live) and run's scripts: what they test of torch (state
+# across cells, a failure beside a collective, the page scripts under run) stays in the torch
+# sessions; their interrupts, timeouts, killed parents, kernels and bad input are the launcher's.
+LIVE_PROCESS_TESTS = [
+    "test_live.py::test_a_cell_that_hangs_in_a_collective_ends_at_its_timeout_with_the_stack_and_new_ranks",
+    "test_live.py::test_an_interrupt_ends_the_cell_on_every_rank_and_keeps_the_state",
+    "test_live.py::test_an_interrupt_while_a_rank_waits_in_a_collective_restarts_the_ranks",
+    "test_live.py::test_closing_leaves_no_process_and_a_closed_session_says_so",
+    "test_live.py::test_the_ranks_end_when_the_process_that_started_them_is_killed",
+    "test_live.py::test_bad_options_are_refused_before_any_rank_starts",
+    "test_live.py::test_bad_cells_and_calls_are_refused_on_this_side",
+    "test_live.py::test_the_magics_in_a_notebook_kernel",
+    "test_run.py::test_a_hang_ends_at_the_timeout_with_each_ranks_stack",
+    "test_run.py::test_bad_input_is_refused_before_anything_starts",
+    "test_run.py::test_a_scripts_sys_exit_gives_its_status",
+]
 
 
 # What one torch session may need on disk: PyPI's torch is the CUDA build, about 3 GB of
@@ -200,6 +216,7 @@ def torch(session: nox.Session, release: str) -> None:
     )
     ignored = [f"--ignore=tests/{name}" for name in SITE_TESTS]
     ignored += [f"--deselect=tests/test_launcher.py::{name}" for name in PROCESS_TESTS]
+    ignored += [f"--deselect=tests/{name}" for name in LIVE_PROCESS_TESTS]
     # A deadlock in a new torch release (one in 2.7's gloo teardown, for one) fails its test
     # after 5 minutes instead of running into CI's limit.
     session.run("pytest", *XDIST, "--timeout=300", "--durations=15", *ignored, *session.posargs)

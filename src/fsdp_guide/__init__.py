@@ -12,6 +12,7 @@ from fsdp_guide.launcher import LaunchError, launch
 __all__ = [
     "launch",
     "run",
+    "Ranks",
     "LaunchError",
     "device",
     "executed_on",
@@ -30,6 +31,7 @@ _LAZY = {
     "describe_sharding": "fsdp_guide.describe",
     "shard": "fsdp_guide.config",
     "run": "fsdp_guide.launcher",
+    "Ranks": "fsdp_guide.live",
 }
 
 
@@ -41,3 +43,10 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(list(globals()) + list(_LAZY))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext fsdp_guide``: the ``%%ranks``, ``%ranks`` and ``%torchrun`` magics (:mod:`fsdp_guide._magics`)."""
+    from fsdp_guide._magics import load_ipython_extension
+
+    load_ipython_extension(ipython)

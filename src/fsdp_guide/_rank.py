@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import shutil
 import signal
 import sys
@@ -100,14 +101,23 @@ def _store(rank: int, world_size: int, timeout: float):
     )
 
 
+# What the parent sent on our stdin, one frame each (an 8-byte big-endian length, then that many
+# bytes): the cells of a persistent session (fsdp_guide.live). A launch's parent sends nothing.
+commands: queue.Queue[bytes] = queue.Queue()
+
+
 def _exit_when_parent_dies(run_dir: Path) -> None:
-    # The parent holds our stdin open and never writes to it: end of file means it is
-    # gone (killed kernel, crashed script), and a rank must not outlive it, nor anything
-    # it started (data-loader workers, compile workers), nor the pickled function on disk.
+    # The parent holds our stdin open: end of file means it is gone (killed kernel, crashed
+    # script), and a rank must not outlive it, nor anything it started (data-loader workers,
+    # compile workers), nor the pickled function on disk. What it writes are commands.
     # os.read, not sys.stdin: a daemon thread holding the stdin lock aborts interpreter shutdown.
     try:
-        while os.read(0, 4096):
-            pass
+        pending = bytearray()
+        while chunk := os.read(0, 1 << 16):
+            pending += chunk
+            while len(pending) >= 8 and len(pending) >= 8 + (size := int.from_bytes(pending[:8], "big")):
+                commands.put(bytes(pending[8 : 8 + size]))
+                del pending[: 8 + size]
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)  # every rank tries: whichever is first
         # This rank leads its own process group (the parent starts it in a new session),
@@ -215,9 +225,13 @@ def _warnings_kept(keep: bool):
 
 
 def _write_result(run_dir: Path, rank: int, record: tuple) -> None:
-    tmp = run_dir / f"rank{rank}.tmp"
+    _write_record(run_dir / f"rank{rank}.pkl", record)
+
+
+def _write_record(path: Path, record: tuple) -> None:
+    tmp = path.with_suffix(".tmp")
     tmp.write_bytes(cloudpickle.dumps(record))
-    tmp.rename(run_dir / f"rank{rank}.pkl")  # the parent never sees half a file
+    tmp.rename(path)  # the parent never sees half a file
 
 
 def _finish_saves() -> None:

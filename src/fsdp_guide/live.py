@@ -1,0 +1,661 @@
+"""Ranks that live across notebook cells: start N ranks once, run each cell on all of them.
+
+:func:`fsdp_guide.launch` starts fresh ranks for every call, so nothing a cell builds survives
+it. A :class:`Ranks` session starts its ranks once, with the process group ready on each (the
+same ranks as a launch's: warm-forked, loopback only, :func:`fsdp_guide.device`'s backend), and
+then runs code on every rank in one namespace per rank, so a model sharded in one cell is there
+in the next::
+
+    ranks = Ranks(world_size=2)
+    ranks.run("model = fully_shard(nn.Linear(8, 8))")
+    ranks.run("print(model.weight.placements, model.weight.to_local().shape)")
+    ranks.get("model.weight.grad")  # one value per rank, brought back to the notebook
+
+In a notebook, ``%load_ext fsdp_guide`` gives the same as magics: ``%%ranks`` runs its cell on
+the ranks, ``%ranks restart`` starts them again, ``%torchrun -n 2 train.py ARGS`` runs a script
+(:func:`fsdp_guide.run`).
+
+How a cell reaches the ranks: each rank is a launch's rank (``fsdp_guide._rank``) whose function
+is :func:`_serve`, a loop over the frames the parent writes to its stdin (``_rank.commands``). A
+rank ends a cell by writing its record (``cellN.rankR.pkl``) and then a marker line, with a
+token only this session knows, on both its stdout and its stderr; the parent's readers see the
+markers after every line the cell printed, so the output it shows is complete. Why not
+ipyparallel or nbdistributed: neither creates the process group nor stops a rank blocked in
+a collective, and their channels (ZMQ) listen on every interface; the launcher here already
+does the starting, the streaming, the stacks and the stopping.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import html
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from fsdp_guide import _warm
+from fsdp_guide.launcher import (
+    LaunchError,
+    _check_options,
+    _interrupts_noted,
+    _Ranks,
+    _record,
+    _says_nothing,
+    _seconds,
+    _serialise,
+    _where,
+)
+
+__all__ = ["Ranks", "session"]
+
+_INTERRUPT_GRACE_S = 2.0  # how long a rank has to end its cell after SIGINT before the ranks are restarted
+_CHECK_S = 5.0  # the barrier after an unfinished cell: longer means the ranks no longer agree
+_LIVE_S = 0.1  # how often a notebook's display of a running cell is redrawn
+
+
+_session: Ranks | None = None  # the ranks the notebook's %%ranks cells run on (fsdp_guide._magics)
+
+
+def session() -> Ranks | None:
+    """The ranks this kernel's ``%%ranks`` cells run on, for the same ranks from Python; ``None`` before the first."""
+    return _session
+
+
+class Ranks:
+    """``world_size`` ranks that stay up across calls, each with the process group ready and a namespace of its own.
+
+    Each call runs on every rank: :meth:`run` a cell's code (a string) or a function,
+    :meth:`get` brings values back, :meth:`put` sends them. A rank's namespace starts with
+    ``rank``, ``world_size`` and ``device`` (:func:`fsdp_guide.device`); what a cell
+    defines stays for the next. What the ranks print is shown when the cell ends, once for
+    ranks that printed the same, else per rank (in a notebook, also while it runs).
+
+    When a cell fails on one rank, the other ranks' cell is ended too (SIGINT: a
+    ``KeyboardInterrupt`` in their code), and the ranks keep their state if every rank
+    ended its cell and they still agree (a barrier); a rank that does not end it within
+    2 s (blocked in a collective its peer will never join), or ranks that no longer agree,
+    mean the ranks are restarted, with empty namespaces, and the error says so. The same
+    for Ctrl-C (Jupyter's stop button) and for a cell past its ``timeout``, whose error
+    gives each rank's stack. The ranks end with :meth:`close`, with the ``with`` block,
+    or with this process (its kernel's restart or shutdown included).
+
+    Args:
+        world_size: the number of ranks; default 2.
+        backend: as :func:`fsdp_guide.launch`'s: ``"auto"`` (the rank's device decides), ``"gloo"``,
+            ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``.
+        timeout: seconds a cell may run before the ranks are stopped and restarted; ``None``: no limit.
+        collective_timeout: the process group's own timeout, as for :func:`fsdp_guide.launch`.
+
+    Example:
+
+    >>> with Ranks(world_size=2) as ranks:
+    ...     ranks.run("import torch, torch.distributed as dist; t = torch.ones(1) * (rank + 1)")
+    ...     ranks.run("dist.all_reduce(t); print(t.item())")
+    ...     ranks.get("t")
+    [ranks 0, 1]
+    3.0
+    [tensor([3.]), tensor([3.])]
+    """
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        *,
+        backend: str = "auto",
+        timeout: float | None = None,
+        collective_timeout: float = 300.0,
+    ):
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise RuntimeError(
+                "Ranks starts ranks of its own, and this process is already a rank (RANK and WORLD_SIZE are "
+                "set, as under torchrun): run the cells' code directly in the script"
+            )
+        world_size = 2 if world_size is None else world_size
+        _check_options(world_size, backend, timeout, collective_timeout, "all")
+        self.world_size, self.backend = world_size, backend
+        self.timeout, self.collective_timeout = timeout, collective_timeout
+        self.restarts = 0  # how many times the ranks had to be started again
+        self._cell = 0  # cells are numbered across restarts: a traceback's "<cell N>" names one cell
+        self._procs: _LiveProcs | None = None
+        self._start()
+
+    # -- public ------------------------------------------------------------------------------
+
+    def run(self, code: str | Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Run ``code`` on every rank.
+
+        A string runs as a notebook cell would, in each rank's namespace: what it defines
+        stays, and the value of a last line that is an expression is printed. Nothing is
+        returned. A function runs as ``code(*args, **kwargs)`` with the rank's namespace as
+        its globals (names the namespace lacks come from the function's own); its return
+        values come back, one per rank, as from :func:`fsdp_guide.launch`.
+
+        Raises:
+            SyntaxError: the string is not Python (found here, before any rank runs it).
+            LaunchError: the code raised on a rank, or ran past ``timeout``; the message says
+                whether the ranks kept their state or were restarted.
+            KeyboardInterrupt: interrupted; the same said.
+        """
+        if isinstance(code, str):
+            if args or kwargs:
+                raise TypeError("arguments go with a function; a cell's code takes none (use put() to send values)")
+            compile(code, "<cell>", "exec")  # a syntax error is the reader's, and said before anything runs
+            self._call("exec", code, timeout)
+            return None
+        if not callable(code):
+            raise TypeError(f"run() takes a cell's code (a str) or a function, got {type(code).__name__}")
+        return self._call("call", _serialise(code, args, kwargs), timeout)
+
+    def get(self, name: str, *, timeout: float | None = None) -> list:
+        """The value of the expression ``name`` (a variable, ``model.weight``, ...) on each rank, in rank order."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"get() takes the name (or expression) to bring back, as a string, got {name!r}")
+        compile(name, "<get>", "eval")
+        return self._call("get", name, timeout)
+
+    def put(self, **values: Any) -> None:
+        """Give every rank these variables (each rank gets its own copy of the same values)."""
+        if not values:
+            raise ValueError("put() takes the variables to send as keywords: ranks.put(steps=10)")
+        self._call("put", cloudpickle.dumps(values), None)
+
+    def restart(self) -> None:
+        """Stop the ranks and start new ones: empty namespaces, a new process group."""
+        self.close()
+        self._start()
+        self.restarts += 1
+
+    def close(self) -> None:
+        """Stop every rank; idempotent. The ranks' namespaces are gone."""
+        if self._procs is not None:
+            procs, self._procs = self._procs, None
+            procs.close()
+            self._finalizer.detach()
+
+    @property
+    def running(self) -> bool:
+        return self._procs is not None
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if not self.running:
+            return f"Ranks(world_size={self.world_size}): closed"
+        backend, device = self._where
+        return f"Ranks(world_size={self.world_size}): running, {backend} on {device}"
+
+    # -- how -----------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        run_dir = Path(tempfile.mkdtemp(prefix="fsdp_guide-ranks-"))
+        token = uuid.uuid4().hex
+        config = {
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "collective_timeout": self.collective_timeout,
+            "sys_path": list(sys.path),
+            "output": "all",
+        }
+        (run_dir / "config.pkl").write_bytes(cloudpickle.dumps(config))
+        (run_dir / "payload.pkl").write_bytes(_serialise(_serve, (token,), {}))
+        _warm.start_server()
+        procs = _LiveProcs(run_dir, self.world_size, token, warm=_warm.can_start())
+        self._procs = procs
+        self._finalizer = weakref.finalize(self, procs.close)
+        try:
+            procs.start()
+            outcome = procs.wait_cell(0, time.monotonic() + self.collective_timeout, None)  # each joined the group
+            if outcome != "done":
+                raise (
+                    procs._failure()
+                    if outcome == "exited"
+                    else LaunchError(
+                        f"the ranks did not join their process group within collective_timeout="
+                        f"{self.collective_timeout:g} s" + _where(procs.stacks(procs.running(0)))
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+        where = [record[1] for record in procs.records(0)]
+        self._where = (where[0]["backend"], where[0]["device"])
+        _record(Ranks, self.world_size, where)  # as a launch is: where a page's ranks ran (fsdp_guide.executed_on)
+
+    def _call(self, kind: str, payload: Any, timeout: float | None) -> Any:
+        if self._procs is None:
+            raise RuntimeError("these ranks were closed: start new ones with restart() (or %ranks restart)")
+        _seconds("timeout", timeout, none_ok=True)
+        timeout = self.timeout if timeout is None else timeout
+        self._cell += 1
+        n, procs = self._cell, self._procs
+        view = _Live(procs, n)
+        procs.new_cell()
+        procs.send(n, kind, payload)
+        try:
+            records = self._wait(n, timeout, view)
+        finally:
+            view.finish()
+        errors = {r: rec for r, rec in enumerate(records) if rec[0] != "ok"}
+        if errors:
+            rank = min(errors, key=lambda r: (errors[r][0] != "error", r))
+            raise LaunchError(
+                f"rank {rank} raised {errors[rank][2]} (each rank's traceback is in the output above). "
+                "The ranks keep their state.",
+                rank=rank,
+                ranks=sorted(errors),
+                remote_traceback=errors[rank][1],
+            )
+        values = [rec[1] for rec in records]
+        return None if kind in ("exec", "put") else values
+
+    def _wait(self, n: int, timeout: float | None, view: _Live | None) -> list:
+        """Each rank's record of cell ``n``; a cell that cannot end on every rank ends the session's ranks."""
+        procs = self._procs
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            outcome = procs.wait_cell(n, deadline, view)
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        if outcome == "done":
+            return procs.records(n)
+        with _interrupts_noted():  # a second Ctrl-C cannot cut the clean-up short
+            return self._end_cell(n, outcome, timeout)
+
+    def _end_cell(self, n: int, outcome: str, timeout: float | None) -> list:
+        procs = self._procs
+        if outcome == "exited":
+            self._restart_after(str(procs._failure()))
+        if outcome == "timeout":
+            stacks = procs.stacks(procs.running(n))
+            self._restart_after(
+                f"the cell did not finish within timeout={timeout:g} s on rank(s) "
+                f"{', '.join(map(str, sorted(stacks) or procs.running(n)))}." + _where(stacks),
+            )
+        # interrupted, or a rank raised: end the cell on the ranks still in it
+        running = procs.running(n)
+        procs.interrupt(running)
+        if procs.wait_cell(n, time.monotonic() + _INTERRUPT_GRACE_S, None) != "done":
+            stuck = procs.running(n)
+            stacks = procs.stacks(stuck)
+            cause = "the cell was interrupted" if outcome == "interrupted" else procs.first_error(n)
+            self._restart_after(
+                f"{cause}; rank(s) {', '.join(map(str, stuck))} did not end the cell within "
+                f"{_INTERRUPT_GRACE_S:g} s of being interrupted (blocked in a collective that a rank which "
+                "stopped will never join)." + _where(stacks),
+                interrupted=outcome == "interrupted",
+            )
+        records = procs.records(n)
+        if not self._agree():
+            cause = "the cell was interrupted" if outcome == "interrupted" else procs.first_error(n)
+            self._restart_after(
+                f"{cause}; every rank ended the cell, but the ranks no longer agree on the collectives they "
+                f"made (a barrier did not complete within {_CHECK_S:g} s).",
+                interrupted=outcome == "interrupted",
+            )
+        if outcome == "interrupted":
+            raise KeyboardInterrupt("the cell was interrupted on every rank; the ranks keep their state")
+        return records
+
+    def _agree(self) -> bool:
+        """After a cell some ranks did not finish: do they still make their collectives together?"""
+        self._cell += 1
+        procs = self._procs
+        procs.send(self._cell, "check", _CHECK_S)
+        outcome = procs.wait_cell(self._cell, time.monotonic() + _CHECK_S + 5, None)
+        return outcome == "done" and all(rec[0] == "ok" for rec in procs.records(self._cell))
+
+    def _restart_after(self, why: str, interrupted: bool = False) -> None:
+        self.restart()
+        message = f"{why}\nThe ranks were restarted: their namespaces are empty, run the cells that set them up again."
+        if interrupted:
+            raise KeyboardInterrupt(message)
+        raise LaunchError(message)
+
+
+class _LiveProcs(_Ranks):
+    """A session's rank processes: a launch's, whose output is collected cell by cell."""
+
+    def __init__(self, run_dir: Path, world_size: int, token: str, warm: bool):
+        super().__init__(run_dir, world_size, "all", warm=warm)
+        self.token = token
+        self.marker = f"\x00fsdp_guide {token} "
+        self.ended = [{"stdout": -1, "stderr": -1} for _ in range(world_size)]  # the last cell ended, per stream
+        self.lines: list[list[tuple[str, str]]] = [[] for _ in range(world_size)]  # this cell's (stream, line)
+        self.statuses: dict[tuple[int, int], str] = {}
+
+    def _emit(self, rank: int, line: str, stream: str, show: bool) -> None:
+        text, marker, rest = line.partition(self.marker)
+        with self.exited:
+            self.tails[rank].append(text.rstrip("\r\n"))  # what a failure's message shows
+        if text.strip("\r\n") and not _says_nothing(text):
+            with self.exited:
+                self.lines[rank].append((stream, text.rstrip("\r\n")))
+        if marker:
+            with self.exited:
+                self.ended[rank][stream] = int(rest.split()[0])
+                self.exited.notify_all()
+
+    def new_cell(self) -> None:
+        with self.exited:
+            self.lines = [[] for _ in range(self.world_size)]
+
+    def send(self, n: int, kind: str, payload: Any) -> None:
+        frame = cloudpickle.dumps((n, kind, payload))
+        for proc in self.procs:
+            try:
+                proc.stdin.write(len(frame).to_bytes(8, "big") + frame)
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # that rank exited: wait_cell says so
+
+    def _ended(self, rank: int, n: int) -> bool:
+        return min(self.ended[rank].values()) >= n
+
+    def running(self, n: int) -> list[int]:
+        with self.exited:
+            return [r for r in range(self.world_size) if not self._ended(r, n)]
+
+    def wait_cell(self, n: int, deadline: float | None, view: _Live | None) -> str:
+        """Until every rank ended cell ``n`` ("done"), one raised and the others did not follow within
+        a moment ("error"), a rank exited ("exited") or the deadline ("timeout")."""
+        first_error = None
+        while True:
+            with self.exited:
+                if self.exits:
+                    return "exited"
+                ended = [r for r in range(self.world_size) if self._ended(r, n)]
+                if len(ended) == self.world_size:
+                    return "done"
+                if first_error is None and any(self._status(r, n) != "ok" for r in ended):
+                    first_error = time.monotonic()
+                if first_error is not None and time.monotonic() - first_error > 0.5:
+                    return "error"
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return "timeout"
+                self.exited.wait(_LIVE_S if deadline is None else max(0.0, min(_LIVE_S, deadline - now)))
+            if view is not None:
+                view.update()
+
+    def _status(self, rank: int, n: int) -> str:
+        if (rank, n) not in self.statuses:  # read once: a record may hold a large value
+            self.statuses[rank, n] = self._record(rank, n)[0]
+        return self.statuses[rank, n]
+
+    def _record(self, rank: int, n: int) -> tuple:
+        return cloudpickle.loads((self.run_dir / f"cell{n}.rank{rank}.pkl").read_bytes())
+
+    def records(self, n: int) -> list:
+        records = []
+        for r in range(self.world_size):
+            try:
+                records.append(self._record(r, n))
+            except Exception as exc:  # noqa: BLE001 - whatever unpickling raises: a value this process cannot rebuild
+                records.append(
+                    (
+                        "error",
+                        f"rank {r}'s value cannot be rebuilt in this process: {type(exc).__name__}: {exc}. "
+                        "Bring back plain data or local tensors (a DTensor's .to_local() or .full_tensor()).",
+                        type(exc).__name__,
+                    )
+                )
+        return records
+
+    def first_error(self, n: int) -> str:
+        for r in range(self.world_size):
+            if self._ended(r, n) and (record := self._record(r, n))[0] == "error":
+                return f"rank {r} raised {record[2]}"
+        return "a rank failed"
+
+    def interrupt(self, ranks: Sequence[int]) -> None:
+        for r in ranks:
+            if self.procs[r].poll() is None:
+                try:
+                    os.kill(self.procs[r].pid, signal.SIGINT)  # the rank only, not its children
+                except ProcessLookupError:
+                    pass
+
+    def stacks(self, ranks: list[int]) -> dict[int, str]:
+        stacks = self._stacks(ranks)
+        for rank, stack in stacks.items():  # from the cell's own frames: not this module's loop
+            lines = stack.splitlines()
+            serve = next((i for i, line in enumerate(lines) if "fsdp_guide/live.py" in line), len(lines))
+            stacks[rank] = "\n".join(lines[:serve])
+        return stacks
+
+    def close(self) -> None:
+        try:
+            self.send(-1, "close", None)
+            deadline = time.monotonic() + 2.0
+            with self.exited:
+                while len(self.exits) < len(self.procs) and time.monotonic() < deadline:
+                    self.exited.wait(0.05)
+        finally:
+            self.stop()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class _Live:
+    """What a running cell printed, shown in a notebook while it runs and, once it ends, folded."""
+
+    def __init__(self, procs: _LiveProcs, n: int):
+        self.procs, self.n = procs, n
+        self.handle = None
+        self.shown = 0
+        self.rich = _in_a_notebook()
+
+    def _output(self) -> Output:
+        with self.procs.exited:
+            return Output([list(lines) for lines in self.procs.lines])
+
+    def update(self) -> None:
+        if not self.rich:
+            return
+        output = self._output()
+        count = sum(map(len, output.lines))
+        if count == self.shown:
+            return
+        self.shown = count
+        from IPython.display import display
+
+        if self.handle is None:
+            self.handle = display(output, display_id=True)
+        else:
+            self.handle.update(output)
+
+    def finish(self) -> None:
+        output = self._output()
+        if self.handle is not None:
+            self.handle.update(output)
+        elif any(output.lines):
+            if self.rich:
+                from IPython.display import display
+
+                display(output)
+            else:
+                print(output, flush=True)
+
+
+class Output:
+    """What each rank printed in one cell: ranks that printed the same lines are shown once."""
+
+    def __init__(self, lines: list[list[tuple[str, str]]]):
+        self.lines = lines
+
+    def groups(self) -> list[tuple[list[int], list[tuple[str, str]]]]:
+        """(ranks, lines) for each distinct output, in the order of its first rank; silent ranks left out."""
+        groups: dict[tuple, list[int]] = {}
+        for rank, lines in enumerate(self.lines):
+            if lines:
+                groups.setdefault(tuple(lines), []).append(rank)
+        return [(ranks, list(lines)) for lines, ranks in groups.items()]
+
+    def __str__(self) -> str:
+        return "\n".join(
+            f"[{_label(ranks)}]\n" + "\n".join(line for _, line in lines) for ranks, lines in self.groups()
+        )
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        blocks = []
+        for ranks, lines in self.groups():
+            body = "\n".join(
+                f'<span class="fsdp-guide-stderr">{html.escape(line)}</span>'
+                if stream == "stderr"
+                else html.escape(line)
+                for stream, line in lines
+            )
+            blocks.append(
+                f'<div class="fsdp-guide-ranks"><div class="fsdp-guide-ranks-label">{_label(ranks)}</div>'
+                f'<pre style="margin:0 0 0.5em 0;white-space:pre-wrap">{body}</pre></div>'
+            )
+        return "".join(blocks)
+
+
+def _label(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _in_a_notebook() -> bool:
+    """A Jupyter kernel (display updates in place); not a terminal IPython or a script."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+# -- on each rank ---------------------------------------------------------------------------------------
+
+
+class _Cell:
+    """Whether the rank is running a cell: SIGINT interrupts a cell, and is ignored between cells."""
+
+    running = False
+
+    @classmethod
+    def on_sigint(cls, signum, frame) -> None:
+        if cls.running:
+            raise KeyboardInterrupt
+
+
+def _serve(token: str) -> None:
+    """A rank's loop: run each cell the parent sends, then say it ended, until told to close."""
+    import torch.distributed as dist
+
+    from fsdp_guide import _rank
+    from fsdp_guide.devices import device
+
+    run_dir, rank = Path(sys.argv[1]), dist.get_rank()
+    namespace = {
+        "__name__": "__main__",
+        "__builtins__": builtins,
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "device": device(),
+    }
+    signal.signal(signal.SIGINT, _Cell.on_sigint)
+    _end(run_dir, rank, token, 0, ("ok", _rank.where_this_rank_ran(dist.get_backend())))
+    while True:
+        n, kind, payload = cloudpickle.loads(_rank.commands.get())
+        if kind == "close":
+            return
+        try:
+            record = _run_one(n, kind, payload, namespace)
+        except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt that came as the cell ended
+            record = ("interrupted", "", f"{type(exc).__name__}")
+        _end(run_dir, rank, token, n, record)
+
+
+def _run_one(n: int, kind: str, payload: Any, namespace: dict) -> tuple:
+    import traceback
+
+    filename = f"<cell {n}>"
+    try:
+        _Cell.running = True
+        try:
+            value = _do(kind, payload, namespace, filename)
+        finally:
+            _Cell.running = False
+        return ("ok", value)
+    except BaseException as exc:  # noqa: BLE001 - what a cell raises is the reader's, reported per rank
+        shown = traceback.TracebackException.from_exception(exc)
+        here = os.path.abspath(__file__)  # this module's frames (the loop, the SIGINT handler): not the reader's
+        shown.stack = traceback.StackSummary.from_list([f for f in shown.stack if os.path.abspath(f.filename) != here])
+        text = "".join(shown.format())
+        sys.stderr.write(text)
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+        return (status, text, f"{type(exc).__name__}: {exc}".rstrip(": "))
+
+
+def _do(kind: str, payload: Any, namespace: dict, filename: str) -> Any:
+    import linecache
+
+    if kind == "exec":
+        linecache.cache[filename] = (len(payload), None, payload.splitlines(True), filename)
+        tree = ast.parse(payload, filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - the reader's own cell
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)  # noqa: S307
+            if value is not None:
+                print(repr(value))  # as a notebook shows a cell's last value
+        return None
+    if kind == "call":
+        import pickle
+        import types
+
+        fn, args, kwargs = pickle.loads(payload)
+        if isinstance(fn, types.FunctionType):
+            fn = types.FunctionType(
+                fn.__code__, {**fn.__globals__, **namespace}, fn.__name__, fn.__defaults__, fn.__closure__
+            )
+        return fn(*args, **kwargs)
+    if kind == "get":
+        return eval(payload, namespace)  # noqa: S307 - the reader's own expression
+    if kind == "put":
+        namespace.update(cloudpickle.loads(payload))
+        return None
+    if kind == "check":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.monitored_barrier(timeout=timedelta(seconds=payload), wait_all_ranks=True)
+        return None
+    raise ValueError(f"unknown command {kind!r}")
+
+
+def _end(run_dir: Path, rank: int, token: str, n: int, record: tuple) -> None:
+    """Record the cell's outcome, then mark its end on both streams, after all it printed."""
+    from fsdp_guide._rank import _write_record
+
+    try:
+        _write_record(run_dir / f"cell{n}.rank{rank}.pkl", record)
+    except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled: the reader's to change
+        _write_record(
+            run_dir / f"cell{n}.rank{rank}.pkl",
+            ("error", f"the value cannot be sent back: {exc}", f"{type(exc).__name__}: {exc}"),
+        )
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+        stream.write(f"\n\x00fsdp_guide {token} {n}\n")
+        stream.flush()
