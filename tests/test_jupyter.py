@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import re
@@ -491,3 +492,71 @@ def test_jupyterlab_follows_a_link_to_a_section_of_another_tutorial(lab, browser
         raise
     finally:
         page.close()
+
+
+LIVE_CELLS = [
+    "%load_ext fsdp_guide",
+    "%%ranks -n 2\nimport os\nx = rank * 10\npid = os.getpid()\nprint('hello from the ranks')",
+    "%%ranks --return pid\nprint(x)",
+    "print('pids', pid)",
+    "%%ranks\nimport time\nwhile True:\n    time.sleep(0.01)",
+]
+
+
+def test_jupyterlab_runs_cells_on_live_ranks_interrupts_them_and_ends_them_with_the_kernel(lab, browser):
+    import jupytext
+    import nbformat
+
+    url, token, root, log = lab
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(c) for c in LIVE_CELLS],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}},
+    )
+    # a .py beside the pages, as a reader's notebook is here: JupyterLab opens it as a notebook
+    (root / "tutorials" / "live_ranks.py").write_text(jupytext.writes(notebook, fmt="py:percent"))
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{url}/lab/tree/tutorials/live_ranks.py?reset&token={token}")
+        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+        _menu(page, "Run", "runmenu:run-all")
+        outputs = page.locator(".jp-Cell .jp-OutputArea")
+        page.get_by_text(re.compile(r"pids \[\d+, \d+\]")).wait_for(timeout=120_000)  # cells 1-3 ran
+        pids = [int(p) for p in re.findall(r"\d+", page.get_by_text(re.compile(r"pids \[\d+, \d+\]")).inner_text())]
+        assert len(pids) == 2 and all(map(_running, pids))
+        time.sleep(1.0)  # the last cell runs its loop on both ranks
+        _menu(page, "Kernel", "kernelmenu:interrupt")
+        page.get_by_text(re.compile("interrupted on every rank; the ranks keep their state")).wait_for(timeout=60_000)
+        texts = outputs.all_inner_texts()
+        assert "ranks 0, 1" in texts[1] and "hello from the ranks" in texts[1]  # the same on both: shown once
+        assert re.search(r"rank 0\s+0\s+rank 1\s+10", texts[2]), texts[2]  # each rank's own x
+        _menu(page, "Kernel", "kernelmenu:shutdown")
+        accept = page.locator(".jp-Dialog .jp-mod-accept")
+        with contextlib.suppress(Exception):  # a confirmation, in the JupyterLab versions that ask
+            accept.click(timeout=5_000)
+        deadline = time.monotonic() + 30
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, pids)), "a rank outlived its kernel"
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "jupyterlab-live-failure.png"), full_page=True)
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        page.close()
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _menu(page, menu: str, command: str) -> None:
+    """Click a menu's item, once it is enabled (a disabled item ignores the click)."""
+    page.get_by_role("menuitem", name=menu).click()
+    item = page.locator(f"li.lm-Menu-item[data-command='{command}']:not(.lm-mod-disabled)")
+    item.wait_for(timeout=30_000)
+    item.click()
