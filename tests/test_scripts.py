@@ -619,10 +619,21 @@ def _other_group_trained_on_and_restarted_one_caught_up(out: str) -> None:
     assert len(set(re.findall(r"stopped after step (\d+)", out))) == 1, out  # every rank stopped at one step
 
 
+def _what_each_rank_holds(out: str) -> None:
+    for rank in (0, 1):
+        assert f"rank {rank}: 0.weight (8, 6) (Shard(dim=0),), shard (4, 6)" in out, out
+        assert f"rank {rank}: 0.weight.grad DTensor (Shard(dim=0),)" in out, out
+        assert f"rank {rank}: full 0.weight equals the unsharded model's: True" in out, out
+        assert (
+            f"rank {rank}: reshard_after_forward=False: 0.weight after forward Parameter, after backward DTensor"
+        ) in out, out
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
     "quickstart": (2, _loss_difference),
+    "interactive": (2, _what_each_rank_holds),
     "mixed_precision": (2, _mixed_precision),
     "fp16_scaler": (2, _float16_needs_the_scaler),
     "summon_full_params": (2, _full_params_init),

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 from conftest import NOTEBOOKS, ROOT, TUTORIALS
 
 
-def _text_outputs(notebook) -> str:
+def _text_outputs(notebook, *, failing: bool = True) -> str:
+    """What the cells showed as text; ``failing=False``: not the cells tagged to raise (a failure a page shows)."""
     chunks = []
     for cell in notebook.cells:
+        if not failing and "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            continue
         for out in cell.get("outputs", []):
             if "scrapbook" in out.get("metadata", {}):
                 continue  # a value glued for the prose (myst_nb.glue), shown in the text, not as output
@@ -74,6 +78,7 @@ def test_every_tutorial_is_tested():
         "hang_branch",
         "hang_state_dict",
         "hf_dcp_export",
+        "interactive",
         "llm",
         "llm_checkpoints",
         "lora",
@@ -107,9 +112,12 @@ def test_every_tutorial_is_tested():
 
 @pytest.mark.parametrize("tutorial", TUTORIALS, ids=lambda p: p.stem)
 def test_tutorial_executes(tutorial, executed):
-    text = _text_outputs(executed[tutorial.stem])
+    text = _text_outputs(executed[tutorial.stem], failing=False)
     assert "Traceback" not in text
     assert "torch 2." in text  # every page says which torch it was executed with
+    for cell in executed[tutorial.stem].cells:  # a cell tagged to raise did raise: its failure is what it shows
+        if "raises-exception" in cell.get("metadata", {}).get("tags", []):
+            assert any(out["output_type"] == "error" for out in cell.outputs), cell.source
 
 
 def test_finetune_hf_measures_the_load_fine_tunes_like_one_process_and_exports_exactly(executed):
@@ -991,6 +999,38 @@ def test_compiled_autograd_loses_the_root_callback_and_the_optimizer_step_compil
     # the difference is there without AOTAutograd (backend='eager'): it comes from what dynamo traces
     dynamo_only = float(text.split("no AOTAutograd): ")[1].split()[0])
     assert 0 < dynamo_only < 1e-4
+
+
+def test_interactive_keeps_the_ranks_across_cells_recovers_from_a_failure_and_runs_the_script(executed):
+    nb = executed["interactive"]
+
+    def text_of(cell) -> str:
+        return _text_outputs(SimpleNamespace(cells=[cell]))
+
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    placements = text_of(next(c for c in cells if "named_parameters()" in c.source and "%%ranks" in c.source))
+    # the same on both ranks: shown once; each parameter split by rows, half each
+    assert placements.startswith("[ranks 0, 1]\n") and placements.count("(Shard(dim=0),)") == 4, placements
+    assert "0.weight (8, 6) (Shard(dim=0),) shard (4, 6)" in placements
+    rows = text_of(next(c for c in cells if "to_local()[:, :3]" in c.source))
+    assert "[rank 0]" in rows and "[rank 1]" in rows  # each rank's own rows: shown apart
+    step = text_of(next(c for c in cells if ".backward()" in c.source and "grad.placements" in c.source))
+    assert step.strip() == "[ranks 0, 1]\nDTensor (Shard(dim=0),) (4, 6)", step
+    check = text_of(next(c for c in cells if "torch.equal(full[0], full[1])" in c.source))
+    assert "both ranks gathered the same weight: True" in check and "it is the unsharded model's: True" in check
+    summoned = text_of(next(c for c in cells if "with summon_full_params(model):" in c.source))
+    assert "inside:  Parameter (8, 6)" in summoned and "outside: DTensor (4, 6)" in summoned, summoned
+    kept = text_of(next(c for c in cells if "reshard_after_forward=False" in c.source and "%%ranks" in c.source))
+    assert "after forward:  Parameter (8, 6)" in kept and "after backward: DTensor (4, 6)" in kept, kept
+    failing = next(c for c in cells if "raises-exception" in c.metadata.get("tags", []))
+    assert "NameError: name 'loss' is not defined" in text_of(failing)
+    error = "\n".join(next(o for o in failing.outputs if o.output_type == "error").traceback)
+    assert "rank 0 raised NameError" in error and "did not end the cell" in error and "restarted" in error
+    assert "[rank1]" in error and "in all_reduce" in error and "line 3 in <module>" in error
+    assert float(_glued(nb)["live_faster"]) > 3  # a cell on live ranks costs a small part of a launch
+    script = text_of(next(c for c in cells if c.source.startswith("%torchrun")))
+    for rank in (0, 1):
+        assert f"[rank0] rank {rank}: full 0.weight equals the unsharded model's: True" in script, script
 
 
 def test_quickstart_shows_real_rank_output_and_the_equality_check(executed):

@@ -31,6 +31,10 @@ GROUPS = {
         "Shard a model, train it, and see that nothing changed.",
         {
             "quickstart": ("Quickstart", "Shard a model on two processes; the losses match one process."),
+            "interactive": (
+                "Exploring interactively",
+                "Ranks that stay up across cells: each rank's shard, a step, a torchrun script.",
+            ),
             "digits": ("A first real model", "A dataset split across ranks, a training loop, evaluation."),
             "migration": ("From FSDP1 to FSDP2", "Every FSDP1 argument's FSDP2 form, the same losses, the checkpoint."),
         },
