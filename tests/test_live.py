@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,47 @@ def test_output_is_shown_once_for_ranks_that_printed_the_same_else_per_rank(rank
     assert out == "[rank 1]\nonly rank 1\n" and "\x00" not in out
     ranks.run("x = 1")  # nothing printed: nothing shown
     assert capsys.readouterr().out == ""
+
+
+def test_a_cell_can_read_stdin_rebind_stdout_redraw_a_line_and_define_classes_that_pickle(ranks, capsys):
+    ranks.run("try:\n    input()\nexcept EOFError:\n    print('end of file')")  # not the parent's commands
+    assert capsys.readouterr().out == "[ranks 0, 1]\nend of file\n"
+    ranks.run("import io, sys\nsys.stdout = io.StringIO()\nprint('kept aside')")  # the cell still ends
+    ranks.run("sys.stdout = sys.__stdout__\nprint('back')")
+    assert capsys.readouterr().out == "[ranks 0, 1]\nback\n"
+    ranks.run("for i in range(3):\n    print(f'step {i}', end='\\r')\nprint('done')")  # a progress line
+    assert capsys.readouterr().out == "[ranks 0, 1]\ndone\n"
+    cell = (
+        "import torch.distributed as dist\n"
+        "class Point:\n    def __init__(self, r):\n        self.r = r\n"
+        "points = [None, None]\n"
+        "dist.all_gather_object(points, Point(rank))  # pickled by reference to this cell's class\n"
+        "print([p.r for p in points])"
+    )
+    ranks.run(cell)
+    assert capsys.readouterr().out == "[ranks 0, 1]\n[0, 1]\n"
+
+    def scaled(x, *, by=3):
+        return x * by
+
+    assert ranks.run(scaled, 2) == [6, 6]
+
+
+def test_a_collective_one_rank_issued_alone_is_found_after_the_cell_and_the_ranks_restart(ranks):
+    ranks.run("import torch, torch.distributed as dist")
+    cell = (
+        "if rank == 0:\n"
+        "    pending = dist.all_reduce(torch.ones(1), async_op=True)  # rank 1 never joins it\n"
+        "raise ValueError('both ranks fail')"
+    )
+    with pytest.raises(LaunchError) as info:
+        ranks.run(cell)
+    message = str(info.value)
+    assert "no longer agree on the collectives" in message and "restarted" in message, message
+    assert re.search(r"rank 0 issued (\d+), rank 1 issued (\d+)", message), message
+    counts = [int(c) for c in re.search(r"rank 0 issued (\d+), rank 1 issued (\d+)", message).groups()]
+    assert counts[0] == counts[1] + 1, message  # rank 0 one ahead
+    assert ranks.restarts == 1 and ranks.get("rank") == [0, 1]
 
 
 def test_the_folded_output_groups_equal_ranks_and_renders_as_html():

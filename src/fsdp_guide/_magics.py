@@ -106,7 +106,11 @@ class RankMagics(Magics):
         elif options.action == "restart" or session is None or not session.running:
             if session is not None:
                 session.close()
-            live._session = Ranks(world_size=options.world_size, timeout=options.timeout)
+            keep = session is not None and options.action == "restart"  # the same ranks again, unless told
+            live._session = Ranks(
+                world_size=options.world_size or (session.world_size if keep else None),
+                timeout=options.timeout or (session.timeout if keep else None),
+            )
             print(live._session)
         else:  # start, and they run
             print(self._session(options))

@@ -111,9 +111,15 @@ def _exit_when_parent_dies(run_dir: Path) -> None:
     # script), and a rank must not outlive it, nor anything it started (data-loader workers,
     # compile workers), nor the pickled function on disk. What it writes are commands.
     # os.read, not sys.stdin: a daemon thread holding the stdin lock aborts interpreter shutdown.
+    # The pipe moves to a descriptor of its own, and /dev/null takes its place as stdin: the
+    # function's input() or breakpoint() gets end of file, not the parent's commands.
+    pipe = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
     try:
         pending = bytearray()
-        while chunk := os.read(0, 1 << 16):
+        while chunk := os.read(pipe, 1 << 16):
             pending += chunk
             while len(pending) >= 8 and len(pending) >= 8 + (size := int.from_bytes(pending[:8], "big")):
                 commands.put(bytes(pending[8 : 8 + size]))

@@ -87,9 +87,10 @@ def _exit_as_python_would(code) -> None:
     # Files the script left open lose nothing: the teardown would have flushed them. By type(), not
     # isinstance(), which reads __class__ from every object (torch's deprecated aliases warn on it).
     for stream in gc.get_objects():
-        if issubclass(type(stream), io.IOBase) and not stream.closed and stream.writable():
-            with contextlib.suppress(Exception):
-                stream.flush()
+        if issubclass(type(stream), io.IOBase):
+            with contextlib.suppress(Exception):  # closed, detached (sys.stdout.detach()) or not writable
+                if not stream.closed and stream.writable():
+                    stream.flush()
     if code is None:
         status = 0
     elif isinstance(code, int):

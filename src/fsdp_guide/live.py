@@ -9,7 +9,7 @@ in the next::
     ranks = Ranks(world_size=2)
     ranks.run("model = fully_shard(nn.Linear(8, 8))")
     ranks.run("print(model.weight.placements, model.weight.to_local().shape)")
-    ranks.get("model.weight.grad")  # one value per rank, brought back to the notebook
+    ranks.get("model.weight.grad.to_local()")  # one value per rank, brought back to the notebook
 
 In a notebook, ``%load_ext fsdp_guide`` gives the same as magics: ``%%ranks`` runs its cell on
 the ranks, ``%ranks restart`` starts them again, ``%torchrun -n 2 train.py ARGS`` runs a script
@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -60,8 +61,10 @@ from fsdp_guide.launcher import (
 __all__ = ["Ranks", "session"]
 
 _INTERRUPT_GRACE_S = 2.0  # how long a rank has to end its cell after SIGINT before the ranks are restarted
-_CHECK_S = 5.0  # the barrier after an unfinished cell: longer means the ranks no longer agree
-_LIVE_S = 0.1  # how often a notebook's display of a running cell is redrawn
+_CHECK_S = 30.0  # how long the ranks have to answer the check after a cell that did not end well
+_LIVE_S = 0.1  # how often the parent looks at a running cell
+_REDRAW_S = 0.5  # how often a notebook's display of a running cell is redrawn
+_MAX_LINES = 10_000  # lines kept per rank and cell; the count of the rest is shown
 
 
 _session: Ranks | None = None  # the ranks the notebook's %%ranks cells run on (fsdp_guide._magics)
@@ -244,37 +247,71 @@ class Ranks:
         self._cell += 1
         n, procs = self._cell, self._procs
         view = _Live(procs, n)
-        procs.new_cell()
-        procs.send(n, kind, payload)
+        with _interrupts_noted() as noted:  # every rank gets the whole cell, or none a part of it
+            procs.new_cell()
+            procs.send(n, kind, payload)
         try:
-            records = self._wait(n, timeout, view)
+            records, interrupted = self._wait(n, timeout, view, noted.is_set())
         finally:
             view.finish()
         errors = {r: rec for r, rec in enumerate(records) if rec[0] != "ok"}
+        if errors or interrupted:
+            with _interrupts_noted():
+                self._check_agreement(errors, interrupted)
+        if interrupted:
+            raise KeyboardInterrupt("the cell was interrupted on every rank; the ranks keep their state")
         if errors:
             rank = min(errors, key=lambda r: (errors[r][0] != "error", r))
+            status, text, summary = errors[rank]
+            where = " (each rank's traceback is in the output above)" if status == "error" else f": {text}"
             raise LaunchError(
-                f"rank {rank} raised {errors[rank][2]} (each rank's traceback is in the output above). "
-                "The ranks keep their state.",
+                f"rank {rank} raised {summary}{where}. The ranks keep their state.",
                 rank=rank,
                 ranks=sorted(errors),
-                remote_traceback=errors[rank][1],
+                remote_traceback=text,
             )
         values = [rec[1] for rec in records]
         return None if kind in ("exec", "put") else values
 
-    def _wait(self, n: int, timeout: float | None, view: _Live | None) -> list:
-        """Each rank's record of cell ``n``; a cell that cannot end on every rank ends the session's ranks."""
+    def _check_agreement(self, errors: dict, interrupted: bool) -> None:
+        """After a cell that did not end well on every rank: restart the ranks unless every rank
+        has issued as many collectives as the others (and still has its process group)."""
+        self._cell += 1
+        procs = self._procs
+        procs.new_cell()
+        procs.send(self._cell, "check", None)
+        outcome = procs.wait_cell(self._cell, time.monotonic() + _CHECK_S, None)
+        counts = [rec[1] if rec[0] == "ok" else None for rec in procs.records(self._cell)] if outcome == "done" else []
+        if counts and None not in counts and len(set(counts)) == 1:
+            return
+        rank = min(errors, key=lambda r: (errors[r][0] != "error", r)) if errors else None
+        cause = "the cell was interrupted" if interrupted else f"rank {rank} raised {errors[rank][2]}"
+        found = (
+            ", ".join(
+                f"rank {r} {'has no process group' if c is None else f'issued {c}'}" for r, c in enumerate(counts)
+            )
+            if counts
+            else "the ranks did not answer"
+        )
+        self._restart_after(
+            f"{cause}; every rank ended the cell, but the ranks no longer agree on the collectives they "
+            f"made ({found}): the next collective would pair with the wrong one, or wait forever.",
+            interrupted=interrupted,
+        )
+
+    def _wait(self, n: int, timeout: float | None, view: _Live | None, interrupted: bool) -> tuple[list, bool]:
+        """Each rank's record of cell ``n``, and whether it was interrupted; a cell that cannot end
+        on every rank ends the session's ranks."""
         procs = self._procs
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            outcome = procs.wait_cell(n, deadline, view)
+            outcome = "interrupted" if interrupted else procs.wait_cell(n, deadline, view)
         except KeyboardInterrupt:
             outcome = "interrupted"
         if outcome == "done":
-            return procs.records(n)
+            return procs.records(n), False
         with _interrupts_noted():  # a second Ctrl-C cannot cut the clean-up short
-            return self._end_cell(n, outcome, timeout)
+            return self._end_cell(n, outcome, timeout), outcome == "interrupted"
 
     def _end_cell(self, n: int, outcome: str, timeout: float | None) -> list:
         procs = self._procs
@@ -296,28 +333,10 @@ class Ranks:
             self._restart_after(
                 f"{cause}; rank(s) {', '.join(map(str, stuck))} did not end the cell within "
                 f"{_INTERRUPT_GRACE_S:g} s of being interrupted (blocked in a collective that a rank which "
-                "stopped will never join)." + _where(stacks),
+                "stopped will never join, or in code that does not return to Python)." + _where(stacks),
                 interrupted=outcome == "interrupted",
             )
-        records = procs.records(n)
-        if not self._agree():
-            cause = "the cell was interrupted" if outcome == "interrupted" else procs.first_error(n)
-            self._restart_after(
-                f"{cause}; every rank ended the cell, but the ranks no longer agree on the collectives they "
-                f"made (a barrier did not complete within {_CHECK_S:g} s).",
-                interrupted=outcome == "interrupted",
-            )
-        if outcome == "interrupted":
-            raise KeyboardInterrupt("the cell was interrupted on every rank; the ranks keep their state")
-        return records
-
-    def _agree(self) -> bool:
-        """After a cell some ranks did not finish: do they still make their collectives together?"""
-        self._cell += 1
-        procs = self._procs
-        procs.send(self._cell, "check", _CHECK_S)
-        outcome = procs.wait_cell(self._cell, time.monotonic() + _CHECK_S + 5, None)
-        return outcome == "done" and all(rec[0] == "ok" for rec in procs.records(self._cell))
+        return procs.records(n)
 
     def _restart_after(self, why: str, interrupted: bool = False) -> None:
         self.restart()
@@ -335,24 +354,37 @@ class _LiveProcs(_Ranks):
         self.token = token
         self.marker = f"\x00fsdp_guide {token} "
         self.ended = [{"stdout": -1, "stderr": -1} for _ in range(world_size)]  # the last cell ended, per stream
-        self.lines: list[list[tuple[str, str]]] = [[] for _ in range(world_size)]  # this cell's (stream, line)
+        # this cell's output, per rank: (stream, line, whether it ended in "\r": a redraw follows)
+        self.lines: list[list[tuple[str, str, bool]]] = [[] for _ in range(world_size)]
+        self.dropped = [0] * world_size  # lines past _MAX_LINES
         self.statuses: dict[tuple[int, int], str] = {}
+        self.read: dict[tuple[int, int], tuple] = {}  # this cell's records, once read
 
     def _emit(self, rank: int, line: str, stream: str, show: bool) -> None:
         text, marker, rest = line.partition(self.marker)
-        with self.exited:
-            self.tails[rank].append(text.rstrip("\r\n"))  # what a failure's message shows
-        if text.strip("\r\n") and not _says_nothing(text):
+        if text and not _says_nothing(text):
+            shown = text.rstrip("\r\n")
             with self.exited:
-                self.lines[rank].append((stream, text.rstrip("\r\n")))
+                self.tails[rank].append(shown)  # what a failure's message shows
+                lines = self.lines[rank]
+                if lines and lines[-1][2] and lines[-1][0] == stream:
+                    lines[-1] = (stream, shown, text.endswith("\r"))  # a progress bar's redraw: in place
+                elif len(lines) < _MAX_LINES:
+                    lines.append((stream, shown, text.endswith("\r")))
+                else:
+                    self.dropped[rank] += 1
         if marker:
+            n, status = rest.split()[:2]
             with self.exited:
-                self.ended[rank][stream] = int(rest.split()[0])
+                self.ended[rank][stream] = int(n)
+                self.statuses[rank, int(n)] = status
                 self.exited.notify_all()
 
     def new_cell(self) -> None:
         with self.exited:
             self.lines = [[] for _ in range(self.world_size)]
+            self.dropped = [0] * self.world_size
+            self.read = {}
 
     def send(self, n: int, kind: str, payload: Any) -> None:
         frame = cloudpickle.dumps((n, kind, payload))
@@ -393,12 +425,16 @@ class _LiveProcs(_Ranks):
                 view.update()
 
     def _status(self, rank: int, n: int) -> str:
-        if (rank, n) not in self.statuses:  # read once: a record may hold a large value
-            self.statuses[rank, n] = self._record(rank, n)[0]
-        return self.statuses[rank, n]
+        return self.statuses[rank, n]  # from the marker that ended the cell
 
     def _record(self, rank: int, n: int) -> tuple:
-        return cloudpickle.loads((self.run_dir / f"cell{n}.rank{rank}.pkl").read_bytes())
+        if (rank, n) not in self.read:
+            path = self.run_dir / f"cell{n}.rank{rank}.pkl"
+            try:
+                self.read[rank, n] = cloudpickle.loads(path.read_bytes())
+            finally:
+                path.unlink(missing_ok=True)  # read once: values brought back do not pile up on disk
+        return self.read[rank, n]
 
     def records(self, n: int) -> list:
         records = []
@@ -408,18 +444,18 @@ class _LiveProcs(_Ranks):
             except Exception as exc:  # noqa: BLE001 - whatever unpickling raises: a value this process cannot rebuild
                 records.append(
                     (
-                        "error",
+                        "unreadable",
                         f"rank {r}'s value cannot be rebuilt in this process: {type(exc).__name__}: {exc}. "
                         "Bring back plain data or local tensors (a DTensor's .to_local() or .full_tensor()).",
-                        type(exc).__name__,
+                        f"{type(exc).__name__}: {exc}",
                     )
                 )
         return records
 
     def first_error(self, n: int) -> str:
         for r in range(self.world_size):
-            if self._ended(r, n) and (record := self._record(r, n))[0] == "error":
-                return f"rank {r} raised {record[2]}"
+            if self._ended(r, n) and self._status(r, n) == "error":
+                return f"rank {r} raised {self._record(r, n)[2]}"
         return "a rank failed"
 
     def interrupt(self, ranks: Sequence[int]) -> None:
@@ -457,15 +493,21 @@ class _Live:
         self.procs, self.n = procs, n
         self.handle = None
         self.shown = 0
+        self.drawn = 0.0
         self.rich = _in_a_notebook()
 
     def _output(self) -> Output:
         with self.procs.exited:
-            return Output([list(lines) for lines in self.procs.lines])
+            lines = [[(stream, text) for stream, text, _ in rank_lines] for rank_lines in self.procs.lines]
+            for rank, dropped in enumerate(self.procs.dropped):
+                if dropped:
+                    lines[rank].append(("stderr", f"... and {dropped} more lines, not shown"))
+            return Output(lines)
 
     def update(self) -> None:
-        if not self.rich:
+        if not self.rich or time.monotonic() - self.drawn < _REDRAW_S:
             return
+        self.drawn = time.monotonic()
         output = self._output()
         count = sum(map(len, output.lines))
         if count == self.shown:
@@ -565,24 +607,24 @@ def _serve(token: str) -> None:
     from fsdp_guide.devices import device
 
     run_dir, rank = Path(sys.argv[1]), dist.get_rank()
-    namespace = {
-        "__name__": "__main__",
-        "__builtins__": builtins,
-        "rank": rank,
-        "world_size": dist.get_world_size(),
-        "device": device(),
-    }
+    # The cells run in a module that is __main__, as a notebook's do: a class or function a cell
+    # defines pickles by reference (all_gather_object, torch.save) and unpickles on every rank.
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__builtins__=builtins, rank=rank, world_size=dist.get_world_size(), device=device())
+    sys.modules["__main__"] = main
+    # The markers go to the streams' own descriptors, whatever a cell makes of sys.stdout.
+    marks = (os.dup(1), os.dup(2))
     signal.signal(signal.SIGINT, _Cell.on_sigint)
-    _end(run_dir, rank, token, 0, ("ok", _rank.where_this_rank_ran(dist.get_backend())))
+    _end(run_dir, rank, token, 0, ("ok", _rank.where_this_rank_ran(dist.get_backend())), marks)
     while True:
         n, kind, payload = cloudpickle.loads(_rank.commands.get())
         if kind == "close":
             return
         try:
-            record = _run_one(n, kind, payload, namespace)
+            record = _run_one(n, kind, payload, main.__dict__)
         except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt that came as the cell ended
             record = ("interrupted", "", f"{type(exc).__name__}")
-        _end(run_dir, rank, token, n, record)
+        _end(run_dir, rank, token, n, record, marks)
 
 
 def _run_one(n: int, kind: str, payload: Any, namespace: dict) -> tuple:
@@ -597,6 +639,12 @@ def _run_one(n: int, kind: str, payload: Any, namespace: dict) -> tuple:
             _Cell.running = False
         return ("ok", value)
     except BaseException as exc:  # noqa: BLE001 - what a cell raises is the reader's, reported per rank
+        if isinstance(exc, ValueError) and "initialize the default process group twice" in str(exc):
+            exc = ValueError(
+                "this cell calls init_process_group, but each rank's group is ready before the first cell: "
+                "leave the call out (or guard it with `if not dist.is_initialized():`); to run a torchrun "
+                "script as it is, use %torchrun -n N script.py (fsdp_guide.run)"
+            ).with_traceback(exc.__traceback__)
         shown = traceback.TracebackException.from_exception(exc)
         here = os.path.abspath(__file__)  # this module's frames (the loop, the SIGINT handler): not the reader's
         shown.stack = traceback.StackSummary.from_list([f for f in shown.stack if os.path.abspath(f.filename) != here])
@@ -621,13 +669,15 @@ def _do(kind: str, payload: Any, namespace: dict, filename: str) -> Any:
         return None
     if kind == "call":
         import pickle
-        import types
 
         fn, args, kwargs = pickle.loads(payload)
         if isinstance(fn, types.FunctionType):
-            fn = types.FunctionType(
+            rebound = types.FunctionType(
                 fn.__code__, {**fn.__globals__, **namespace}, fn.__name__, fn.__defaults__, fn.__closure__
             )
+            rebound.__kwdefaults__, rebound.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+            rebound.__dict__.update(fn.__dict__)
+            fn = rebound
         return fn(*args, **kwargs)
     if kind == "get":
         return eval(payload, namespace)  # noqa: S307 - the reader's own expression
@@ -635,27 +685,37 @@ def _do(kind: str, payload: Any, namespace: dict, filename: str) -> Any:
         namespace.update(cloudpickle.loads(payload))
         return None
     if kind == "check":
-        from datetime import timedelta
-
         import torch.distributed as dist
 
-        dist.monitored_barrier(timeout=timedelta(seconds=payload), wait_all_ranks=True)
-        return None
+        if not dist.is_initialized():
+            return None  # a cell destroyed the group
+        # How many collectives this rank has issued: equal on every rank unless one issued a
+        # collective the others never will (NCCL queues it without waiting), or missed one.
+        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
     raise ValueError(f"unknown command {kind!r}")
 
 
-def _end(run_dir: Path, rank: int, token: str, n: int, record: tuple) -> None:
-    """Record the cell's outcome, then mark its end on both streams, after all it printed."""
+def _end(run_dir: Path, rank: int, token: str, n: int, record: tuple, marks: tuple[int, int]) -> None:
+    """Record the cell's outcome, then mark its end on both streams, after all it printed.
+
+    The marker carries the outcome ("ok", "error", "interrupted"), so the parent knows it without
+    reading the record (which may hold a large value, or one it cannot rebuild)."""
+    import contextlib
+    import ctypes
+
     from fsdp_guide._rank import _write_record
 
     try:
         _write_record(run_dir / f"cell{n}.rank{rank}.pkl", record)
     except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled: the reader's to change
-        _write_record(
-            run_dir / f"cell{n}.rank{rank}.pkl",
-            ("error", f"the value cannot be sent back: {exc}", f"{type(exc).__name__}: {exc}"),
-        )
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-        stream.write(f"\n\x00fsdp_guide {token} {n}\n")
-        stream.flush()
+        text = f"rank {rank}'s value cannot be sent back: {type(exc).__name__}: {exc}"
+        sys.stderr.write(text + "\n")
+        record = ("error", text, f"{type(exc).__name__}: {exc}")
+        _write_record(run_dir / f"cell{n}.rank{rank}.pkl", record)
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}.values():
+        with contextlib.suppress(Exception):  # a stream a cell closed or replaced
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # what C code (a library's printf) still holds
+    for fd in marks:
+        os.write(fd, f"\x00fsdp_guide {token} {n} {record[0]}\n".encode())
