@@ -625,7 +625,8 @@ def _what_each_rank_holds(out: str) -> None:
         assert f"rank {rank}: 0.weight.grad DTensor (Shard(dim=0),)" in out, out
         assert f"rank {rank}: full 0.weight equals the unsharded model's: True" in out, out
         assert (
-            f"rank {rank}: reshard_after_forward=False: 0.weight after forward Parameter, after backward DTensor"
+            f"rank {rank}: 0.weight after forward by default: DTensor, 0.weight after forward with "
+            "reshard_after_forward=False: Parameter; after backward: DTensor"
         ) in out, out
 
 

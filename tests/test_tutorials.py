@@ -1021,7 +1021,8 @@ def test_interactive_keeps_the_ranks_across_cells_recovers_from_a_failure_and_ru
     summoned = text_of(next(c for c in cells if "with summon_full_params(model):" in c.source))
     assert "inside:  Parameter (8, 6)" in summoned and "outside: DTensor (4, 6)" in summoned, summoned
     kept = text_of(next(c for c in cells if "reshard_after_forward=False" in c.source and "%%ranks" in c.source))
-    assert "after forward:  Parameter (8, 6)" in kept and "after backward: DTensor (4, 6)" in kept, kept
+    assert "default                     0.weight after forward: DTensor, after backward: DTensor" in kept, kept
+    assert "reshard_after_forward=False 0.weight after forward: Parameter, after backward: DTensor" in kept, kept
     failing = next(c for c in cells if "raises-exception" in c.metadata.get("tags", []))
     assert "NameError: name 'loss' is not defined" in text_of(failing)
     error = "\n".join(next(o for o in failing.outputs if o.output_type == "error").traceback)

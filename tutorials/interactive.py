@@ -19,8 +19,9 @@
 #
 # - how to keep ranks, with their process group, running from one notebook cell to the next
 #   (`%%ranks`), so a sharded model built in one cell can be looked at in the next;
-# - what each rank holds of a `fully_shard`-ed model before and after a step: the placements,
-#   each rank's shard, the gradients, the full tensor, and what changes when the wrapping does;
+# - what each rank holds of a `fully_shard`-ed model, around a forward and backward: the
+#   placements, each rank's shard, the gradients, the full tensor, and what changes when the
+#   wrapping does;
 # - what happens when a cell fails on one rank while the other waits in a collective;
 # - how to run an unmodified torchrun script from the notebook (`%torchrun`).
 #
@@ -83,11 +84,11 @@ for name, p in model.named_parameters():
 model[0].weight.to_local()[:, :3]  # this rank's rows, the first 3 columns
 
 # %% [markdown]
-# ## One step, and the gradients
+# ## A forward and backward, and the gradients
 #
 # Each rank runs the model on a batch of its own and backward; the gradients come out
-# sharded like the parameters, each rank holding its rows of the gradient summed over both
-# ranks' batches:
+# sharded like the parameters, each rank holding its rows of the gradient averaged over both
+# ranks' batches (FSDP2's reduce-scatter divides by the world size):
 
 # %%
 # %%ranks
@@ -128,28 +129,39 @@ print("outside:", type(model[0].weight).__name__, tuple(model[0].weight.to_local
 # %% [markdown]
 # ## A different wrapping, looked at again
 #
-# With `reshard_after_forward=False` the forward leaves the parameters gathered for the
-# backward, which then does not all-gather them again. A second model, one unit, shows it:
-# between forward and backward its parameters are plain full `Parameter`s, and after the
-# backward they are shards again:
+# With `reshard_after_forward=False` on a unit, the forward leaves its parameters gathered
+# for the backward, which then does not all-gather them again. The root unit does so by
+# default already (FSDP2 sets the flag to `False` for the root and `True` for the others when
+# it is not given, as `fully_shard`'s docstring says), so the flag goes on the layers. A second
+# model beside the first shows the difference, between forward and backward:
 
 # %%
 # %%ranks
 kept = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
-fully_shard(kept, reshard_after_forward=False)
-out = kept(x)
-print("after forward: ", type(kept[0].weight).__name__, tuple(kept[0].weight.shape))
-out.sum().backward()
-print("after backward:", type(kept[0].weight).__name__, tuple(kept[0].weight.to_local().shape))
+for layer in (kept[0], kept[2]):
+    fully_shard(layer, reshard_after_forward=False)
+fully_shard(kept)
+for name, m in (("default", model), ("reshard_after_forward=False", kept)):
+    out = m(x)
+    after_forward = type(m[0].weight).__name__
+    out.sum().backward()
+    print(
+        f"{name:27} 0.weight after forward: {after_forward}, after backward: {type(m[0].weight).__name__}"
+    )
+
+# %% [markdown]
+# By default the layer's weight is a shard again as soon as its forward ends; with the flag it
+# stays a plain full `Parameter` until its backward, then it is a shard again.
 
 # %% [markdown]
 # ## When a cell fails on one rank
 #
-# A mistake that raises on one rank only leaves the other waiting in the next collective,
-# which in a script hangs until the process group's timeout. Below, rank 0 logs a loss that
-# no cell defined. The rank still in the cell is interrupted; one that does not stop within
-# 2 s (blocked in the collective) is shown where it waits, and the ranks are started again,
-# empty:
+# A mistake that raises on one rank only leaves the other waiting in the next collective. In
+# a script the failing rank exits, its peers' collectives fail on the closed connection and
+# torchrun stops them all; here the failing rank stays up, so its peer would wait until the
+# process group's timeout. Below, rank 0 logs a loss that no cell defined. The rank still in
+# the cell is interrupted; one that does not stop within 2 s (blocked in the collective) is
+# shown where it waits, and the ranks are started again, empty:
 #
 # (interactive-failure)=
 
@@ -163,8 +175,11 @@ dist.all_reduce(torch.ones(1, device=device))
 # Rank 0's traceback is in the output, and rank 1's stack shows it in `all_reduce`, on line
 # 3 of the cell. The ranks were restarted: the next cell starts from an empty namespace.
 # Had every rank raised, or had rank 1 stopped when interrupted, the ranks would have kept
-# their state. Ctrl-C (Jupyter's stop button) ends a cell on every rank the same way, and a
-# cell run with `%%ranks --timeout 60` ends after 60 s with each rank's stack.
+# their state, once a check found that every rank had issued as many collectives as the
+# others. Ctrl-C (Jupyter's stop button) ends a cell on every rank the same way, and a cell
+# run with `%%ranks --timeout 60` ends after 60 s with each rank's stack. With NCCL (not run
+# here), we expect rank 1's all-reduce to be queued without blocking, so rank 1 ends the
+# cell, and the check to find it one collective ahead of rank 0: the same restart.
 
 # %% [markdown]
 # ## What a cell costs
@@ -242,7 +257,7 @@ Table(
 # ## The script to copy
 #
 # This page's idea as a plain torchrun script, with torch alone: {download}`scripts/interactive.py`.
-# It shards the same model, takes one step and prints, for every rank, the first layer's
+# It shards the same model, runs a forward and backward and prints, for every rank, the first layer's
 # placement and shard, its gradient's placement, whether the gathered weight is the unsharded
 # model's, and what `reshard_after_forward=False` leaves after forward and after backward. The
 # tests run this file under torchrun on 2 CPU ranks and check each line

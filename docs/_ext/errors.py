@@ -147,9 +147,9 @@ FIXES = {
     "was saved from, then change it: :ref:`llm-load-errors`.",
     # live ranks (fsdp_guide.live)
     "did not end the cell within": "A cell failed on one rank while another waited in a collective: the live "
-    "ranks were restarted, empty; run their set-up cells again: :ref:`interactive-failure`.",
+    "ranks were restarted, empty; run their set-up cells again: :ref:`shown <interactive-failure>`.",
     "name 'loss' is not defined": "A name no cell defined on that rank: each live rank has a namespace of its own, "
-    "and a variable set under ``if rank == 0:`` exists on rank 0 only: :ref:`interactive-failure`.",
+    "and a variable set under ``if rank == 0:`` exists on rank 0 only: :ref:`shown <interactive-failure>`.",
     # starting the ranks
     "environment variable RANK expected, but not set": "A torchrun script started with ``python``: start it with "
     "``torchrun --nproc-per-node=N`` (from a notebook, ``fsdp_guide.launch``): :ref:`cluster-launch-errors`.",

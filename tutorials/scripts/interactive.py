@@ -1,10 +1,11 @@
-"""What each rank holds of a sharded model, before and after a step, as a torchrun script.
+"""What each rank holds of a sharded model, around a forward and backward, as a torchrun script.
 
     torchrun --nproc-per-node=2 interactive.py
 
 The exploration of the interactive page, printed by rank 0 for every rank: each parameter's
-placement and each rank's shard of it, the gradients' placements after one step, the full
-tensor each rank gathers, and what a forward leaves behind with ``reshard_after_forward=False``.
+placement and each rank's shard of it, the gradients' placements after a forward and backward,
+the full tensor each rank gathers, and what a forward leaves behind with
+``reshard_after_forward=False`` on the layers.
 Needs torch alone; each rank computes on its accelerator (GPU) where there is one, else on the
 CPU (over gloo).
 """
@@ -68,14 +69,18 @@ def main():
     whole = build(device)[0].weight
     on_rank0(f"full 0.weight equals the unsharded model's: {torch.equal(full, whole)}")
 
-    kept = build(device)
-    fully_shard(kept, reshard_after_forward=False)
-    out = kept(x)  # the parameters stay gathered until backward
-    after_forward = type(kept[0].weight).__name__
-    out.sum().backward()
+    kept = build(device)  # the same model, its layers keeping their weights gathered after forward
+    for layer in (kept[0], kept[2]):
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(kept)
+    after = {}
+    for name, m in (("by default", model), ("with reshard_after_forward=False", kept)):
+        out = m(x)
+        after[name] = type(m[0].weight).__name__
+        out.sum().backward()
     on_rank0(
-        f"reshard_after_forward=False: 0.weight after forward {after_forward}, "
-        f"after backward {type(kept[0].weight).__name__}"
+        ", ".join(f"0.weight after forward {name}: {kind}" for name, kind in after.items())
+        + f"; after backward: {type(kept[0].weight).__name__}"
     )
     dist.barrier()  # every rank done with its collectives before any tears the group down
     dist.destroy_process_group()
