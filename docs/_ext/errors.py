@@ -94,11 +94,21 @@ def tables_as_lines(text: str) -> str:
     "4\\nRuntimeError: shape '[2]' is invalid\\n"
     >>> messages(tables_as_lines('<table><tr><th>a</th></tr><tr><td>ValueError: x</td><td>2</td></tr></table>'))
     [('ValueError', 'x')]
+
+    The per-rank output of live ranks (``%%ranks``) too, each group's lines as they were printed:
+
+    >>> from fsdp_guide.live import Output
+    >>> messages(tables_as_lines(Output([[("stderr", "NameError: name 'x' is not defined")]])._repr_html_()))
+    [('NameError', "name 'x' is not defined")]
     """
 
     def cells(table: re.Match) -> str:
         return html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"</t[dh]>", "\n", table.group(0))))
 
+    def ranks(block: re.Match) -> str:  # a displayed fsdp_guide.live.Output: a label, then its lines
+        return html.unescape(re.sub(r"<[^>]+>", "", re.sub(r"</div>", "\n", block.group(0)))) + "\n"
+
+    text = re.sub(r'<div class="fsdp-guide-ranks">.*?</pre></div>', ranks, text, flags=re.S)
     return re.sub(r"<table\b.*?</table>", cells, text, flags=re.S)
 
 
