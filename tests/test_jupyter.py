@@ -437,7 +437,7 @@ def _open_run_and_save(page, url: str, token: str) -> None:
     listing.dblclick()
     page.locator(".jp-NotebookPanel").wait_for(timeout=60_000)  # a notebook, not the text editor
     _check_the_references_render(page)
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)  # kernel ready
+    _wait_for_the_kernel(page)
     # Run All, once. The item runs the current notebook's cells and is disabled (Lumino's
     # lm-mod-disabled, on which a click does nothing) while no notebook is current, so the
     # click waits for it enabled. (A retry of the click here, for a first request said to be
@@ -517,7 +517,7 @@ def test_jupyterlab_runs_cells_on_live_ranks_interrupts_them_and_ends_them_with_
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         page.goto(f"{url}/lab/tree/tutorials/live_ranks.py?reset&token={token}")
-        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+        _wait_for_the_kernel(page)
         _menu(page, "Run", "runmenu:run-all")
         outputs = page.locator(".jp-Cell .jp-OutputArea")
         page.get_by_text(re.compile(r"pids \[\d+, \d+\]")).wait_for(timeout=120_000)  # cells 1-3 ran
@@ -540,6 +540,9 @@ def test_jupyterlab_runs_cells_on_live_ranks_interrupts_them_and_ends_them_with_
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "jupyterlab-live-failure.png"), full_page=True)
         print(log.read_text()[-5000:])
+        for i, cell in enumerate(page.locator(".jp-CodeCell").all()):  # what each cell showed, when CI keeps no screenshot
+            prompt = cell.locator(".jp-InputPrompt").first.inner_text()
+            print(f"cell {i} {prompt!r}: {cell.locator('.jp-OutputArea').first.inner_text()!r}")
         raise
     finally:
         page.close()
@@ -552,6 +555,18 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _wait_for_the_kernel(page) -> None:
+    """Wait until the notebook's kernel is connected and idle, as the status bar says.
+
+    Not the toolbar's indicator: its data-status starts as 'idle' before any kernel exists,
+    and Run All clicked then (the session has no kernel yet) opens a Select Kernel dialog
+    and runs nothing; that was the live-ranks test's failure under load (2 of 4 runs with
+    two busy loops beside it, 2026-12-07). The status bar reads 'Idle' only from a
+    connected kernel (SessionContext.kernelDisplayStatus).
+    """
+    page.locator(".jp-StatusBar-Widget").get_by_text(re.compile(r"\| Idle$")).wait_for(timeout=120_000)
 
 
 def _menu(page, menu: str, command: str) -> None:
