@@ -283,6 +283,19 @@ def bench(session: nox.Session) -> None:
     session.run("python", "bench/bench_site.py")
 
 
+# The notebook tools bench/live_cells.py measures %%ranks against, at the versions it was measured with.
+LIVE_TOOLS = ["nbdistributed==0.1.0", "jupyter-distributed==0.1.1", "ipyparallel==9.2.0"]
+
+
+@nox.session(venv_backend="uv")
+def bench_live(session: nox.Session) -> None:
+    """Notebook cells on 2 ranks: %%ranks and launch against ipyparallel, nbdistributed, jupyter-distributed.
+
+    Arguments after `--` go to bench/live_cells.py (`-- --record` keeps its table in bench/results/)."""
+    session.install(*uv_options(session), "-c", "constraints.txt", "-e", ".[test,docs,jupyter]", *LIVE_TOOLS)
+    session.run("python", "bench/live_cells.py", *session.posargs)
+
+
 @nox.session
 def gpu(session: nox.Session) -> None:
     """Execute every page with the ranks on GPUs and the LLM recipe in bf16; record it in src/fsdp_guide/gpu_record.json

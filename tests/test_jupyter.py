@@ -540,7 +540,9 @@ def test_jupyterlab_runs_cells_on_live_ranks_interrupts_them_and_ends_them_with_
     except Exception:
         page.screenshot(path=str(ARTIFACTS / "jupyterlab-live-failure.png"), full_page=True)
         print(log.read_text()[-5000:])
-        for i, cell in enumerate(page.locator(".jp-CodeCell").all()):  # what each cell showed, when CI keeps no screenshot
+        for i, cell in enumerate(
+            page.locator(".jp-CodeCell").all()
+        ):  # what each cell showed, when CI keeps no screenshot
             prompt = cell.locator(".jp-InputPrompt").first.inner_text()
             print(f"cell {i} {prompt!r}: {cell.locator('.jp-OutputArea').first.inner_text()!r}")
         raise

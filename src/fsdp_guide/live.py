@@ -2,7 +2,7 @@
 
 :func:`fsdp_guide.launch` starts fresh ranks for every call, so nothing a cell builds survives
 it. A :class:`Ranks` session starts its ranks once, with the process group ready on each (the
-same ranks as a launch's: warm-forked, loopback only, :func:`fsdp_guide.device`'s backend), and
+same ranks as a launch's: loopback only, :func:`fsdp_guide.device`'s backend), and
 then runs code on every rank in one namespace per rank, so a model sharded in one cell is there
 in the next::
 
@@ -19,10 +19,15 @@ How a cell reaches the ranks: each rank is a launch's rank (``fsdp_guide._rank``
 is :func:`_serve`, a loop over the frames the parent writes to its stdin (``_rank.commands``). A
 rank ends a cell by writing its record (``cellN.rankR.pkl``) and then a marker line, with a
 token only this session knows, on both its stdout and its stderr; the parent's readers see the
-markers after every line the cell printed, so the output it shows is complete. Why not
-ipyparallel or nbdistributed: neither creates the process group nor stops a rank blocked in
-a collective, and their channels (ZMQ) listen on every interface; the launcher here already
-does the starting, the streaming, the stacks and the stopping.
+markers after every line the cell printed, so the output it shows is complete.
+
+Against ipyparallel's ``%%px``, nbdistributed and jupyter-distributed, each set up as its
+documentation says (``bench/live_cells.py``; the record is ``bench/results/live_cells.txt``):
+a cell here takes less time than under any of them and the ranks start no slower; ipyparallel
+and jupyter-distributed leave the process group to a cell, and set up from the environment
+(``env://``) torch's rendezvous store on rank 0 listens on every interface; nbdistributed's
+ZMQ router binds every interface and its first cell after ``%dist_init`` waits out a 30 s
+timeout. Here nothing listens beyond 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -216,7 +221,11 @@ class Ranks:
         }
         (run_dir / "config.pkl").write_bytes(cloudpickle.dumps(config))
         (run_dir / "payload.pkl").write_bytes(_serialise(_serve, (token,), {}))
-        _warm.start_server()
+        # Forked from the warm server where one is running (a launch started it): at once. Else
+        # cold: two ranks importing torch start in about half the time a server takes to
+        # import torch, FSDP, DTensor and DCP before it forks them (0.9 s against 1.8 s on 2
+        # cores, bench/live_cells.py), and ranks that live for the session gain nothing from
+        # the server's imports later.
         procs = _LiveProcs(run_dir, self.world_size, token, warm=_warm.can_start())
         self._procs = procs
         self._finalizer = weakref.finalize(self, procs.close)
