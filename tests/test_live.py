@@ -176,6 +176,21 @@ def test_an_interrupt_while_a_rank_waits_in_a_collective_restarts_the_ranks(rank
     assert ranks.restarts == 1 and ranks.get("rank") == [0, 1]
 
 
+def test_an_interrupt_while_the_ranks_start_stops_them_and_says_so(tmp_path, monkeypatch):
+    # Ranks that take a minute to start, whatever the machine's load: cold ones (no warm
+    # server to fork from) whose interpreter sleeps as it starts (site imports sitecustomize).
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FSDP_GUIDE_WARM", "0")
+    before = _children()
+    _interrupt_soon(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted while the ranks started: 2 rank\(s\) stopped"):
+        Ranks(world_size=2)
+    assert time.monotonic() - started < 30  # ended by the interrupt, not by the ranks' start
+    assert not _alive(_children() - before), "a starting rank was left running"
+
+
 def test_closing_leaves_no_process_and_a_closed_session_says_so():
     before = _children()
     with Ranks(world_size=2) as ranks:

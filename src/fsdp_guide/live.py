@@ -241,6 +241,11 @@ class Ranks:
                         f"{self.collective_timeout:g} s" + _where(procs.stacks(procs.running(0)))
                     )
                 )
+        except KeyboardInterrupt:  # as launch says it: the traceback ends here, with what was stopped
+            self.close()
+            raise KeyboardInterrupt(
+                f"interrupted while the ranks started: {len(procs.procs)} rank(s) stopped"
+            ) from None
         except BaseException:
             self.close()
             raise
