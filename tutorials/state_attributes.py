@@ -26,11 +26,13 @@
 # - a timeline, observed with hooks: what the module sees as its weight before, inside and
 #   after forward and backward, and after the optimizer step.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
+# **What you need**: a CPU; 2 processes on gloo that stay up for the whole page (`%%ranks`,
+# {ref}`tutorial-interactive`), so the two models are built once and looked at cell after
+# cell; about 5 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code
 # is written to run unchanged with one GPU per rank (NCCL): FSDP1's `device_id` and the
-# timeline's input come from {func}`fsdp_guide.device`, the rank's own GPU
-# (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the machine that
-# executed this page).
+# timeline's input are `device`, which `%%ranks` sets on each rank to {func}`fsdp_guide.device`,
+# the rank's own GPU (`cuda:LOCAL_RANK`) where each rank has one, else the CPU (as on the
+# machine that executed this page).
 # Its idea as a plain torchrun script to copy: {ref}`state-attributes-script` ({download}`download <scripts/state_attributes.py>`).
 #
 # Private attributes change between torch versions; this page was executed with:
@@ -46,9 +48,13 @@ print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
 # ## One table per rank: `describe_sharding`
 
 # %%
-import fsdp_guide
+# %load_ext fsdp_guide
+
+# %%
+# %%ranks -n 2 --return tables
+import torch
 import torch.nn as nn
-from fsdp_guide import describe_sharding, launch
+from fsdp_guide import describe_sharding
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 
@@ -58,32 +64,25 @@ def make_model():
     return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
 
 
-def fsdp2_model():
-    model = make_model()
-    fully_shard(model[0])
-    fully_shard(model[2])
-    return fully_shard(model)
+fsdp2 = make_model()  # FSDP2: each Linear a unit of its own, then the root
+fully_shard(fsdp2[0])
+fully_shard(fsdp2[2])
+fully_shard(fsdp2)
+fsdp1 = FSDP(make_model(), device_id=device)  # FSDP1 moves it to the rank's device
+tables = {"FSDP2": describe_sharding(fsdp2), "FSDP1": describe_sharding(fsdp1)}
 
+# %% [markdown]
+# The two models now live on both ranks, and every later `%%ranks` cell of this page looks at
+# them again, as they are: nothing is rebuilt ({ref}`tutorial-interactive` shows how). `--return
+# tables` brought each rank's two tables back to the notebook, one per rank:
 
-def fsdp1_model(device):
-    return FSDP(make_model(), device_id=device)  # FSDP1 moves it to the rank's device
-
-
-def tables():
-    device = fsdp_guide.device()
-    return {
-        "FSDP2": describe_sharding(fsdp2_model()),
-        "FSDP1": describe_sharding(fsdp1_model(device)),
-    }
-
-
+# %%
 from IPython.display import display
 
-per_rank = launch(tables, world_size=2, output="none")
 for api in ("FSDP2", "FSDP1"):
     for rank in (0, 1):
         print(f"{api}, rank {rank}:")
-        display(per_rank[rank][api])  # an HTML table on the site, aligned text elsewhere
+        display(tables[rank][api])  # an HTML table on the site, aligned text elsewhere
 
 import math
 import re
@@ -92,8 +91,7 @@ import re
 from myst_nb import glue
 
 fsdp2_rows, fsdp1_rows = (
-    [{row.name: row for row in per_rank[rank][api]} for rank in (0, 1)]
-    for api in ("FSDP2", "FSDP1")
+    [{row.name: row for row in tables[rank][api]} for rank in (0, 1)] for api in ("FSDP2", "FSDP1")
 )
 
 
@@ -180,21 +178,20 @@ fig.tight_layout()
 
 
 # %%
-def dtensor_state():
-    model = fsdp2_model()
-    w = model[0].weight
-    return {
-        "type": type(w).__name__,
-        "placements": w.placements,
-        "mesh": str(w.device_mesh),
-        "global shape": tuple(w.shape),
-        "to_local().shape": tuple(w.to_local().shape),
-        "full_tensor().shape": tuple(w.full_tensor().shape),
-        "module class": type(model[0]).__name__,
-    }
+# %%ranks --return dtensor
+w = fsdp2[0].weight
+dtensor = {
+    "type": type(w).__name__,
+    "placements": w.placements,
+    "mesh": str(w.device_mesh),
+    "global shape": tuple(w.shape),
+    "to_local().shape": tuple(w.to_local().shape),
+    "full_tensor().shape": tuple(w.full_tensor().shape),
+    "module class": type(fsdp2[0]).__name__,
+}
 
-
-for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
+# %%
+for key, value in dtensor[1].items():
     print(f"rank 1  {key:20} {value}")
 
 # %% [markdown]
@@ -215,20 +212,23 @@ for key, value in launch(dtensor_state, world_size=2, output="none")[1].items():
 
 
 # %%
-def flat_param_attributes():
-    flat = fsdp1_model(fsdp_guide.device())._handle.flat_param
-
-    def text(value):  # a set prints in hash order: sort it, so the page is the same every run
-        return repr(sorted(value, key=repr)) if isinstance(value, set) else repr(value)
-
-    return {name: (type(value).__name__, text(value)) for name, value in vars(flat).items()}
+# %%ranks --return attributes
+flat = fsdp1._handle.flat_param  # no forward has run on fsdp1 yet
 
 
+def text(value):  # a set prints in hash order: sort it, so the page is the same every run
+    return repr(sorted(value, key=repr)) if isinstance(value, set) else repr(value)
+
+
+attributes = {name: (type(value).__name__, text(value)) for name, value in vars(flat).items()}
+
+
+# %%
 def short(text, width=58):
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-for name, (kind, value) in launch(flat_param_attributes, world_size=2, output="none")[0].items():
+for name, (kind, value) in attributes[0].items():
     print(f"{name:26} {kind:9} {short(value)}")
 
 # %% [markdown]
@@ -246,12 +246,11 @@ for name, (kind, value) in launch(flat_param_attributes, world_size=2, output="n
 # optimizer step.
 
 # %%
-from fsdp_guide.table import Table
-from IPython.display import display
+# %%ranks --return timeline2
 from torch.distributed.tensor import DTensor
 
 
-def record_timeline(model, layer, snapshot, device):
+def record_timeline(model, layer, snapshot):
     rows = [snapshot("before forward")]
     layer.register_forward_pre_hook(lambda m, args: rows.append(snapshot("inside forward")))
 
@@ -269,42 +268,42 @@ def record_timeline(model, layer, snapshot, device):
     return rows
 
 
-def fsdp2_timeline():
-    device = fsdp_guide.device()
-    model = fsdp2_model()
-    layer = model[0]
-    shards, grad_types = {}, {}  # filled at each snapshot
+shards, grad_types = {}, {}  # filled at each snapshot
 
-    def snapshot(when):
-        w = layer.weight
-        local = w.to_local() if isinstance(w, DTensor) else w
-        grad = w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
-        if isinstance(w, DTensor):  # the shard: where it lives, and a copy of its values
-            shards[when] = (local.data_ptr(), local.detach().cpu().clone())
-        if w.grad is not None:
-            grad_types[when] = type(w.grad).__name__
-        return (
-            when,
-            type(w).__name__,
-            tuple(w.shape),
-            local.untyped_storage().nbytes(),
-            None if grad is None else tuple(grad.shape),
-        )
 
-    rows = record_timeline(model, layer, snapshot, device)
-    (ptr_before, values_before), (ptr_after, values_after) = (
-        shards["after backward"],
-        shards["after optimizer step"],
+def snapshot2(when):
+    w = fsdp2[0].weight
+    local = w.to_local() if isinstance(w, DTensor) else w
+    grad = w.grad.to_local() if isinstance(w.grad, DTensor) else w.grad
+    if isinstance(w, DTensor):  # the shard: where it lives, and a copy of its values
+        shards[when] = (local.data_ptr(), local.detach().cpu().clone())
+    if w.grad is not None:
+        grad_types[when] = type(w.grad).__name__
+    return (
+        when,
+        type(w).__name__,
+        tuple(w.shape),
+        local.untyped_storage().nbytes(),
+        None if grad is None else tuple(grad.shape),
     )
-    return {
-        "rows": rows,
-        "grad type": grad_types["after backward"],
-        "same storage": ptr_before == ptr_after,
-        "values changed": not torch.equal(values_before, values_after),
-    }
 
 
-fsdp2_rank0 = launch(fsdp2_timeline, world_size=2, output="none")[0]
+rows = record_timeline(fsdp2, fsdp2[0], snapshot2)
+(ptr_before, values_before), (ptr_after, values_after) = (
+    shards["after backward"],
+    shards["after optimizer step"],
+)
+timeline2 = {
+    "rows": rows,
+    "grad type": grad_types["after backward"],
+    "same storage": ptr_before == ptr_after,
+    "values changed": not torch.equal(values_before, values_after),
+}
+
+# %%
+from fsdp_guide.table import Table
+
+fsdp2_rank0 = timeline2[0]
 header = ["when", "weight is a", "its shape", "bytes stored", "local grad"]
 display(Table(header, fsdp2_rank0["rows"]))
 print(f"after backward, weight.grad is a {fsdp2_rank0['grad type']}")
@@ -327,27 +326,26 @@ glue("sa_fsdp2_shard_bytes", fsdp2_when["before forward"][2], display=False)
 
 
 # %%
-def fsdp1_timeline():
-    device = fsdp_guide.device()
-    model = fsdp1_model(device)
-    layer = model.module[0]
-    flat = model._handle.flat_param
-
-    def snapshot(when):
-        w = layer.weight
-        return (
-            when,
-            type(w).__name__,
-            tuple(w.shape),
-            w.untyped_storage().nbytes(),
-            flat.untyped_storage().nbytes(),
-            None if flat.grad is None else tuple(flat.grad.shape),
-        )
-
-    return record_timeline(model, layer, snapshot, device)
+# %%ranks --return timeline1
+layer, flat = fsdp1.module[0], fsdp1._handle.flat_param
 
 
-fsdp1_rank0 = launch(fsdp1_timeline, world_size=2, output="none")[0]
+def snapshot1(when):
+    w = layer.weight
+    return (
+        when,
+        type(w).__name__,
+        tuple(w.shape),
+        w.untyped_storage().nbytes(),
+        flat.untyped_storage().nbytes(),
+        None if flat.grad is None else tuple(flat.grad.shape),
+    )
+
+
+timeline1 = record_timeline(fsdp1, layer, snapshot1)
+
+# %%
+fsdp1_rank0 = timeline1[0]
 header = ["when", "weight is a", "its shape", "weight's bytes", "flat's bytes", "flat grad"]
 display(Table(header, fsdp1_rank0))
 
@@ -370,6 +368,9 @@ glue("sa_fsdp1_full_bytes", fsdp1_when["inside forward"][3], display=False)
 # computation and at the full {glue:text}`sa_flat_numel` numbers ({glue:text}`sa_fsdp1_full_bytes`
 # bytes) inside it, and its gradient is a flat shard too. To read or change weights outside
 # forward, use {func}`fsdp_guide.summon_full_params`.
+
+# %%
+# %ranks stop
 
 # %% [markdown]
 # (state-attributes-script)=

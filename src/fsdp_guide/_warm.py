@@ -89,18 +89,22 @@ def can_start() -> bool:
         return enabled() and _server is not None and _server_for == _what_torch_would_be()
 
 
-def start_server() -> None:
+def start_server(*, start_own: bool = True) -> None:
     """Start the server, if it is not running for this environment; it imports torch while the caller goes on.
 
     Called as a launch starts, which forks its ranks once the imports are done: the one
     process importing torch (and FSDP, DTensor, DCP, dynamo) replaces the two cold ranks that
     would, and no import is left running in the background to slow the work that follows.
-    A server started for another environment is replaced."""
+    A server started for another environment is replaced. ``start_own=False``: only a
+    server that runs already, here or at the broker, and none started (live ranks, which
+    start once, start sooner cold than through a server's imports)."""
     global _server, _server_for
     if not enabled():
         return
     with _lock:
         if _server is not None and _server_for == _what_torch_would_be():
+            return
+        if not start_own and not os.environ.get(BROKER_ENV):
             return
         if _server is not None:  # torch's environment changed: this launch needs a new server
             _retire(_server)
@@ -108,6 +112,8 @@ def start_server() -> None:
         borrowed = _from_broker()
         if borrowed is not None:
             _server, _server_for = borrowed, _what_torch_would_be()
+            return
+        if not start_own:
             return
         server = forkserver.ForkServer()
         server.set_forkserver_preload(_preload())

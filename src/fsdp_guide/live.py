@@ -221,11 +221,12 @@ class Ranks:
         }
         (run_dir / "config.pkl").write_bytes(cloudpickle.dumps(config))
         (run_dir / "payload.pkl").write_bytes(_serialise(_serve, (token,), {}))
-        # Forked from the warm server where one is running (a launch started it): at once. Else
-        # cold: two ranks importing torch start in about half the time a server takes to
-        # import torch, FSDP, DTensor and DCP before it forks them (0.9 s against 1.8 s on 2
-        # cores, bench/live_cells.py), and ranks that live for the session gain nothing from
-        # the server's imports later.
+        # Forked from a warm server where one runs already (a launch started it, or a site
+        # build's broker lends one): at once. Else cold: two ranks importing torch start in
+        # about half the time a server takes to import torch, FSDP, DTensor and DCP before it
+        # forks them (0.9 s against 1.8 s on 2 cores, bench/live_cells.py), and ranks that
+        # live for the session gain nothing from the server's imports later.
+        _warm.start_server(start_own=False)
         procs = _LiveProcs(run_dir, self.world_size, token, warm=_warm.can_start())
         self._procs = procs
         self._finalizer = weakref.finalize(self, procs.close)
