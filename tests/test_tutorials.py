@@ -187,6 +187,13 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     assert "Ignoring pin_memory flag" in text
     assert "'use_non_blocking_copy': False}): written" in text
     assert "the same tensors as save_pretrained(write='sharded') wrote: True" in text
+    # offline, from the training checkpoint: the command wrote the model in bf16, each tensor the trained one
+    # rounded; in fp32, split, each equal; holding a file and a tensor at a time, well under the model
+    assert "wrote WORKDIR/bf16: config.json, generation_config.json, model.safetensors" in text
+    assert "loaded in torch.bfloat16; each tensor the trained one rounded to bf16: True" in text
+    peak, model = map(float, re.search(r"each tensor equal to the trained one: True \| peak rise of this process's "
+                                      r"memory (\d+) MiB, for a (\d+) MiB model", text).groups())  # fmt: skip
+    assert peak < model / 2
 
 
 def test_lora_measures_states_trains_like_one_process_and_exports_exactly(executed):

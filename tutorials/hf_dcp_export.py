@@ -105,7 +105,8 @@ print(
 # its own shards with `torch.distributed.checkpoint`'s `HuggingFaceStorageWriter`
 # (`save_distributed=True`), and rank 0 then consolidates them into the standard files
 # (`enable_consolidation=True`), with the configs that `transformers`' `save_pretrained`
-# writes when given no weights. To check the files, and only for that, the ranks then
+# writes when given no weights. They also save a training checkpoint, as a run does (used
+# {ref}`below <hf-dcp-export-offline>`). To check the files, and only for that, the ranks then
 # gather the trained weights to rank 0 and run the batch through the sharded model.
 
 # %%
@@ -119,6 +120,7 @@ def train_and_export(path, tokens, out):
     import fsdp_guide
     import torch
     import torch.distributed as dist
+    from fsdp_guide import checkpoint
     from fsdp_guide.hf import from_pretrained, save_pretrained
 
     device = fsdp_guide.device()
@@ -135,6 +137,7 @@ def train_and_export(path, tokens, out):
         dist.all_reduce(mean := loss.detach().clone(), op=dist.ReduceOp.AVG)
         losses.append(mean.item())
     save_pretrained(model, out, write="sharded")  # every rank writes its shards
+    checkpoint.save(out.parent / "checkpoints", STEPS, model, optimizer)  # what a run saves
     # for the check only: every name of the state dict, the tied pair's two included, gathered
     trained = {name: t.full_tensor().cpu() for name, t in model.state_dict().items()}
     with torch.no_grad():
@@ -340,6 +343,58 @@ print(
 # the CPU before returning (`BlockingAsyncStager` in `staging.py`), which works on any
 # machine. That is what {func}`fsdp_guide.checkpoint.async_save` relies on; the
 # {ref}`checkpoints page <llm-async-checkpoint>` measures what saving in the background saves.
+
+# %% [markdown]
+# (hf-dcp-export-offline)=
+# ## Later, offline: from a training checkpoint
+#
+# A run saves training checkpoints (the model and the optimizer, sharded by DCP,
+# {ref}`tutorial-llm-checkpoints`), not a Hugging Face directory; the ranks above saved one
+# too (`fsdp_guide.checkpoint.save`). Turning a checkpoint into a model to share comes
+# later, often on a machine without the run's GPUs:
+# `python -m fsdp_guide.recipes.to_hf CHECKPOINT OUT --config MODEL_DIR` does it in one
+# process with no process group ({func}`fsdp_guide.recipes.to_hf.to_hf`). It reads one
+# tensor at a time with DCP, whatever number of ranks wrote them, skips the optimizer, writes
+# each name of the model the config describes once (the tied pair under its first name), in
+# bf16 unless told otherwise, and copies the config:
+
+# %%
+import subprocess
+import sys
+
+from fsdp_guide.checkpoint import latest
+from fsdp_guide.recipes.to_hf import to_hf
+from myst_nb import glue
+
+saved = latest(workdir / "checkpoints")
+command = [sys.executable, "-m", "fsdp_guide.recipes.to_hf", str(saved), str(workdir / "bf16")]
+done = subprocess.run([*command, "--config", str(path)], capture_output=True, text=True)
+print(done.stdout.replace(str(workdir), "WORKDIR") if done.returncode == 0 else done.stderr)
+bf16 = AutoModelForCausalLM.from_pretrained(workdir / "bf16").state_dict()
+print(
+    f"loaded in {bf16['lm_head.weight'].dtype}; each tensor the trained one rounded to bf16:",
+    bf16.keys() == trained.keys()
+    and all(torch.equal(bf16[name], t.to(torch.bfloat16)) for name, t in trained.items()),
+)
+fp32, resident, private = host_peak_rise(  # in fp32, split past 20 MB, with the peak measured
+    lambda: to_hf(saved, workdir / "fp32", config=path, dtype="fp32", max_shard_size="20MB")
+)
+read = AutoModelForCausalLM.from_pretrained(fp32).state_dict()
+print(
+    f"fp32, {len(list(fp32.glob('*.safetensors')))} files: each tensor equal to the trained one:",
+    all(torch.equal(read[name], t) for name, t in trained.items()),
+    f"| peak rise of this process's memory {resident:.0f} MiB, for a {model_mb:.0f} MiB model",
+)
+glue("export_offline_peak", f"{resident:.0f}", display=False)
+glue("export_offline_model", f"{model_mb:.0f}", display=False)
+
+# %% [markdown]
+# The conversion held one output file and one tensor at a time: its peak rise of memory was
+# {glue:text}`export_offline_peak` MiB for a {glue:text}`export_offline_model` MiB model in
+# fp32. A checkpoint of the LLM recipe's GPT needs no `--config`: its size is read from the
+# settings the recipe saves, and it is written as a `GPT2LMHeadModel` (tested against the
+# GPT's logits in `tests/test_to_hf.py`). An existing `OUT` is refused, never written over,
+# and a checkpoint with a file missing or cut short is refused before anything is written.
 #
 # Last, the models this page wrote are deleted:
 
@@ -374,6 +429,7 @@ shutil.rmtree(workdir)
 # - {ref}`tip-export-every-rank-writes`
 # - {ref}`tip-export-safetensors`: what `from_pretrained` needs of the directory, written
 #   here without a gather.
+# - {ref}`tip-export-offline`: a training checkpoint turned into the model afterwards.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -385,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the weights (default: bf16)")
     parser.add_argument("--max-shard-size", default="5GB", help="split the weights into files past this (5GB)")
     options = parser.parse_args(argv)
+    # transformers imports torchao where it is installed, which logs about CUDA kernels a CPU
+    # cannot load (fsdp_guide.fp8.quiet_torchao's two loggers); the conversion uses neither
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     try:
         out = to_hf(
             options.checkpoint,
