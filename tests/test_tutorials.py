@@ -94,6 +94,7 @@ def test_every_tutorial_is_tested():
         "pipeline_bubble",
         "pitfalls",
         "placements",
+        "qlora",
         "quickstart",
         "rank_dies",
         "set_order",
@@ -194,6 +195,48 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     peak, model = map(float, re.search(r"each tensor equal to the trained one: True \| peak rise of this process's "
                                       r"memory (\d+) MiB, for a (\d+) MiB model", text).groups())  # fmt: skip
     assert peak < model / 2
+
+
+def test_qlora_trains_4_bit_shards_like_one_process_and_shows_the_storage_and_cpu_traps(executed):
+    text = _text_outputs(executed["qlora"])
+    # NF4: two codes a byte in a flat column, whichever dtype stores them; a quarter of bf16's bytes
+    packed = re.findall(r"storage torch\.(\w+) +Linear4bit of (\d+)x(\d+): a Params4bit \((\d+), 1\) of torch\.\w+, "
+                        r"(\d+) bytes \(bf16: (\d+)\)", text)  # fmt: skip
+    assert [p[0] for p in packed] == ["uint8", "bfloat16"]
+    assert all(int(p[4]) * 4 == int(p[5]) == int(p[1]) * int(p[2]) * 2 for p in packed)
+    # trained on 2 ranks with one process's losses (fp32 rounding), its 4-bit weights sharded in half
+    one = [float(x) for x in re.search(r"one process: losses (.*)", text)[1].split()]
+    assert one[-1] < one[0]
+    runs = re.findall(r"2 ranks, torch\.(\w+) *: losses .*largest relative difference (\S+); "
+                      r"the 4-bit weight a DTensor \(Shard\(dim=0\),\)", text)  # fmt: skip
+    assert [r[0] for r in runs] == ["uint8", "bfloat16"] and all(float(r[1]) <= 1e-5 for r in runs)
+    held = [int(b) for b in re.findall(r"rank \d holds (\d+) bytes of 4-bit weights", text)]
+    whole = int(re.search(r"one process holds (\d+) bytes of 4-bit weights", text)[1])
+    assert len(held) == 4 and all(2 * b == whole for b in held)
+    # a policy that casts breaks bf16-stored codes, not uint8 ones
+    assert re.search(
+        r"torch\.bfloat16 with MixedPrecisionPolicy.*:\n  RuntimeError: shape '\[\d+, \d+\]' is invalid", text
+    )
+    found = re.search(r"torch\.uint8 +with MixedPrecisionPolicy.*: trains, largest relative difference (\S+)", text)
+    assert found and float(found[1]) <= 1e-4
+    # the CPU repack: where this CPU has AVX512-BF16, one process loses the adapters' gradients after an
+    # evaluation and 2 ranks evaluate twice differently; switched off, both agree and all adapters learn
+    cases = {
+        (who, repack): (float(a), float(b), int(got), int(of))
+        for who, repack, a, b, got, of in re.findall(
+            r"(one process|2 ranks) +repack=(True|False) *: evaluations (\S+) then (\S+); then (\d+) of (\d+) adapters",
+            text,
+        )
+    }
+    assert len(cases) == 3
+    off = cases[("2 ranks", "False")]
+    assert off[0] == off[1] and off[2] == off[3] > 0
+    if "this CPU has AVX512-BF16: True" in text:
+        one_process, sharded = cases[("one process", "True")], cases[("2 ranks", "True")]
+        assert one_process[0] == one_process[1] and one_process[2] == 0
+        assert sharded[0] != sharded[1] and sharded[2] == 0
+    else:  # no conversion on this CPU: every case as the switched-off one
+        assert all(c[0] == c[1] and c[2] == c[3] for c in cases.values())
 
 
 def test_lora_measures_states_trains_like_one_process_and_exports_exactly(executed):

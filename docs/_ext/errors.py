@@ -250,7 +250,11 @@ FIXES = {
     ":ref:`tip-tied-weights-one-unit`.",
     "is invalid for input of size": "A ``view`` or ``reshape`` to a shape the tensor does not have (torch's "
     "generic message): check the shape against the tensor's size on this rank. Shown here under TP: head "
-    "counts that do not divide by the TP degree (:ref:`tip-tp-gqa-heads`).",
+    "counts that do not divide by the TP degree (:ref:`tip-tp-gqa-heads`); and with 4-bit weights stored as "
+    "bfloat16 under a ``MixedPrecisionPolicy`` that casts them (store them as uint8: :ref:`tip-qlora-uint8-storage`).",
+    "an autograd kernel was not registered": "An op with no backward ran where gradients were needed, and nothing "
+    "before it gets one. Shown here: bitsandbytes' CPU kernel for 4-bit weights an evaluation converted; set "
+    "``support_avx512bf16_for_cpu = False`` on every ``Linear4bit`` (:ref:`tip-qlora-cpu-repack`).",
     "Use `set_gradient_divide_factor` instead": "Rename the call to ``set_gradient_divide_factor``: "
     ":ref:`the old name and the new, executed <fsdp2-fsdpmodule-set-reduce-scatter-divide-factor>`.",
     "`NO_SHARD` sharding strategy is deprecated": "Use DDP, or FSDP2 on a (world size, 1) mesh of replicate and "

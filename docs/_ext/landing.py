@@ -96,6 +96,10 @@ GROUPS = {
                 "DCP's writer: each rank writes its shards as safetensors, no gather.",
             ),
             "lora": ("LoRA on a sharded model", "Adapters on a sharded base, like one process, and the export."),
+            "qlora": (
+                "QLoRA: a 4-bit base",
+                "bitsandbytes NF4 under fully_shard: its bytes sharded, the storage dtype, a CPU trap.",
+            ),
             "frozen_weights": (
                 "Frozen weights",
                 "One dtype among a unit's trainable parameters; the frozen base still all-gathered.",

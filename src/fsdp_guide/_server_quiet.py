@@ -8,7 +8,9 @@ sets these loggers back to their defaults (``_warm._fresh_state``), as a cold ra
 
 import logging
 
-NOISY = ("torchao", "torch.utils._pytree")
+# bitsandbytes' CPU backend, on a CPU with AVX512-BF16: that the optional `kernels` package,
+# which would fetch a kernel from the Hugging Face Hub, is not installed (nothing is downloaded)
+NOISY = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
 
 for name in NOISY:
     logging.getLogger(name).setLevel(logging.ERROR)

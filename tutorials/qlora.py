@@ -1,0 +1,342 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-qlora)=
+# # QLoRA: a 4-bit base under FSDP2
+#
+# **What you will learn**
+#
+# - how to load a model in 4 bits with `bitsandbytes` (NF4), add LoRA adapters with `peft`,
+#   shard it with `fully_shard`, and train it on 2 ranks with the losses of one process;
+# - what FSDP2 does with the packed 4-bit weights: it shards their bytes, stored as `uint8` or
+#   as `bfloat16`, and what each rank then holds;
+# - why `MixedPrecisionPolicy(param_dtype=...)` breaks 4-bit weights stored as `bfloat16`, and
+#   not those stored as `uint8`;
+# - on a CPU: `bitsandbytes` repacks a 4-bit weight the first time it evaluates (`eval()`, no
+#   gradient), which under FSDP2 silently changes what the model computes from the second
+#   evaluation on, and in any process stops the adapters' gradients; and the switch that
+#   turns it off.
+#
+# **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
+# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
+# downloaded: the "pretrained" model is a small Llama built from a config with a fixed seed,
+# as in {ref}`tutorial-lora`, whose page this one extends. The worker code is written to run
+# unchanged with one GPU per rank (NCCL): the model is loaded on {func}`fsdp_guide.device`.
+# What is said here of GPUs is expectation, from the source lines cited, not a recorded run.
+# The tips are listed {ref}`at the end <qlora-tips>`.
+# Its idea as a plain torchrun script to copy: {ref}`qlora-script` ({download}`download <scripts/qlora.py>`).
+
+# %%
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing is downloaded
+warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's notebook import
+# peft 0.21 asks transformers 5 a deprecated question; the ranks' warnings come back here
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+
+from fsdp_guide.fp8 import quiet_torchao
+
+quiet_torchao()  # peft imports torchao, whose import logs about CUDA kernels a CPU cannot load
+import logging
+
+# bitsandbytes logs at import, on a CPU with AVX512-BF16, that it could not fetch an optional
+# kernel from the Hub (the `kernels` package is not installed: nothing is downloaded)
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+import bitsandbytes
+import peft
+import torch
+import transformers
+
+transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in the outputs
+print(
+    f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+    f"bitsandbytes {bitsandbytes.__version__}, Python {sys.version.split()[0]}"
+)
+
+# %% [markdown]
+# ## A model in 4 bits
+#
+# A Llama with 2 decoder layers, saved in bf16 as checkpoints on the Hub are, then loaded as
+# QLoRA loads it: each linear layer of the decoder becomes a `bitsandbytes` `Linear4bit`
+# whose weight is a `Params4bit` holding NF4 codes, two per byte, in a flat column
+# (`bnb_4bit_quant_storage` says which dtype carries those bytes), with one scale per 64
+# weights (`absmax`) kept beside it in its `quant_state`:
+
+# %%
+from bitsandbytes.nn import Linear4bit
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+scratch = tempfile.TemporaryDirectory()  # deleted, with what the page wrote, when the kernel exits
+path = Path(scratch.name) / "llama"
+torch.manual_seed(0)
+config = LlamaConfig(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def four_bit(storage):
+    """QLoRA's quantisation: NF4 codes stored as `storage`, computing in fp32 (on a CPU)."""
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=storage,
+    )
+
+
+for storage in (torch.uint8, torch.bfloat16):
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=four_bit(storage))
+    layer = model.model.layers[0].self_attn.q_proj
+    w = layer.weight
+    print(
+        f"storage {str(storage):15} {type(layer).__name__} of {layer.out_features}x{layer.in_features}: "
+        f"a {type(w).__name__} {tuple(w.shape)} of {w.dtype}, {w.numel() * w.element_size()} bytes "
+        f"(bf16: {layer.out_features * layer.in_features * 2}), {w.quant_state.absmax.numel()} scales"
+    )
+
+# %% [markdown]
+# ## Shard it, train it, against one process
+#
+# Every rank loads the 4-bit model on its device, adds rank-8 LoRA adapters to the
+# attention's query and value projections (the same on every rank, from one seed), shards
+# each decoder layer and then the root with `fully_shard`, and trains the adapters with AdamW
+# on its half of the batch, in `train()` mode. One process trains the same model, unsharded,
+# on the whole batch. Each rank also counts the bytes of the 4-bit weights and of the adapters
+# it holds between steps.
+
+# %%
+from fsdp_guide import LaunchError, launch
+from fsdp_guide.compare import largest_difference
+
+STEPS = 4
+tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+
+def qlora_model(path, storage):
+    """The 4-bit model with its adapters, on this rank's device: the same on every rank."""
+    import fsdp_guide
+    from peft import LoraConfig, get_peft_model
+
+    transformers.utils.logging.disable_progress_bar()  # in this rank too
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=four_bit(storage), device_map=fsdp_guide.device()
+    )
+    torch.manual_seed(0)  # the adapters' A: the same on every rank
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(model, config)
+
+
+def shard(model, **options):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.get_base_model().model.layers:
+        fully_shard(layer, **options)
+    return fully_shard(model, **options)
+
+
+def local_bytes(params):
+    return sum(
+        (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() for p in params
+    )
+
+
+def train(path, tokens, storage=torch.uint8, sharded=True, **options):
+    import fsdp_guide
+    import torch.distributed as dist
+
+    model = qlora_model(path, storage)
+    rows = slice(None)
+    if sharded:
+        shard(model, **options)
+        rows = slice(dist.get_rank(), None, dist.get_world_size())  # this rank's half
+    batch = tokens[rows].to(fsdp_guide.device())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if sharded:
+            dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)  # the whole batch's mean
+        losses.append(loss.item())
+    base = [m.weight for m in model.modules() if isinstance(m, Linear4bit)]
+    return {
+        "losses": losses,
+        "4-bit bytes": local_bytes(base),
+        "adapter bytes": local_bytes(p for p in model.parameters() if p.requires_grad),
+        "4-bit weight": f"{type(base[0]).__name__} {getattr(base[0], 'placements', '')}".strip(),
+    }
+
+
+one = launch(train, path, tokens, sharded=False, world_size=1, output="none")[0]
+print(f"one process: losses {' '.join(f'{x:.4f}' for x in one['losses'])}")
+for storage in (torch.uint8, torch.bfloat16):
+    ranks = launch(train, path, tokens, storage, world_size=2, output="none")
+    difference = largest_difference(zip(ranks[0]["losses"], one["losses"]), relative=True)
+    print(
+        f"2 ranks, {str(storage):14}: losses {' '.join(f'{x:.4f}' for x in ranks[0]['losses'])}, "
+        f"largest relative difference {difference:.1e}; the 4-bit weight a {ranks[0]['4-bit weight']}"
+    )
+    for rank, r in enumerate(ranks):
+        print(
+            f"  rank {rank} holds {r['4-bit bytes']} bytes of 4-bit weights, {r['adapter bytes']} of adapters"
+        )
+print(
+    f"one process holds {one['4-bit bytes']} bytes of 4-bit weights, {one['adapter bytes']} of adapters"
+)
+
+# %% [markdown]
+# The losses on 2 ranks are one process's, in either storage, and each rank holds half of
+# the 4-bit weights: FSDP2 shards them along their one long dimension like any parameter, and
+# gathers parameters of mixed dtypes as bytes (`_fsdp_collectives.py` in
+# `torch/distributed/fsdp/_fully_shard/`), so a `uint8` weight beside fp32 adapters in one
+# unit needs nothing special. Between forwards the weight on the module is a `DTensor`: the
+# `Params4bit` and its `quant_state` are gone, and `Linear4bit.forward` rebuilds them from
+# the module's own copy of the `quant_state` each time it runs
+# (`fix_4bit_weight_quant_state_from_module` in `bitsandbytes/nn/modules.py`).
+#
+# (qlora-mixed-precision)=
+# ## `MixedPrecisionPolicy` and the storage dtype
+#
+# A mixed-precision policy casts every floating-point parameter of a unit to its
+# `param_dtype` for the forward (`_fsdp_param.py`: only integer dtypes are left alone). NF4
+# codes stored as `bfloat16` are bytes that merely look like numbers; cast, they are other
+# bytes, and twice as many:
+
+# %%
+import re
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+mixed = MixedPrecisionPolicy(param_dtype=torch.float32)
+for storage in (torch.bfloat16, torch.uint8):
+    try:
+        ranks = launch(train, path, tokens, storage, mp_policy=mixed, world_size=2, output="none")
+        difference = largest_difference(zip(ranks[0]["losses"], one["losses"]), relative=True)
+        print(
+            f"{str(storage):14} with {mixed}: trains, largest relative difference {difference:.1e}"
+        )
+    except LaunchError as error:  # the rank's exception, from its traceback
+        print(
+            f"{str(storage):14} with {mixed}:\n  {re.search(r'RuntimeError: .*', str(error)).group()}"
+        )
+
+# %% [markdown]
+# Stored as `uint8`, the 4-bit weights pass through any policy untouched; stored as
+# `bfloat16`, they break under a policy that casts. (On GPUs, the reports of QLoRA under
+# FSDP2 with `uint8` storage crashing or training to `loss=0.0` come through Accelerate,
+# accelerate#3983, fixed there by keeping the 4-bit weights out of FSDP with
+# `ignored_params`, accelerate#3987: expectation for GPUs, not run here.)
+#
+# (qlora-cpu-repack)=
+# ## On a CPU: one evaluation repacks the weights
+#
+# Evaluating (`model.eval()`, under `torch.no_grad()`) on a CPU with AVX512-BF16,
+# `Linear4bit.forward` converts its weight once to a layout for its CPU kernel and marks the
+# `quant_state` as converted (`_convert_weight_packed_for_cpu`, called from
+# `Linear4bit.forward`). Under FSDP2 the converted weight is dropped when the layer is
+# resharded, and the next forward gathers the original bytes again, while the mark, on the
+# module's `quant_state`, stays. Each case below evaluates the same batch twice, then takes
+# one training step and counts the adapters that got a gradient:
+
+# %%
+print("this CPU has AVX512-BF16:", bool(bitsandbytes.functional.has_avx512bf16()))
+
+
+def evaluate_twice_then_step(path, tokens, sharded, repack=True):
+    import fsdp_guide
+
+    model = qlora_model(path, torch.uint8)
+    for layer in model.modules():
+        if isinstance(layer, Linear4bit):
+            layer.support_avx512bf16_for_cpu &= repack  # False: never repacked
+    if sharded:
+        shard(model)
+    batch = tokens.to(fsdp_guide.device())
+    model.eval()
+    with torch.no_grad():
+        twice = [model(input_ids=batch, labels=batch).loss.item() for _ in range(2)]
+    model.train()
+    model(input_ids=batch, labels=batch).loss.backward()
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    return twice, sum(p.grad is not None for p in adapters), len(adapters)
+
+
+for sharded, repack in ((False, True), (True, True), (True, False)):
+    twice, with_grad, adapters = launch(
+        evaluate_twice_then_step,
+        path,
+        tokens,
+        sharded,
+        repack,
+        world_size=2 if sharded else 1,
+        output="none",
+    )[0]
+    print(
+        f"{'2 ranks' if sharded else 'one process':11} repack={str(repack):5}: evaluations "
+        f"{twice[0]:.5f} then {twice[1]:.5f}; then {with_grad} of {adapters} adapters got a gradient"
+    )
+
+# %% [markdown]
+# On this CPU (with AVX512-BF16, as printed above; on one without, every case is the last):
+# in one process the two evaluations agree, but the training step after them gives no adapter
+# a gradient: the converted weight goes through a kernel with no backward (`gemv_4bit` in
+# `bitsandbytes/autograd/_functions.py`), so nothing flows back past the first 4-bit layer
+# and AdamW silently updates nothing. On 2 ranks, the second evaluation reads the gathered
+# bytes as if converted, and computes another loss, with no error. Setting
+# `support_avx512bf16_for_cpu = False` on every `Linear4bit` before the first forward keeps the
+# CPU on the path training uses: both evaluations agree and every adapter gets its
+# gradient. On a CPU without AVX512-BF16, and on GPUs (`x.device.type == "cpu"` is the
+# first condition in `Linear4bit.forward`), nothing is converted.
+#
+# (qlora-script)=
+# ## The script to copy
+#
+# This page's idea as a plain torchrun script, with torch, `transformers`, `peft` and
+# `bitsandbytes`: {download}`scripts/qlora.py`. Every rank loads the same small Llama in 4
+# bits, adds the adapters, shards it and trains on its half of the batch; rank 0 then trains
+# the unsharded model on the whole batch alone and prints the largest relative difference
+# between the two runs' losses, and how many bytes of 4-bit weights each rank held. The tests
+# run this file under torchrun on 2 CPU ranks and check that line (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/qlora.py
+# :language: python
+# ```
+
+# %% [markdown]
+# (qlora-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-qlora-uint8-storage`
+# - {ref}`tip-qlora-cpu-repack`
+# - {ref}`tip-lora-before-sharding`: the adapters are added before `fully_shard`, here too.
+# - {ref}`tip-check-against-one-process`: the losses above.
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("qlora")
