@@ -87,3 +87,28 @@ def test_reset_iter_state_keeps_the_failed_steps_gathered_gradients_on_2_13_and_
         assert (sharded, stale) == (True, 2)
     else:
         assert (sharded, stale) == (True, 0)
+
+
+def _shard_a_uint8_parameter():
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Linear(8, 4)
+    model.weight = nn.Parameter(torch.zeros(32, 1, dtype=torch.uint8), requires_grad=False)  # packed codes
+    try:
+        fully_shard(model)
+    except RuntimeError as error:
+        return str(error)
+    local = model.weight.to_local()
+    return (str(model.weight.dtype), tuple(local.shape), model.weight.requires_grad)
+
+
+def test_fully_shard_refuses_a_uint8_parameter_on_2_9_and_shards_it_on_2_13_and_later():
+    # qlora states it (4-bit codes stored as uint8): seen refused on 2.9.1, sharded on 2.13.0 and
+    # 2.15.0 (pytorch#177844: FSDPParam made its nn.Parameter without requires_grad). Versions
+    # between were not run.
+    result = launch(_shard_a_uint8_parameter, world_size=2, output="none")[0]
+    version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    if version < (2, 13):
+        assert result == "only Tensors of floating point dtype can require gradients"
+    else:
+        assert result == ("torch.uint8", (16, 1), False)  # half the column, still frozen

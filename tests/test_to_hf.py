@@ -225,3 +225,24 @@ def test_a_config_of_another_model_is_named_in_the_error(one_checkpoint, tmp_pat
 def test_the_command_says_what_is_wrong_on_stderr(one_checkpoint, tmp_path, capsys):
     assert main([str(one_checkpoint), str(tmp_path / "out")]) == 2
     assert "to_hf: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_tied_pair_that_differs_in_the_checkpoint_is_refused_not_dropped(base, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = LlamaForCausalLM.from_pretrained(base).state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"] + 1  # the tie broken in training: two tensors now
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    _refused(tmp_path, tmp_path / "ckpt", r"model\.embed_tokens\.weight and the weight the config ties", config=base)
+
+
+def test_a_model_transformers_converts_in_memory_and_a_bad_shard_size_are_refused(one_checkpoint, tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    mixtral = tmp_path / "mixtral"
+    MixtralForCausalLM(
+        MixtralConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    ).save_pretrained(mixtral)  # fmt: skip
+    _refused(tmp_path, one_checkpoint, "another layout than in its files", config=mixtral)
+    _refused(tmp_path, one_checkpoint, r"max_shard_size='lots'", config=tmp_path.parent, max_shard_size="lots")

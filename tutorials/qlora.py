@@ -21,8 +21,8 @@
 #   shard it with `fully_shard`, and train it on 2 ranks with the losses of one process;
 # - what FSDP2 does with the packed 4-bit weights: it shards their bytes, stored as `uint8` or
 #   as `bfloat16`, and what each rank then holds;
-# - why `MixedPrecisionPolicy(param_dtype=...)` breaks 4-bit weights stored as `bfloat16`, and
-#   not those stored as `uint8`;
+# - why a `MixedPrecisionPolicy` that casts to another dtype breaks 4-bit weights stored as
+#   `bfloat16`, and not those stored as `uint8`;
 # - on a CPU: `bitsandbytes` repacks a 4-bit weight the first time it evaluates (`eval()`, no
 #   gradient), which under FSDP2 silently changes what the model computes from the second
 #   evaluation on, and in any process stops the adapters' gradients; and the switch that
@@ -183,10 +183,13 @@ def train(path, tokens, storage=torch.uint8, sharded=True, **options):
         if sharded:
             dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)  # the whole batch's mean
         losses.append(loss.item())
-    base = [m.weight for m in model.modules() if isinstance(m, Linear4bit)]
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    base = [m.weight for m in layers]
     return {
         "losses": losses,
         "4-bit bytes": local_bytes(base),
+        # one scale per 64 weights, in each layer's quant_state: an attribute, not a parameter
+        "scale bytes": local_bytes(m.quant_state.absmax for m in layers),
         "adapter bytes": local_bytes(p for p in model.parameters() if p.requires_grad),
         "4-bit weight": f"{type(base[0]).__name__} {getattr(base[0], 'placements', '')}".strip(),
     }
@@ -203,54 +206,64 @@ for storage in (torch.uint8, torch.bfloat16):
     )
     for rank, r in enumerate(ranks):
         print(
-            f"  rank {rank} holds {r['4-bit bytes']} bytes of 4-bit weights, {r['adapter bytes']} of adapters"
+            f"  rank {rank} holds {r['4-bit bytes']} bytes of 4-bit weights, {r['adapter bytes']} of "
+            f"adapters, {r['scale bytes']} of scales"
         )
 print(
-    f"one process holds {one['4-bit bytes']} bytes of 4-bit weights, {one['adapter bytes']} of adapters"
+    f"one process holds {one['4-bit bytes']} bytes of 4-bit weights, {one['adapter bytes']} of "
+    f"adapters, {one['scale bytes']} of scales"
 )
 
 # %% [markdown]
 # The losses on 2 ranks are one process's, in either storage, and each rank holds half of
-# the 4-bit weights: FSDP2 shards them along their one long dimension like any parameter, and
+# the 4-bit weights, but all of their scales: those live in each layer's `quant_state`, an
+# attribute FSDP2 does not see. It shards the weights along their one long dimension, and
 # gathers parameters of mixed dtypes as bytes (`_fsdp_collectives.py` in
 # `torch/distributed/fsdp/_fully_shard/`), so a `uint8` weight beside fp32 adapters in one
 # unit needs nothing special. Between forwards the weight on the module is a `DTensor`: the
 # `Params4bit` and its `quant_state` are gone, and `Linear4bit.forward` rebuilds them from
 # the module's own copy of the `quant_state` each time it runs
-# (`fix_4bit_weight_quant_state_from_module` in `bitsandbytes/nn/modules.py`).
+# (`fix_4bit_weight_quant_state_from_module` in `bitsandbytes/nn/modules.py`). The `uint8`
+# case needs a torch whose `fully_shard` takes a parameter that is not floating point: torch
+# 2.9.1, the oldest this package supports, refuses it (`RuntimeError: only Tensors of
+# floating point dtype can require gradients`, pytorch#177844, tested in `nox -s torch` by
+# `tests/test_sharp_edges.py`); 2.13 here and 2.15 take it. Stored as `bfloat16`, the codes
+# shard on either.
 #
 # (qlora-mixed-precision)=
 # ## `MixedPrecisionPolicy` and the storage dtype
 #
-# A mixed-precision policy casts every floating-point parameter of a unit to its
-# `param_dtype` for the forward (`_fsdp_param.py`: only integer dtypes are left alone). NF4
-# codes stored as `bfloat16` are bytes that merely look like numbers; cast, they are other
-# bytes, and twice as many:
+# A mixed-precision policy casts each floating-point parameter of a unit whose dtype is not
+# its `param_dtype` to that dtype for the forward (`_fsdp_param.py`: integer dtypes, and
+# parameters already in `param_dtype`, are left alone). NF4 codes stored as `bfloat16` are
+# bytes that merely look like numbers; cast, they are other bytes, and twice as many:
 
 # %%
 import re
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-mixed = MixedPrecisionPolicy(param_dtype=torch.float32)
-for storage in (torch.bfloat16, torch.uint8):
+for storage, param_dtype in (
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.uint8, torch.float32),
+):
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype)
+    case = f"{str(storage):14} codes, param_dtype={str(param_dtype):14}"
     try:
         ranks = launch(train, path, tokens, storage, mp_policy=mixed, world_size=2, output="none")
         difference = largest_difference(zip(ranks[0]["losses"], one["losses"]), relative=True)
-        print(
-            f"{str(storage):14} with {mixed}: trains, largest relative difference {difference:.1e}"
-        )
+        print(f"{case}: trains, largest relative difference from fp32 {difference:.1e}")
     except LaunchError as error:  # the rank's exception, from its traceback
-        print(
-            f"{str(storage):14} with {mixed}:\n  {re.search(r'RuntimeError: .*', str(error)).group()}"
-        )
+        print(f"{case}:\n  {re.search(r'RuntimeError: .*', str(error)).group()}")
 
 # %% [markdown]
 # Stored as `uint8`, the 4-bit weights pass through any policy untouched; stored as
-# `bfloat16`, they break under a policy that casts. (On GPUs, the reports of QLoRA under
-# FSDP2 with `uint8` storage crashing or training to `loss=0.0` come through Accelerate,
-# accelerate#3983, fixed there by keeping the 4-bit weights out of FSDP with
-# `ignored_params`, accelerate#3987: expectation for GPUs, not run here.)
+# `bfloat16`, they break under a policy that casts them to another dtype, and train under
+# `param_dtype=torch.bfloat16` (the adapters then compute in bf16 too). Reports of QLoRA under FSDP2 with `uint8` storage failing (accelerate#3983)
+# start in `fully_shard` itself on a torch before the fix above; Accelerate's workaround
+# keeps the 4-bit weights out of FSDP with `ignored_params` (accelerate#3987), so that every
+# rank holds them whole.
 #
 # (qlora-cpu-repack)=
 # ## On a CPU: one evaluation repacks the weights
@@ -304,14 +317,16 @@ for sharded, repack in ((False, True), (True, True), (True, False)):
 # %% [markdown]
 # On this CPU (with AVX512-BF16, as printed above; on one without, every case is the last):
 # in one process the two evaluations agree, but the training step after them gives no adapter
-# a gradient: the converted weight goes through a kernel with no backward (`gemv_4bit` in
-# `bitsandbytes/autograd/_functions.py`), so nothing flows back past the first 4-bit layer
-# and AdamW silently updates nothing. On 2 ranks, the second evaluation reads the gathered
+# a gradient, with only a warning at backward: the converted weights go through a kernel
+# with no backward (`gemv_4bit` in `bitsandbytes/autograd/_functions.py`), and the adapters
+# on `q_proj` and `v_proj` reach the loss only through `o_proj`'s input, which gets no
+# gradient; AdamW then updates nothing. On 2 ranks, the second evaluation reads the gathered
 # bytes as if converted, and computes another loss, with no error. Setting
 # `support_avx512bf16_for_cpu = False` on every `Linear4bit` before the first forward keeps the
 # CPU on the path training uses: both evaluations agree and every adapter gets its
-# gradient. On a CPU without AVX512-BF16, and on GPUs (`x.device.type == "cpu"` is the
-# first condition in `Linear4bit.forward`), nothing is converted.
+# gradient. On a CPU without AVX512-BF16 nothing is converted; on GPUs it should not be
+# either (`x.device.type == "cpu"` is the first condition in `Linear4bit.forward`: read, not
+# run here).
 #
 # (qlora-script)=
 # ## The script to copy

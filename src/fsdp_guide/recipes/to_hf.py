@@ -45,6 +45,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ def to_hf(
     """
     if dtype not in DTYPES:
         raise ConversionError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    _check_size(max_shard_size)
     checkpoint, out = Path(checkpoint), Path(out)
     _check_out(out)
     metadata = _complete_checkpoint(checkpoint)
@@ -135,21 +137,50 @@ def to_hf(
         hf_config, outputs = _hf_model(checkpoint, Path(config), saved)
     hf_config.dtype = DTYPES[dtype]  # what from_pretrained loads it in, by default
 
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    partial.mkdir(parents=True)  # ours: removed below if anything fails
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # ours, removed on failure
     try:
+        os.chmod(partial, 0o777 & ~_umask())  # mkdtemp makes it 0700; OUT gets the usual mode
         _write_weights(checkpoint, metadata, outputs, DTYPES[dtype], partial, max_shard_size)
         hf_config.save_pretrained(partial)
         if config is not None:
             for name in COPIED:
                 if (Path(config) / name).is_file():
                     shutil.copy2(Path(config) / name, partial / name)
+        for file in partial.iterdir():  # on disk before the name says they are there
+            _fsync(file)
+        _fsync(partial)
         _check_out(out)  # still free: nothing of anyone else's is replaced
         os.rename(partial, out)  # all of it, at once (an empty folder named OUT is replaced too)
+        _fsync(out.parent)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
+
+
+def _check_size(max_shard_size) -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if not isinstance(max_shard_size, int):
+            parse_size_to_int(max_shard_size)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"max_shard_size={max_shard_size!r}: {error} (such as 5GB or 500MB)") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_out(out: Path) -> None:
@@ -205,6 +236,14 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
         model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
     if not config.architectures:
         config.architectures = [type(model).__name__]
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    if get_model_conversion_mapping(model, add_legacy=False):
+        raise ConversionError(
+            f"{type(model).__name__} of {config_dir} keeps its weights in memory in another layout than in "
+            "its files (transformers' weight conversions, such as fused experts), which this conversion does "
+            "not undo: load the checkpoint into the model and call save_pretrained instead"
+        )
     expected = _untied_state(model)
     prefix = next((p for p in ("model.", "") if all(p + name in saved for name in expected)), None)
     if prefix is None:
@@ -223,7 +262,43 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
             f"{type(model).__name__} of {config_dir} does not: it was trained from another model (or with "
             "adapters: merge them first, or save the adapters with peft)"
         )
-    return config, [_Output(name, shape, (prefix + name,), lambda t: t[0]) for name, shape in expected.items()]
+    aliases = _aliases(model, expected)  # the second names of tied pairs, which must hold the same values
+    return config, [
+        _Output(
+            name,
+            shape,
+            (
+                prefix + name,
+                *(prefix + a for a in aliases.get(name, ()) if prefix + a in saved),
+            ),
+            _same_values(checkpoint, name),
+        )
+        for name, shape in expected.items()
+    ]
+
+
+def _aliases(model, expected: dict) -> dict[str, list[str]]:
+    """For each name kept, the other names of the same tensor (tied) in the model."""
+    first = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        first.setdefault(id(tensor), []).append(name)
+    return {names[0]: names[1:] for names in first.values() if names[0] in expected and len(names) > 1}
+
+
+def _same_values(checkpoint: Path, name: str):
+    """The tensor under its first name, once every other name of it in the checkpoint holds the same values."""
+
+    def make(tensors: list[torch.Tensor]) -> torch.Tensor:
+        for other in tensors[1:]:
+            if not torch.equal(other, tensors[0]):
+                raise ConversionError(
+                    f"{checkpoint}: {name} and the weight the config ties to it differ in the checkpoint: the "
+                    "tie was broken in training; write them apart with tie_word_embeddings=False in the config "
+                    "you pass as --config"
+                )
+        return tensors[0]
+
+    return make
 
 
 def _untied_state(model) -> dict[str, tuple[int, ...]]:
@@ -264,8 +339,12 @@ def _recipe_gpt(checkpoint: Path, saved: dict):
             f"{checkpoint}: {why}; for a Hugging Face model's checkpoint pass --config, the model "
             "directory it was trained from"
         )
-    fields = {f.name for f in train_llm.TrainConfig.__dataclass_fields__.values()}
-    gpt = train_llm.TrainConfig(**{k: v for k, v in settings.items() if k in fields}).model_config()
+    from fsdp_guide.gpt import GPTConfig
+
+    try:  # the model's size only: the other settings are the run's, and may be of an older recipe
+        gpt = GPTConfig(**{k: settings[k] for k in ("n_layer", "n_head", "n_embd", "block_size")})
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConversionError(f"{checkpoint}: its saved model settings cannot be used ({error})") from None
     config = transformers.GPT2Config(
         vocab_size=gpt.vocab_size,
         n_positions=gpt.block_size,
@@ -277,6 +356,8 @@ def _recipe_gpt(checkpoint: Path, saved: dict):
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=True,  # the GPT's lm_head is its token embedding
+        bos_token_id=None,  # bytes, no special tokens (GPT-2's 50256 is beyond these 256)
+        eos_token_id=None,
         architectures=["GPT2LMHeadModel"],
     )
     d = gpt.n_embd
@@ -284,12 +365,24 @@ def _recipe_gpt(checkpoint: Path, saved: dict):
     def key(name: str) -> str:
         return f"model.{name}"
 
-    def conv1d(t: list[torch.Tensor]) -> torch.Tensor:  # nn.Linear (out, in) -> Conv1D (in, out)
+    def conv1d(
+        t: list[torch.Tensor],
+    ) -> torch.Tensor:  # nn.Linear (out, in) -> Conv1D (in, out)
         return t[0].t().contiguous()
 
     outputs = [
-        _Output("transformer.wte.weight", (gpt.vocab_size, d), (key("tok_emb.weight"),), lambda t: t[0]),
-        _Output("transformer.wpe.weight", (gpt.block_size, d), (key("pos_emb.weight"),), lambda t: t[0]),
+        _Output(
+            "transformer.wte.weight",
+            (gpt.vocab_size, d),
+            (key("tok_emb.weight"),),
+            lambda t: t[0],
+        ),
+        _Output(
+            "transformer.wpe.weight",
+            (gpt.block_size, d),
+            (key("pos_emb.weight"),),
+            lambda t: t[0],
+        ),
     ]
     for i in range(gpt.n_layer):
         b, h = f"blocks.{i}.", f"transformer.h.{i}."
@@ -309,7 +402,12 @@ def _recipe_gpt(checkpoint: Path, saved: dict):
             _Output(h + "ln_2.bias", (d,), (key(b + "ln_2.bias"),), lambda t: t[0]),
             _Output(h + "mlp.c_fc.weight", (d, 4 * d), (key(b + "mlp.fc.weight"),), conv1d),
             _Output(h + "mlp.c_fc.bias", (4 * d,), (), None),
-            _Output(h + "mlp.c_proj.weight", (4 * d, d), (key(b + "mlp.proj.weight"),), conv1d),
+            _Output(
+                h + "mlp.c_proj.weight",
+                (4 * d, d),
+                (key(b + "mlp.proj.weight"),),
+                conv1d,
+            ),
             _Output(h + "mlp.c_proj.bias", (d,), (), None),
         ]
     outputs += [
@@ -325,12 +423,27 @@ def _recipe_gpt(checkpoint: Path, saved: dict):
     return config, outputs
 
 
-def _write_weights(checkpoint: Path, metadata, outputs: list[_Output], dtype, into: Path, max_shard_size) -> None:
+def _write_weights(
+    checkpoint: Path,
+    metadata,
+    outputs: list[_Output],
+    dtype,
+    into: Path,
+    max_shard_size,
+) -> None:
     """Each output file filled a tensor at a time, written, and let go before the next."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    meta = {o.name: torch.empty(o.shape, dtype=dtype, device="meta") for o in outputs}
+    saved = metadata.state_dict_metadata
+    meta = {  # the dtype each is written in: the one chosen, for floating-point tensors
+        o.name: torch.empty(
+            o.shape,
+            dtype=_written_dtype(saved[o.sources[0]] if o.sources else None, dtype),
+            device="meta",
+        )
+        for o in outputs
+    }
     split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
     by_name = {o.name: o for o in outputs}
     for filename, names in split.filename_to_tensors.items():
@@ -355,6 +468,11 @@ def _write_weights(checkpoint: Path, metadata, outputs: list[_Output], dtype, in
         (into / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _written_dtype(entry, dtype: torch.dtype) -> torch.dtype:
+    saved = entry.properties.dtype if entry is not None else torch.float32
+    return dtype if saved.is_floating_point else saved
+
+
 def _read(checkpoint: Path, metadata, key: str) -> torch.Tensor:
     """One tensor of the checkpoint, whole, assembled by DCP from the shards the ranks wrote; in this process alone."""
     import torch.distributed.checkpoint as dcp
@@ -376,15 +494,29 @@ def _read(checkpoint: Path, metadata, key: str) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fsdp_guide.recipes.to_hf", description=__doc__.splitlines()[0].rstrip(".")
+        prog="python -m fsdp_guide.recipes.to_hf",
+        description=__doc__.splitlines()[0].rstrip("."),
     )
-    parser.add_argument("checkpoint", help="a DCP checkpoint directory (a step-N of fsdp_guide.checkpoint)")
+    parser.add_argument(
+        "checkpoint",
+        help="a DCP checkpoint directory (a step-N of fsdp_guide.checkpoint)",
+    )
     parser.add_argument("out", help="the Hugging Face model directory to write (new, or empty)")
     parser.add_argument(
-        "--config", help="the Hugging Face model directory it was trained from; omit for the LLM recipe's GPT"
+        "--config",
+        help="the Hugging Face model directory it was trained from; omit for the LLM recipe's GPT",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the weights (default: bf16)")
-    parser.add_argument("--max-shard-size", default="5GB", help="split the weights into files past this (5GB)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="of the weights (default: bf16)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split the weights into files past this (5GB)",
+    )
     options = parser.parse_args(argv)
     # transformers imports torchao where it is installed, which logs about CUDA kernels a CPU
     # cannot load (fsdp_guide.fp8.quiet_torchao's two loggers); the conversion uses neither
@@ -401,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as error:
         print(f"to_hf: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # the disk, a permission, a race for OUT: nothing was left half-written
+        print(f"to_hf: {error}; nothing was written to {options.out}", file=sys.stderr)
+        return 1
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}: {', '.join(files)}")
     return 0
