@@ -392,8 +392,8 @@ glue("export_offline_model", f"{model_mb:.0f}", display=False)
 # The conversion held one output file and one tensor at a time: its peak rise of memory was
 # {glue:text}`export_offline_peak` MiB for a {glue:text}`export_offline_model` MiB model in
 # fp32. A checkpoint of the LLM recipe's GPT needs no `--config`: its size is read from the
-# settings the recipe saves, and it is written as a `GPT2LMHeadModel` (tested against the
-# GPT's logits in `tests/test_to_hf.py`). An existing `OUT` is refused, never written over,
+# settings the recipe saves, and it is written as a `GPT2LMHeadModel`, whose layout the
+# command's documentation gives ({func}`fsdp_guide.recipes.to_hf.to_hf`). An existing `OUT` is refused, never written over,
 # and a checkpoint with a file missing or cut short is refused before anything is written.
 #
 # Last, the models this page wrote are deleted:
