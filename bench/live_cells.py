@@ -23,7 +23,9 @@ Each tool runs in its own Jupyter kernel, driven by nbclient, the way its docume
   as ``python`` from ``PATH`` (not the kernel's interpreter), so the kernel's ``PATH`` starts
   with this interpreter's folder. It is stopped by ending its processes here, not with
   ``%dist_shutdown``: that runs ``pkill -f worker.py``, ``pkill -9 -f 'python.*worker'`` and
-  ``pkill -9 -f 'torch.*distributed'``, which end any matching process on the machine.
+  ``pkill -9 -f 'torch.*distributed'``, which end any matching process on the machine. Its
+  first cell after ``%dist_init`` is sent at once, as nbclient runs a notebook: the workers
+  have not connected yet, and the cell waits out its 30 s timeout.
 
 Measured for each tool, in one run on one machine: the wall time of a cell, from nbclient's
 request to the kernel's reply with its outputs, for ``--cells`` cells each doing one 2-rank
@@ -31,7 +33,8 @@ all-reduce of a fresh tensor, and as many empty cells (median and 90th percentil
 start (the kernel's own start until it answers, which for jupyter-distributed includes
 starting its rank kernels, then the set-up cells and the first all-reduce); the proportional set
 size (PSS, shared pages split between the processes sharing them) of the processes the tool
-started under the kernel, and how many, with the ranks up; every address they and the kernel
+started under the kernel, and how many, after the cells (for ``launch``, whose ranks end with
+each cell, what stays between cells: its warm server and resource tracker); every address they and the kernel
 listen on (TCP), with the command holding each one beyond loopback; and whether any of them is
 left once the kernel is shut down (those are then ended here). A final cell prints each rank's
 all-reduced value, which must be 2 on both ranks: a tool whose cells do not reach the ranks is
@@ -266,13 +269,19 @@ def measure(tool: Tool, cells: int, timeout: float) -> dict:
                     result["teardown"] = f"{nb.cells[index].source!r}: {type(e).__name__}: {e}"[:300]
     # the kernel is shut down (nbclient's setup_kernel): what of the tool's is still running?
     deadline = time.monotonic() + 10
-    while (left := [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and (
-        time.monotonic() < deadline
-    ):
+
+    def running(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # gone meanwhile
+            return False
+
+    while (left := [p for p in started if running(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     result["left_behind"] = len(left)
-    for p in left:  # the benchmark started them: end them, so the next tool runs on an idle machine
-        p.kill()
+    for p in left:  # the kernel's own descendants (psutil checks the pid is still theirs): end them
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     check = _text(nb.cells[len(sources) - 1])
     values = {int(r): float(v) for r, v in CHECK.findall(check)}
     if values != {0: 2.0, 1: 2.0}:

@@ -180,15 +180,52 @@ def test_an_interrupt_while_the_ranks_start_stops_them_and_says_so(tmp_path, mon
     # Ranks that take a minute to start, whatever the machine's load: cold ones (no warm
     # server to fork from) whose interpreter sleeps as it starts (site imports sitecustomize).
     (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("FSDP_GUIDE_WARM", "0")
     before = _children()
-    _interrupt_soon(1.0)
+
+    def interrupt_once_both_run():  # not after a fixed time: once both ranks exist, asleep in their start
+        deadline = time.monotonic() + 30
+        while len(_children() - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_both_run, daemon=True).start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt, match=r"interrupted while the ranks started: 2 rank\(s\) stopped"):
         Ranks(world_size=2)
     assert time.monotonic() - started < 30  # ended by the interrupt, not by the ranks' start
     assert not _alive(_children() - before), "a starting rank was left running"
+
+
+def test_live_ranks_start_cold_with_no_server_running_and_fork_from_one_a_launch_started(tmp_path):
+    # In a fresh process: a server is started by launch only; live ranks use it once it runs.
+    script = tmp_path / "notebook.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, psutil
+            from fsdp_guide import launch
+            from fsdp_guide._warm import server_pids
+            from fsdp_guide.live import Ranks
+
+            def parents(ranks):
+                return {psutil.Process(pid).ppid() for pid in ranks.get("os.getpid()")}
+
+            with Ranks(world_size=2) as ranks:
+                ranks.run("import os")
+                print("cold", parents(ranks) == {os.getpid()}, server_pids() == [])
+            launch(os.getpid, world_size=2, output="none")
+            with Ranks(world_size=2) as ranks:
+                ranks.run("import os")
+                print("warm", parents(ranks) == set(server_pids()[:1]), len(server_pids()) > 0)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("FSDP_GUIDE_WARM", "FSDP_GUIDE_WARM_BROKER")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "cold True True" in done.stdout and "warm True True" in done.stdout, done.stdout + done.stderr
 
 
 def test_closing_leaves_no_process_and_a_closed_session_says_so():

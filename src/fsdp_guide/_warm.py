@@ -95,9 +95,10 @@ def start_server(*, start_own: bool = True) -> None:
     Called as a launch starts, which forks its ranks once the imports are done: the one
     process importing torch (and FSDP, DTensor, DCP, dynamo) replaces the two cold ranks that
     would, and no import is left running in the background to slow the work that follows.
-    A server started for another environment is replaced. ``start_own=False``: only a
-    server that runs already, here or at the broker, and none started (live ranks, which
-    start once, start sooner cold than through a server's imports)."""
+    A server started for another environment is replaced. ``start_own=False``: a server
+    running here, or the broker's (a site build's, which it starts once for all its pages),
+    never one of this process's own (live ranks, which start once, start sooner cold than
+    through a new server's imports)."""
     global _server, _server_for
     if not enabled():
         return
@@ -108,6 +109,7 @@ def start_server(*, start_own: bool = True) -> None:
             return
         if _server is not None:  # torch's environment changed: this launch needs a new server
             _retire(_server)
+            _server = _server_for = None  # retired: never retired twice, whatever follows
         _start_resource_tracker_apart()
         borrowed = _from_broker()
         if borrowed is not None:

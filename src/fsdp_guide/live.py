@@ -25,7 +25,8 @@ Against ipyparallel's ``%%px``, nbdistributed and jupyter-distributed, each set 
 documentation says (``bench/live_cells.py``; the record is ``bench/results/live_cells.txt``):
 a cell here takes less time than under any of them and the ranks start no slower; ipyparallel
 and jupyter-distributed leave the process group to a cell, and set up from the environment
-(``env://``) torch's rendezvous store on rank 0 listens on every interface; nbdistributed's
+(``env://``) or from a ``tcp://127.0.0.1`` address, torch's rendezvous store on rank 0 listens on
+every interface; nbdistributed's
 ZMQ router binds every interface and its first cell after ``%dist_init`` waits out a 30 s
 timeout. Here nothing listens beyond 127.0.0.1.
 """
@@ -222,16 +223,23 @@ class Ranks:
         (run_dir / "config.pkl").write_bytes(cloudpickle.dumps(config))
         (run_dir / "payload.pkl").write_bytes(_serialise(_serve, (token,), {}))
         # Forked from a warm server where one runs already (a launch started it, or a site
-        # build's broker lends one): at once. Else cold: two ranks importing torch start in
-        # about half the time a server takes to import torch, FSDP, DTensor and DCP before it
-        # forks them (0.9 s against 1.8 s on 2 cores, bench/live_cells.py), and ranks that
-        # live for the session gain nothing from the server's imports later.
+        # build's broker lends its own): at once. Else cold: two ranks importing torch start
+        # sooner than a new server importing torch, FSDP, DTensor and DCP before it forks them
+        # (a Ranks(2) start and one all-reduce, 2 cores, 2026-12-07: 0.87 s cold against 1.82 s
+        # through a new server), and ranks that live for the session gain nothing from its
+        # imports later.
         _warm.start_server(start_own=False)
         procs = _LiveProcs(run_dir, self.world_size, token, warm=_warm.can_start())
         self._procs = procs
         self._finalizer = weakref.finalize(self, procs.close)
         try:
-            procs.start()
+            # A Ctrl-C while a warm rank is forked is noted, not raised mid-fork: WarmRank stops
+            # waiting on it with its pipes closed, and the ranks started so far are stopped below.
+            with _interrupts_noted() as noted_here:
+                procs.interrupted = noted_here
+                procs.start()
+            if noted_here.is_set():
+                raise KeyboardInterrupt
             outcome = procs.wait_cell(0, time.monotonic() + self.collective_timeout, None)  # each joined the group
             if outcome != "done":
                 raise (
