@@ -129,8 +129,9 @@ def test_the_conversion_holds_one_output_file_at_a_time_not_the_model(tmp_path):
         lambda: to_hf(checkpoint, tmp_path / "hf", config=base, dtype="fp32", max_shard_size="2MB")
     )
     assert model_mib > 30 and len(list(out.glob("*.safetensors"))) > 10
-    # a 2 MB file filled (and written) at a time, a 1 MiB tensor read: a few MiB, never the model's 30+
-    assert resident < model_mib / 4, (resident, private, model_mib)
+    # a 2 MB file filled and serialized, a 1 MiB tensor read into a buffer and copied: about 6 MiB (6.3
+    # measured), never the model's 30+
+    assert resident < model_mib / 3, (resident, private, model_mib)
     # and the measurement sees a whole model when one is held: DCP's own conversion loads it all at once
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

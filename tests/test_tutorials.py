@@ -194,7 +194,9 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     assert "loaded in torch.bfloat16; each tensor the trained one rounded to bf16: True" in text
     peak, model = map(float, re.search(r"each tensor equal to the trained one: True \| peak rise of this process's "
                                       r"memory (\d+) MiB, for a (\d+) MiB model", text).groups())  # fmt: skip
-    assert peak < model / 2
+    # a 20 MB file filled and the largest tensor (the 16 MiB embedding) read into a buffer and copied: about
+    # 52 MiB (45 and 59 measured); the whole model would be more than all of it
+    assert peak < 0.75 * model
 
 
 def test_qlora_trains_4_bit_shards_like_one_process_and_shows_the_storage_and_cpu_traps(executed):
