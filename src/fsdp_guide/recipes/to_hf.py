@@ -137,6 +137,8 @@ def to_hf(
         hf_config, outputs = _hf_model(checkpoint, Path(config), saved)
     hf_config.dtype = DTYPES[dtype]  # what from_pretrained loads it in, by default
 
+    from fsdp_guide.checkpoint import _fsync  # its checkpoints are published the same way
+
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # ours, removed on failure
     try:
@@ -173,14 +175,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_out(out: Path) -> None:
@@ -244,7 +238,8 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
             "its files (transformers' weight conversions, such as fused experts), which this conversion does "
             "not undo: load the checkpoint into the model and call save_pretrained instead"
         )
-    expected = _untied_state(model)
+    tied = _names_by_tensor(model)  # each tensor's names in the state dict: more than one where tied
+    expected = {names[0]: shape for names, shape in tied}  # the first only, as save_pretrained writes it
     prefix = next((p for p in ("model.", "") if all(p + name in saved for name in expected)), None)
     if prefix is None:
         _mismatch(checkpoint, expected, saved, f"{type(model).__name__} of {config_dir}")
@@ -254,7 +249,7 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
                 f"{checkpoint}: {name} is {tuple(saved[prefix + name].size)} there and {shape} in "
                 f"{type(model).__name__} of {config_dir}/config.json: the checkpoint is of another model size"
             )
-    known = {name for name, _ in model.named_parameters(remove_duplicate=False)} | set(expected)  # tied too
+    known = {name for names, _ in tied for name in names}  # the second names of tied pairs too
     extra = sorted(key[len(prefix) :] for key in saved if key.startswith(prefix) and key[len(prefix) :] not in known)
     if extra:
         raise ConversionError(
@@ -262,27 +257,25 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
             f"{type(model).__name__} of {config_dir} does not: it was trained from another model (or with "
             "adapters: merge them first, or save the adapters with peft)"
         )
-    aliases = _aliases(model, expected)  # the second names of tied pairs, which must hold the same values
-    return config, [
+    return config, [  # a tied pair's second name, where saved, must hold the same values
         _Output(
-            name,
+            names[0],
             shape,
-            (
-                prefix + name,
-                *(prefix + a for a in aliases.get(name, ()) if prefix + a in saved),
-            ),
-            _same_values(checkpoint, name),
+            tuple(prefix + name for name in names if name == names[0] or prefix + name in saved),
+            _same_values(checkpoint, names[0]),
         )
-        for name, shape in expected.items()
+        for names, shape in tied
     ]
 
 
-def _aliases(model, expected: dict) -> dict[str, list[str]]:
-    """For each name kept, the other names of the same tensor (tied) in the model."""
-    first = {}
+def _names_by_tensor(model) -> list[tuple[list[str], tuple[int, ...]]]:
+    """Each tensor of the model's state dict once: its names (more than one where tied), in order, and its shape."""
+    names: dict[int, list[str]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        first.setdefault(id(tensor), []).append(name)
-    return {names[0]: names[1:] for names in first.values() if names[0] in expected and len(names) > 1}
+        names.setdefault(id(tensor), []).append(name)
+        shapes[id(tensor)] = tuple(tensor.shape)
+    return [(names[key], shapes[key]) for key in names]
 
 
 def _same_values(checkpoint: Path, name: str):
@@ -299,17 +292,6 @@ def _same_values(checkpoint: Path, name: str):
         return tensors[0]
 
     return make
-
-
-def _untied_state(model) -> dict[str, tuple[int, ...]]:
-    """The state dict's names and shapes, a tied tensor under its first name only, as save_pretrained writes it."""
-    seen, names = set(), {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        names[name] = tuple(tensor.shape)
-    return names
 
 
 def _mismatch(checkpoint: Path, expected: dict, saved: dict, what: str):
