@@ -216,6 +216,10 @@ def _tear_down_the_group_itself():
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    # A collective first, as a program that tears its own group down needs: init_process_group is
+    # no barrier, and a group destroyed while a peer still connects fails that peer's init
+    # (fsdp_guide._rank.wait_for_every_rank, which launch runs only while the group exists).
+    dist.barrier()
     dist.destroy_process_group()
     return rank
 

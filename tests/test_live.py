@@ -324,6 +324,11 @@ HELLO = """
 import sys, torch.distributed as dist
 dist.init_process_group("gloo")
 print(sys.argv[1:], dist.get_rank(), dist.get_world_size())
+# A collective before the group is torn down: init_process_group is no barrier, and a rank that
+# destroys its group while its peer is still connecting fails that peer's init with "Gloo
+# connectFullMesh failed ... Connection closed by peer" (fsdp_guide._rank.wait_for_every_rank;
+# seen here once in CI). A torchrun script that makes no collective has the same race.
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -175,6 +175,7 @@ ENDS_AS_PYTHON_DOES = """
     log.write("written, not flushed")
     atexit.register(print, f"atexit on rank {rank}")
     threading.Thread(target=lambda: (time.sleep(0.5), print(f"thread done on rank {rank}", flush=True))).start()
+    dist.barrier()  # no rank tears the group down while its peer still connects (see test_live's HELLO)
     dist.destroy_process_group()
     sys.exit(int(os.environ.get("STATUS", "0")))
 """
