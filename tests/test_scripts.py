@@ -224,6 +224,39 @@ def _qlora_like_one_process(out: str) -> None:
     assert found and float(found[2]) < float(found[1]) and float(found[3]) <= 1e-4, out
 
 
+def _adapters_whole_and_merged_dequantised(out: str) -> None:
+    found = re.search(
+        r"adapters saved from 2 ranks, loaded in one process: largest logit difference from the trained model = (\S+)",
+        out,
+    )
+    assert found and float(found[1]) <= 1e-5, out  # every rank's slice saved: the trained model, fp32 rounding
+    lost = dict(
+        re.findall(
+            r"merged into the (4-bit base|base dequantised to fp32): the part of q_proj's update lost = (\S+)", out
+        )
+    )
+    assert lost.keys() == {"4-bit base", "base dequantised to fp32"}, out
+    # re-quantising rounds a large part of the update away; into fp32, only rounding (NaN fails both)
+    assert float(lost["4-bit base"]) > 0.05 and float(lost["base dequantised to fp32"]) < 1e-5, out
+
+
+def _repack_off_evaluates_and_trains(out: str) -> None:
+    cases = {
+        repack: (float(a), float(b), int(got), int(of))
+        for repack, a, b, got, of in re.findall(
+            r"repack=(True|False): evaluations (\S+) then (\S+); (\d+) of (\d+) adapters got a gradient", out
+        )
+    }
+    assert cases.keys() == {"True", "False"}, out
+    off = cases["False"]
+    assert off[0] == off[1] and off[2] == off[3] > 0, out  # switched off: the same loss twice, every adapter learns
+    if "AVX512-BF16 on this CPU: True" in out:  # converted: another second loss, and no gradient (the page's claim)
+        on = cases["True"]
+        assert abs(on[0] - off[0]) < 1e-3 and on[1] != on[0] and on[2] == 0, out  # first right, then another loss
+    else:  # nothing is converted: both cases are the same
+        assert "AVX512-BF16 on this CPU: False" in out and cases["True"] == off, out
+
+
 def _frozen_dtype_rule_and_traffic(out: str) -> None:
     assert "fp32 adapters, frozen bf16 base: runs" in out, out  # frozen parameters are out of the check
     found = re.search(r"fp32 adapters, bf16 norms trained too: (.*)", out)
@@ -666,6 +699,8 @@ CLAIMS = {
     "checkpoint_placement": (2, _checkpoint_inside_like_one_process),
     "lora": (2, _lora_like_one_process),
     "qlora": (2, _qlora_like_one_process),
+    "qlora_adapters": (2, _adapters_whole_and_merged_dequantised),
+    "qlora_cpu_repack": (2, _repack_off_evaluates_and_trains),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "hf_dcp_export": (2, _written_by_every_rank_round_trip),
@@ -714,6 +749,8 @@ LIBRARIES = {
     "digits": {"sklearn"},
     "lora": {"peft", "transformers"},
     "qlora": {"bitsandbytes", "peft", "transformers"},
+    "qlora_adapters": {"bitsandbytes", "peft", "transformers"},
+    "qlora_cpu_repack": {"bitsandbytes", "peft", "transformers"},
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},

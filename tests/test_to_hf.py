@@ -247,3 +247,54 @@ def test_a_model_transformers_converts_in_memory_and_a_bad_shard_size_are_refuse
     ).save_pretrained(mixtral)  # fmt: skip
     _refused(tmp_path, one_checkpoint, "another layout than in its files", config=mixtral)
     _refused(tmp_path, one_checkpoint, r"max_shard_size='lots'", config=tmp_path.parent, max_shard_size="lots")
+
+
+def test_names_of_compile_and_checkpoint_wrappers_convert_as_the_unwrapped_models(base, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = LlamaForCausalLM.from_pretrained(base)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer)  # activation checkpointing's wrapper, per layer
+    compiled = torch.compile(model)  # its names start with _orig_mod. (nothing is compiled yet)
+    # the parameters by name, as a hand-written save takes them (state_dict() drops the checkpoint wrapper's part)
+    state = {name: p.detach() for name, p in compiled.named_parameters()}
+    assert any(k.startswith("_orig_mod.") and "_checkpoint_wrapped_module." in k for k in state)  # both wrappers
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    loaded, logits = _loaded(to_hf(tmp_path / "ckpt", tmp_path / "converted", config=base, dtype="fp32"))
+    unwrapped = LlamaForCausalLM.from_pretrained(base)
+    assert loaded.state_dict().keys() == unwrapped.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in unwrapped.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(logits, unwrapped(TOKENS).logits)
+    # a name saved twice, once wrapped and once not: two tensors for one, refused
+    state = unwrapped.state_dict()
+    state["_orig_mod.model.norm.weight"] = state["model.norm.weight"] + 1
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "twice", no_dist=True)
+    _refused(
+        tmp_path,
+        tmp_path / "twice",
+        r"'model\.model\.norm\.weight' and 'model\._orig_mod\.model\.norm\.weight' are one tensor",
+        config=base,
+    )
+
+
+def test_what_transformers_keeps_in_fp32_is_written_in_fp32_as_save_pretrained_writes_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4)
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    assert T5ForConditionalGeneration._keep_in_fp32_modules == ["wo"]  # fp32 when loaded in fp16 (not bf16)
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path / "t5")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    for dtype, torch_dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        to_hf(tmp_path / "ckpt", tmp_path / dtype, config=tmp_path / "t5", dtype=dtype)
+        written = {k: v.dtype for k, v in load_file(tmp_path / dtype / "model.safetensors").items()}
+        # what transformers itself writes: the model loaded in that dtype, saved again
+        T5ForConditionalGeneration.from_pretrained(tmp_path / "t5", dtype=torch_dtype).save_pretrained(tmp_path / "hf")
+        assert written == {k: v.dtype for k, v in load_file(tmp_path / "hf" / "model.safetensors").items()}
+        kept = sorted(k for k, d in written.items() if d == torch.float32)
+        assert (kept and all(".wo." in k for k in kept)) if dtype == "fp16" else not kept, kept
+        shutil.rmtree(tmp_path / "hf")

@@ -95,6 +95,8 @@ def test_every_tutorial_is_tested():
         "pitfalls",
         "placements",
         "qlora",
+        "qlora_adapters",
+        "qlora_cpu_repack",
         "quickstart",
         "rank_dies",
         "set_order",
@@ -199,7 +201,7 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     assert peak < 0.75 * model
 
 
-def test_qlora_trains_4_bit_shards_like_one_process_and_shows_the_storage_and_cpu_traps(executed):
+def test_qlora_trains_4_bit_shards_like_one_process_and_shows_storage_memory_and_order(executed):
     text = _text_outputs(executed["qlora"])
     # NF4: two codes a byte in a flat column, whichever dtype stores them; a quarter of bf16's bytes
     packed = re.findall(r"storage torch\.(\w+) +Linear4bit of (\d+)x(\d+): a Params4bit \((\d+), 1\) of torch\.\w+, "
@@ -234,6 +236,25 @@ def test_qlora_trains_4_bit_shards_like_one_process_and_shows_the_storage_and_cp
     }
     assert trains["torch.uint8 codes, param_dtype=torch.float32"] <= 1e-4  # fp32 rounding; NaN fails
     assert trains["torch.bfloat16 codes, param_dtype=torch.bfloat16"] <= 0.05  # the adapters in bf16 too
+    # what a rank holds: the 4-bit base fewer frozen bytes than the bf16 one; ignored_params trains the same
+    # with whole Params4bit on every rank, and more bytes than sharding them
+    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines()) if cells[0].startswith(("QLoRA", "bf16"))}
+    assert rows.keys() == {"QLoRA, uint8", "QLoRA, bfloat16", "bf16 LoRA", "QLoRA, uint8, ignored_params"}, rows
+    frozen = {case: float(row[2]) for case, row in rows.items()}
+    assert frozen["bf16 LoRA"] > 2 * frozen["QLoRA, uint8"] == 2 * frozen["QLoRA, bfloat16"]
+    assert frozen["QLoRA, uint8, ignored_params"] > frozen["QLoRA, uint8"]
+    ignored = rows["QLoRA, uint8, ignored_params"]
+    assert float(ignored[0]) <= 1e-5 and ignored[1] == "Params4bit" and rows["QLoRA, uint8"][1].startswith("DTensor")
+    assert float(rows["bf16 LoRA"][3]) == 0 < float(ignored[3]) == float(rows["QLoRA, uint8"][3])  # scales
+    glued = _glued(executed["qlora"])
+    assert float(glued["bf16_over_qlora"]) > 2 and float(glued["ignored_over_sharded"]) > 1
+    # sharded before it was quantised: bitsandbytes' bare assertion; quantised first, it shards and runs
+    assert re.search(r"sharded, then moved:\n  +assert module\.weight\.shape\[1\] == 1\n  AssertionError", text), text
+    assert "quantised, then sharded: Params4bit of torch.uint8, output (1, 128)" in text
+
+
+def test_qlora_cpu_repack_changes_the_sharded_models_loss_and_stops_gradients_until_switched_off(executed):
+    text = _text_outputs(executed["qlora_cpu_repack"])
     # the CPU repack: where this CPU has AVX512-BF16, one process loses the adapters' gradients after an
     # evaluation and 2 ranks evaluate twice differently; switched off, both agree and all adapters learn
     cases = {
@@ -253,6 +274,35 @@ def test_qlora_trains_4_bit_shards_like_one_process_and_shows_the_storage_and_cp
         assert sharded[0] == one_process[0] != sharded[1] and sharded[2] == 0  # right once, then another loss
     else:  # no conversion on this CPU: every case as the switched-off one
         assert all(c[0] == c[1] and c[2] == c[3] for c in cases.values())
+
+
+def test_qlora_adapters_saved_whole_load_as_trained_and_merge_losslessly_only_dequantised(executed):
+    text = _text_outputs(executed["qlora_adapters"])
+    # the model's own state dict holds DTensors: peft's save fails; rank 0's local tensors are half of each matrix
+    assert "as given: RuntimeError: Attempted to access the data pointer on an invalid python storage" in text
+    half = (
+        r"local slices: model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight \(4, 128\)\n  RuntimeError: size mismatch"
+    )
+    assert re.search(half + r" for .*lora_\w\.default\.weight: copying a param with shape", text), text
+    found = re.search(r"full: model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight \(8, 128\)\n  loads; largest logit "
+                      r"difference from the trained model (\S+)", text)  # fmt: skip
+    assert found and float(found[1]) <= 1e-5, text  # every rank's slice: the trained model (NaN fails)
+    merges = ("4-bit base", "base dequantised to fp32", "base dequantised to bf16")
+    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines()) if cells[0] in merges}
+    assert tuple(rows) == merges, rows
+    lost = {into: float(row[1]) for into, row in rows.items()}
+    logits = {into: float(row[2]) for into, row in rows.items()}
+    assert rows["4-bit base"][0] == "Linear4bit of torch.uint8" and rows["base dequantised to fp32"][0] == (
+        "Linear of torch.float32"
+    )
+    # re-quantised, a large part of the update rounds away; dequantised to fp32, rounding only; bf16 between
+    assert lost["4-bit base"] > 0.05 > lost["base dequantised to bf16"] > lost["base dequantised to fp32"]
+    assert lost["base dequantised to fp32"] < 1e-5 and logits["base dequantised to fp32"] < 1e-4
+    assert logits["4-bit base"] > 10 * logits["base dequantised to fp32"]
+    assert "merging into the 4-bit base: UserWarning: Merge lora module to 4-bit linear" in text
+    assert "merging into the base dequantised" not in text  # peft warns of the 4-bit merge alone
+    glued = _glued(executed["qlora_adapters"])
+    assert abs(float(glued["lost_base"]) - lost["4-bit base"]) < 0.01  # the prose's figure is the table's
 
 
 def test_lora_measures_states_trains_like_one_process_and_exports_exactly(executed):

@@ -23,13 +23,11 @@
 #   as `bfloat16`, and what each rank then holds;
 # - why a `MixedPrecisionPolicy` that casts to another dtype breaks 4-bit weights stored as
 #   `bfloat16`, and not those stored as `uint8`;
-# - on a CPU: `bitsandbytes` repacks a 4-bit weight the first time it evaluates (`eval()`, no
-#   gradient), which under FSDP2 silently changes what the model computes from the second
-#   evaluation on, and in any process stops the adapters' gradients; and the switch that
-#   turns it off.
+# - what each rank holds against a bf16 base, and with Accelerate's `ignored_params`;
+# - why a hand-built `Linear4bit` must be quantised before it is sharded.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
-# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
+# (the package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
 # downloaded: the "pretrained" model is a small Llama built from a config with a fixed seed,
 # as in {ref}`tutorial-lora`, whose page this one extends. The worker code is written to run
 # unchanged with one GPU per rank (NCCL): the model is loaded on {func}`fsdp_guide.device`.
@@ -135,22 +133,25 @@ tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(
 
 
 def qlora_model(path, storage):
-    """The 4-bit model with its adapters, on this rank's device: the same on every rank."""
+    """The 4-bit model with its adapters, on this rank's device: the same on every rank.
+    `storage=None`: the bf16 model, unquantised (LoRA, as on the LoRA page)."""
     import fsdp_guide
     from peft import LoraConfig, get_peft_model
 
     transformers.utils.logging.disable_progress_bar()  # in this rank too
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=four_bit(storage), device_map=fsdp_guide.device()
-    )
+    quantised = {"quantization_config": four_bit(storage)} if storage else {"dtype": torch.bfloat16}
+    model = AutoModelForCausalLM.from_pretrained(path, device_map=fsdp_guide.device(), **quantised)
     torch.manual_seed(0)  # the adapters' A: the same on every rank
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     return get_peft_model(model, config)
 
 
-def shard(model, **options):
+def shard(model, ignore_4bit=False, **options):
     from torch.distributed.fsdp import fully_shard
 
+    if ignore_4bit:
+        # Accelerate's workaround (accelerate#3987): FSDP leaves them whole on every rank
+        options["ignored_params"] = {m.weight for m in model.modules() if isinstance(m, Linear4bit)}
     for layer in model.get_base_model().model.layers:
         fully_shard(layer, **options)
     return fully_shard(model, **options)
@@ -184,10 +185,16 @@ def train(path, tokens, storage=torch.uint8, sharded=True, **options):
             dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)  # the whole batch's mean
         losses.append(loss.item())
     layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    base = [m.weight for m in layers]
+    # unquantised, the frozen linear weights (the adapters' A and B are linear layers too, trained)
+    base = [m.weight for m in layers] or [
+        m.weight
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and not m.weight.requires_grad
+    ]
     return {
         "losses": losses,
         "4-bit bytes": local_bytes(base),
+        "frozen bytes": local_bytes(p for p in model.parameters() if not p.requires_grad),
         # one scale per 64 weights, in each layer's quant_state: an attribute, not a parameter
         "scale bytes": local_bytes(m.quant_state.absmax for m in layers),
         "adapter bytes": local_bytes(p for p in model.parameters() if p.requires_grad),
@@ -195,10 +202,13 @@ def train(path, tokens, storage=torch.uint8, sharded=True, **options):
     }
 
 
+runs = {}  # what each rank held, by case, for the comparison further down
+
+
 one = launch(train, path, tokens, sharded=False, world_size=1, output="none")[0]
 print(f"one process: losses {' '.join(f'{x:.4f}' for x in one['losses'])}")
 for storage in (torch.uint8, torch.bfloat16):
-    ranks = launch(train, path, tokens, storage, world_size=2, output="none")
+    ranks = runs[storage] = launch(train, path, tokens, storage, world_size=2, output="none")
     difference = largest_difference(zip(ranks[0]["losses"], one["losses"]), relative=True)
     print(
         f"2 ranks, {str(storage):14}: losses {' '.join(f'{x:.4f}' for x in ranks[0]['losses'])}, "
@@ -230,6 +240,114 @@ print(
 # `tests/test_sharp_edges.py`); 2.13 here and 2.15 take it. Stored as `bfloat16`, the codes
 # shard on either.
 #
+# (qlora-memory)=
+# ## What a rank holds: against bf16 LoRA, and with `ignored_params`
+#
+# The same model and adapters, trained the same way on 2 ranks, twice more: its base
+# unquantised in bf16 (LoRA, as on {ref}`the LoRA page <lora-memory>`), and in 4 bits with
+# the 4-bit weights kept out of FSDP by `ignored_params` (`shard(model, ignore_4bit=True)`
+# above). Each rank counts, between steps, the bytes of every frozen parameter it holds (the
+# embeddings, norms and output layer stay in bf16 in every case), of the 4-bit scales, and of
+# the adapters:
+
+# %%
+from fsdp_guide.table import Table
+from IPython.display import display
+from myst_nb import glue
+
+runs["bf16 LoRA"] = launch(train, path, tokens, None, world_size=2, output="none")
+runs["QLoRA, uint8, ignored_params"] = launch(
+    train, path, tokens, torch.uint8, ignore_4bit=True, world_size=2, output="none"
+)
+rows = []
+for case, ranks in runs.items():
+    r = ranks[0]
+    difference = largest_difference(zip(r["losses"], one["losses"]), relative=True)
+    rows.append(
+        [
+            f"QLoRA, {str(case).removeprefix('torch.')}" if isinstance(case, torch.dtype) else case,
+            "(not 4-bit)" if case == "bf16 LoRA" else f"{difference:.1e}",
+            r["4-bit weight"],
+            f"{r['frozen bytes'] / 2**10:.0f}",
+            f"{r['scale bytes'] / 2**10:.1f}",
+            f"{r['adapter bytes'] / 2**10:.1f}",
+        ]
+    )
+display(
+    Table(
+        [
+            "2 ranks",
+            "losses vs 4-bit, one process",
+            "q_proj's weight",
+            "frozen KiB",
+            "scales KiB",
+            "adapters KiB",
+        ],
+        rows,
+    )
+)
+glue(
+    "bf16_over_qlora",
+    runs["bf16 LoRA"][0]["frozen bytes"] / runs[torch.uint8][0]["frozen bytes"],
+    display=False,
+)
+glue(
+    "ignored_over_sharded",
+    runs["QLoRA, uint8, ignored_params"][0]["frozen bytes"] / runs[torch.uint8][0]["frozen bytes"],
+    display=False,
+)
+
+# %% [markdown]
+# Sharded, the bf16 base has a rank hold {glue:text}`bf16_over_qlora:.1f` times the frozen
+# bytes of the 4-bit base; on this small model the bf16 embeddings and output layer are
+# much of what is left (in a 7B model the decoder's linear layers are nearly all of it, and
+# the ratio nears 4). The bf16 losses are not the 4-bit losses (another model, unquantised).
+# With `ignored_params`, the losses are still one process's, the weight is a whole
+# `Params4bit` on every rank, and a rank holds {glue:text}`ignored_over_sharded:.1f` times the
+# frozen bytes: the workaround trades the sharding of the 4-bit weights, the largest part of
+# QLoRA's model, for weights FSDP never touches. On a torch whose `fully_shard` takes `uint8`
+# parameters, sharding them is the better trade.
+#
+# (qlora-quantise-first)=
+# ## Quantise, then shard
+#
+# A `Linear4bit` built by hand holds its weight unquantised until it is moved to its device
+# (`Params4bit.to` quantises). Sharded first, the weight FSDP2 puts back is a `DTensor` of the
+# float values, which moving no longer quantises, and the first forward fails in
+# `bitsandbytes` with an assertion that says nothing; moved first, it shards and runs:
+
+
+# %%
+def one_layer(quantise_first):
+    import fsdp_guide
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layer = Linear4bit(128, 128, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    if quantise_first:
+        layer.to(fsdp_guide.device())  # Params4bit.to quantises
+    fully_shard(layer)
+    layer.to(fsdp_guide.device())
+    out = layer(torch.ones(1, 128, device=fsdp_guide.device()))
+    return f"{type(layer.weight).__name__} of {layer.weight.dtype}, output {tuple(out.shape)}"
+
+
+for quantise_first in (False, True):
+    order = "quantised, then sharded" if quantise_first else "sharded, then moved"
+    try:
+        print(f"{order}: {launch(one_layer, quantise_first, world_size=2, output='none')[0]}")
+    except LaunchError as error:  # the last two lines of the rank's traceback
+        lines = [
+            line for line in error.remote_traceback.splitlines() if line.strip(" ^~")
+        ]  # not the carets
+        print(f"{order}:\n  " + "\n  ".join(lines[-2:]))
+
+# %% [markdown]
+# `fix_4bit_weight_quant_state_from_module` asserts that the weight is the flat column of
+# packed codes, which an unquantised 128×128 weight is not. `from_pretrained` with a
+# `BitsAndBytesConfig` quantises as it loads, so sharding after loading, as this page does,
+# is already in this order.
+#
 # (qlora-mixed-precision)=
 # ## `MixedPrecisionPolicy` and the storage dtype
 #
@@ -260,73 +378,9 @@ for storage, param_dtype in (
 # %% [markdown]
 # Stored as `uint8`, the 4-bit weights pass through any policy untouched; stored as
 # `bfloat16`, they break under a policy that casts them to another dtype, and train under
-# `param_dtype=torch.bfloat16` (the adapters then compute in bf16 too). Reports of QLoRA under FSDP2 with `uint8` storage failing (accelerate#3983)
-# start in `fully_shard` itself on a torch before the fix above; Accelerate's workaround
-# keeps the 4-bit weights out of FSDP with `ignored_params` (accelerate#3987), so that every
-# rank holds them whole.
-#
-# (qlora-cpu-repack)=
-# ## On a CPU: one evaluation repacks the weights
-#
-# Evaluating (`model.eval()`, under `torch.no_grad()`) on a CPU with AVX512-BF16,
-# `Linear4bit.forward` converts its weight once to a layout for its CPU kernel and marks the
-# `quant_state` as converted (`_convert_weight_packed_for_cpu`, called from
-# `Linear4bit.forward`). Under FSDP2 the converted weight is dropped when the layer is
-# resharded, and the next forward gathers the original bytes again, while the mark, on the
-# module's `quant_state`, stays. Each case below evaluates the same batch twice, then takes
-# one training step and counts the adapters that got a gradient:
-
-# %%
-print("this CPU has AVX512-BF16:", bool(bitsandbytes.functional.has_avx512bf16()))
-
-
-def evaluate_twice_then_step(path, tokens, sharded, repack=True):
-    import fsdp_guide
-
-    model = qlora_model(path, torch.uint8)
-    for layer in model.modules():
-        if isinstance(layer, Linear4bit):
-            layer.support_avx512bf16_for_cpu &= repack  # False: never repacked
-    if sharded:
-        shard(model)
-    batch = tokens.to(fsdp_guide.device())
-    model.eval()
-    with torch.no_grad():
-        twice = [model(input_ids=batch, labels=batch).loss.item() for _ in range(2)]
-    model.train()
-    model(input_ids=batch, labels=batch).loss.backward()
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    return twice, sum(p.grad is not None for p in adapters), len(adapters)
-
-
-for sharded, repack in ((False, True), (True, True), (True, False)):
-    twice, with_grad, adapters = launch(
-        evaluate_twice_then_step,
-        path,
-        tokens,
-        sharded,
-        repack,
-        world_size=2 if sharded else 1,
-        output="none",
-    )[0]
-    print(
-        f"{'2 ranks' if sharded else 'one process':11} repack={str(repack):5}: evaluations "
-        f"{twice[0]:.5f} then {twice[1]:.5f}; then {with_grad} of {adapters} adapters got a gradient"
-    )
-
-# %% [markdown]
-# On this CPU (with AVX512-BF16, as printed above; on one without, every case is the last):
-# in one process the two evaluations agree, but the training step after them gives no adapter
-# a gradient, with only a warning at backward: the converted weights go through a kernel
-# with no backward (`gemv_4bit` in `bitsandbytes/autograd/_functions.py`), and the adapters
-# on `q_proj` and `v_proj` reach the loss only through `o_proj`'s input, which gets no
-# gradient; AdamW then updates nothing. On 2 ranks, the second evaluation reads the gathered
-# bytes as if converted, and computes another loss, with no error. Setting
-# `support_avx512bf16_for_cpu = False` on every `Linear4bit` before the first forward keeps the
-# CPU on the path training uses: both evaluations agree and every adapter gets its
-# gradient. On a CPU without AVX512-BF16 nothing is converted; on GPUs it should not be
-# either (`x.device.type == "cpu"` is the first condition in `Linear4bit.forward`: read, not
-# run here).
+# `param_dtype=torch.bfloat16` (the adapters then compute in bf16 too). Reports of QLoRA
+# under FSDP2 with `uint8` storage failing (accelerate#3983) start in `fully_shard` itself on a
+# torch before the fix above, where `ignored_params` ({ref}`qlora-memory`) is the way out.
 #
 # (qlora-script)=
 # ## The script to copy
@@ -347,7 +401,8 @@ for sharded, repack in ((False, True), (True, True), (True, False)):
 # ## The tips behind this
 #
 # - {ref}`tip-qlora-uint8-storage`
-# - {ref}`tip-qlora-cpu-repack`
+# - {ref}`tip-qlora-cpu-repack`: evaluating on a CPU, in {ref}`tutorial-qlora-cpu-repack`.
+# - {ref}`tip-qlora-quantise-first`: the order, and `ignored_params`.
 # - {ref}`tip-lora-before-sharding`: the adapters are added before `fully_shard`, here too.
 # - {ref}`tip-check-against-one-process`: the losses above.
 

@@ -149,7 +149,14 @@ FIXES = {
     "_orig_mod.": "A checkpoint saved through ``torch.compile(module)``'s wrapper: compile in place with "
     "``module.compile()``, or drop the ``_orig_mod.`` from the names: :ref:`compile-names`.",
     "size mismatch for": "Weights of other shapes: one rank's shards (load sharded checkpoints with DCP, which "
-    "reshards) or another model's (load into the model they were saved from): :ref:`llm-load-errors`.",
+    "reshards) or another model's (load into the model they were saved from): :ref:`llm-load-errors`. LoRA "
+    "adapters saved from one rank's local tensors hold part of each matrix: gather them with the full state dict "
+    "(:ref:`tip-qlora-save-full-adapters`).",
+    "Attempted to access the data pointer on an invalid python storage": "``safetensors`` was given a ``DTensor``: "
+    "``peft``'s ``save_pretrained`` on a model sharded by FSDP2. Gather a full state dict on every rank and pass it "
+    "as ``state_dict=`` on rank 0 (:ref:`tip-qlora-save-full-adapters`).",
+    "Merge lora module to 4-bit linear": "Merging re-quantises, rounding much of each adapter's update away: "
+    "merge into the base dequantised first (:ref:`tip-qlora-merge-dequantised`).",
     "Missing key in checkpoint state_dict": "The model asks DCP for a key the checkpoint lacks: load into the model "
     "it was saved from, then change it (or ``DefaultLoadPlanner(allow_partial_load=True)``): "
     ":ref:`llm-load-errors`.",

@@ -98,7 +98,15 @@ GROUPS = {
             "lora": ("LoRA on a sharded model", "Adapters on a sharded base, like one process, and the export."),
             "qlora": (
                 "QLoRA: a 4-bit base",
-                "bitsandbytes NF4 under fully_shard: its bytes sharded, the storage dtype, a CPU trap.",
+                "bitsandbytes NF4 under fully_shard: its bytes sharded, the storage dtype, against bf16 LoRA.",
+            ),
+            "qlora_adapters": (
+                "QLoRA: save and merge the adapters",
+                "Every rank's slice saved, loaded in one process; merged without rounding the update away.",
+            ),
+            "qlora_cpu_repack": (
+                "QLoRA on a CPU",
+                "One evaluation repacks the 4-bit weights: another loss, no gradients; the switch.",
             ),
             "frozen_weights": (
                 "Frozen weights",

@@ -14,7 +14,12 @@ past ``--max-shard-size``), tied weights once.
 - A Hugging Face model trained under FSDP2: ``--config`` is the directory it was loaded from
   (its ``config.json``; ``generation_config.json`` and tokenizer files there are copied too).
   Each name of the model must be in the checkpoint with its shape; a checkpoint of another
-  model is an error naming what differs.
+  model is an error naming what differs. Names saved through a wrapper (``torch.compile``'s
+  ``_orig_mod.``, activation checkpointing's ``_checkpoint_wrapped_module.``, FSDP1's
+  ``_fsdp_wrapped_module.``) are read as the unwrapped model's, as DCP's
+  ``get_model_state_dict`` names them. What the model keeps in fp32 whatever the dtype
+  (``_keep_in_fp32_modules`` under fp16, ``_keep_in_fp32_modules_strict`` under fp16 and
+  bf16) is written in fp32, as ``save_pretrained`` of the model loaded in that dtype writes it.
 - The LLM recipe's GPT (:mod:`fsdp_guide.recipes.train_llm`): no ``--config``; the model's size
   is read from the settings the recipe saves in every checkpoint, and the weights are written
   as a ``GPT2LMHeadModel`` with exact GELU and no dropout, which computes what the GPT does:
@@ -83,6 +88,9 @@ class _Output:
     shape: tuple[int, ...]
     sources: tuple[str, ...]  # the checkpoint's keys it is made of (none: zeros)
     make: Callable[[list[torch.Tensor]], torch.Tensor]
+    dtype: torch.dtype | None = (
+        None  # a floating-point dtype of its own (the model keeps it in fp32), or the one chosen
+    )
 
 
 def to_hf(
@@ -134,7 +142,7 @@ def to_hf(
     if config is None:
         hf_config, outputs = _recipe_gpt(checkpoint, saved)
     else:
-        hf_config, outputs = _hf_model(checkpoint, Path(config), saved)
+        hf_config, outputs = _hf_model(checkpoint, Path(config), saved, DTYPES[dtype])
     hf_config.dtype = DTYPES[dtype]  # what from_pretrained loads it in, by default
 
     from fsdp_guide.checkpoint import _fsync  # its checkpoints are published the same way
@@ -213,7 +221,7 @@ def _complete_checkpoint(path: Path):
     return metadata
 
 
-def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
+def _hf_model(checkpoint: Path, config_dir: Path, saved: dict, dtype: torch.dtype):
     """A Hugging Face model's config and its tensors, each read under its own name (tied ones once)."""
     import transformers
 
@@ -240,32 +248,72 @@ def _hf_model(checkpoint: Path, config_dir: Path, saved: dict):
         )
     tied = _names_by_tensor(model)  # each tensor's names in the state dict: more than one where tied
     expected = {names[0]: shape for names, shape in tied}  # the first only, as save_pretrained writes it
-    prefix = next((p for p in ("model.", "") if all(p + name in saved for name in expected)), None)
+    unwrapped = _unwrapped(checkpoint, saved)  # the model's names for the checkpoint's keys
+    prefix = next((p for p in ("model.", "") if all(p + name in unwrapped for name in expected)), None)
     if prefix is None:
-        _mismatch(checkpoint, expected, saved, f"{type(model).__name__} of {config_dir}")
+        _mismatch(checkpoint, expected, unwrapped, f"{type(model).__name__} of {config_dir}")
     for name, shape in expected.items():
-        if tuple(saved[prefix + name].size) != shape:
+        if tuple(saved[unwrapped[prefix + name]].size) != shape:
             raise ConversionError(
-                f"{checkpoint}: {name} is {tuple(saved[prefix + name].size)} there and {shape} in "
+                f"{checkpoint}: {name} is {tuple(saved[unwrapped[prefix + name]].size)} there and {shape} in "
                 f"{type(model).__name__} of {config_dir}/config.json: the checkpoint is of another model size"
             )
     known = {name for names, _ in tied for name in names}  # the second names of tied pairs too
-    extra = sorted(key[len(prefix) :] for key in saved if key.startswith(prefix) and key[len(prefix) :] not in known)
+    extra = sorted(
+        key[len(prefix) :] for key in unwrapped if key.startswith(prefix) and key[len(prefix) :] not in known
+    )
     if extra:
         raise ConversionError(
             f"{checkpoint}: its model has {', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}, which "
             f"{type(model).__name__} of {config_dir} does not: it was trained from another model (or with "
             "adapters: merge them first, or save the adapters with peft)"
         )
+    # What from_pretrained keeps in fp32 whatever the dtype asked (_keep_in_fp32_modules under fp16,
+    # _keep_in_fp32_modules_strict under fp16 and bf16): written so, as save_pretrained of the loaded
+    # model writes them. The plan and its matching are transformers' own (modeling_utils,
+    # core_model_loading); both are private, and this is what they are for.
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    in_fp32 = build_glob_alternation(list(plan))[0] if plan else None
     return config, [  # a tied pair's second name, where saved, must hold the same values
         _Output(
             names[0],
             shape,
-            tuple(prefix + name for name in names if name == names[0] or prefix + name in saved),
+            tuple(unwrapped[prefix + name] for name in names if name == names[0] or prefix + name in unwrapped),
             _same_values(checkpoint, names[0]),
+            torch.float32 if in_fp32 is not None and in_fp32.search(names[0]) else None,
         )
         for names, shape in tied
     ]
+
+
+def _unwrapped(checkpoint: Path, saved: dict) -> dict[str, str]:
+    """The checkpoint's keys by the names the unwrapped model gives them.
+
+    A model saved with its own ``state_dict()`` after ``torch.compile`` (``_orig_mod.``),
+    activation checkpointing's wrapper (``_checkpoint_wrapped_module.``) or FSDP1's
+    (``_fsdp_wrapped_module.``) carries those wrappers in its names; DCP's
+    ``get_model_state_dict`` removes them (``_get_fqns`` in ``torch/distributed/checkpoint/
+    state_dict.py``), and so does this, the same way, so that either checkpoint converts.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
+
+    wrappers = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_WRAPPED_MODULE + ".")
+    names: dict[str, str] = {}
+    for key in saved:
+        name = key
+        for wrapper in wrappers:
+            name = name.replace(wrapper, "")
+        if name in names:
+            raise ConversionError(
+                f"{checkpoint}: {names[name]!r} and {key!r} are one tensor of the model once the wrappers' names "
+                f"({', '.join(w.rstrip('.') for w in wrappers)}) are removed: save the model's state dict once, "
+                "with torch.distributed.checkpoint.state_dict.get_model_state_dict"
+            )
+        names[name] = key
+    return names
 
 
 def _names_by_tensor(model) -> list[tuple[list[str], tuple[int, ...]]]:
@@ -421,7 +469,7 @@ def _write_weights(
     meta = {  # the dtype each is written in: the one chosen, for floating-point tensors
         o.name: torch.empty(
             o.shape,
-            dtype=_written_dtype(saved[o.sources[0]] if o.sources else None, dtype),
+            dtype=_written_dtype(saved[o.sources[0]] if o.sources else None, o.dtype or dtype),
             device="meta",
         )
         for o in outputs
@@ -439,7 +487,7 @@ def _write_weights(
                     f"{checkpoint}: {name} would be {tuple(tensor.shape)} and the model has {output.shape}: "
                     "the checkpoint is of another model size"
                 )
-            tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            tensors[name] = tensor.to(output.dtype or dtype) if tensor.is_floating_point() else tensor
             del parts, tensor
         save_file(tensors, into / filename, metadata={"format": "pt"})  # what transformers writes
         del tensors
