@@ -232,7 +232,8 @@ def _adapters_whole_and_merged_dequantised(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # every rank's slice saved: the trained model, fp32 rounding
     lost = dict(
         re.findall(
-            r"merged into the (4-bit base|base dequantised to fp32): the part of q_proj's update lost = (\S+)", out
+            r"merged into the (4-bit base|base dequantised to fp32): q_proj's error as a part of its update = (\S+)",
+            out,
         )
     )
     assert lost.keys() == {"4-bit base", "base dequantised to fp32"}, out

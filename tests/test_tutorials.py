@@ -248,6 +248,9 @@ def test_qlora_trains_4_bit_shards_like_one_process_and_shows_storage_memory_and
     assert float(rows["bf16 LoRA"][3]) == 0 < float(ignored[3]) == float(rows["QLoRA, uint8"][3])  # scales
     glued = _glued(executed["qlora"])
     assert float(glued["bf16_over_qlora"]) > 2 and float(glued["ignored_over_sharded"]) > 1
+    # a 7B-shaped config counted: the saving shrinks as ranks are added (the scales stay whole), under 2 at 8
+    saving = {int(n): float(x) for n, x in re.findall(r"7B, (\d) rank\(s\): .*\((\S+) times less\)", text)}
+    assert list(saving) == [1, 2, 8] and saving[1] > 3 > saving[2] > saving[8] and saving[8] < 2, saving
     # sharded before it was quantised: bitsandbytes' bare assertion; quantised first, it shards and runs
     assert re.search(r"sharded, then moved:\n  +assert module\.weight\.shape\[1\] == 1\n  AssertionError", text), text
     assert "quantised, then sharded: Params4bit of torch.uint8, output (1, 128)" in text
@@ -301,6 +304,8 @@ def test_qlora_adapters_saved_whole_load_as_trained_and_merge_losslessly_only_de
     assert logits["4-bit base"] > 10 * logits["base dequantised to fp32"]
     assert "merging into the 4-bit base: UserWarning: Merge lora module to 4-bit linear" in text
     assert "merging into the base dequantised" not in text  # peft warns of the 4-bit merge alone
+    base_alone = float(re.search(r"the base alone: largest logit difference from the trained model (\S+)", text)[1])
+    assert base_alone > 1e-2 > float(found[1])  # training moved the logits; the saved adapters give them back
     glued = _glued(executed["qlora_adapters"])
     assert abs(float(glued["lost_base"]) - lost["4-bit base"]) < 0.01  # the prose's figure is the table's
 

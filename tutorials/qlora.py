@@ -287,8 +287,9 @@ display(
     )
 )
 glue(
-    "bf16_over_qlora",
-    runs["bf16 LoRA"][0]["frozen bytes"] / runs[torch.uint8][0]["frozen bytes"],
+    "bf16_over_qlora",  # the scales count on QLoRA's side: every rank holds them whole
+    runs["bf16 LoRA"][0]["frozen bytes"]
+    / (runs[torch.uint8][0]["frozen bytes"] + runs[torch.uint8][0]["scale bytes"]),
     display=False,
 )
 glue(
@@ -299,14 +300,46 @@ glue(
 
 # %% [markdown]
 # Sharded, the bf16 base has a rank hold {glue:text}`bf16_over_qlora:.1f` times the frozen
-# bytes of the 4-bit base; on this small model the bf16 embeddings and output layer are
-# much of what is left (in a 7B model the decoder's linear layers are nearly all of it, and
-# the ratio nears 4). The bf16 losses are not the 4-bit losses (another model, unquantised).
-# With `ignored_params`, the losses are still one process's, the weight is a whole
-# `Params4bit` on every rank, and a rank holds {glue:text}`ignored_over_sharded:.1f` times the
-# frozen bytes: the workaround trades the sharding of the 4-bit weights, the largest part of
-# QLoRA's model, for weights FSDP never touches. On a torch whose `fully_shard` takes `uint8`
-# parameters, sharding them is the better trade.
+# bytes and scales of the 4-bit base; on this small model the bf16 embeddings and output
+# layer are much of what is left. The bf16 losses are not the 4-bit losses (another model,
+# unquantised). With `ignored_params`, the losses are still one process's, the weight is a
+# whole `Params4bit` on every rank, and a rank holds {glue:text}`ignored_over_sharded:.1f`
+# times the frozen bytes: the workaround trades the sharding of the 4-bit weights, the
+# largest part of QLoRA's model, for weights FSDP never touches. Accelerate 1.15 makes that
+# trade itself for `uint8` storage, with a warning (`fsdp2_prepare_model` in
+# `accelerate/utils/fsdp_utils.py`); on a torch whose `fully_shard` takes `uint8` parameters,
+# sharding them is the better trade.
+#
+# At the size QLoRA is for, the same count from a Llama-2-7B-shaped config (built on the
+# `meta` device: nothing allocated) shows what the scales, whole on every rank, do as ranks
+# are added (one fp32 scale per 64 weights, without `bnb_4bit_use_double_quant`):
+
+# %%
+with torch.device("meta"):
+    seven_b = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, vocab_size=32000
+        )
+    )
+quantised = sum(
+    m.weight.numel() for m in seven_b.model.layers.modules() if type(m) is torch.nn.Linear
+)
+rest = sum(p.numel() for p in seven_b.parameters()) - quantised  # embeddings, norms, output: bf16
+for ranks in (1, 2, 8):
+    bf16_bytes = (quantised + rest) * 2 / ranks
+    nf4_bytes = (
+        quantised / 2 + rest * 2
+    ) / ranks + quantised / 64 * 4  # codes, bf16 sharded; scales whole
+    print(
+        f"7B, {ranks} rank(s): bf16 base {bf16_bytes / 2**30:5.2f} GiB a rank, 4-bit {nf4_bytes / 2**30:4.2f} "
+        f"GiB ({bf16_bytes / nf4_bytes:.1f} times less)"
+    )
+
+# %% [markdown]
+# One process holds the 4-bit model in under a third of the bf16 model's bytes; sharded over
+# 8 ranks, the scales every rank holds whole are nearly half of a rank's 4-bit bytes, and the
+# saving is under 2 times. `bnb_4bit_use_double_quant=True` stores the scales in 8 bits
+# (with one fp32 scale per 256 of them), a quarter of these bytes.
 #
 # (qlora-quantise-first)=
 # ## Quantise, then shard
@@ -314,7 +347,9 @@ glue(
 # A `Linear4bit` built by hand holds its weight unquantised until it is moved to its device
 # (`Params4bit.to` quantises). Sharded first, the weight FSDP2 puts back is a `DTensor` of the
 # float values, which moving no longer quantises, and the first forward fails in
-# `bitsandbytes` with an assertion that says nothing; moved first, it shards and runs:
+# `bitsandbytes` with an assertion without a message (after a logged warning, "FP4
+# quantization state not initialized", that the ranks' output here does not show); moved
+# first, it shards and runs:
 
 
 # %%

@@ -22,7 +22,7 @@
 # dequantised first does not.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
-# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`)
+# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores
 # ({ref}`measured <measured-times>`). The model, its 4-bit loading and its sharding are those
 # of {ref}`tutorial-qlora`, here with every unquantised tensor in fp32 so that the comparisons
 # below are exact where they should be; nothing is downloaded. The worker code is written to
@@ -69,10 +69,10 @@ print(
 # Every rank loads the 4-bit model, adds rank-8 adapters to the attention's query and value
 # projections, shards each decoder layer and the root, and trains the adapters for 4 steps on
 # its half of the batch. Then rank 0 saves the adapters with `peft`'s `save_pretrained`:
-# as the model gives them, as each rank's local tensors (what accelerate#4206 reports
-# Accelerate saving), and from the full state dict that every rank helps gather
-# (`get_model_state_dict` with `full_state_dict=True`, a collective). Each rank also keeps the
-# trained model's logits on the whole batch.
+# as the model gives them, as rank 0's local tensors, and from the full state dict that every
+# rank helps gather (`get_model_state_dict` with `full_state_dict=True`, a collective;
+# `ignore_frozen_params=True` leaves out the frozen base, which `peft` would drop anyway).
+# Each rank also keeps the trained model's logits on the whole batch.
 
 # %%
 from bitsandbytes.nn import Linear4bit
@@ -147,7 +147,7 @@ def train_and_save(workdir, tokens):
         local = {name: p.to_local() for name, p in model.state_dict().items()}  # 2. rank 0's slices
         model.save_pretrained(workdir / "local slices", state_dict=local)
     # 3. every rank's slice, gathered: a collective, so every rank calls it
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     full = get_model_state_dict(model, options=options)
     if dist.get_rank() == 0:
         model.save_pretrained(workdir / "full", state_dict=full)
@@ -162,9 +162,11 @@ print(f"as given: {saved['as given']}")
 
 # %% [markdown]
 # The first way fails on rank 0 before writing a tensor: `peft` takes the adapters from the
-# model's state dict, which under FSDP2 holds `DTensor`s, and `safetensors` cannot read their
-# storage. The other two wrote a file each. Each is loaded now into one process, on the 4-bit
-# base, and the logits compared with those of the sharded model it was trained as:
+# model's state dict, which under FSDP2 holds `DTensor`s, and checks them for shared storage
+# (`id_tensor_storage` in `peft/utils/other.py`, through `safetensors`' `storage_ptr`), which
+# asks a `DTensor` for a data pointer it does not have. The other two wrote a file each. Each
+# is loaded now into one process, on the 4-bit base, and its logits compared with those of the
+# sharded model it was trained as (and, for scale, the base's own, without adapters):
 
 # %%
 from fsdp_guide.compare import largest_difference
@@ -178,6 +180,14 @@ def adapter_shapes(folder):
         return f"{name.split('base_model.model.')[-1]} {tuple(f.get_slice(name).get_shape())}"
 
 
+import fsdp_guide
+
+tokens = tokens.to(fsdp_guide.device())
+with torch.no_grad():
+    untrained = four_bit_model(workdir / "llama")(input_ids=tokens).logits
+print(
+    f"the base alone: largest logit difference from the trained model {largest_difference([(untrained, trained)]):.1e}"
+)
 for way in ("local slices", "full"):
     print(f"{way}: {adapter_shapes(workdir / way)}")
     try:
@@ -191,8 +201,11 @@ for way in ("local slices", "full"):
 
 # %% [markdown]
 # Rank 0's local tensors are half of each adapter matrix (`lora_A` is 8×128; rank 0
-# held rows 0 to 3): the file saves, and loading it fails. Gathered with the full state dict,
-# the adapters load into one process and give the trained model's logits. On GPUs the same
+# held rows 0 to 3): the file saves, and loading it into one process fails. Loaded back into
+# the same sharded layout, such a file can load without an error and be wrong: the other
+# ranks' rows revert to their initial values (the bug accelerate#4206 fixed in Accelerate's
+# saving). Gathered with the full state dict, the adapters load into one process and give
+# the trained model's logits. On GPUs the same
 # gather runs over NCCL, and `cpu_offload=True` keeps the whole state dict off the GPU
 # (expectation, not a recorded run).
 #
@@ -204,7 +217,8 @@ for way in ("local slices", "full"):
 # means dequantising, adding and quantising again to NF4. Dequantising the whole base first
 # (`transformers`' `model.dequantize()`) gives plain linear layers, in the dtype the base was
 # loaded with, for the merge to land in. Each merged model is compared with the unmerged one,
-# and the first query projection's merged weight with its base plus the adapter's update:
+# and the first query projection's merged weight with what it should be, its 4-bit base
+# dequantised plus the adapter's update (the error, as a part of the update's size):
 
 # %%
 from bitsandbytes.functional import dequantize_4bit
@@ -239,6 +253,7 @@ for into in ("4-bit base", "base dequantised to fp32", "base dequantised to bf16
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
             ),
             dtype=dtype,
+            device_map=fsdp_guide.device(),
         ).dequantize()
     with warnings.catch_warnings(record=True) as caught:  # peft's, shown below without its file
         warnings.simplefilter("always")
@@ -260,20 +275,24 @@ for into in ("4-bit base", "base dequantised to fp32", "base dequantised to bf16
     )
     glue(f"lost_{into.split()[-1].replace('-', '_')}", float(lost), display=False)
 display(
-    Table(["merged into", "q_proj after", "part of the update lost", "logits vs unmerged"], rows)
+    Table(["merged into", "q_proj after", "its error / the update", "logits vs unmerged"], rows)
 )
+glue("update_size", float(update.norm() / base_weight.norm()), display=False)
 
 # %% [markdown]
-# Merged into the 4-bit base, {glue:text}`lost_base:.0%` of the adapter's update to that
-# weight is lost: quantising again rounds each merged value to one of NF4's 16 levels for its
-# block of 64, and an update smaller than the step between two levels mostly rounds away, so
-# the merged model computes something the training never saw; `peft` says only that it "may
-# get different generations". (trl#5975 reports such merges failing outright.) Dequantised to
-# fp32 first, the merged weight is the base plus the update to fp32 rounding
-# ({glue:text}`lost_fp32:.1e` of it lost) and the logits are the unmerged model's; to bf16,
-# bf16's rounding takes {glue:text}`lost_bf16:.1%`. A merged, dequantised model is a dense
-# model, as large as the base in that dtype: quantise it again for serving only knowing that
-# this rounds the update as the 4-bit merge did.
+# Merged into the 4-bit base, the first query projection is off by
+# {glue:text}`lost_base:.0%` of the adapter's update to it: quantising again computes each
+# block's scale anew and rounds every merged value, base and update together, to one of
+# NF4's 16 levels for its block of 64, so the merged model computes something the training
+# never saw; `peft` says only that it "may get different generations". The rounding is set by
+# the levels, not by the update: this page's update, after 4 steps at a learning rate of
+# 1e-2, is {glue:text}`update_size:.0%` of the weight's size, and a smaller one (a lower rate)
+# would lose a larger part of itself. Dequantised to fp32 first, the merged weight is the
+# base plus the update to fp32 rounding (an error of {glue:text}`lost_fp32:.1e` of it) and
+# the logits are the unmerged model's; in bf16, bf16's rounding of the whole weight gives
+# {glue:text}`lost_bf16:.1%`, which also grows as the update shrinks. A merged, dequantised
+# model is a dense model, as large as the base in that dtype: quantise it again for serving
+# only knowing that this rounds the update as the 4-bit merge did.
 #
 # (qlora-adapters-script)=
 # ## The script to copy

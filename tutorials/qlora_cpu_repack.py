@@ -16,7 +16,8 @@
 # # QLoRA on a CPU: one evaluation repacks the 4-bit weights
 #
 # **What you will learn**: that on a CPU with AVX512-BF16, `bitsandbytes` converts a 4-bit
-# weight to another layout the first time it evaluates (`eval()`, no gradient); that under
+# weight to another layout the first time it runs in `eval()` on an input that needs no
+# gradient (as under `torch.no_grad()`); that under
 # FSDP2 this silently changes what the model computes from the second evaluation on, and in
 # any process stops the adapters' gradients in the training step after it; and the switch
 # that turns it off.
@@ -124,10 +125,12 @@ print(f"q_proj: peft's {type(layer).__name__} around a {type(layer.base_layer)._
 # (qlora-cpu-repack)=
 # ## Evaluate twice, then take a step
 #
-# Evaluating (`model.eval()`, under `torch.no_grad()`) on a CPU with AVX512-BF16,
-# `Linear4bit.forward` converts its weight once to a layout for its CPU kernel and marks the
-# `quant_state` as converted (`_convert_weight_packed_for_cpu`, called from
-# `Linear4bit.forward`). Under FSDP2 the converted weight is dropped when the layer is
+# On a CPU with AVX512-BF16, `Linear4bit.forward` converts its weight once to a layout for
+# its CPU kernel, its scales to bf16, and marks the `quant_state` as converted
+# (`_convert_weight_packed_for_cpu` in `bitsandbytes/functional.py`), whenever the module is
+# in `eval()` and its input does not require a gradient: under `torch.no_grad()` every layer,
+# and in `eval()` with gradients on, any layer whose input needs none (the first layer's
+# projections, fed by a frozen embedding). Under FSDP2 the converted weight is dropped when the layer is
 # resharded, and the next forward gathers the original bytes again, while the mark, on the
 # module's `quant_state`, stays. Each case below evaluates the same batch twice, then takes
 # one training step and counts the adapters that got a gradient:
@@ -142,7 +145,8 @@ def evaluate_twice_then_step(path, tokens, sharded, repack=True):
     model = qlora_model(path)
     for layer in model.modules():
         if isinstance(layer, Linear4bit):
-            layer.support_avx512bf16_for_cpu &= repack  # False: never repacked
+            if not repack:
+                layer.support_avx512bf16_for_cpu = False  # never converted
     if sharded:
         shard(model)
     batch = tokens.to(fsdp_guide.device())
@@ -172,9 +176,11 @@ for sharded, repack in ((False, True), (True, True), (True, False)):
 
 # %% [markdown]
 # On this CPU (with AVX512-BF16, as printed above; on one without, every case is the last):
-# in one process the two evaluations agree, but the training step after them gives no adapter
+# in one process the two evaluations agree (with the last case's to the scales' bf16
+# rounding), but the training step after them gives no adapter
 # a gradient, with only a warning at backward: the converted weights go through a kernel
-# with no backward (`gemv_4bit` in `bitsandbytes/autograd/_functions.py`), and the adapters
+# with no backward (`gemv_4bit`, called from `matmul_4bit` in
+# `bitsandbytes/autograd/_functions.py`), and the adapters
 # on `q_proj` and `v_proj` reach the loss only through `o_proj`'s input, which gets no
 # gradient; AdamW then updates nothing. On 2 ranks, the second evaluation reads the gathered
 # bytes as if converted, and computes another loss, with no error. Setting

@@ -8,8 +8,8 @@ it (one unit per decoder layer, then the root) and trains the adapters on its sl
 batch. Every rank then gathers the full state dict (a collective) and rank 0 saves the adapters
 from it with peft's save_pretrained. Rank 0 loads them into one process on the 4-bit base and
 prints the largest logit difference from the trained, sharded model; then merges them into the
-4-bit base and into the base dequantised to fp32, and prints which part of the first query
-projection's update each merge lost. Nothing is downloaded. Each rank computes on its
+4-bit base and into the base dequantised to fp32, and prints each merged first query
+projection's error (from its base plus its update) as a part of the update. Nothing is downloaded. Each rank computes on its
 accelerator (GPU) where there is one, else on the CPU (over gloo).
 """
 
@@ -85,7 +85,7 @@ def check_in_one_process(folder, adapters, tokens, trained, device):
         merged = PeftModel.from_pretrained(base_model, adapters).merge_and_unload()
         layer = merged.model.layers[0].self_attn.q_proj
         lost = ((dense(layer) - base - update).norm() / update.norm()).item()
-        print(f"merged into {into}: the part of q_proj's update lost = {lost:.2e}")
+        print(f"merged into {into}: q_proj's error as a part of its update = {lost:.2e}")
 
 
 def main(folder):
@@ -125,7 +125,8 @@ def main(folder):
     # Every rank's slice of every adapter, gathered: a collective, so every rank calls it. The
     # model's own state dict holds DTensors, which peft's save_pretrained cannot write.
     full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model,  # the adapters only: the frozen base stays out of the gather
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True),
     )
     model.eval()
     with torch.no_grad():

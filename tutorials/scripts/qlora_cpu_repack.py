@@ -54,8 +54,8 @@ def sharded_qlora_model(folder, device, repack):
     )
     for layer in model.modules():
         if isinstance(layer, Linear4bit):
-            # bitsandbytes' CPU conversion, done at the first eval() forward without a gradient
-            layer.support_avx512bf16_for_cpu &= repack
+            if not repack:  # bitsandbytes' CPU conversion, at an eval() forward needing no gradient
+                layer.support_avx512bf16_for_cpu = False
     torch.manual_seed(0)  # the adapters' A: the same on every rank
     model = get_peft_model(
         model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
