@@ -241,6 +241,15 @@ def _adapters_whole_and_merged_dequantised(out: str) -> None:
     assert float(lost["4-bit base"]) > 0.05 and float(lost["base dequantised to fp32"]) < 1e-5, out
 
 
+def _trainer_fell_back_to_ddp(out: str) -> None:
+    # on CPU ranks the FSDP2 config is dropped: DDP, no FSDP unit, and the script says so
+    found = re.search(
+        r"accelerate's distributed type (\S+), is_fsdp_enabled=(\w+), trained a (\w+) with (\d+) FSDP units", out
+    )
+    assert found and found.groups() == ("MULTI_CPU", "False", "DistributedDataParallel", "0"), out
+    assert "WARNING: the fsdp_config was not applied" in out, out
+
+
 def _repack_off_evaluates_and_trains(out: str) -> None:
     cases = {
         repack: (float(a), float(b), int(got), int(of))
@@ -702,6 +711,7 @@ CLAIMS = {
     "qlora": (2, _qlora_like_one_process),
     "qlora_adapters": (2, _adapters_whole_and_merged_dequantised),
     "qlora_cpu_repack": (2, _repack_off_evaluates_and_trains),
+    "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "hf_dcp_export": (2, _written_by_every_rank_round_trip),
@@ -752,6 +762,7 @@ LIBRARIES = {
     "qlora": {"bitsandbytes", "peft", "transformers"},
     "qlora_adapters": {"bitsandbytes", "peft", "transformers"},
     "qlora_cpu_repack": {"bitsandbytes", "peft", "transformers"},
+    "trainer_fsdp": {"transformers"},
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from types import SimpleNamespace
@@ -108,6 +109,7 @@ def test_every_tutorial_is_tested():
         "tp_checkpoints",
         "tp_exactness",
         "tp_gradients",
+        "trainer_fsdp",
         "uneven_experts",
         "weight_sync",
     ]
@@ -308,6 +310,76 @@ def test_qlora_adapters_saved_whole_load_as_trained_and_merge_losslessly_only_de
     assert base_alone > 1e-2 > float(found[1])  # training moved the logits; the saved adapters give them back
     glued = _glued(executed["qlora_adapters"])
     assert abs(float(glued["lost_base"]) - lost["4-bit base"]) < 0.01  # the prose's figure is the table's
+
+
+def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_accelerates_map_as_it_is(executed):
+    text = _text_outputs(executed["trainer_fsdp"])
+    # the Trainer with an FSDP2 config on CPU ranks: DDP, no FSDP module, one safetensors file
+    built = {what.strip(): value for what, value in re.findall(r"^(.{24}) (.*)$", text, flags=re.M)}
+    assert built["accelerate's type"] == "DistributedType.MULTI_CPU" and built["trainer.is_fsdp_enabled"] == "False"
+    assert built["the model trained"] == "DistributedDataParallel" and built["any FSDP module"] == "False"
+    assert built["a decoder layer"] == "LlamaDecoderLayer" and built["model files"] == "['model.safetensors']"
+    # the lines that decide it, read from the installed accelerate: the plugin attached for these types only
+    decided = text[
+        text.index("accelerate/state.py, lines") : text.index("self.distributed_type = DistributedType.FSDP")
+    ]
+    assert "elif self.distributed_type in [" in decided and "DistributedType.MULTI_GPU," in decided
+    assert "MULTI_CPU" not in decided and "ACCELERATE_USE_FSDP" in decided
+    # what Accelerate builds from the config on ranks whose state it attached the plugin to
+    after = text[text.index("and Accelerate does:\n") :].splitlines()[1:]
+    steps = list(itertools.takewhile(lambda line: line.startswith("  "), after))
+    assert [step.strip() for step in steps] == [
+        "fully_shard(LlamaDecoderLayer, reshard_after_forward=True)",
+        "fully_shard(LlamaDecoderLayer, reshard_after_forward=True)",
+        "fully_shard(Embedding, reshard_after_forward=True)",
+        "fully_shard(LlamaRMSNorm+Linear, reshard_after_forward=False)",
+        "fully_shard(LlamaForCausalLM)",
+        "saved: .bin",
+    ], steps
+    # the map: each key's plugin argument and what Accelerate then does differently. Exact, so that a
+    # transformers or accelerate that maps a key otherwise fails here, and the page is read again.
+    rows = [_cells(line) for line in text.splitlines() if re.match(r"\S+( \(TrainingArguments\))?: \S", line)]
+    rows = {row[0]: row[1:] for row in rows if len(row) == 3}
+    assert rows == {
+        "reshard_after_forward: False": [
+            "reshard_after_forward=False",
+            "fully_shard(LlamaDecoderLayer, reshard_after_forward=False) ×2; "
+            "fully_shard(Embedding, reshard_after_forward=False)",
+        ],
+        "transformer_layer_cls_to_wrap: ['LlamaMLP']": [
+            "transformer_cls_names_to_wrap=LlamaMLP",
+            "fully_shard(LlamaMLP, reshard_after_forward=True) ×2",
+        ],
+        "activation_checkpointing: True": [
+            "activation_checkpointing=True",
+            "fully_shard(CheckpointWrapper, reshard_after_forward=True) ×2; "
+            "2 checkpoint wrappers, 0 holding parameters of their own",
+        ],
+        "cpu_ram_efficient_loading: True": [
+            "cpu_ram_efficient_loading=True",
+            "rank 0's weights broadcast (fsdp2_load_full_state_dict)",
+        ],
+        "state_dict_type: SHARDED_STATE_DICT": ["state_dict_type=SHARDED_STATE_DICT", "saved: .distcp, .metadata"],
+        "cpu_offload: True": [
+            "cpu_offload=True",
+            "fully_shard(LlamaDecoderLayer, reshard_after_forward=True, CPUOffloadPolicy); "
+            "RuntimeError: Cannot access accelerator device when none is available.",
+        ],
+        "bf16 (TrainingArguments): True": [
+            "(none)",
+            "every unit: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=bfloat16, output_dtype=bfloat16, "
+            "cast_forward_inputs=True)",
+        ],
+    }, rows
+    # by hand: the same units, the same losses bit for bit, and they fall
+    losses = {
+        who: [float(x) for x in found.split()]
+        for who, found in re.findall(r"^(Accelerate|by hand) *: rank 0's losses ([\d. ]+);", text, flags=re.M)
+    }
+    assert losses.keys() == {"Accelerate", "by hand"} and losses["Accelerate"] == losses["by hand"]
+    assert losses["by hand"][-1] < losses["by hand"][0] and "the same losses, bit for bit: True" in text
+    units = set(re.findall(r"FSDP units (\[.*\])", text))
+    assert len(units) == 1 and units.pop().count("FSDPLlamaDecoderLayer") == 2
 
 
 def test_lora_measures_states_trains_like_one_process_and_exports_exactly(executed):

@@ -91,6 +91,10 @@ GROUPS = {
         "Weights in from the Hub, training, weights out.",
         {
             "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
+            "trainer_fsdp": (
+                "Trainer and Accelerate",
+                "What an FSDP2 fsdp_config builds: DDP on CPU ranks, and the map to fully_shard.",
+            ),
             "hf_dcp_export": (
                 "Hugging Face weights from every rank",
                 "DCP's writer: each rank writes its shards as safetensors, no gather.",

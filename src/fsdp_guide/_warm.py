@@ -54,7 +54,7 @@ PRELOAD = [
 # theirs that the launching process has imported by the time it starts (the functions it ships
 # are likely to need them), so a Hugging Face rank starts warm too. Imported later, a rank
 # imports them itself, as a cold rank would.
-LIKELY = ("transformers", "peft", "bitsandbytes")
+LIKELY = ("transformers", "accelerate", "peft", "bitsandbytes")
 # This package's own variables, which the ranks read as they run (never at import). Any
 # other variable may be read at import: torch alone reads TORCH_*, TORCHDYNAMO_*,
 # TORCHINDUCTOR_*, PYTORCH_*, FX_*, SYMPY_*, NPY_*, OPENBLAS_*, LOGLEVEL and more, and C

@@ -1,0 +1,87 @@
+"""The transformers Trainer with an FSDP2 config as a torchrun script, checking what it built.
+
+    torchrun --nproc-per-node=2 trainer_fsdp.py
+
+Every rank saves the same small Llama (transformers, one seed) to a folder of its own and trains
+it with the Trainer, configured for FSDP2 as its documentation says: fsdp=True and an
+fsdp_config naming FSDP2 and the decoder layer to shard. Then rank 0 prints what the Trainer
+built: Accelerate's distributed type, trainer.is_fsdp_enabled, the type of the model it
+trained and how many FSDP units it has, and a warning when the config was not applied. On
+GPU ranks Accelerate attaches its FSDP plugin and the model is sharded; on CPU ranks
+(use_cpu=True, over gloo) Accelerate's type is MULTI_CPU, the plugin is dropped, and the
+Trainer trains with DistributedDataParallel without saying so. Nothing is downloaded.
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+
+FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+
+
+def save_pretrained(folder):
+    """The "pretrained" model, from one seed, as a Hugging Face model folder."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def main(folder):
+    on_gpus = (
+        torch.cuda.is_available()
+    )  # the Trainer picks the device itself: a GPU per rank, if any
+    tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
+    args = TrainingArguments(
+        output_dir=str(Path(folder) / "trainer"),
+        fsdp=True,
+        fsdp_config=dict(FSDP_CONFIG),  # a copy: TrainingArguments adds its defaults to the dict
+        use_cpu=not on_gpus,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens]
+    )
+    trainer.train()  # the Trainer starts the process group, from torchrun's variables
+
+    # What it built: check this in your own script before a long run.
+    units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
+    if dist.get_rank() == 0:
+        print(
+            f"Trainer with fsdp_config {FSDP_CONFIG}: accelerate's distributed type "
+            f"{trainer.accelerator.distributed_type.value}, is_fsdp_enabled={trainer.is_fsdp_enabled}, "
+            f"trained a {type(trainer.model_wrapped).__name__} with {len(units)} FSDP units"
+        )
+        if not units:
+            print(
+                "WARNING: the fsdp_config was not applied: every rank trained the whole model "
+                "(Accelerate attaches its FSDP plugin on GPU ranks only)"
+            )
+
+
+if __name__ == "__main__":
+    # Saved before the process group starts: under one, transformers' save_pretrained writes on
+    # rank 0 only, and each rank here has a folder of its own.
+    with tempfile.TemporaryDirectory() as folder:
+        save_pretrained(folder)
+        main(folder)
