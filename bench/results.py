@@ -34,7 +34,7 @@ PAGES = [
 _GAP = r"\s+(?:#\s*)?"
 STATED = re.compile(
     rf"about{_GAP}(?:\d+{_GAP}seconds|a{_GAP}minute){_GAP}on{_GAP}\d+{_GAP}CPU{_GAP}cores"
-    r"(?: \(\{ref\}`measured <measured-times>`\))?"
+    rf"(?:{_GAP}\(\{{ref\}}`measured <measured-times>`\))?"  # the link, on the same line or the next
 )
 
 

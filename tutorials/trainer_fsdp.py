@@ -24,7 +24,7 @@
 # training to the same losses.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers` and `accelerate` (the
-# package's `test` or `docs` extras); about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`)
+# package's `test` or `docs` extras); about 20 seconds on 2 CPU cores
 # ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
 # from a config. On GPUs the Trainer should build what the map shows (Accelerate attaches its
 # plugin for GPU ranks: the lines are printed below), but no GPU run of this page is
