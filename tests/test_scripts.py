@@ -242,12 +242,21 @@ def _adapters_whole_and_merged_dequantised(out: str) -> None:
 
 
 def _trainer_fell_back_to_ddp(out: str) -> None:
-    # on CPU ranks the FSDP2 config is dropped: DDP, no FSDP unit, and the script says so
-    found = re.search(
-        r"accelerate's distributed type (\S+), is_fsdp_enabled=(\w+), trained a (\w+) with (\d+) FSDP units", out
-    )
-    assert found and found.groups() == ("MULTI_CPU", "False", "DistributedDataParallel", "0"), out
+    # on CPU ranks the FSDP2 config is dropped, said before training; DDP trains, no FSDP unit
+    found = re.search(r"accelerate's distributed type (\S+), is_fsdp_enabled=(\w+)", out)
+    assert found and found.groups() == ("MULTI_CPU", "False"), out
     assert "WARNING: the fsdp_config was not applied" in out, out
+    assert out.index("WARNING: the fsdp_config") < out.index("trained a DistributedDataParallel with 0 FSDP units"), out
+
+
+def _sharded_as_accelerate_like_one_process(out: str) -> None:
+    found = re.search(r"FSDP units: (\[.*\])", out)
+    assert found and found[1] == str(
+        ["FSDPEmbedding", "FSDPLinear", "FSDPLlamaDecoderLayer", "FSDPLlamaDecoderLayer", "FSDPLlamaForCausalLM",
+         "FSDPLlamaRMSNorm"]
+    ), out  # fmt: skip
+    found = re.search(r"max relative loss difference = (\S+)", out)
+    assert found and float(found[1]) <= 1e-5, out  # fp32 rounding; NaN fails
 
 
 def _repack_off_evaluates_and_trains(out: str) -> None:
@@ -712,6 +721,7 @@ CLAIMS = {
     "qlora_adapters": (2, _adapters_whole_and_merged_dequantised),
     "qlora_cpu_repack": (2, _repack_off_evaluates_and_trains),
     "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
+    "fsdp_config_map": (2, _sharded_as_accelerate_like_one_process),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "hf_dcp_export": (2, _written_by_every_rank_round_trip),
@@ -763,6 +773,7 @@ LIBRARIES = {
     "qlora_adapters": {"bitsandbytes", "peft", "transformers"},
     "qlora_cpu_repack": {"bitsandbytes", "peft", "transformers"},
     "trainer_fsdp": {"transformers"},
+    "fsdp_config_map": {"transformers"},
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},

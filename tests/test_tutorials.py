@@ -76,6 +76,7 @@ def test_every_tutorial_is_tested():
         "frozen_weights",
         "fsdp2_controls",
         "fsdp_config",
+        "fsdp_config_map",
         "hang_branch",
         "hang_state_dict",
         "hf_dcp_export",
@@ -312,7 +313,7 @@ def test_qlora_adapters_saved_whole_load_as_trained_and_merge_losslessly_only_de
     assert abs(float(glued["lost_base"]) - lost["4-bit base"]) < 0.01  # the prose's figure is the table's
 
 
-def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_accelerates_map_as_it_is(executed):
+def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_the_keys_that_vanish(executed):
     text = _text_outputs(executed["trainer_fsdp"])
     # the Trainer with an FSDP2 config on CPU ranks: DDP, no FSDP module, one safetensors file
     built = {what.strip(): value for what, value in re.findall(r"^(.{24}) (.*)$", text, flags=re.M)}
@@ -325,6 +326,21 @@ def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_accelerates_map_as_it_is
     ]
     assert "elif self.distributed_type in [" in decided and "DistributedType.MULTI_GPU," in decided
     assert "MULTI_CPU" not in decided and "ACCELERATE_USE_FSDP" in decided
+    logged = [line for line in text.splitlines() if line.startswith("[rank0]")]  # all rank 0 printed
+    assert logged and not any("fsdp" in line.lower() for line in logged), logged  # not a word of FSDP
+    assert any("find_unused_parameters" in line for line in logged), logged  # DDP's own note, the one hint
+    # keys transformers does not know vanish, silently; an FSDP_* variable turns checkpointing on
+    rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 6}
+    assert rows.pop("config")[-1] == "warned or logged"  # the header
+    plain = rows.pop("fsdp_config: {}")
+    assert plain == ["OffloadPolicy()", "True", "False", "None", "(nothing)"], plain
+    variable = rows.pop("FSDP_ACTIVATION_CHECKPOINTING=true in the environment")
+    assert variable == ["OffloadPolicy()", "True", "True", "None", "(nothing)"], variable
+    assert len(rows) == 3 and all(row == plain for row in rows.values()), rows  # each dropped, without a word
+
+
+def test_fsdp_config_map_is_accelerates_as_it_is_and_by_hand_trains_the_same(executed):
+    text = _text_outputs(executed["fsdp_config_map"])
     # what Accelerate builds from the config on ranks whose state it attached the plugin to
     after = text[text.index("and Accelerate does:\n") :].splitlines()[1:]
     steps = list(itertools.takewhile(lambda line: line.startswith("  "), after))

@@ -13,24 +13,21 @@
 
 # %% [markdown]
 # (tutorial-trainer-fsdp)=
-# # Trainer and Accelerate: what an FSDP2 config builds
+# # Trainer and Accelerate: check what an FSDP2 config built
 #
 # **What you will learn**: that the `transformers` Trainer given an FSDP2 `fsdp_config` on
-# CPU ranks trains with DDP and says nothing, and the lines of Accelerate that decide it; how
-# each `fsdp_config` key travels, from `transformers` into Accelerate's FSDP plugin and from
-# there into `fully_shard` arguments, a `MixedPrecisionPolicy`, a checkpoint wrapper, a load
-# from rank 0 or a kind of checkpoint: a map made by running both libraries, with a test that
-# fails when either changes it; and the same model built by hand with `fully_shard`,
-# training to the same losses.
+# CPU ranks trains with DDP and says nothing, and the lines of Accelerate that decide it;
+# that keys it does not know are dropped without a word, and `FSDP_*` environment variables
+# fill in what the config leaves out; and how a script checks what it got before a long run.
+# What each key that does arrive becomes is {ref}`tutorial-fsdp-config-map`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers` and `accelerate` (the
-# package's `test` or `docs` extras); about 20 seconds on 2 CPU cores
+# package's `test` or `docs` extras); about 10 seconds on 2 CPU cores
 # ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
-# from a config. On GPUs the Trainer should build what the map shows (Accelerate attaches its
-# plugin for GPU ranks: the lines are printed below), but no GPU run of this page is
-# recorded. The tips are listed {ref}`at the end <trainer-fsdp-tips>`. Its idea as a plain
-# torchrun script to copy: {ref}`trainer-fsdp-script`
-# ({download}`download <scripts/trainer_fsdp.py>`).
+# from a config. On GPUs the Trainer should shard (Accelerate attaches its plugin for GPU
+# ranks: the lines are printed below), but no GPU run of this page is recorded. The tips are
+# listed {ref}`at the end <trainer-fsdp-tips>`. Its idea as a plain torchrun script to copy:
+# {ref}`trainer-fsdp-script` ({download}`download <scripts/trainer_fsdp.py>`).
 
 # %%
 import os
@@ -54,6 +51,7 @@ print(
     f"torch {torch.__version__}, transformers {transformers.__version__}, "
     f"accelerate {accelerate.__version__}, Python {sys.version.split()[0]}"
 )
+
 
 # %% [markdown]
 # (trainer-fsdp-fallback)=
@@ -83,16 +81,21 @@ FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLaye
 
 
 def train_with_the_trainer(workdir):
+    import logging
+
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    transformers.utils.logging.set_verbosity_error()  # in this rank: its logs say nothing of FSDP either
+    transformers.utils.logging.disable_progress_bar()  # its logs, at their default level, show below
+    # but bitsandbytes' (which peft imports): on a CPU with AVX512-BF16 it logs that the optional
+    # `kernels` package, which would fetch a kernel from the Hub, is not installed
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
     args = TrainingArguments(
         output_dir=str(workdir / "trainer"),
         fsdp=True,
-        fsdp_config=FSDP_CONFIG,
+        fsdp_config=dict(FSDP_CONFIG),  # a copy: TrainingArguments adds its defaults to the dict
         use_cpu=True,
         per_device_train_batch_size=2,
         max_steps=2,
@@ -118,14 +121,15 @@ def train_with_the_trainer(workdir):
     }
 
 
-built = launch(train_with_the_trainer, workdir, world_size=2, output="none")
+built = launch(train_with_the_trainer, workdir, world_size=2, output="rank0")  # all rank 0 printed
 for what, value in built[0].items():
     print(f"{what:24} {value}")
 
 # %% [markdown]
 # No `FSDPModule` anywhere: the model trained is a `DistributedDataParallel`, every rank held
-# the whole model, and the checkpoint is one `model.safetensors`, with nothing logged or
-# warned. The decision is Accelerate's, when it sets up its state: it attaches the FSDP plugin
+# the whole model, and the checkpoint is one `model.safetensors`. Of what rank 0 printed,
+# only DDP's own note on `find_unused_parameters` hints at it; nothing mentions
+# FSDP. The decision is Accelerate's, when it sets up its state: it attaches the FSDP plugin
 # only for these distributed types, and CPU ranks are `MULTI_CPU`:
 
 # %%
@@ -144,244 +148,95 @@ file = Path(inspect.getsourcefile(AcceleratorState)).relative_to(
     Path(accelerate.__file__).parents[1]
 )
 print(f"{file}, lines {first + start} to {first + attach}:")
-for i in [*range(start, listed + 1), None, *range(condition, attach + 1)]:
-    print(
-        "        ..." if i is None else f"{first + i:5} {lines[i].rstrip()}"
-    )  # None: checks of cp_size
+for i in [*range(start, listed + 1), None, *range(condition, attach + 1)]:  # None: cp_size's checks
+    print("        ..." if i is None else f"{first + i:5} {lines[i].rstrip()}")
 
 # %% [markdown]
-# On GPU ranks Accelerate's type is `MULTI_GPU`, the plugin is attached and the Trainer
-# shards (expectation, from these lines: not run here). A script can check which it got:
-# `trainer.is_fsdp_enabled`, or any `FSDPModule` in `trainer.model_wrapped`, as above.
+# On GPU ranks Accelerate's type starts as `MULTI_GPU`, these lines attach the plugin and set
+# it to `FSDP`, and the Trainer shards (expectation, from these lines: not run here). A script
+# can check which it got as soon as the Trainer exists, before training:
+# `trainer.is_fsdp_enabled` (set in `Trainer.__init__`) and, after a step,
+# any `FSDPModule` in `trainer.model_wrapped`.
+
+# %% [markdown]
+# (trainer-fsdp-dropped)=
+# ## Keys that go nowhere
 #
-# (trainer-fsdp-map)=
-# ## From `fsdp_config` to `fully_shard`: the map, generated
-#
-# To see what the same config builds where Accelerate does attach its plugin, each rank below
-# makes the plugin from the config as the Trainer does (`TrainingArguments(...).fsdp_plugin_args`
-# into `FullyShardedDataParallelPlugin`), then gives an `Accelerator`'s state the two values
-# that the lines above set on GPU ranks, the plugin and the type `FSDP`, and calls
-# `accelerator.prepare`: from there on, everything is Accelerate's own code, running on these
-# CPU ranks. Each `fully_shard` it calls is recorded on the way through (and passed on
-# unchanged), and so is a load of rank 0's weights; then `save_fsdp_model`, the function
-# behind `accelerator.save_state`'s model files, saves the model:
+# `transformers` reads the keys it knows and drops the rest without a word
+# (`_process_fsdp_args` in `transformers/training_args.py`), and Accelerate's plugin fills
+# what it is not given from `FSDP_*` environment variables, which an `accelerate config`
+# file sets. Each line below is one config, or one variable, and what the plugin then holds:
 
 
 # %%
-def what_accelerate_builds(workdir, name, fsdp_config, training_args):
-    """The plugin arguments transformers makes of the config, and what Accelerate then does."""
-    import torch.distributed as dist
-    import torch.distributed.fsdp as fsdp
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, fsdp_utils
-    from transformers import AutoModelForCausalLM, TrainingArguments
-
-    transformers.utils.logging.set_verbosity_error()
-    config = {**FSDP_CONFIG, **fsdp_config}
-    args = TrainingArguments(
-        str(workdir / "args"),
-        fsdp=True,
-        fsdp_config=config,
-        use_cpu=True,
-        report_to=[],
-        **training_args,
-    )
-    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
-    if args.bf16:  # what Accelerate's state does with the plugin it attaches
-        plugin.set_mixed_precision("bf16")
-    accelerator.state.fsdp_plugin = plugin  # the two values a GPU rank's state gets
-    accelerator.state.distributed_type = DistributedType.FSDP
-    done, policies = [], set()
-
-    def fully_shard(module, **options):  # recorded, then passed on
-        names = "+".join(
-            type(m).__name__ for m in (module if isinstance(module, list) else [module])
-        )
-        shown = [f"{k}={v}" for k, v in options.items() if k == "reshard_after_forward"]
-        if type(options["offload_policy"]) is not fsdp.OffloadPolicy:  # that one: no offloading
-            shown.append(type(options["offload_policy"]).__name__)
-        policies.add(options["mp_policy"])  # said once, below
-        done.append(f"fully_shard({', '.join([names, *shown])})")
-        return shard(module, **options)
-
-    def load_from_rank_0(*args, **kwargs):
-        done.append("rank 0's weights broadcast (fsdp2_load_full_state_dict)")
-        return load(*args, **kwargs)
-
-    shard, load = fsdp.fully_shard, fsdp_utils.fsdp2_load_full_state_dict
-    fsdp.fully_shard, fsdp_utils.fsdp2_load_full_state_dict = fully_shard, load_from_rank_0
-    try:
-        model = AutoModelForCausalLM.from_pretrained(workdir / "llama")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, optimizer = accelerator.prepare(model, optimizer)
-    except RuntimeError as error:
-        return args.fsdp_plugin_args, done + [f"RuntimeError: {error}"]
-    finally:
-        fsdp.fully_shard, fsdp_utils.fsdp2_load_full_state_dict = shard, load
-    for mp in policies - {fsdp.MixedPrecisionPolicy()}:  # that one: no casts
-        done.append(f"every unit: {mp}".replace("torch.", ""))
-    wrappers = [m for m in model.modules() if type(m).__name__ == "FSDPCheckpointWrapper"]
-    if wrappers:  # an FSDP unit of its own: does it hold parameters?
-        held = sum(m._get_fsdp_state()._fsdp_param_group is not None for m in wrappers)
-        done.append(f"{len(wrappers)} checkpoint wrappers, {held} holding parameters of their own")
-    saved = workdir / "saved" / name
-    fsdp_utils.save_fsdp_model(plugin, accelerator, model, str(saved))
-    dist.barrier()
-    # DCP's .metadata has no suffix: its name
-    kinds = {p.suffix or p.name for p in saved.rglob("*") if p.is_file()}
-    done.append("saved: " + ", ".join(sorted(kinds)))
-    return args.fsdp_plugin_args, done
-
-
-plain, baseline = launch(
-    what_accelerate_builds, workdir, "plain", {}, {}, world_size=2, output="none"
-)[0]
-print(f"fsdp_config {FSDP_CONFIG}\nbecomes the plugin's {plain}\nand Accelerate does:")
-for step in baseline:
-    print("  " + step)
-
-# %% [markdown]
-# Besides one unit per decoder layer, Accelerate makes the embedding a unit, the final norm
-# and the output layer another that stays gathered after forward
-# (`reshard_after_forward=False`: it is used again first in backward), and the root; a
-# `FULL_STATE_DICT` checkpoint (the default) is one `.bin` file written by rank 0. Now each
-# key changed alone, and what changes in what Accelerate does (the plugin arguments that
-# differ from the config above, and each step not in the list above):
-
-# %%
-from collections import Counter
-
 from fsdp_guide.table import Table
 from IPython.display import display
 
-CASES = [  # (the key, as the Trainer's fsdp_config or TrainingArguments takes it; the setting)
-    ("reshard_after_forward", {"reshard_after_forward": False}, {}),
-    ("transformer_layer_cls_to_wrap", {"transformer_layer_cls_to_wrap": ["LlamaMLP"]}, {}),
-    ("activation_checkpointing", {"activation_checkpointing": True}, {}),
-    ("cpu_ram_efficient_loading", {"cpu_ram_efficient_loading": True}, {}),
-    ("state_dict_type", {"state_dict_type": "SHARDED_STATE_DICT"}, {}),
-    ("cpu_offload", {"cpu_offload": True}, {}),
-    ("bf16 (TrainingArguments)", {}, {"bf16": True}),
+
+def what_the_plugin_gets(workdir, fsdp_config, environ):
+    import logging
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    os.environ.update(environ)
+    said = []  # any warning or log record on the way, to show there is none
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = TrainingArguments(
+            str(workdir / "args"),
+            fsdp=True,
+            fsdp_config={**FSDP_CONFIG, **fsdp_config},
+            use_cpu=True,
+        )
+        plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    said += [str(w.message) for w in caught]
+    fields = (
+        "cpu_offload",
+        "reshard_after_forward",
+        "activation_checkpointing",
+        "mixed_precision_policy",
+    )
+    return {f: str(getattr(plugin, f)) for f in fields}, said
+
+
+TRIED = [  # (what a user wrote, fsdp_config, environment)
+    ("fsdp_config: {}", {}, {}),
+    ("fsdp_offload_params: True (accelerate's YAML name)", {"fsdp_offload_params": True}, {}),
+    ("reshard_after_foward: False (misspelt)", {"reshard_after_foward": False}, {}),
+    ("mixed_precision: bf16", {"mixed_precision": "bf16"}, {}),
+    (
+        "FSDP_ACTIVATION_CHECKPOINTING=true in the environment",
+        {},
+        {"FSDP_ACTIVATION_CHECKPOINTING": "true"},
+    ),
 ]
 rows = []
-for key, fsdp_config, training_args in CASES:
-    arguments, done = launch(
-        what_accelerate_builds,
-        workdir,
-        key.split()[0],
-        fsdp_config,
-        training_args,
-        world_size=2,
-        output="none",
+for what, fsdp_config, environ in TRIED:
+    got, said = launch(
+        what_the_plugin_gets, workdir, fsdp_config, environ, world_size=1, output="none"
     )[0]
-    changed = {k: v for k, v in arguments.items() if plain.get(k) != v}
-    new = Counter(step for step in done if step not in baseline)
-    rows.append(
-        [
-            f"{key}: {next(iter({**fsdp_config, **training_args}.values()))}",
-            ", ".join(f"{k}={v}" for k, v in changed.items()) or "(none)",
-            "; ".join(f"{step} ×{n}" if n > 1 else step for step, n in new.items()),
-        ]
-    )
-display(
-    Table(["setting", "plugin arguments changed", "what Accelerate does that it did not"], rows)
-)
+    rows.append([what, *got.values(), "; ".join(said) or "(nothing)"])
+display(Table(["config", *got.keys(), "warned or logged"], rows))
 
 # %% [markdown]
-# Read by row: `reshard_after_forward` reaches the decoder layers and the embedding, not the
-# tail (always kept gathered) nor the root (torch's own default); `transformer_layer_cls_to_wrap`
-# chooses the units; `cpu_ram_efficient_loading` loads the weights on rank 0 and broadcasts
-# them; `state_dict_type` changes only what a save writes, DCP's sharded files instead of
-# rank 0's one file; mixed precision is not an `fsdp_config` key at all but the Trainer's
-# `bf16=True`, which becomes one policy on every unit. `activation_checkpointing` wraps each
-# layer in a checkpoint wrapper and shards the layer and then its wrapper: the wrappers are
-# FSDP units that hold no parameter of their own, so they gather nothing. `cpu_offload`
-# fails here at the first `fully_shard`: its `CPUOffloadPolicy` pins host memory, which
-# needs an accelerator (on GPUs it should offload; expectation, not run). The `version` key
-# (or `fsdp_version`) chooses FSDP2 (2, the default) or the deprecated FSDP1.
-#
-# (trainer-fsdp-by-hand)=
-# ## The same model by hand
-#
-# The config above as `fully_shard` calls, the ones the first list recorded, in the order
-# Accelerate makes them; with `bf16=True`, the same calls with
-# `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-# output_dtype=torch.bfloat16)`. Each rank trains the model Accelerate prepared and the one
-# built here for 3 steps on its half of the same batches, from the same weights:
-
-
-# %%
-def shard_as_accelerate_does(model, mp_policy=None):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    for layer in model.model.layers:  # transformer_layer_cls_to_wrap
-        fully_shard(layer, reshard_after_forward=True, mp_policy=mp_policy)
-    fully_shard(model.model.embed_tokens, reshard_after_forward=True, mp_policy=mp_policy)
-    # used first in backward: kept gathered after forward
-    fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False, mp_policy=mp_policy)
-    return fully_shard(model, mp_policy=mp_policy)  # the root: torch's default for it
-
-
-def three_steps(workdir, by_hand):
-    import fsdp_guide
-    import torch.distributed as dist
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import AutoModelForCausalLM, TrainingArguments
-
-    transformers.utils.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(workdir / "llama").to(fsdp_guide.device())
-    if by_hand:
-        shard_as_accelerate_does(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:  # as above: the plugin the Trainer makes, in a state as GPU ranks get it
-        args = TrainingArguments(
-            str(workdir / "args"), fsdp=True, fsdp_config=FSDP_CONFIG, use_cpu=True, report_to=[]
-        )
-        accelerator = Accelerator(cpu=True)
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-        accelerator.state.distributed_type = DistributedType.FSDP
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, optimizer = accelerator.prepare(model, optimizer)
-    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))
-    batch = tokens[dist.get_rank() :: dist.get_world_size()].to(fsdp_guide.device())
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    units = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
-    return losses, units
-
-
-runs = {}
-for by_hand in (False, True):
-    who = "by hand" if by_hand else "Accelerate"
-    runs[who] = launch(three_steps, workdir, by_hand, world_size=2, output="none")[0]
-    losses, units = runs[who]
-    print(f"{who:10}: rank 0's losses {' '.join(f'{x:.6f}' for x in losses)}; FSDP units {units}")
-print("the same losses, bit for bit:", runs["Accelerate"][0] == runs["by hand"][0])
-
+# The misspelt key, Accelerate's own YAML name for offloading and a mixed-precision key
+# change nothing, silently; the environment variable turns on activation checkpointing that
+# the `fsdp_config` never mentions. Print `trainer.accelerator.state.fsdp_plugin` once at the
+# start of a run and read it against what you meant.
 # %% [markdown]
-# The same units and the same losses: what the Trainer would run on GPUs with this config
-# is these five `fully_shard` calls, and anything the map shows can be added by hand the
-# same way (the checkpoint wrapper with `checkpoint_wrapper` before sharding, the policy as
-# `mp_policy`, DCP's `get_state_dict` for a sharded save).
-#
 # (trainer-fsdp-script)=
 # ## The script to copy
 #
-# This page's idea as a plain torchrun script, with torch, `transformers` and `accelerate`:
-# {download}`scripts/trainer_fsdp.py`. Every rank trains the small Llama with the Trainer and
-# this page's `fsdp_config`, then rank 0 prints what the Trainer built: Accelerate's
-# distributed type, whether FSDP is on, the model trained, and a warning when the config was
-# not applied. The tests run this file under torchrun on 2 CPU ranks and check that it says
-# so (`tests/test_scripts.py`).
+# This page's idea as a plain torchrun script, with torch and `transformers`:
+# {download}`scripts/trainer_fsdp.py`. Every rank builds the Trainer with this page's
+# `fsdp_config`, and rank 0 prints, before training, Accelerate's distributed type and
+# whether FSDP is on, with a warning when the config was not applied; after two steps, the
+# model trained and its FSDP units. The tests run this file under torchrun on 2 CPU ranks
+# and check that it says so (`tests/test_scripts.py`).
 #
 # ```{literalinclude} scripts/trainer_fsdp.py
 # :language: python
@@ -392,7 +247,7 @@ print("the same losses, bit for bit:", runs["Accelerate"][0] == runs["by hand"][
 # ## The tips behind this
 #
 # - {ref}`tip-trainer-check-fsdp`
-# - {ref}`tip-fsdp-config-map`
+# - {ref}`tip-fsdp-config-map`: what each key becomes, in {ref}`tutorial-fsdp-config-map`.
 
 # %% tags=["remove-input"]
 from fsdp_guide import executed_on

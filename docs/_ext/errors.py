@@ -154,7 +154,8 @@ FIXES = {
     "(:ref:`tip-qlora-save-full-adapters`).",
     "Cannot access accelerator device when none is available": "Pinned host memory asked for on a machine "
     "without an accelerator: ``CPUOffloadPolicy`` pins by default (``fsdp_config['cpu_offload']``, "
-    ":ref:`trainer-fsdp-map`); offloading needs a GPU to offload from, or ``CPUOffloadPolicy(pin_memory=False)``.",
+    ":ref:`fsdp-config-map-generated`); offloading needs a GPU to offload from, or "
+    "``CPUOffloadPolicy(pin_memory=False)``.",
     "Attempted to access the data pointer on an invalid python storage": "``safetensors`` was given a ``DTensor``: "
     "``peft``'s ``save_pretrained`` on a model sharded by FSDP2. Gather a full state dict on every rank and pass it "
     "as ``state_dict=`` on rank 0 (:ref:`tip-qlora-save-full-adapters`).",

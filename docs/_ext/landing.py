@@ -92,8 +92,12 @@ GROUPS = {
         {
             "finetune_hf": ("Fine-tune a Hugging Face model", "Load once, shard, train, save safetensors."),
             "trainer_fsdp": (
-                "Trainer and Accelerate",
-                "What an FSDP2 fsdp_config builds: DDP on CPU ranks, and the map to fully_shard.",
+                "Trainer and Accelerate: check the config",
+                "An FSDP2 fsdp_config on CPU ranks trains as DDP; unknown keys vanish; check first.",
+            ),
+            "fsdp_config_map": (
+                "From fsdp_config to fully_shard",
+                "Each key as the fully_shard calls Accelerate makes, generated; the same by hand.",
             ),
             "hf_dcp_export": (
                 "Hugging Face weights from every rank",

@@ -2,14 +2,14 @@
 
     torchrun --nproc-per-node=2 trainer_fsdp.py
 
-Every rank saves the same small Llama (transformers, one seed) to a folder of its own and trains
-it with the Trainer, configured for FSDP2 as its documentation says: fsdp=True and an
-fsdp_config naming FSDP2 and the decoder layer to shard. Then rank 0 prints what the Trainer
-built: Accelerate's distributed type, trainer.is_fsdp_enabled, the type of the model it
-trained and how many FSDP units it has, and a warning when the config was not applied. On
-GPU ranks Accelerate attaches its FSDP plugin and the model is sharded; on CPU ranks
-(use_cpu=True, over gloo) Accelerate's type is MULTI_CPU, the plugin is dropped, and the
-Trainer trains with DistributedDataParallel without saying so. Nothing is downloaded.
+Every rank saves the same small Llama (transformers, one seed) to a folder of its own and builds
+the Trainer as its documentation configures FSDP2: fsdp=True and an fsdp_config naming FSDP2
+and the decoder layer to shard. Before training, rank 0 prints Accelerate's distributed type
+and whether FSDP is on, and a warning when the config was not applied; after two steps, the
+type of the model trained and its FSDP units. On CPU ranks (over gloo) Accelerate's type is
+MULTI_CPU, its FSDP plugin is dropped, and the Trainer trains with DistributedDataParallel
+without saying so. With an accelerator per rank the plugin should be attached and the model
+sharded (read in accelerate's AcceleratorState, not run here). Nothing is downloaded.
 """
 
 import tempfile
@@ -44,15 +44,12 @@ def save_pretrained(folder):
 
 
 def main(folder):
-    on_gpus = (
-        torch.cuda.is_available()
-    )  # the Trainer picks the device itself: a GPU per rank, if any
     tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
-    args = TrainingArguments(
+    args = TrainingArguments(  # starts the process group, from torchrun's variables
         output_dir=str(Path(folder) / "trainer"),
         fsdp=True,
         fsdp_config=dict(FSDP_CONFIG),  # a copy: TrainingArguments adds its defaults to the dict
-        use_cpu=not on_gpus,
+        use_cpu=not torch.accelerator.is_available(),  # the CPU only where there is no accelerator
         per_device_train_batch_size=2,
         max_steps=2,
         report_to=[],
@@ -62,21 +59,22 @@ def main(folder):
     trainer = Trainer(
         model=model, args=args, train_dataset=[{"input_ids": t, "labels": t} for t in tokens]
     )
-    trainer.train()  # the Trainer starts the process group, from torchrun's variables
-
-    # What it built: check this in your own script before a long run.
-    units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
+    # Check before a long run: is_fsdp_enabled is set when the Trainer is built.
+    state = trainer.accelerator.state
     if dist.get_rank() == 0:
         print(
             f"Trainer with fsdp_config {FSDP_CONFIG}: accelerate's distributed type "
-            f"{trainer.accelerator.distributed_type.value}, is_fsdp_enabled={trainer.is_fsdp_enabled}, "
-            f"trained a {type(trainer.model_wrapped).__name__} with {len(units)} FSDP units"
+            f"{state.distributed_type.value}, is_fsdp_enabled={trainer.is_fsdp_enabled}"
         )
-        if not units:
+        if not trainer.is_fsdp_enabled:
             print(
-                "WARNING: the fsdp_config was not applied: every rank trained the whole model "
-                "(Accelerate attaches its FSDP plugin on GPU ranks only)"
+                "WARNING: the fsdp_config was not applied: every rank will train the whole model "
+                f"(Accelerate attaches its FSDP plugin on accelerator ranks, not on {state.distributed_type.value})"
             )
+    trainer.train()
+    units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
+    if dist.get_rank() == 0:
+        print(f"trained a {type(trainer.model_wrapped).__name__} with {len(units)} FSDP units")
 
 
 if __name__ == "__main__":
