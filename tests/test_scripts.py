@@ -259,6 +259,16 @@ def _sharded_as_accelerate_like_one_process(out: str) -> None:
     assert found and float(found[1]) <= 1e-5, out  # fp32 rounding; NaN fails
 
 
+def _pitfalls_reproduced_and_fixed(out: str) -> None:
+    assert "Linear4bit sharded, then moved: AssertionError (no message)" in out, out
+    assert "Linear4bit quantised, then sharded: runs, output (1, 128)" in out, out
+    assert re.search(r"bf16 codes, param_dtype=float32: RuntimeError: shape '\[\d+, \d+\]' is invalid", out), out
+    found = re.search(r"bf16 codes, param_dtype=bfloat16: runs, loss (\S+)", out)
+    assert found and math.isfinite(float(found[1])), out
+    found = re.search(r"on the cpu: (\d+) of (\d+) code words are NaN patterns; gathered, the same bits: (\w+)", out)
+    assert found and 0 < int(found[1]) < int(found[2]) / 100 and found[3] == "True", out
+
+
 def _repack_off_evaluates_and_trains(out: str) -> None:
     cases = {
         repack: (float(a), float(b), int(got), int(of))
@@ -720,6 +730,7 @@ CLAIMS = {
     "qlora": (2, _qlora_like_one_process),
     "qlora_adapters": (2, _adapters_whole_and_merged_dequantised),
     "qlora_cpu_repack": (2, _repack_off_evaluates_and_trains),
+    "qlora_pitfalls": (2, _pitfalls_reproduced_and_fixed),
     "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
     "fsdp_config_map": (2, _sharded_as_accelerate_like_one_process),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
@@ -772,6 +783,7 @@ LIBRARIES = {
     "qlora": {"bitsandbytes", "peft", "transformers"},
     "qlora_adapters": {"bitsandbytes", "peft", "transformers"},
     "qlora_cpu_repack": {"bitsandbytes", "peft", "transformers"},
+    "qlora_pitfalls": {"bitsandbytes", "peft", "transformers"},
     "trainer_fsdp": {"transformers"},
     "fsdp_config_map": {"transformers"},
     "finetune_hf": {"transformers"},

@@ -99,6 +99,7 @@ def test_every_tutorial_is_tested():
         "qlora",
         "qlora_adapters",
         "qlora_cpu_repack",
+        "qlora_pitfalls",
         "quickstart",
         "rank_dies",
         "set_order",
@@ -204,7 +205,7 @@ def test_hf_dcp_export_writes_from_every_rank_measures_it_and_stages_on_a_cpu(ex
     assert peak < 0.75 * model
 
 
-def test_qlora_trains_4_bit_shards_like_one_process_and_shows_storage_memory_and_order(executed):
+def test_qlora_trains_4_bit_shards_like_one_process_and_shows_what_a_rank_holds(executed):
     text = _text_outputs(executed["qlora"])
     # NF4: two codes a byte in a flat column, whichever dtype stores them; a quarter of bf16's bytes
     packed = re.findall(r"storage torch\.(\w+) +Linear4bit of (\d+)x(\d+): a Params4bit \((\d+), 1\) of torch\.\w+, "
@@ -223,6 +224,28 @@ def test_qlora_trains_4_bit_shards_like_one_process_and_shows_storage_memory_and
     ).groups()
     # each rank: half the codes, all the scales (the quant_state is not a parameter)
     assert len(held) == 4 and all(2 * int(b) == int(whole) and s == scales for b, s in held)
+    # what a rank holds: the 4-bit base fewer frozen bytes than the bf16 one; ignored_params trains the same
+    # with whole Params4bit on every rank, and more bytes than sharding them
+    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines()) if cells[0].startswith(("QLoRA", "bf16"))}
+    assert rows.keys() == {"QLoRA, uint8", "QLoRA, bfloat16", "bf16 LoRA", "QLoRA, uint8, ignored_params"}, rows
+    frozen = {case: float(row[2]) for case, row in rows.items()}
+    assert frozen["bf16 LoRA"] > 2 * frozen["QLoRA, uint8"] == 2 * frozen["QLoRA, bfloat16"]
+    assert frozen["QLoRA, uint8, ignored_params"] > frozen["QLoRA, uint8"]
+    ignored = rows["QLoRA, uint8, ignored_params"]
+    assert float(ignored[0]) <= 1e-5 and ignored[1] == "Params4bit" and rows["QLoRA, uint8"][1].startswith("DTensor")
+    assert float(rows["bf16 LoRA"][3]) == 0 < float(ignored[3]) == float(rows["QLoRA, uint8"][3])  # scales
+    glued = _glued(executed["qlora"])
+    assert float(glued["bf16_over_qlora"]) > 2 and float(glued["ignored_over_sharded"]) > 1
+    # a 7B-shaped config counted: the saving shrinks as ranks are added (the scales stay whole), under 2 at 8
+    saving = {int(n): float(x) for n, x in re.findall(r"7B, (\d) rank\(s\): .*\((\S+) times less\)", text)}
+    assert list(saving) == [1, 2, 8] and saving[1] > 3 > saving[2] > saving[8] and saving[8] < 2, saving
+
+
+def test_qlora_pitfalls_each_fails_as_reported_and_its_fix_works(executed):
+    text = _text_outputs(executed["qlora_pitfalls"])
+    # sharded before it was quantised: bitsandbytes' bare assertion; quantised first, it shards and runs
+    assert re.search(r"sharded, then moved:\n  +assert module\.weight\.shape\[1\] == 1\n  AssertionError", text), text
+    assert "quantised, then sharded: Params4bit of torch.uint8, output (1, 128)" in text
     # a policy that casts the codes to another dtype breaks bf16-stored ones; bf16 to bf16, or uint8, trains
     assert re.search(
         r"torch\.bfloat16 +codes, param_dtype=torch\.float32 *:\n  RuntimeError: shape '\[\d+, \d+\]' is invalid", text
@@ -239,24 +262,10 @@ def test_qlora_trains_4_bit_shards_like_one_process_and_shows_storage_memory_and
     }
     assert trains["torch.uint8 codes, param_dtype=torch.float32"] <= 1e-4  # fp32 rounding; NaN fails
     assert trains["torch.bfloat16 codes, param_dtype=torch.bfloat16"] <= 0.05  # the adapters in bf16 too
-    # what a rank holds: the 4-bit base fewer frozen bytes than the bf16 one; ignored_params trains the same
-    # with whole Params4bit on every rank, and more bytes than sharding them
-    rows = {cells[0]: cells[1:] for cells in map(_cells, text.splitlines()) if cells[0].startswith(("QLoRA", "bf16"))}
-    assert rows.keys() == {"QLoRA, uint8", "QLoRA, bfloat16", "bf16 LoRA", "QLoRA, uint8, ignored_params"}, rows
-    frozen = {case: float(row[2]) for case, row in rows.items()}
-    assert frozen["bf16 LoRA"] > 2 * frozen["QLoRA, uint8"] == 2 * frozen["QLoRA, bfloat16"]
-    assert frozen["QLoRA, uint8, ignored_params"] > frozen["QLoRA, uint8"]
-    ignored = rows["QLoRA, uint8, ignored_params"]
-    assert float(ignored[0]) <= 1e-5 and ignored[1] == "Params4bit" and rows["QLoRA, uint8"][1].startswith("DTensor")
-    assert float(rows["bf16 LoRA"][3]) == 0 < float(ignored[3]) == float(rows["QLoRA, uint8"][3])  # scales
-    glued = _glued(executed["qlora"])
-    assert float(glued["bf16_over_qlora"]) > 2 and float(glued["ignored_over_sharded"]) > 1
-    # a 7B-shaped config counted: the saving shrinks as ranks are added (the scales stay whole), under 2 at 8
-    saving = {int(n): float(x) for n, x in re.findall(r"7B, (\d) rank\(s\): .*\((\S+) times less\)", text)}
-    assert list(saving) == [1, 2, 8] and saving[1] > 3 > saving[2] > saving[8] and saving[8] < 2, saving
-    # sharded before it was quantised: bitsandbytes' bare assertion; quantised first, it shards and runs
-    assert re.search(r"sharded, then moved:\n  +assert module\.weight\.shape\[1\] == 1\n  AssertionError", text), text
-    assert "quantised, then sharded: Params4bit of torch.uint8, output (1, 128)" in text
+    # bf16-stored codes include NaN bit patterns; on these CPU ranks FSDP2's gather keeps every bit
+    found = re.search(r"(\d+) of (\d+) bf16 code words are NaN bit patterns; on the cpu, gathered by FSDP2 they "
+                      r"keep their bits: (\w+); so does torch\._foreach_copy_: (\w+)", text)  # fmt: skip
+    assert found and 0 < int(found[1]) < int(found[2]) / 100 and found[3] == found[4] == "True", text
 
 
 def test_qlora_cpu_repack_changes_the_sharded_models_loss_and_stops_gradients_until_switched_off(executed):

@@ -23,8 +23,7 @@
 # losses.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers` and `accelerate` (the
-# package's `test` or `docs` extras); about 15 seconds on 2 CPU cores
-# ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
+# package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
 # from a config. On CPU ranks the Trainer itself does not shard ({ref}`tutorial-trainer-fsdp`);
 # what it would build on GPUs is run here through Accelerate's own functions, and no GPU run
 # of this page is recorded. The tips are listed {ref}`at the end <fsdp-config-map-tips>`. Its
@@ -79,12 +78,12 @@ FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLaye
 #
 # Each rank makes the plugin from the config as the Trainer does
 # (`TrainingArguments(...).fsdp_plugin_args` into `FullyShardedDataParallelPlugin`), then
-# gives an `Accelerator`'s state the two values that Accelerate sets on GPU ranks and not on
-# CPU ranks ({ref}`trainer-fsdp-fallback`), the plugin and the type `FSDP`, and calls
+# gives an `Accelerator`'s state the values that Accelerate sets on GPU ranks and not on CPU
+# ranks ({ref}`trainer-fsdp-fallback`), the plugin and the type `FSDP` (in its state and in
+# `PartialState`'s, as `AcceleratorState.__init__` does), and calls
 # `accelerator.prepare`: from there on, everything is Accelerate's own code, running on these
 # CPU ranks. (What this skips of a GPU rank's set-up: the `ACCELERATE_USE_FSDP` variable that
-# `Accelerator` sets, `PartialState`'s copy of the type, and what the `Accelerator` decides
-# when it is built, such as fp16's gradient scaler; none of it changes `prepare` for the
+# `Accelerator` sets, and what the `Accelerator` decides when it is built, such as fp16's gradient scaler; none of it changes `prepare` for the
 # cases below, which use no mixed precision or bf16, and the by-hand model further down
 # trains to the same losses.) Each `fully_shard` it calls is recorded on the way through (and
 # passed on unchanged), and so is a load of rank 0's weights; then `save_fsdp_model`, the
@@ -97,6 +96,7 @@ def what_accelerate_builds(workdir, name, fsdp_config, training_args):
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
     from accelerate import Accelerator
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, fsdp_utils
     from transformers import AutoModelForCausalLM, TrainingArguments
 
@@ -114,8 +114,8 @@ def what_accelerate_builds(workdir, name, fsdp_config, training_args):
     accelerator = Accelerator(cpu=True, mixed_precision="bf16" if args.bf16 else "no")
     if args.bf16:  # what Accelerate's state does with the plugin it attaches
         plugin.set_mixed_precision("bf16")
-    accelerator.state.fsdp_plugin = plugin  # the two values a GPU rank's state gets
-    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin  # the values a GPU rank's state gets
+    accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     done, policies = [], set()
 
     def fully_shard(module, **options):  # recorded, then passed on
@@ -263,6 +263,7 @@ def three_steps(workdir, by_hand):
     import fsdp_guide
     import torch.distributed as dist
     from accelerate import Accelerator
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM, TrainingArguments
@@ -278,7 +279,7 @@ def three_steps(workdir, by_hand):
         )
         accelerator = Accelerator(cpu=True)
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(2))

@@ -21,10 +21,12 @@
 #   shard it with `fully_shard`, and train it on 2 ranks with the losses of one process;
 # - what FSDP2 does with the packed 4-bit weights: it shards their bytes, stored as `uint8` or
 #   as `bfloat16`, and what each rank then holds;
-# - why a `MixedPrecisionPolicy` that casts to another dtype breaks 4-bit weights stored as
-#   `bfloat16`, and not those stored as `uint8`;
-# - what each rank holds against a bf16 base, and with Accelerate's `ignored_params`;
-# - why a hand-built `Linear4bit` must be quantised before it is sharded.
+# - what each rank holds against a bf16 base, and with Accelerate's `ignored_params`, and
+#   what that becomes for a 7B model as ranks are added.
+#
+# What breaks it is {ref}`tutorial-qlora-pitfalls`; what evaluating on a CPU does to it,
+# {ref}`tutorial-qlora-cpu-repack`; saving and merging the adapters,
+# {ref}`tutorial-qlora-adapters`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
 # (the package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
@@ -125,7 +127,7 @@ for storage in (torch.uint8, torch.bfloat16):
 # it holds between steps.
 
 # %%
-from fsdp_guide import LaunchError, launch
+from fsdp_guide import launch
 from fsdp_guide.compare import largest_difference
 
 STEPS = 4
@@ -225,20 +227,15 @@ print(
 )
 
 # %% [markdown]
-# The losses on 2 ranks are one process's, in either storage, and each rank holds half of
-# the 4-bit weights, but all of their scales: those live in each layer's `quant_state`, an
-# attribute FSDP2 does not see. It shards the weights along their one long dimension, and
-# gathers parameters of mixed dtypes as bytes (`_fsdp_collectives.py` in
-# `torch/distributed/fsdp/_fully_shard/`), so a `uint8` weight beside fp32 adapters in one
-# unit needs nothing special. Between forwards the weight on the module is a `DTensor`: the
-# `Params4bit` and its `quant_state` are gone, and `Linear4bit.forward` rebuilds them from
-# the module's own copy of the `quant_state` each time it runs
-# (`fix_4bit_weight_quant_state_from_module` in `bitsandbytes/nn/modules.py`). The `uint8`
-# case needs a torch whose `fully_shard` takes a parameter that is not floating point: torch
+# The losses on 2 ranks are one process's, in either storage; each rank holds half of the
+# 4-bit weights but all their scales, which live in each layer's `quant_state`, unseen by
+# FSDP2. It gathers a unit's parameters of mixed dtypes as bytes (`_fsdp_collectives.py`),
+# and between forwards the module's weight is a `DTensor` from which `Linear4bit.forward`
+# rebuilds the `Params4bit` each time (`fix_4bit_weight_quant_state_from_module`). `uint8`
+# storage needs a torch whose `fully_shard` takes a parameter that is not floating point:
 # 2.9.1, the oldest this package supports, refuses it (`RuntimeError: only Tensors of
-# floating point dtype can require gradients`, pytorch#177844, tested in `nox -s torch` by
-# `tests/test_sharp_edges.py`); 2.13 here and 2.15 take it. Stored as `bfloat16`, the codes
-# shard on either.
+# floating point dtype can require gradients`, pytorch#177844; tested in `nox -s torch`),
+# 2.13 and 2.15 take it. Stored as `bfloat16`, the codes shard on either.
 #
 # (qlora-memory)=
 # ## What a rank holds: against bf16 LoRA, and with `ignored_params`
@@ -341,82 +338,6 @@ for ranks in (1, 2, 8):
 # saving is under 2 times. `bnb_4bit_use_double_quant=True` stores the scales in 8 bits
 # (with one fp32 scale per 256 of them), a quarter of these bytes.
 #
-# (qlora-quantise-first)=
-# ## Quantise, then shard
-#
-# A `Linear4bit` built by hand holds its weight unquantised until it is moved to its device
-# (`Params4bit.to` quantises). Sharded first, the weight FSDP2 puts back is a `DTensor` of the
-# float values, which moving no longer quantises, and the first forward fails in
-# `bitsandbytes` with an assertion without a message (after a logged warning, "FP4
-# quantization state not initialized", that the ranks' output here does not show); moved
-# first, it shards and runs:
-
-
-# %%
-def one_layer(quantise_first):
-    import fsdp_guide
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    layer = Linear4bit(128, 128, bias=False, compute_dtype=torch.float32, quant_type="nf4")
-    if quantise_first:
-        layer.to(fsdp_guide.device())  # Params4bit.to quantises
-    fully_shard(layer)
-    layer.to(fsdp_guide.device())
-    out = layer(torch.ones(1, 128, device=fsdp_guide.device()))
-    return f"{type(layer.weight).__name__} of {layer.weight.dtype}, output {tuple(out.shape)}"
-
-
-for quantise_first in (False, True):
-    order = "quantised, then sharded" if quantise_first else "sharded, then moved"
-    try:
-        print(f"{order}: {launch(one_layer, quantise_first, world_size=2, output='none')[0]}")
-    except LaunchError as error:  # the last two lines of the rank's traceback
-        lines = [
-            line for line in error.remote_traceback.splitlines() if line.strip(" ^~")
-        ]  # not the carets
-        print(f"{order}:\n  " + "\n  ".join(lines[-2:]))
-
-# %% [markdown]
-# `fix_4bit_weight_quant_state_from_module` asserts that the weight is the flat column of
-# packed codes, which an unquantised 128×128 weight is not. `from_pretrained` with a
-# `BitsAndBytesConfig` quantises as it loads, so sharding after loading, as this page does,
-# is already in this order.
-#
-# (qlora-mixed-precision)=
-# ## `MixedPrecisionPolicy` and the storage dtype
-#
-# A mixed-precision policy casts each floating-point parameter of a unit whose dtype is not
-# its `param_dtype` to that dtype for the forward (`_fsdp_param.py`: integer dtypes, and
-# parameters already in `param_dtype`, are left alone). NF4 codes stored as `bfloat16` are
-# bytes that merely look like numbers; cast, they are other bytes, and twice as many:
-
-# %%
-import re
-
-from torch.distributed.fsdp import MixedPrecisionPolicy
-
-for storage, param_dtype in (
-    (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16),
-    (torch.uint8, torch.float32),
-):
-    mixed = MixedPrecisionPolicy(param_dtype=param_dtype)
-    case = f"{str(storage):14} codes, param_dtype={str(param_dtype):14}"
-    try:
-        ranks = launch(train, path, tokens, storage, mp_policy=mixed, world_size=2, output="none")
-        difference = largest_difference(zip(ranks[0]["losses"], one["losses"]), relative=True)
-        print(f"{case}: trains, largest relative difference from fp32 {difference:.1e}")
-    except LaunchError as error:  # the rank's exception, from its traceback
-        print(f"{case}:\n  {re.search(r'RuntimeError: .*', str(error)).group()}")
-
-# %% [markdown]
-# Stored as `uint8`, the 4-bit weights pass through any policy untouched; stored as
-# `bfloat16`, they break under a policy that casts them to another dtype, and train under
-# `param_dtype=torch.bfloat16` (the adapters then compute in bf16 too). Reports of QLoRA
-# under FSDP2 with `uint8` storage failing (accelerate#3983) start in `fully_shard` itself on a
-# torch before the fix above, where `ignored_params` ({ref}`qlora-memory`) is the way out.
-#
 # (qlora-script)=
 # ## The script to copy
 #
@@ -437,7 +358,7 @@ for storage, param_dtype in (
 #
 # - {ref}`tip-qlora-uint8-storage`
 # - {ref}`tip-qlora-cpu-repack`: evaluating on a CPU, in {ref}`tutorial-qlora-cpu-repack`.
-# - {ref}`tip-qlora-quantise-first`: the order, and `ignored_params`.
+# - {ref}`tip-qlora-quantise-first`: `ignored_params`, measured above.
 # - {ref}`tip-lora-before-sharding`: the adapters are added before `fully_shard`, here too.
 # - {ref}`tip-check-against-one-process`: the losses above.
 

@@ -23,8 +23,8 @@
 # that turns it off.
 #
 # **What you need**: a CPU (the conversion is a CPU path); 2 processes on gloo;
-# `transformers`, `peft` and `bitsandbytes` (the package's `test` or `docs` extras); about 10
-# seconds on 2 CPU cores ({ref}`measured <measured-times>`). The model, its 4-bit loading and
+# `transformers`, `peft` and `bitsandbytes` (the package's `test` or `docs` extras);
+# about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The model, its 4-bit loading and
 # its sharding are those of {ref}`tutorial-qlora`; nothing is downloaded. What is said here of
 # GPUs is expectation, from the source lines cited, not a recorded run. The tips are listed
 # {ref}`at the end <qlora-cpu-repack-tips>`. Its idea as a plain torchrun script to copy:

@@ -106,7 +106,11 @@ GROUPS = {
             "lora": ("LoRA on a sharded model", "Adapters on a sharded base, like one process, and the export."),
             "qlora": (
                 "QLoRA: a 4-bit base",
-                "bitsandbytes NF4 under fully_shard: its bytes sharded, the storage dtype, against bf16 LoRA.",
+                "bitsandbytes NF4 under fully_shard: its bytes sharded, what a rank holds against bf16 LoRA.",
+            ),
+            "qlora_pitfalls": (
+                "QLoRA: three ways it breaks",
+                "Sharded before quantised, bf16 codes under a casting policy, NaN bit patterns.",
             ),
             "qlora_adapters": (
                 "QLoRA: save and merge the adapters",
