@@ -23,7 +23,9 @@
 # losses.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers` and `accelerate` (the
-# package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
+# package's `test` or `docs` extras);
+# about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# Nothing is downloaded: the model is a small Llama built
 # from a config. On CPU ranks the Trainer itself does not shard ({ref}`tutorial-trainer-fsdp`);
 # what it would build on GPUs is run here through Accelerate's own functions, and no GPU run
 # of this page is recorded. The tips are listed {ref}`at the end <fsdp-config-map-tips>`. Its

@@ -29,7 +29,8 @@
 # {ref}`tutorial-qlora-adapters`.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
-# (the package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
+# (the package's `test` or `docs` extras);
+# about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is
 # downloaded: the "pretrained" model is a small Llama built from a config with a fixed seed,
 # as in {ref}`tutorial-lora`, whose page this one extends. The worker code is written to run
 # unchanged with one GPU per rank (NCCL): the model is loaded on {func}`fsdp_guide.device`.

@@ -23,7 +23,9 @@
 # cited). The model, its loading and sharding are {ref}`tutorial-qlora`'s.
 #
 # **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `bitsandbytes`
-# (the package's `test` or `docs` extras); about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded. What is said here of GPUs is
+# (the package's `test` or `docs` extras);
+# about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# Nothing is downloaded. What is said here of GPUs is
 # expectation, from the reports and source lines cited, not a recorded run. The tips are
 # listed {ref}`at the end <qlora-pitfalls-tips>`. Its idea as a plain torchrun script to
 # copy: {ref}`qlora-pitfalls-script` ({download}`download <scripts/qlora_pitfalls.py>`).
