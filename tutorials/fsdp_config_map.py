@@ -85,9 +85,9 @@ FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLaye
 # `PartialState`'s, as `AcceleratorState.__init__` does), and calls
 # `accelerator.prepare`: from there on, everything is Accelerate's own code, running on these
 # CPU ranks. (What this skips of a GPU rank's set-up: the `ACCELERATE_USE_FSDP` variable that
-# `Accelerator` sets, and what the `Accelerator` decides when it is built, such as fp16's gradient scaler; none of it changes `prepare` for the
-# cases below, which use no mixed precision or bf16, and the by-hand model further down
-# trains to the same losses.) Each `fully_shard` it calls is recorded on the way through (and
+# `Accelerator` sets, and what the `Accelerator` decides when it is built, such as fp16's
+# gradient scaler; none of it changes `prepare` for the cases below, which use no mixed
+# precision or bf16, and the by-hand model further down trains to the same losses.) Each `fully_shard` it calls is recorded on the way through (and
 # passed on unchanged), and so is a load of rank 0's weights; then `save_fsdp_model`, the
 # function behind `accelerator.save_state`'s model files, saves the model:
 

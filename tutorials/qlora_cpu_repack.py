@@ -176,8 +176,8 @@ for sharded, repack in ((False, True), (True, True), (True, False)):
 
 # %% [markdown]
 # On this CPU (with AVX512-BF16, as printed above; on one without, every case is the last):
-# in one process the two evaluations agree (with the last case's to the scales' bf16
-# rounding), but the training step after them gives no adapter
+# in one process the two evaluations agree (and agree with the last case's to the scales'
+# bf16 rounding), but the training step after them gives no adapter
 # a gradient, with only a warning at backward: the converted weights go through a kernel
 # with no backward (`gemv_4bit`, called from `matmul_4bit` in
 # `bitsandbytes/autograd/_functions.py`), and the adapters

@@ -16,7 +16,7 @@
 # # QLoRA under FSDP2: three ways it breaks
 #
 # **What you will learn**: three ways a 4-bit (QLoRA) model breaks under `fully_shard`, each
-# reproduced with its fix: a hand-built `Linear4bit` sharded before it is quantised (a bare
+# reproduced, the first two with their fix run: a hand-built `Linear4bit` sharded before it is quantised (a bare
 # `AssertionError`); 4-bit codes stored as `bfloat16` under a `MixedPrecisionPolicy` that
 # casts them (a shape error, or other codes); and codes stored as `bfloat16` that read as NaN
 # bit patterns, which copies on CUDA are reported to rewrite (the CPU path shown, the report
@@ -230,7 +230,8 @@ for storage, param_dtype in (
 # `bfloat16`, they break under a policy that casts them to another dtype, and train under
 # `param_dtype=torch.bfloat16` (the adapters then compute in bf16 too). Reports of QLoRA
 # under FSDP2 with `uint8` storage failing (accelerate#3983) start in `fully_shard` itself on a
-# torch before the fix above, where `ignored_params` ({ref}`qlora-memory`) is the way out.
+# torch whose `fully_shard` refuses `uint8` parameters (2.9.1, pytorch#177844;
+# {ref}`tutorial-qlora`), where `ignored_params` ({ref}`qlora-memory`) is the way out.
 #
 # (qlora-nan-patterns)=
 # Stored as `bfloat16`, some packed codes are NaN bit patterns, and a copy that handles them

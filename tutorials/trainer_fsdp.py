@@ -183,7 +183,8 @@ def what_the_plugin_gets(workdir, fsdp_config, environ):
     said = []  # any warning or log record on the way, to show there is none
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("transformers").addHandler(handler)
+    for name in ("transformers", "accelerate"):  # transformers' does not reach the root logger
+        logging.getLogger(name).addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         args = TrainingArguments(

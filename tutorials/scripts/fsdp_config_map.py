@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-# The Trainer's fsdp_config these calls stand for: {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+# The Trainer's fsdp_config these calls stand for:
+#     {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 STEPS, BATCH = 3, 4
 
 
@@ -39,8 +40,9 @@ def save_pretrained(folder):
 
 
 def shard_as_accelerate_does(model, mp_policy=None):
-    """The fully_shard calls of accelerate's fsdp2_prepare_model for that config (bf16=True: mp_policy
-    MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16))."""
+    """The fully_shard calls of accelerate's fsdp2_prepare_model for that config. With bf16=True,
+    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+    output_dtype=torch.bfloat16)."""
     mp_policy = mp_policy or MixedPrecisionPolicy()
     for layer in model.model.layers:  # transformer_layer_cls_to_wrap
         fully_shard(layer, reshard_after_forward=True, mp_policy=mp_policy)

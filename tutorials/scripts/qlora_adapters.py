@@ -9,8 +9,9 @@ batch. Every rank then gathers the full state dict (a collective) and rank 0 sav
 from it with peft's save_pretrained. Rank 0 loads them into one process on the 4-bit base and
 prints the largest logit difference from the trained, sharded model; then merges them into the
 4-bit base and into the base dequantised to fp32, and prints each merged first query
-projection's error (from its base plus its update) as a part of the update. Nothing is downloaded. Each rank computes on its
-accelerator (GPU) where there is one, else on the CPU (over gloo).
+projection's error (from its base plus its update) as a part of the update. Nothing is
+downloaded. Each rank computes on its accelerator (GPU) where there is one, else on the CPU
+(over gloo).
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Three ways QLoRA breaks under FSDP2, each with its fix, as a torchrun script (bitsandbytes, peft).
+"""Three ways QLoRA breaks under FSDP2, the first two with their fix, as a torchrun script.
 
     torchrun --nproc-per-node=2 qlora_pitfalls.py
 

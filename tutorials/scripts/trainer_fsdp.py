@@ -12,6 +12,7 @@ without saying so. With an accelerator per rank the plugin should be attached an
 sharded (read in accelerate's AcceleratorState, not run here). Nothing is downloaded.
 """
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -44,14 +45,21 @@ def save_pretrained(folder):
 
 
 def main(folder):
+    # The rank's device: an accelerator of its own where each rank on this machine has one, else
+    # the CPU; the Trainer then places the model there itself (use_cpu, or LOCAL_RANK's device).
+    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+    on_accelerators = (
+        torch.accelerator.is_available() and torch.accelerator.device_count() >= local_ranks
+    )
     tokens = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(1))
     args = TrainingArguments(  # starts the process group, from torchrun's variables
         output_dir=str(Path(folder) / "trainer"),
         fsdp=True,
         fsdp_config=dict(FSDP_CONFIG),  # a copy: TrainingArguments adds its defaults to the dict
-        use_cpu=not torch.accelerator.is_available(),  # the CPU only where there is no accelerator
+        use_cpu=not on_accelerators,
         per_device_train_batch_size=2,
         max_steps=2,
+        save_strategy="no",  # nothing of this check is kept
         report_to=[],
         disable_tqdm=True,
     )
@@ -69,12 +77,14 @@ def main(folder):
         if not trainer.is_fsdp_enabled:
             print(
                 "WARNING: the fsdp_config was not applied: every rank will train the whole model "
-                f"(Accelerate attaches its FSDP plugin on accelerator ranks, not on {state.distributed_type.value})"
+                "(Accelerate attaches its FSDP plugin on accelerator ranks, not on "
+                f"{state.distributed_type.value})"
             )
     trainer.train()
     units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
     if dist.get_rank() == 0:
         print(f"trained a {type(trainer.model_wrapped).__name__} with {len(units)} FSDP units")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -295,21 +295,20 @@ def _unwrapped(checkpoint: Path, saved: dict) -> dict[str, str]:
     activation checkpointing's wrapper (``_checkpoint_wrapped_module.``) or FSDP1's
     (``_fsdp_wrapped_module.``) carries those wrappers in its names; DCP's
     ``get_model_state_dict`` removes them (``_get_fqns`` in ``torch/distributed/checkpoint/
-    state_dict.py``), and so does this, the same way, so that either checkpoint converts.
+    state_dict.py``), and so does this, dropping the parts of a name that are exactly those
+    wrappers' attributes, so that either checkpoint converts.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
-    wrappers = ("_orig_mod.", _CHECKPOINT_PREFIX, FSDP_WRAPPED_MODULE + ".")
+    wrappers = {"_orig_mod", _CHECKPOINT_PREFIX.rstrip("."), FSDP_WRAPPED_MODULE}  # whole parts of a name only
     names: dict[str, str] = {}
     for key in saved:
-        name = key
-        for wrapper in wrappers:
-            name = name.replace(wrapper, "")
+        name = ".".join(part for part in key.split(".") if part not in wrappers)
         if name in names:
             raise ConversionError(
                 f"{checkpoint}: {names[name]!r} and {key!r} are one tensor of the model once the wrappers' names "
-                f"({', '.join(w.rstrip('.') for w in wrappers)}) are removed: save the model's state dict once, "
+                f"({', '.join(sorted(wrappers))}) are removed: save the model's state dict once, "
                 "with torch.distributed.checkpoint.state_dict.get_model_state_dict"
             )
         names[name] = key
