@@ -84,7 +84,9 @@ def main(folder):
     units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
     if dist.get_rank() == 0:
         print(f"trained a {type(trainer.model_wrapped).__name__} with {len(units)} FSDP units")
-    dist.destroy_process_group()
+    # No destroy_process_group here: the group is the Trainer's (TrainingArguments made it), and
+    # destroyed under the Trainer's DDP model it left a rank blocked as the model was freed, 1 run
+    # in 6 (both ranks in main's return after it; the Trainer's own scripts never destroy it).
 
 
 if __name__ == "__main__":
