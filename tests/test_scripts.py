@@ -705,6 +705,12 @@ def _what_each_rank_holds(out: str) -> None:
         ) in out, out
 
 
+def _every_rank_resumed_its_adapter(out: str) -> None:
+    assert "FULL_STATE_DICT, adapter_only=True: ranks whose lora_B is all zero after loading: []" in out, out
+    assert "every rank's adapter slice restored exactly: True" in out, out
+    assert "resumed losses equal the uninterrupted run's on every rank: True" in out, out
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
@@ -733,6 +739,7 @@ CLAIMS = {
     "qlora_pitfalls": (2, _pitfalls_reproduced_and_fixed),
     "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
     "fsdp_config_map": (2, _sharded_as_accelerate_like_one_process),
+    "peft_resume": (2, _every_rank_resumed_its_adapter),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),
     "hf_dcp_export": (2, _written_by_every_rank_round_trip),
@@ -786,6 +793,7 @@ LIBRARIES = {
     "qlora_pitfalls": {"bitsandbytes", "peft", "transformers"},
     "trainer_fsdp": {"transformers"},
     "fsdp_config_map": {"transformers"},
+    "peft_resume": {"accelerate", "peft", "transformers"},
     "finetune_hf": {"transformers"},
     "hf_dcp_export": {"transformers"},
     "fp8": {"torchao"},

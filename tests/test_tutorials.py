@@ -92,6 +92,7 @@ def test_every_tutorial_is_tested():
         "mixed_precision",
         "no_sync",
         "outside_forward",
+        "peft_resume",
         "pipeline",
         "pipeline_bubble",
         "pitfalls",
@@ -346,6 +347,39 @@ def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_the_keys_that_vanish(exe
     variable = rows.pop("FSDP_ACTIVATION_CHECKPOINTING=true in the environment")
     assert variable == ["OffloadPolicy()", "True", "True", "None", "(nothing)"], variable
     assert len(rows) == 3 and all(row == plain for row in rows.values()), rows  # each dropped, without a word
+
+
+def test_peft_resume_loses_other_ranks_adapter_with_1_14_full_and_restores_every_slice_otherwise(executed):
+    text = _text_outputs(executed["peft_resume"])
+    # the Trainer's calls, read from the installed transformers: the adapter only, for both
+    assert "save_fsdp_model( self.accelerator.state.fsdp_plugin" in text and "**get_fsdp_ckpt_kwargs()" in text
+    assert "load_fsdp_model( self.accelerator.state.fsdp_plugin" in text
+    assert "the Trainer, fsdp_config={'version': 2}: state_dict_type FULL_STATE_DICT" in text  # what a resume meets
+    rows = [
+        _cells(line) for line in text.splitlines() if line.startswith(("FULL_STATE_DICT  ", "SHARDED_STATE_DICT  "))
+    ]
+    found = {(row[0], row[1], row[2]): row[3:] for row in rows}
+    assert len(found) == 8, rows
+    for (state_dict_type, code, rank), (restored, zero, resumed_alike) in found.items():
+        if (state_dict_type, code, rank) == ("FULL_STATE_DICT", "accelerate 1.14", "rank 1"):
+            assert (restored, zero, resumed_alike) == ("0%", "100%", "False")  # rank 1's slice lost, silently
+        elif (state_dict_type, code) == ("FULL_STATE_DICT", "accelerate 1.14"):
+            assert (restored, zero, resumed_alike) == ("100%", "0%", "False")  # rank 0 resumed, on a changed model
+        else:
+            assert (restored, zero, resumed_alike) == ("100%", "0%", "True"), (state_dict_type, code, rank)
+    # 1.14's file holds rank 0's local rows of each adapter; 1.15's the whole tensor
+    assert re.search(
+        r"accelerate 1\.14's file, 8 tensors; \S+lora_B\.weight: DTensor of shape \(64, 8\) holding \(32, 8\)", text
+    )
+    assert re.search(
+        r"accelerate 1\.15's file, 8 tensors; \S+lora_B\.default\.weight: Tensor of shape \(64, 8\) holding \(64, 8\)",
+        text,
+    )
+    assert "if sd_options is not None and sd_options.full_state_dict:" in text  # #4206's branch, installed
+    assert "accelerate 1.14: lora_B all zero on ranks [1]" in text
+    assert "accelerate 1.15: lora_B all zero on ranks []" in text
+    glued = _glued(executed["peft_resume"])
+    assert glued["lost_restored"] == "'0%'" and glued["lost_zero"] == "'100%'", glued
 
 
 def test_fsdp_config_map_is_accelerates_as_it_is_and_by_hand_trains_the_same(executed):

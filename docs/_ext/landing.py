@@ -99,6 +99,10 @@ GROUPS = {
                 "From fsdp_config to fully_shard",
                 "Each key as the fully_shard calls Accelerate makes, generated; the same by hand.",
             ),
+            "peft_resume": (
+                "Resume LoRA through Accelerate",
+                "The Trainer's full state dict kept rank 0's adapter slice (accelerate 1.14); check every rank.",
+            ),
             "hf_dcp_export": (
                 "Hugging Face weights from every rank",
                 "DCP's writer: each rank writes its shards as safetensors, no gather.",
