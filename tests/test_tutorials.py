@@ -354,32 +354,41 @@ def test_peft_resume_loses_other_ranks_adapter_with_1_14_full_and_restores_every
     # the Trainer's calls, read from the installed transformers: the adapter only, for both
     assert "save_fsdp_model( self.accelerator.state.fsdp_plugin" in text and "**get_fsdp_ckpt_kwargs()" in text
     assert "load_fsdp_model( self.accelerator.state.fsdp_plugin" in text
+    assert "get_fsdp_ckpt_kwargs() = {'adapter_only': True}" in text
     assert "the Trainer, fsdp_config={'version': 2}: state_dict_type FULL_STATE_DICT" in text  # what a resume meets
+    assert "Accelerate's plugin, fsdp_version=2: state_dict_type SHARDED_STATE_DICT" in text
     rows = [
         _cells(line) for line in text.splitlines() if line.startswith(("FULL_STATE_DICT  ", "SHARDED_STATE_DICT  "))
     ]
     found = {(row[0], row[1], row[2]): row[3:] for row in rows}
     assert len(found) == 8, rows
-    for (state_dict_type, code, rank), (restored, zero, resumed_alike) in found.items():
-        if (state_dict_type, code, rank) == ("FULL_STATE_DICT", "accelerate 1.14", "rank 1"):
-            assert (restored, zero, resumed_alike) == ("0%", "100%", "False")  # rank 1's slice lost, silently
-        elif (state_dict_type, code) == ("FULL_STATE_DICT", "accelerate 1.14"):
-            assert (restored, zero, resumed_alike) == ("100%", "0%", "False")  # rank 0 resumed, on a changed model
+    for (state_dict_type, code, rank), (restored, zero, apart) in found.items():
+        restored, size = map(int, restored.split(" of "))
+        zero, same_size = map(int, zero.split(" of "))
+        assert size == same_size > 0
+        if (state_dict_type, code) == ("FULL_STATE_DICT", "accelerate 1.14"):
+            assert float(apart) > 1e-6, apart  # both ranks resume on a changed model; NaN fails this
+            lost = rank == "rank 1"  # rank 1's slice lost, silently; rank 0's back
+            assert (restored, zero) == ((0, size) if lost else (size, 0)), (rank, restored, zero)
         else:
-            assert (restored, zero, resumed_alike) == ("100%", "0%", "True"), (state_dict_type, code, rank)
+            assert (restored, zero, float(apart)) == (size, 0, 0.0), (state_dict_type, code, rank)
     # 1.14's file holds rank 0's local rows of each adapter; 1.15's the whole tensor
+    assert re.search(r"1\.14's file, 8 tensors; \S+lora_B\.weight: DTensor of shape \(64, 8\) holding \(32, 8\)", text)
     assert re.search(
-        r"accelerate 1\.14's file, 8 tensors; \S+lora_B\.weight: DTensor of shape \(64, 8\) holding \(32, 8\)", text
+        r"1\.15's file, 8 tensors; \S+lora_B\.default\.weight: Tensor of shape \(64, 8\) holding \(64, 8\)", text
     )
-    assert re.search(
-        r"accelerate 1\.15's file, 8 tensors; \S+lora_B\.default\.weight: Tensor of shape \(64, 8\) holding \(64, 8\)",
-        text,
-    )
-    assert "if sd_options is not None and sd_options.full_state_dict:" in text  # #4206's branch, installed
-    assert "accelerate 1.14: lora_B all zero on ranks [1]" in text
-    assert "accelerate 1.15: lora_B all zero on ranks []" in text
+    # the code the page describes, as installed: #4206's branch, 1.14's path after it, the empty dict
+    assert "if sd_options is not None and sd_options.full_state_dict:" in text
+    assert "return get_peft_model_state_dict(model, adapter_name=model.active_adapter)" in text
+    assert "load_model = not accelerator.is_fsdp2 or accelerator.is_main_process" in text
+    assert "state_dict = {}" in text
+    # the check finds the lost rank, and only it; 1.15 cannot read 1.14's file
+    assert "saved by accelerate 1.14, loaded by 1.14: lora_B all zero on ranks [1]" in text
+    assert "saved by accelerate 1.15, loaded by 1.15: lora_B all zero on ranks []" in text
+    assert re.search(r"saved by accelerate 1\.14, loaded by 1\.15: NotImplementedError: .*c10d\.broadcast_", text)
     glued = _glued(executed["peft_resume"])
-    assert glued["lost_restored"] == "'0%'" and glued["lost_zero"] == "'100%'", glued
+    size = re.fullmatch(r"'0 of (\d+)'", glued["lost_restored"])  # the prose's figures: none back, all zero
+    assert size and glued["lost_zero"] == f"'{size[1]} of {size[1]}'", glued
 
 
 def test_fsdp_config_map_is_accelerates_as_it_is_and_by_hand_trains_the_same(executed):

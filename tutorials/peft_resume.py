@@ -15,16 +15,16 @@
 # (tutorial-peft-resume)=
 # # Resuming LoRA through Accelerate
 #
-# **What you will learn**: how the Trainer saves and resumes a LoRA model under FSDP2 (through
-# Accelerate's `save_fsdp_model` and `load_fsdp_model` with `adapter_only=True`); that with a
-# full state dict Accelerate 1.14 kept only rank 0's slice of each adapter, so every other
-# rank resumed without its part of what training had learned (accelerate#4206), while a
-# sharded state dict, and a full one from Accelerate 1.15, restore every rank's slice and
-# resume with the losses of a run never stopped; and a check for your own runs.
+# **What you will learn**: how the Trainer saves and resumes a LoRA model under FSDP2,
+# through Accelerate's `save_fsdp_model` and `load_fsdp_model` with `adapter_only=True`. With
+# a full state dict, Accelerate 1.14 kept only rank 0's slice of each adapter: every other
+# rank resumed without its part of what training had learned (accelerate#4206). A sharded
+# state dict, and a full one from Accelerate 1.15, restore every rank's slice and resume
+# with the losses of a run never stopped. And a check for your own runs.
 #
-# **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `accelerate` (the
-# package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). Nothing is downloaded: the model is a small Llama built
-# from a config. On CPU ranks the Trainer does not shard ({ref}`tutorial-trainer-fsdp`), so
+# **What you need**: a CPU; 2 processes on gloo; `transformers`, `peft` and `accelerate`
+# (the package's `test` or `docs` extras); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# Nothing is downloaded: the model is a small Llama built from a config. On CPU ranks the Trainer does not shard ({ref}`tutorial-trainer-fsdp`), so
 # the ranks here call Accelerate's functions as the Trainer does, in the state Accelerate
 # gives GPU ranks (as in {ref}`tutorial-fsdp-config-map`); no GPU run of this page is
 # recorded. The tips are listed {ref}`at the end <peft-resume-tips>`. Its idea as a plain
@@ -36,6 +36,7 @@ import inspect
 import os
 import sys
 import tempfile
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -60,17 +61,18 @@ print(
 
 # %% [markdown]
 # The Trainer saves an FSDP model for resuming with Accelerate's functions, asking for the
-# adapter only (`get_fsdp_ckpt_kwargs()` gives `{"adapter_only": True}` whenever
-# `save_fsdp_model` takes it), and loads it back the same way. From the installed
-# `transformers`:
+# adapter only whenever `save_fsdp_model` takes `adapter_only`, and loads it back the same
+# way. From the installed `transformers`:
 
 # %%
 from transformers import Trainer
+from transformers.distributed.fsdp import get_fsdp_ckpt_kwargs
 
 source = inspect.getsource(Trainer)
 for call in ("save_fsdp_model(", "load_fsdp_model("):
     start = source.index(call)
     print(source[start : source.index(")", start) + 1].replace("\n", " ").replace("  ", ""))
+print("get_fsdp_ckpt_kwargs() =", get_fsdp_ckpt_kwargs())
 
 # %%
 from fsdp_guide import launch
@@ -108,7 +110,9 @@ print(
 
 # %% [markdown]
 # A full state dict is what a Trainer with an FSDP2 config saves unless the config names
-# another: the case below is a Trainer's resume from its own checkpoint.
+# another: the case below is a Trainer's resume from its own checkpoint. (Accelerate's own
+# default holds where `FSDP_STATE_DICT_TYPE` is unset; `accelerate launch` sets it from its
+# config file.)
 
 # %% [markdown]
 # (peft-resume-lost)=
@@ -118,10 +122,11 @@ print(
 # plugin the Trainer makes of `fsdp_config`; it trains 2 steps, saves model and optimizer
 # as the Trainer does, then builds them again (a restart), **sets every adapter to zero**,
 # so that a slice left unrestored shows, loads, and trains 2 more steps. A run that never
-# stopped trains the same 4 steps. Accelerate 1.14 differed from 1.15 here only in two
-# branches #4206 added to `_get_model_state_dict` and `_set_model_state_dict`; with
-# `adapter_only`, 1.14 asked `peft` for the adapter's state dict instead, which
-# `as_accelerate_1_14()` restores for its block.
+# stopped trains the same 4 steps. In what decides what is saved and loaded, Accelerate 1.14
+# differed from 1.15 in the two branches #4206 added to `_get_model_state_dict` and
+# `_set_model_state_dict` (1.15 also ends each load with a barrier): with `adapter_only`,
+# 1.14 asked `peft` for the adapter's state dict, which `as_accelerate_1_14()` restores for
+# its block.
 
 
 # %%
@@ -140,10 +145,11 @@ def prepared(workdir, state_dict_type):
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
         "state_dict_type": state_dict_type,
     }
+    on_cpu = fsdp_guide.device().type == "cpu"
     args = TrainingArguments(
-        str(workdir / "args"), fsdp=True, fsdp_config=fsdp_config, use_cpu=True, report_to=[]
+        str(workdir / "args"), fsdp=True, fsdp_config=fsdp_config, use_cpu=on_cpu, report_to=[]
     )
-    accelerator = Accelerator(cpu=True)  # the plugin and type a GPU rank's state gets:
+    accelerator = Accelerator(cpu=on_cpu)  # the plugin and type a GPU rank's state gets:
     accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
     torch.manual_seed(0)  # the same adapters' initial values on every rank and run
@@ -206,7 +212,7 @@ def save_and_resume(workdir, state_dict_type, accelerate_code):
         save_fsdp_optimizer,
     )
 
-    folder = workdir / f"{state_dict_type}-{accelerate_code}"
+    folder = str(workdir / f"{state_dict_type}-{accelerate_code}")  # a str, as the Trainer passes
     as_then = as_accelerate_1_14 if accelerate_code == "1.14" else contextlib.nullcontext
     accelerator, model, optimizer = prepared(workdir, state_dict_type)
     losses = train(accelerator, model, optimizer, steps=[0, 1])
@@ -234,12 +240,12 @@ def save_and_resume(workdir, state_dict_type, accelerate_code):
     zero = sum(int((loaded[k] == 0).sum()) for k in saved)
     size = sum(v.numel() for v in saved.values())
     lora_b = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default")
-    lora_b = lora_b.weight.full_tensor().detach()  # layer 0's q_proj lora_B, whole, as loaded
+    lora_b = lora_b.weight.full_tensor().detach().cpu()  # layer 0's q_proj lora_B, whole, as loaded
     return {
-        "restored": restored / size,
-        "zero": zero / size,
+        "restored": f"{restored} of {size}",  # values equal to the saved ones, exactly
+        "zero": f"{zero} of {size}",
         "losses": losses + train(accelerator, model, optimizer, steps=[2, 3]),
-        "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()),
+        "files": sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file()),
         "lora_B": lora_b,
     }
 
@@ -249,7 +255,9 @@ def every_way(workdir):
     accelerator, model, optimizer = prepared(workdir, "SHARDED_STATE_DICT")
     never_stopped = train(accelerator, model, optimizer, steps=[0, 1])
     lora_b = model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default")
-    trained_lora_b = lora_b.weight.full_tensor().detach()  # after the 2 steps every resume saved
+    trained_lora_b = (
+        lora_b.weight.full_tensor().detach().cpu()
+    )  # after the 2 steps every resume saved
     never_stopped += train(accelerator, model, optimizer, steps=[2, 3])
     ways = {}
     for state_dict_type in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
@@ -264,18 +272,19 @@ results = launch(every_way, workdir, world_size=2, output="none")
 from fsdp_guide.table import Table
 from myst_nb import glue
 
-columns = ["state dict", "saved and loaded by", "rank", "adapter restored", "adapter left zero"]
+columns = ["state dict", "saved and loaded by", "rank", "adapter values restored", "left zero"]
 rows = []
 for (state_dict_type, code), way in results[0][2].items():
     print(f"{state_dict_type}, accelerate {code}: {', '.join(way['files'])}")
     for rank, (never_stopped, _, ways) in enumerate(results):
         way = ways[state_dict_type, code]
-        done = [f"{way['restored']:.0%}", f"{way['zero']:.0%}", way["losses"] == never_stopped]
+        apart = max(abs(a - b) for a, b in zip(way["losses"], never_stopped))
+        done = [way["restored"], way["zero"], f"{apart:.1e}"]
         rows.append([state_dict_type, f"accelerate {code}", f"rank {rank}", *done])
 lost = results[1][2]["FULL_STATE_DICT", "1.14"]
-glue("lost_restored", f"{lost['restored']:.0%}", display=False)
-glue("lost_zero", f"{lost['zero']:.0%}", display=False)
-Table([*columns, "resumed losses = never stopped"], rows)
+glue("lost_restored", lost["restored"], display=False)
+glue("lost_zero", lost["zero"], display=False)
+Table([*columns, "max |loss - never stopped|"], rows)
 
 # %% [markdown]
 # What the two full-state-dict files hold, read here in one process:
@@ -301,10 +310,10 @@ for code in ("1.14", "1.15"):
 
 # %% [markdown]
 # With a full state dict, Accelerate 1.14 restored rank 0's slice and nothing of rank 1's:
-# {glue:text}`lost_restored` of rank 1's adapter came back, {glue:text}`lost_zero` stayed at
-# zero (with a fresh model and no zeroing, at its initial values: `lora_B` zero, `lora_A`
-# random), and both ranks' later losses differ from the run that never stopped, without an
-# error or a warning. A sharded state dict (DCP, a file per rank) restored every slice with
+# {glue:text}`lost_restored` values of rank 1's adapter came back, {glue:text}`lost_zero`
+# stayed at zero (without the zeroing, at their initial values: `lora_B` zero, `lora_A`
+# random, as the report's 2-GPU table shows), and both ranks' later losses differ from the
+# run that never stopped, without an error or a warning. A sharded state dict (DCP, a file per rank) restored every slice with
 # either version, and so does a full one with 1.15; their resumed losses equal the
 # uninterrupted run's, bit for bit. The picture: layer 0's `q_proj` adapter `lora_B` (64 rows,
 # 32 on each rank) as training left it and as each full-state-dict resume found it.
@@ -339,70 +348,82 @@ plt.show()
 # ## Why, in Accelerate's code
 #
 # With `adapter_only`, 1.14 took `peft`'s `get_peft_model_state_dict`: on a model sharded with
-# `fully_shard` its values are DTensors, and `save_fsdp_model` writes a full state dict from
-# rank 0 alone, so the file holds rank 0's local slices. At load only rank 0 reads the file
-# (the others get `{}` and expect a broadcast from rank 0, which `peft`'s
-# `set_peft_model_state_dict` never makes), so every other rank keeps what it had. Since
+# `fully_shard` its values are DTensors, and in the `FULL_STATE_DICT` branch only rank 0
+# writes the file, so the file holds rank 0's local slices. At load only rank 0 reads it;
+# the others get `{}` and expect a broadcast from rank 0, which `peft`'s
+# `set_peft_model_state_dict` never makes, so every other rank keeps what it had. Since
 # #4206 a full state dict goes through DCP's `get_model_state_dict` with
 # `ignore_frozen_params=True`, which gathers each adapter whole, and `set_model_state_dict`,
-# which sends each rank its slice. The installed Accelerate:
+# which broadcasts each whole tensor from rank 0 for every rank to keep its slice. The
+# installed Accelerate:
 
 # %%
 import accelerate.utils.fsdp_utils as fsdp_utils
 
 print(inspect.getsource(fsdp_utils._get_model_state_dict))
+loading = inspect.getsource(fsdp_utils.load_fsdp_model)
+start = loading.rindex("\n", 0, loading.index("# we want an empty state dict")) + 1
+print(
+    textwrap.dedent(
+        loading[start : loading.index("state_dict = {}", start) + len("state_dict = {}")]
+    )
+)
 
 # %% [markdown]
 # (peft-resume-check)=
 # ## A check for your own run
 #
-# `peft` starts each `lora_B` at zero, so a rank whose `lora_B` slices are all zero after a
-# resume lost its adapter. Each rank's sum of squares, gathered, says which rank (run it
-# right after loading, before the next step):
+# With its default initialisation (`init_lora_weights=True`), `peft` starts each `lora_B` at
+# zero, so a rank whose `lora_B` slices are all zero after a resume lost its adapter (with
+# PiSSA, OLoRA, LoftQ and the like `lora_B` starts otherwise, and this check cannot tell).
+# Each rank's sum of squares, gathered, says which rank (run it right after loading, before
+# the next step):
 
 
 # %%
 def zero_lora_b_ranks(model):
-    """The ranks whose every lora_B slice is zero: the ones that resumed without their adapter."""
+    """The ranks holding lora_B values, all of them zero (or NaN): those resumed without their adapter."""
     import torch.distributed as dist
 
-    local = sum(
-        float(p.detach().to_local().float().square().sum())
-        for n, p in model.named_parameters()
-        if "lora_B" in n
-    )
+    lora_b = [p.detach().to_local() for n, p in model.named_parameters() if "lora_B" in n]
+    held = (sum(p.numel() for p in lora_b), sum(float(p.float().square().sum()) for p in lora_b))
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, local)
-    return [rank for rank, value in enumerate(every) if value == 0.0]
+    dist.all_gather_object(every, held)
+    return [rank for rank, (count, squares) in enumerate(every) if count > 0 and not squares > 0]
 
 
-def resumed_then_checked(workdir, code):
+def resumed_then_checked(workdir, saved_by, loaded_by):
     from accelerate.utils import load_fsdp_model
 
-    as_then = as_accelerate_1_14 if code == "1.14" else contextlib.nullcontext
+    as_then = as_accelerate_1_14 if loaded_by == "1.14" else contextlib.nullcontext
     accelerator, model, _ = prepared(workdir, "FULL_STATE_DICT")  # a fresh model: lora_B zero
+    folder = str(workdir / f"FULL_STATE_DICT-{saved_by}")
     with as_then():
         load_fsdp_model(
-            accelerator.state.fsdp_plugin,
-            accelerator,
-            model,
-            workdir / f"FULL_STATE_DICT-{code}",
-            adapter_only=True,
+            accelerator.state.fsdp_plugin, accelerator, model, folder, adapter_only=True
         )
     return zero_lora_b_ranks(model)
 
 
-for code in ("1.14", "1.15"):
-    lost_on = launch(resumed_then_checked, workdir, code, world_size=2, output="none")[0]
-    print(
-        f"full state dict saved and loaded by accelerate {code}: lora_B all zero on ranks {lost_on}"
-    )
+from fsdp_guide import LaunchError
+
+for saved_by, loaded_by in (("1.14", "1.14"), ("1.15", "1.15"), ("1.14", "1.15")):
+    what = f"full state dict saved by accelerate {saved_by}, loaded by {loaded_by}:"
+    try:
+        lost_on = launch(
+            resumed_then_checked, workdir, saved_by, loaded_by, world_size=2, output="none"
+        )
+        print(what, f"lora_B all zero on ranks {lost_on[0]}")
+    except LaunchError as error:  # "rank N raised ...": the rank that failed first, and its error
+        print(what, str(error).splitlines()[0].split(" raised ")[1])
 
 # %% [markdown]
-# On a resume from the folder Accelerate 1.14 wrote, rank 1's `lora_B` is all zero; from 1.15's,
-# no rank's. Upgrade to Accelerate 1.15 or later, or save with
-# `fsdp_config={"state_dict_type": "SHARDED_STATE_DICT", ...}`, and keep a check like this one
-# after a resume: a lost slice gives no error.
+# On a resume from the folder Accelerate 1.14 wrote, rank 1's `lora_B` is all zero; from
+# 1.15's, no rank's. And 1.15 cannot read a folder 1.14 wrote: the file holds DTensors
+# (rank 0's slices, pickled with their mesh), and `set_model_state_dict` fails as it
+# broadcasts the first of them from rank 0; the rank 0 slices it holds are all there is of
+# that run's adapter. Upgrade to Accelerate 1.15 or later before saving, or save with `fsdp_config={"state_dict_type": "SHARDED_STATE_DICT",
+# ...}`, and keep a check like this one after a resume: a lost slice gives no error.
 #
 # (peft-resume-script)=
 # ## The script to copy

@@ -240,7 +240,8 @@ FIXES = {
     "_scaled_dot_product_flash_attention_for_cpu": "Context parallelism replaces only the GPU attention kernels; "
     "run it on GPUs: :ref:`tp-context-parallel`.",
     "does not have a sharding strategy registered": "Work on ``to_local()`` shards, or ``register_sharding`` for the "
-    "op: :ref:`tip-no-sharding-strategy`.",
+    "op: :ref:`tip-no-sharding-strategy`; from ``c10d.broadcast_`` loading a LoRA full state dict written by "
+    "Accelerate 1.14 (it holds rank 0's DTensor slices), the file cannot be repaired: :ref:`peft-resume-check`.",
     "Attempted to call function marked as skipped": "Under ``fullgraph=True``, dynamo met FSDP2's hooks (wrapped in "
     "``torch._dynamo.disable``): compile each block after ``fully_shard``, not the root: :ref:`compile-where`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "

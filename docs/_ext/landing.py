@@ -101,7 +101,7 @@ GROUPS = {
             ),
             "peft_resume": (
                 "Resume LoRA through Accelerate",
-                "The Trainer's full state dict kept rank 0's adapter slice (accelerate 1.14); check every rank.",
+                "The Trainer's full state dict kept only rank 0's adapter slices (accelerate 1.14); check every rank.",
             ),
             "hf_dcp_export": (
                 "Hugging Face weights from every rank",

@@ -8,8 +8,9 @@ dict. A run trains 4 steps without stopping; another trains 2 steps, saves model
 with save_fsdp_model(..., adapter_only=True) and save_fsdp_optimizer (the Trainer's calls), builds
 both again with every adapter set to zero, loads them, checks that no rank's lora_B is all zero
 and trains 2 more steps. Rank 0 prints whether every rank's adapter slice came back exactly and
-whether the resumed losses equal the uninterrupted run's. With accelerate 1.14 and earlier, a
-full state dict kept rank 0's slices only (accelerate#4206). Nothing is downloaded. Each rank
+whether the resumed losses equal the uninterrupted run's (bit for bit on CPU ranks; GPU kernels
+that are not deterministic may change the last bits). With accelerate 1.14 (and the FSDP2
+releases before it), a full state dict kept rank 0's slices only (accelerate#4206). Nothing is downloaded. Each rank
 computes on its accelerator (GPU) where there is one, else on the CPU (over gloo); on CPU ranks
 Accelerate does not shard by itself, and the script gives its state the plugin as GPU ranks get it.
 """
@@ -17,7 +18,6 @@ Accelerate does not shard by itself, and the script gives its state the plugin a
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,25 +101,30 @@ def adapter_slices(model):
 
 
 def ranks_with_zero_lora_b(model):
-    """The ranks whose every lora_B slice is zero after a load: peft starts lora_B at zero, so
-    these resumed without their part of the adapter (the check to keep after a resume)."""
-    local = sum(
-        float(p.detach().to_local().float().square().sum())
-        for n, p in model.named_parameters()
-        if "lora_B" in n
-    )
+    """The ranks holding lora_B values, all zero (or NaN) after a load: with peft's default
+    initialisation lora_B starts at zero, so these resumed without their part of the adapter
+    (the check to keep after a resume)."""
+    lora_b = [p.detach().to_local() for n, p in model.named_parameters() if "lora_B" in n]
+    held = (sum(p.numel() for p in lora_b), sum(float(p.float().square().sum()) for p in lora_b))
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, local)
-    return [rank for rank, value in enumerate(every) if value == 0.0]
+    dist.all_gather_object(every, held)
+    return [rank for rank, (count, squares) in enumerate(every) if count > 0 and not squares > 0]
 
 
 def main(folder):
     accelerator = fsdp2_accelerator()  # starts the process group, from torchrun's variables
-    plugin = accelerator.state.fsdp_plugin
     checkpoint = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(checkpoint)  # one folder that every rank saves into
-    checkpoint = Path(checkpoint[0])
+    try:
+        resume_and_check(accelerator, folder, checkpoint[0])
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(checkpoint[0])
+    accelerator.end_training()  # destroys the process group Accelerate made
 
+
+def resume_and_check(accelerator, folder, checkpoint):
+    plugin = accelerator.state.fsdp_plugin
     model, optimizer = prepared(accelerator, folder)
     never_stopped = train(accelerator, model, optimizer, steps=[0, 1, 2, 3])
 
@@ -152,9 +157,6 @@ def main(folder):
             f"resumed losses equal the uninterrupted run's on every rank: {all(s for _, s in every)}"
         )
     dist.barrier()  # every rank has loaded before the checkpoint goes
-    if dist.get_rank() == 0:
-        shutil.rmtree(checkpoint)
-    accelerator.end_training()  # destroys the process group Accelerate made (after the barrier above)
 
 
 if __name__ == "__main__":
