@@ -104,9 +104,8 @@ args = TrainingArguments(
 )
 trainer_default = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args).state_dict_type.name
 print(f"the Trainer, fsdp_config={{'version': 2}}: state_dict_type {trainer_default}")
-print(
-    f"Accelerate's plugin, fsdp_version=2: state_dict_type {FullyShardedDataParallelPlugin(fsdp_version=2).state_dict_type.name}"
-)
+accelerate_default = FullyShardedDataParallelPlugin(fsdp_version=2).state_dict_type.name
+print(f"Accelerate's plugin, fsdp_version=2: state_dict_type {accelerate_default}")
 
 # %% [markdown]
 # A full state dict is what a Trainer with an FSDP2 config saves unless the config names
@@ -329,13 +328,8 @@ pictures = {
 }
 figure, axes = plt.subplots(1, 3, figsize=(7, 3.2), sharey=True)
 for ax, (title, weight) in zip(axes, pictures.items()):
-    ax.imshow(
-        weight.abs().numpy(),
-        aspect="auto",
-        cmap="viridis",
-        vmin=0,
-        vmax=float(trained_lora_b.abs().max()),
-    )
+    top = float(trained_lora_b.abs().max())
+    ax.imshow(weight.abs().numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=top)
     ax.axhline(31.5, color="white", linewidth=1, linestyle="--")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("rank of the adapter (8)")
@@ -363,11 +357,8 @@ import accelerate.utils.fsdp_utils as fsdp_utils
 print(inspect.getsource(fsdp_utils._get_model_state_dict))
 loading = inspect.getsource(fsdp_utils.load_fsdp_model)
 start = loading.rindex("\n", 0, loading.index("# we want an empty state dict")) + 1
-print(
-    textwrap.dedent(
-        loading[start : loading.index("state_dict = {}", start) + len("state_dict = {}")]
-    )
-)
+end = loading.index("state_dict = {}", start) + len("state_dict = {}")
+print(textwrap.dedent(loading[start:end]))
 
 # %% [markdown]
 # (peft-resume-check)=
