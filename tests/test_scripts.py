@@ -711,6 +711,12 @@ def _every_rank_resumed_its_adapter(out: str) -> None:
     assert "resumed losses equal the uninterrupted run's on every rank: True" in out, out
 
 
+def _gathered_muon_exact_shard_local_not(out: str) -> None:
+    assert "GatheredMuon: equal to torch.optim.Muon on the whole gradients: True (0.0e+00)" in out, out
+    found = re.search(r"Muon on each shard: equal: False, max \|weight difference\| = (\S+)", out)
+    assert found and float(found[1]) > 1e-3, out  # another optimizer; NaN fails the comparison
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
@@ -739,6 +745,7 @@ CLAIMS = {
     "qlora_pitfalls": (2, _pitfalls_reproduced_and_fixed),
     "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
     "fsdp_config_map": (2, _sharded_as_accelerate_like_one_process),
+    "muon": (2, _gathered_muon_exact_shard_local_not),
     "peft_resume": (2, _every_rank_resumed_its_adapter),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),

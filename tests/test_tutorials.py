@@ -90,6 +90,7 @@ def test_every_tutorial_is_tested():
         "mfu",
         "migration",
         "mixed_precision",
+        "muon",
         "no_sync",
         "outside_forward",
         "peft_resume",
@@ -347,6 +348,27 @@ def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_the_keys_that_vanish(exe
     variable = rows.pop("FSDP_ACTIVATION_CHECKPOINTING=true in the environment")
     assert variable == ["OffloadPolicy()", "True", "True", "None", "(nothing)"], variable
     assert len(rows) == 3 and all(row == plain for row in rows.values()), rows  # each dropped, without a word
+
+
+def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):
+    text = _text_outputs(executed["muon"])
+    found = re.search(r"rows 0-3 .* alone: max \|difference\| = (\S+)", text)
+    assert found and float(found[1]) > 0.05, text  # the rows of the result are not the result for the rows
+    rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 6}
+    assert rows.pop("optimizer")[0] == "max |weight - one process|"  # the header
+    torch_muon, local, sharded = rows["torch.optim.Muon"], rows["Muon on each shard"], rows["ShardedMuon"]
+    # ShardedMuon: one process's weights bit for bit, in bf16 and in float32, two all-to-alls, fewer bytes than FSDP's
+    assert float(sharded[0]) == 0.0 and float(sharded[1]) == 0.0 and sharded[2] == "2 all-to-all", sharded
+    assert 0 < float(sharded[4]) < 1, sharded
+    # torch's Muon: right up to bf16 rounding (float32 rounding when iterating in float32), many collectives
+    assert 0 < float(torch_muon[0]) < float(local[0]) / 5 and float(torch_muon[1]) < 1e-6, torch_muon
+    assert "all-gather" in torch_muon[2] and float(torch_muon[4]) > 1, torch_muon
+    # on each shard: no collective, and wrong whatever the precision (NaN fails these)
+    assert local[2] == "none" and float(local[0]) > 1e-3 and float(local[1]) > 1e-3, local
+    adamw = rows["AdamW"]  # pointwise: exact, nothing in its step
+    assert float(adamw[0]) == 0.0 and float(adamw[1]) == 0.0 and adamw[2] == "none", adamw
+    glued = _glued(executed["muon"])
+    assert glued["gap_2"] == "'0.0e+00'" and float(glued["ratio_0"].strip("'")) > 1, glued
 
 
 def test_peft_resume_loses_other_ranks_adapter_with_1_14_full_and_restores_every_slice_otherwise(executed):

@@ -44,6 +44,10 @@ GROUPS = {
         "The mistakes that train silently wrong, and the rules that avoid them.",
         {
             "pitfalls": ("The step on shards", "Clip by the global norm, the optimizer after sharding, pointwise."),
+            "muon": (
+                "Muon on shards",
+                "Newton-Schulz needs whole matrices: two all-to-alls a step, equal to one process bit for bit.",
+            ),
             "outside_forward": ("Outside forward", "Other methods, edited weights and DTensor operations, done right."),
             "checkpoint_placement": ("Checkpointing inside the unit", "Collectives counted for every placement."),
             "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
