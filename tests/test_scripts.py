@@ -717,6 +717,14 @@ def _gathered_muon_exact_shard_local_not(out: str) -> None:
     assert found and float(found[1]) > 1e-3, out  # another optimizer; NaN fails the comparison
 
 
+def _two_ranks_are_two_micro_batches_the_bug_far_above(out: str) -> None:
+    assert "FSDP2 on 2 ranks vs one process in 2 micro-batches: bit-equal True" in out, out
+    found = re.search(r"2 micro-batches (\S+), FSDP2 (\S+), the bug (\S+)", out)
+    assert found, out
+    split, sharded, bug = map(float, found.groups())
+    assert split == sharded and 0 < split < 1e-5 and bug > 100 * split, out  # NaN fails these
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
@@ -746,6 +754,7 @@ CLAIMS = {
     "trainer_fsdp": (2, _trainer_fell_back_to_ddp),
     "fsdp_config_map": (2, _sharded_as_accelerate_like_one_process),
     "muon": (2, _gathered_muon_exact_shard_local_not),
+    "world_sizes": (2, _two_ranks_are_two_micro_batches_the_bug_far_above),
     "peft_resume": (2, _every_rank_resumed_its_adapter),
     "frozen_weights": (2, _frozen_dtype_rule_and_traffic),
     "finetune_hf": (2, _save_pretrained_round_trip),

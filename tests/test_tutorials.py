@@ -116,6 +116,7 @@ def test_every_tutorial_is_tested():
         "trainer_fsdp",
         "uneven_experts",
         "weight_sync",
+        "world_sizes",
     ]
 
 
@@ -350,10 +351,37 @@ def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_the_keys_that_vanish(exe
     assert len(rows) == 3 and all(row == plain for row in rows.values()), rows  # each dropped, without a word
 
 
+def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bug_stands_far_above_rounding(executed):
+    text = _text_outputs(executed["world_sizes"])
+    rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 5}
+    assert rows.pop("run")[-1] == "bit-equal (gradients and weights) to"  # the header
+    twins = {run: set(row[-1].split("; ")) - {"none"} for run, row in rows.items()}
+    one = {"one process", "one process, again", "FSDP2, 1 rank", "DDP, 1 rank"}
+    two = {"one process, 2 micro-batches", "FSDP2, 2 ranks", "DDP, 2 ranks", "FSDP2, 2 ranks again"}
+    for group in (one, two):  # each bit-equal to the others of its group, and to nothing else
+        for run in group:
+            assert twins[run] == group - {run}, (run, twins[run])
+    for run in (
+        "one process, 4 micro-batches",
+        "FSDP2, 4 ranks",
+        "DDP, 4 ranks",
+        "FSDP2, 2 ranks on the same rows (a bug)",
+    ):
+        assert twins[run] == set(), (run, twins[run])
+    gaps = {run: [float(x) for x in row[:3]] for run, row in rows.items()}
+    rounding = max(max(g) for run, g in gaps.items() if "bug" not in run)
+    assert 0 < rounding < 1e-5, gaps  # close, not equal; NaN fails this
+    assert all(x == 0 for run in one for x in gaps[run]), gaps
+    assert min(gaps["FSDP2, 2 ranks on the same rows (a bug)"]) > 100 * rounding, gaps
+    glued = _glued(executed["world_sizes"])
+    assert float(glued["bug_over_floor"].strip("'")) > 100, glued
+
+
 def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):
     text = _text_outputs(executed["muon"])
     found = re.search(r"rows 0-3 .* alone: max \|difference\| = (\S+)", text)
     assert found and float(found[1]) > 0.05, text  # the rows of the result are not the result for the rows
+    assert re.search(r"FSDP2's forward and backward: .* bytes \(the same in every run: True\)", text)
     rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 6}
     assert rows.pop("optimizer")[0] == "max |weight - one process|"  # the header
     torch_muon, local, sharded = rows["torch.optim.Muon"], rows["Muon on each shard"], rows["ShardedMuon"]

@@ -233,7 +233,7 @@ FIXES = {
     "in-place operations that require placement changes": "Adafactor's in-place update of a partial DTensor norm "
     "is refused: use a pointwise optimizer (:ref:`pitfalls-pointwise-optimizers`).",
     "Muon only supports 2D parameters": "FSDP1 hands Muon flat 1-D shards; FSDP2 keeps each parameter 2-D: "
-    ":ref:`pitfalls-pointwise-optimizers`.",
+    ":ref:`pitfalls-pointwise-optimizers`; Muon on FSDP2 with two collectives a step: :ref:`tutorial-muon`.",
     "returned a view tensor": "Here from ``CommDebugMode``'s hooks, harmless "
     "(:ref:`pitfalls-checkpoint-inside-unit` explains); in your own model, modify outputs out of place, or "
     "``.clone()`` them first.",

@@ -46,12 +46,16 @@ GROUPS = {
             "pitfalls": ("The step on shards", "Clip by the global norm, the optimizer after sharding, pointwise."),
             "muon": (
                 "Muon on shards",
-                "Newton-Schulz needs whole matrices: two all-to-alls a step, equal to one process bit for bit.",
+                "Newton-Schulz needs whole matrices: route each to one rank, equal to one process bit for bit.",
             ),
             "outside_forward": ("Outside forward", "Other methods, edited weights and DTensor operations, done right."),
             "checkpoint_placement": ("Checkpointing inside the unit", "Collectives counted for every placement."),
             "deterministic_init": ("Deterministic init", "Why N ranks can end up with N identical shards."),
             "loss_and_accumulation": ("Loss and accumulation", "Normalise the loss over ranks and micro-batches."),
+            "world_sizes": (
+                "Equal across world sizes?",
+                "What is bit-equal on 1, 2 and 4 ranks, what is rounding, and how to tell a bug from it.",
+            ),
             "no_sync": ("Accumulating without sync", "What skipping the gradient sync saves, and costs."),
             "enable_wrap": (
                 "Choosing units",

@@ -32,7 +32,7 @@ class GatheredMuon(torch.optim.Muon):
     """torch.optim.Muon for FSDP2's sharded matrices: each update orthogonalised whole, on every rank."""
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # DCP's loading steps a fresh optimizer, with closure=None
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # torch's: the momentum buffers
@@ -64,20 +64,23 @@ def optimizers(model, muon):
     return muon(hidden), torch.optim.AdamW(rest, lr=1e-2)
 
 
-def on_each_shard(hidden):
-    """The wrong way: torch's Muon over this rank's rows alone (views of the local shards)."""
-    with torch.no_grad():
-        shards = [p.to_local() for p in hidden]
-    muon = torch.optim.Muon(shards, lr=1e-2)
-    step = muon.step
+class MuonOnEachShard:
+    """The wrong way: torch's Muon over each rank's rows alone (its shards, as plain tensors)."""
 
-    def step_on_shards():
-        for shard, p in zip(shards, hidden):
-            shard.grad = p.grad.to_local()
-        step()
+    def __init__(self, hidden):
+        with torch.no_grad():
+            self.shards = [p.to_local() for p in hidden]  # views of the rows this rank holds
+        self.hidden, self.muon = hidden, torch.optim.Muon(self.shards, lr=1e-2)
 
-    muon.step = step_on_shards
-    return muon
+    def step(self):
+        for shard, p in zip(self.shards, self.hidden):
+            shard.grad = p.grad.to_local()  # the rows of the sharded gradient
+        self.muon.step()
+
+    def zero_grad(self):
+        self.muon.zero_grad()
+        for p in self.hidden:
+            p.grad = None
 
 
 def largest_difference(make_muon, device):
@@ -104,7 +107,10 @@ def largest_difference(make_muon, device):
             optimizer.step()
             optimizer.zero_grad()
     pairs = zip(model.parameters(), copy.parameters())
-    return max(float((p.detach().full_tensor() - q.detach()).abs().max()) for p, q in pairs)
+    # torch's max over every parameter's largest difference: a NaN anywhere is the result
+    return float(
+        torch.stack([(p.detach().full_tensor() - q.detach()).abs().max() for p, q in pairs]).max()
+    )
 
 
 def main():
@@ -123,7 +129,7 @@ def main():
         dist.get_default_backend_for_device(device)
     )  # NCCL on GPUs, gloo on the CPU
     gathered = largest_difference(lambda ps: GatheredMuon(ps, lr=1e-2), device)
-    local = largest_difference(lambda ps: on_each_shard(ps), device)
+    local = largest_difference(MuonOnEachShard, device)
     if dist.get_rank() == 0:
         print(
             f"GatheredMuon: equal to torch.optim.Muon on the whole gradients: {gathered == 0} ({gathered:.1e})"
