@@ -351,30 +351,36 @@ def test_trainer_fsdp_shows_the_silent_ddp_fallback_and_the_keys_that_vanish(exe
     assert len(rows) == 3 and all(row == plain for row in rows.values()), rows  # each dropped, without a word
 
 
-def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bug_stands_far_above_rounding(executed):
+def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bugs_stand_far_above_rounding(executed):
     text = _text_outputs(executed["world_sizes"])
     rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 5}
     assert rows.pop("run")[-1] == "bit-equal (gradients and weights) to"  # the header
     twins = {run: set(row[-1].split("; ")) - {"none"} for run, row in rows.items()}
     one = {"one process", "one process, again", "FSDP2, 1 rank", "DDP, 1 rank"}
-    two = {"one process, 2 micro-batches", "FSDP2, 2 ranks", "DDP, 2 ranks", "FSDP2, 2 ranks again"}
-    for group in (one, two):  # each bit-equal to the others of its group, and to nothing else
+    two = {"one process, 2 micro-batches", "FSDP2, 2 ranks", "DDP, 2 ranks"}
+    four = {"FSDP2, 4 ranks", "FSDP2, 4 ranks again"}
+    for group in (one, two, four):  # each bit-equal to the others of its group, and to nothing else
         for run in group:
             assert twins[run] == group - {run}, (run, twins[run])
-    for run in (
+    alone = set(rows) - one - two - four
+    assert alone == {
         "one process, 4 micro-batches",
-        "FSDP2, 4 ranks",
         "DDP, 4 ranks",
-        "FSDP2, 2 ranks on the same rows (a bug)",
-    ):
-        assert twins[run] == set(), (run, twins[run])
+        "FSDP2, 2 ranks, same rows (a bug)",
+        "FSDP2, 2 ranks, gradients summed (a bug)",
+    }
+    assert all(twins[run] == set() for run in alone), twins
     gaps = {run: [float(x) for x in row[:3]] for run, row in rows.items()}
-    rounding = max(max(g) for run, g in gaps.items() if "bug" not in run)
-    assert 0 < rounding < 1e-5, gaps  # close, not equal; NaN fails this
+    assert all(math.isfinite(x) for gap in gaps.values() for x in gap), gaps
+    rounding = max(max(gap) for run, gap in gaps.items() if "bug" not in run)
+    assert 0 < rounding < 1e-5, gaps  # close, not equal
     assert all(x == 0 for run in one for x in gaps[run]), gaps
-    assert min(gaps["FSDP2, 2 ranks on the same rows (a bug)"]) > 100 * rounding, gaps
-    glued = _glued(executed["world_sizes"])
-    assert float(glued["bug_over_floor"].strip("'")) > 100, glued
+    data_bug, scale_bug = gaps["FSDP2, 2 ranks, same rows (a bug)"], gaps["FSDP2, 2 ranks, gradients summed (a bug)"]
+    assert min(data_bug) > 100 * rounding and scale_bug[1] > 100 * rounding, gaps  # both, in the first gradients
+    glued = {name: float(value.strip("'").replace(",", "")) for name, value in _glued(executed["world_sizes"]).items()}
+    assert glued["data_bug_over_floor"] > 100 and glued["scale_bug_over_floor"] > 100, glued
+    # the scale bug barely shows in the losses: far below the data bug's, within 100 times rounding's
+    assert glued["scale_bug_losses"] < 100 * glued["rounding_losses"] and scale_bug[0] < data_bug[0] / 100, glued
 
 
 def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):

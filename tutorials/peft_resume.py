@@ -144,7 +144,7 @@ def prepared(workdir, state_dict_type):
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
         "state_dict_type": state_dict_type,
     }
-    on_cpu = fsdp_guide.device().type == "cpu"
+    on_cpu = fsdp_guide.device().type == "cpu"  # cpu-only: Accelerate's use_cpu flag
     args = TrainingArguments(
         str(workdir / "args"), fsdp=True, fsdp_config=fsdp_config, use_cpu=on_cpu, report_to=[]
     )
@@ -317,7 +317,7 @@ for code in ("1.14", "1.15"):
 # uninterrupted run's, bit for bit. The picture: layer 0's `q_proj` adapter `lora_B` (64 rows,
 # 32 on each rank) as training left it and as each full-state-dict resume found it.
 
-# %%
+# %% mystnb={"image": {"alt": "Three heat maps of layer 0's q_proj lora_B, 64 rows by 8 columns, with a dashed line between rank 0's rows 0 to 31 and rank 1's rows 32 to 63: as trained before saving; after a full-state-dict resume with Accelerate 1.14, rank 0's half as trained and rank 1's half all zero (dark); after one with Accelerate 1.15, the same as trained."}}
 import matplotlib.pyplot as plt
 
 _, trained_lora_b, ways = results[0]

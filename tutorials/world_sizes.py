@@ -16,13 +16,13 @@
 # # Equal across world sizes?
 #
 # **What you will learn**: what stays bit-equal when the same global batch trains on 1, 2
-# or 4 ranks, and what is only close; why (the order in which numbers are summed, nothing
-# else, in this run); and a rule for telling a real divergence from rounding: compare it
-# with one process trained on the same batch in micro-batches.
+# or 4 ranks, and what is only close; why (the order in which numbers are summed, here);
+# and a rule for telling a real divergence from rounding: compare the first gradients with
+# one process's on the same batch in micro-batches.
 #
-# **What you need**: a CPU; up to 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU per
-# rank (NCCL), but no GPU run of it is recorded: what GPUs change is said below as
-# expectation. The tips are listed {ref}`at the end <world-sizes-tips>`. Its idea as a plain
+# **What you need**: a CPU; up to 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# This page is about the CPU: every run, ranks and one process, computes there (`backend="gloo"`),
+# where each is deterministic; what GPUs change is said below as expectation. The tips are listed {ref}`at the end <world-sizes-tips>`. Its idea as a plain
 # torchrun script to copy: {ref}`world-sizes-script` ({download}`download <scripts/world_sizes.py>`).
 
 # %%
@@ -71,20 +71,20 @@ def one_process(micro_batches=1):
     losses, first = [], None
     for step in range(STEPS):
         x, y = batch(step)
-        loss = 0.0
+        loss = torch.zeros(())
         for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
             part = F.mse_loss(model(xs), ys) / micro_batches  # each micro-batch's share of the mean
             part.backward()
-            loss += part.item()
+            loss += part.detach()  # in float32, as the ranks' losses are summed
         if step == 0:
             first = flat(p.grad for p in model.parameters())
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss)
+        losses.append(loss.item())
     return losses, first, flat(model.parameters())
 
 
-def sharded(kind, same_rows=False):
+def sharded(kind, bug=None):
     import fsdp_guide
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -96,23 +96,30 @@ def sharded(kind, same_rows=False):
         for layer in model[::2]:
             fully_shard(layer)
         fully_shard(model)
+        if bug == "gradients summed":  # not averaged over the ranks: a missed division
+            for layer in model[::2]:
+                layer.set_gradient_divide_factor(1.0)  # divide by 1: a sum
+                layer.set_force_sum_reduction_for_comms(
+                    True
+                )  # as a SUM with scaling (gloo has no PREMUL_SUM)
     else:
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, first = [], None
     for step in range(STEPS):
-        x, y = (t.to(device).chunk(world)[0 if same_rows else rank] for t in batch(step))
+        rows = 0 if bug == "same rows" else rank  # the bug: every rank on the first rows
+        x, y = (t.to(device).chunk(world)[rows] for t in batch(step))
         loss = F.mse_loss(
             model(x), y
-        )  # the mean over this rank's rows; FSDP2 and DDP average the gradients
+        )  # this rank's rows' mean; FSDP2 and DDP average the gradients
         loss.backward()
         if step == 0:
             first = flat(p.grad for p in model.parameters())
         optimizer.step()
         optimizer.zero_grad()
-        every = [None] * world
-        dist.all_gather_object(every, loss.item())
-        losses.append(sum(every) / world)  # the mean over the batch, summed as one process sums it
+        loss = loss.detach() / world  # each rank's share of the batch's mean, summed in float32
+        dist.all_reduce(loss)
+        losses.append(loss.item())
     return losses, first, flat(model.parameters())
 
 
@@ -124,13 +131,16 @@ for world in (1, 2, 4):
     if world > 1:
         runs[f"one process, {world} micro-batches"] = one_process(world)
     for kind in ("FSDP2", "DDP"):
-        runs[f"{kind}, {world} rank{'s' * (world > 1)}"] = launch(
-            sharded, kind, world_size=world, output="none"
-        )[0]
-runs["FSDP2, 2 ranks again"] = launch(sharded, "FSDP2", world_size=2, output="none")[0]
-runs["FSDP2, 2 ranks on the same rows (a bug)"] = launch(
-    sharded, "FSDP2", True, world_size=2, output="none"
+        name = f"{kind}, {world} rank{'s' * (world > 1)}"
+        runs[name] = launch(sharded, kind, world_size=world, backend="gloo", output="none")[0]
+runs["FSDP2, 4 ranks again"] = launch(
+    sharded, "FSDP2", world_size=4, backend="gloo", output="none"
 )[0]
+for bug in ("same rows", "gradients summed"):
+    runs[f"FSDP2, 2 ranks, {bug} (a bug)"] = launch(
+        sharded, "FSDP2", bug, world_size=2, backend="gloo", output="none"
+    )[0]
+assert all(torch.isfinite(torch.tensor(run[0])).all() for run in runs.values())  # no NaN below
 
 # %%
 from fsdp_guide.table import Table
@@ -159,42 +169,62 @@ first_gaps = {name: float((run[1] - reference[1]).abs().max()) for name, run in 
 floor = max(
     gap for name, gap in first_gaps.items() if "bug" not in name
 )  # the largest rounding here
-bug = first_gaps["FSDP2, 2 ranks on the same rows (a bug)"]
+data_bug, scale_bug = (
+    first_gaps[f"FSDP2, 2 ranks, {bug} (a bug)"] for bug in ("same rows", "gradients summed")
+)
+loss_gaps = {
+    name: max(abs(a - b) for a, b in zip(run[0], reference[0])) for name, run in runs.items()
+}
 glue("floor", f"{floor:.0e}", display=False)
-glue("bug_over_floor", f"{bug / floor:.0e}", display=False)
-columns = ["run", "first loss", "first gradients", "weights after 20 steps"]
+glue("data_bug_over_floor", f"{data_bug / floor:,.0f}", display=False)
+glue("scale_bug_over_floor", f"{scale_bug / floor:,.0f}", display=False)
+glue(
+    "scale_bug_losses",
+    f"{loss_gaps['FSDP2, 2 ranks, gradients summed (a bug)']:.0e}",
+    display=False,
+)
+glue(
+    "rounding_losses",
+    f"{max(g for n, g in loss_gaps.items() if 'bug' not in n):.0e}",
+    display=False,
+)
+columns = ["run", "Δ first loss", "Δ first gradients", "Δ weights after 20 steps"]
 Table([*columns, "bit-equal (gradients and weights) to"], rows)
 
 # %% [markdown]
-# Differences are the largest absolute ones from the first run, one process on the whole
-# batch. Read from the last column:
+# Δ: the largest absolute difference from the first run, one process on the whole batch.
+# Read from the last column:
 #
-# - **The same run twice is bit-equal** (one process, and FSDP2 on 2 ranks): on the CPU
-#   nothing here varies from run to run.
+# - **The runs repeated here are bit-equal to their first runs** (one process, FSDP2 on 4
+#   ranks): on the CPU, a run is deterministic.
 # - **1 rank is one process**, FSDP2 and DDP alike.
 # - **2 ranks are one process with 2 micro-batches**, FSDP2 and DDP alike, bit for bit:
-#   each rank's half-batch gradient is what that micro-batch computes, and averaging two of
-#   them is one addition, which has no order.
-# - **4 ranks are only close**: four gradients summed in other orders (by gloo's
-#   reduce-scatter for FSDP2, its all-reduce for DDP, one after another for accumulation)
-#   round differently, so FSDP2 and DDP differ from each other too.
-# - **The whole batch at once differs from every split**, by rounding: a matrix product over
-#   16 rows sums in another order than two over 8.
+#   each rank's half-batch gradient is what that micro-batch computes; FSDP2 (gloo's
+#   average: a sum, then a division), DDP (a division, then a sum) and accumulation (the
+#   loss halved before backward) halve at different places, and halving is exact in binary
+#   floating point; adding two numbers has no order.
+# - **4 ranks are only close**: dividing by 4 is exact too, so what differs is the order in
+#   which four gradients are summed (gloo's reduce-scatter for FSDP2, its all-reduce for
+#   DDP, one after another for accumulation), and FSDP2 and DDP differ from each other too.
+#   With 3 ranks, where the division by 3 happens would matter as well.
+# - **The whole batch at once differs from every split**, by rounding: a weight's gradient
+#   sums over the batch's rows, in one product over 16 rows here, in two over 8 and one
+#   addition there.
 #
-# All of these differ by at most {glue:text}`floor` in the first gradients. The bug, both
-# ranks on the same rows, differs by {glue:text}`bug_over_floor` times that from the first step.
+# All of these differ by at most {glue:text}`floor` in the first gradients. Both bugs stand
+# far above that from the first step: every rank on the same rows by
+# {glue:text}`data_bug_over_floor` times, gradients summed instead of averaged (a missed
+# division) by {glue:text}`scale_bug_over_floor` times. But the second barely shows in the
+# losses: AdamW's step does not depend on the gradient's scale (but for its `eps`), so its
+# losses stay within {glue:text}`scale_bug_losses` of one process's, against
+# {glue:text}`rounding_losses` for rounding.
 
-# %%
+# %% mystnb={"image": {"alt": "Log-scale plot of the difference between each run's loss and one process's at each of 20 steps: one process in 4 micro-batches and FSDP2 on 4 ranks stay at rounding's size, or equal (no point); every rank on the same rows stays many orders of magnitude above from the first step; gradients summed instead of averaged stay close to rounding's size in the losses."}}
 import matplotlib.pyplot as plt
 
 figure, ax = plt.subplots(figsize=(7, 3.2))
-shown = [
-    "one process, 4 micro-batches",
-    "FSDP2, 4 ranks",
-    "DDP, 4 ranks",
-    "FSDP2, 2 ranks on the same rows (a bug)",
-]
-for name in shown:
+shown = ["one process, 4 micro-batches", "FSDP2, 4 ranks", "FSDP2, 2 ranks, same rows (a bug)"]
+for name in [*shown, "FSDP2, 2 ranks, gradients summed (a bug)"]:
     gaps = [
         abs(a - b) or float("nan") for a, b in zip(runs[name][0], reference[0])
     ]  # equal: no point
@@ -202,7 +232,7 @@ for name in shown:
 ax.set_xlabel("step")
 ax.set_ylabel("|loss - one process's| (no point: equal)", fontsize=8)
 ax.legend(fontsize=8)
-ax.set_title("Rounding stays at rounding's size; a bug starts far above it", fontsize=10)
+ax.set_title("Losses over 20 steps: rounding, a data bug, and a bug the losses hide", fontsize=10)
 figure.tight_layout()
 plt.show()
 
@@ -210,24 +240,35 @@ plt.show()
 # (world-sizes-rule)=
 # ## The rule
 #
-# Run the first step twice more in one process: once on the whole batch, once in as many
-# micro-batches as you have ranks (or any other split). Their difference is the rounding
-# this model and batch have. A sharded run whose first gradients (or losses) differ from one
-# process by about that much is rounding; one that differs by orders of magnitude more, from
-# the first step, computes something else: the data split, the loss normalisation
-# ({ref}`tutorial-loss-and-accumulation`), a missed reduction. In the figure, rounding stays
-# near its size step after step, and the bug starts far above it.
+# Run the first step twice in one process: once on the whole batch, once in as many
+# micro-batches as you have ranks. Their difference is the rounding this model and batch
+# have. A sharded run whose **first gradients** differ from one process's by about that
+# much is rounding; one that differs by orders of magnitude more computes something else:
+# the data split, a missed or doubled reduction, the loss normalisation with uneven batches
+# ({ref}`tutorial-loss-and-accumulation`; with equal batches per rank a mean of means is the
+# mean). Compare gradients: the forward does not see the reduction, and AdamW barely sees
+# the gradient's scale (through its `eps` only), so losses and weights move little. Start from the same weights (copied from the
+# sharded model's full state dict, {ref}`tutorial-deterministic-init`), with dropout off and
+# the same precision policy, and compare per tensor (a global maximum lets a bug in a small
+# tensor hide under another's rounding). Over long runs rounding grows too, which is why the
+# first step is the one to compare. The rule checks forward, backward and reduction; the
+# optimizer's own path (clipping, the schedule) needs its own step compared.
 #
-# What GPUs change, as expectation (no GPU run is recorded here): NCCL picks its reduction
-# algorithm (ring or tree) and protocol by size and topology, so the order of the sum can
-# change between world sizes and machines, and some CUDA kernels (atomics in scatter-add,
-# some convolution and attention backward paths) are not deterministic from run to run
-# unless `torch.use_deterministic_algorithms(True)` chooses others (or raises). Matrix
-# products on GPUs also depend on the batch shape: torchtitan's `batch_invariant_mode`
-# ([`docs/batch_invariant_mode.md`](https://github.com/pytorch/torchtitan)) swaps in kernels
-# whose result for a row does not depend on the other rows, which is what a bit-equal
-# comparison across world sizes needs there; torchtitan's `converging.md` compares loss
-# curves across parallelisms within a tolerance instead.
+# What GPUs change, as expectation (no GPU run is recorded here): NCCL chooses its algorithm
+# (ring, tree, and for reduce-scatter PAT or NVLS) and protocol by size, world size and
+# machine, so the order of a sum can change between world sizes and machines (deterministic
+# for a fixed job); some CUDA kernels (atomics in scatter-add, some convolution and
+# attention backward paths) differ from run to run unless
+# `torch.use_deterministic_algorithms(True)` chooses others or raises (cuBLAS then needs
+# `CUBLAS_WORKSPACE_CONFIG=:4096:8`). torchtitan's `DebugConfig(batch_invariant=True)`
+# ([`set_batch_invariance`](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/utils.py#L318-L396))
+# swaps in batch-invariant forward kernels and pins NCCL's reduction (`NCCL_ALGO`,
+# `NCCL_PROTO=Simple`, one channel) for bit-equal log-probabilities between an inference
+# engine and the trainer; it makes a forward independent of the other rows, not the
+# gradients of a batch split otherwise. torchtitan's
+# [`converging.md`](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/docs/converging.md)
+# overlays loss curves across parallelisms instead, since accumulation orders differ (its
+# footnote 2).
 #
 # (world-sizes-script)=
 # ## The script to copy

@@ -6,7 +6,7 @@ Every rank takes its rows of the same global batch and runs one forward and back
 rank 0 then runs the same step in one process, on the whole batch and in as many micro-batches as
 there are ranks (each micro-batch's loss divided by their number, the gradients accumulated). It
 prints whether the sharded gradients are bit-equal to the micro-batched ones (on 2 CPU ranks they
-are: averaging two gradients is one addition, whichever way it is made), the largest difference of
+are: halving is exact and adding two gradients has no order; with 3 or more, only close), the largest difference of
 each from the whole batch's (rounding: summing 16 rows in one product differs from two of 8), and
 the same for a deliberate bug (each rank on the first rows): far above the rounding. Needs torch
 alone; each rank computes on its accelerator (GPU) where there is one, else on the CPU (over gloo).
