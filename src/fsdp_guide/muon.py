@@ -134,8 +134,8 @@ def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], grou
         else:  # whole on this rank: torch's Muon
             result[i] = _zeropower_via_newtonschulz(updates[i], **iterate)
     for mesh, indices in on_mesh.items():
-        group = mesh.get_group()
-        if mesh.get_local_rank() != dist.get_rank(group):  # a permuted mesh: its rows are not in group order
+        process_group = mesh.get_group()
+        if mesh.get_local_rank() != dist.get_rank(process_group):  # a permuted mesh: its rows are not in group order
             raise ValueError("ShardedMuon needs a mesh whose ranks are in order (as init_device_mesh makes them)")
         shapes = [params[i].shape for i in indices]
         for i in indices:
@@ -144,7 +144,7 @@ def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], grou
                     f"a parameter of shape {tuple(params[i].shape)} whose local rows ({updates[i].shape[0]}) "
                     "are not torch.chunk's: ShardedMuon takes fully_shard's (and distribute_tensor's) even split"
                 )
-        rows = _route_and_orthogonalise(group, shapes, [updates[i] for i in indices], iterate)
+        rows = _route_and_orthogonalise(process_group, shapes, [updates[i] for i in indices], iterate)
         for i, mine in zip(indices, rows):
             result[i] = mine
     return result
