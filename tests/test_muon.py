@@ -45,7 +45,10 @@ def _steps_against_one_process(steps: int, shapes, unused=(), plain=False, **muo
     groups = [list(sharded.parameters())] + ([[extra]] if plain else [])
     their_groups = [list(alone)[: len(shapes)]] + ([[alone[-1]]] if plain else [])
     half = float(torch.as_tensor(muon.get("lr", 1e-3))) / 2
-    mine = ShardedMuon([{"params": g} for g in groups[:1]] + [{"params": g, "lr": half} for g in groups[1:]], **muon)
+    # the first group as a generator (model.parameters()), as optimizers are often given it
+    mine = ShardedMuon(
+        [{"params": iter(g)} for g in groups[:1]] + [{"params": g, "lr": half} for g in groups[1:]], **muon
+    )
     theirs = torch.optim.Muon(
         [{"params": g} for g in their_groups[:1]] + [{"params": g, "lr": half} for g in their_groups[1:]], **muon
     )

@@ -379,8 +379,8 @@ def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bugs_stand
     assert min(data_bug) > 100 * rounding and scale_bug[1] > 100 * rounding, gaps  # both, in the first gradients
     glued = {name: float(value.strip("'").replace(",", "")) for name, value in _glued(executed["world_sizes"]).items()}
     assert glued["data_bug_over_floor"] > 100 and glued["scale_bug_over_floor"] > 100, glued
-    # the scale bug barely shows in the losses: far below the data bug's, within 100 times rounding's
-    assert glued["scale_bug_losses"] < 100 * glued["rounding_losses"] and scale_bug[0] < data_bug[0] / 100, glued
+    # the scale bug barely shows in the losses: far below the data bug's, within 10 times rounding's
+    assert glued["scale_bug_losses"] < 10 * glued["rounding_losses"] and scale_bug[0] < data_bug[0] / 100, glued
 
 
 def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):
@@ -397,6 +397,7 @@ def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local
     # torch's Muon: right up to bf16 rounding (float32 rounding when iterating in float32), many collectives
     assert 0 < float(torch_muon[0]) < float(local[0]) / 5 and float(torch_muon[1]) < 1e-6, torch_muon
     assert "all-gather" in torch_muon[2] and float(torch_muon[4]) > 1, torch_muon
+    assert sum(int(n) for n in re.findall(r"(\d+) all-", torch_muon[2])) >= 24, torch_muon  # "dozens"
     # on each shard: no collective, and wrong whatever the precision (NaN fails these)
     assert local[2] == "none" and float(local[0]) > 1e-3 and float(local[1]) > 1e-3, local
     adamw = rows["AdamW"]  # pointwise: exact, nothing in its step

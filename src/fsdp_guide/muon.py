@@ -83,7 +83,11 @@ class ShardedMuon(Muon):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, after checking each DTensor's placement (a group added later is checked too)."""
         params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error, unchanged
+            params = list(params)  # a generator, such as model.parameters(), is read once, here
+            param_group = {**param_group, "params": params}
         for p in [params] if isinstance(params, torch.Tensor) else params:
+            p = p[1] if isinstance(p, tuple) else p  # (name, parameter) pairs, as torch takes them
             if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or p.placements != (Shard(0),)):
                 raise ValueError(
                     f"ShardedMuon takes parameters sharded on dimension 0 of a 1-D mesh (fully_shard's "

@@ -33,6 +33,10 @@ class GatheredMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):  # DCP's loading steps a fresh optimizer, with closure=None
+        loss = None
+        if closure is not None:  # as torch's optimizers do: the closure recomputes the loss
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # torch's: the momentum buffers
@@ -41,13 +45,13 @@ class GatheredMuon(torch.optim.Muon):
                 buffer.lerp_(grad, 1 - group["momentum"])
                 update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
                 iterate = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-                whole = _zeropower_via_newtonschulz(
-                    update.full_tensor(), *iterate
-                )  # one all-gather
+                # The whole update on every rank (one all-gather), orthogonalised by torch's iteration.
+                whole = _zeropower_via_newtonschulz(update.full_tensor(), *iterate)
                 # This rank's rows of the result, sliced locally (src_data_rank=None: nothing sent).
                 mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(mine, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 def build(device):

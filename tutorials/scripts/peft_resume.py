@@ -9,8 +9,9 @@ with save_fsdp_model(..., adapter_only=True) and save_fsdp_optimizer (the Traine
 both again with every adapter set to zero, loads them, checks that no rank's lora_B is all zero
 and trains 2 more steps. Rank 0 prints whether every rank's adapter slice came back exactly and
 whether the resumed losses equal the uninterrupted run's (bit for bit on CPU ranks; GPU kernels
-that are not deterministic may change the last bits). With accelerate 1.14 (and the FSDP2
-releases before it), a full state dict kept rank 0's slices only (accelerate#4206). Nothing is downloaded. Each rank
+that are not deterministic may change the last bits). With accelerate 1.14 (and, by
+accelerate#4206, earlier FSDP2 releases), a full state dict kept rank 0's slices only. Nothing is
+downloaded. One machine: rank 0 makes the checkpoint folder the others save into. Each rank
 computes on its accelerator (GPU) where there is one, else on the CPU (over gloo); on CPU ranks
 Accelerate does not shard by itself, and the script gives its state the plugin as GPU ranks get it.
 """
