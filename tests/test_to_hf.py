@@ -117,27 +117,31 @@ def _save_initial(base, directory):
     checkpoint.save(directory, 0, model, torch.optim.AdamW(model.parameters()))
 
 
-def test_the_conversion_holds_one_output_file_at_a_time_not_the_model(tmp_path):
+def _peak_rise_without_log_records(fn):
+    """``host_peak_rise(fn)`` with logging off: DCP logs 8 DEBUG records per load to a logger of its
+    own that discards them, but once something in this process has made that logger propagate (seen
+    in CI, after other tests in the same worker), pytest's capture keeps them all: for a conversion's
+    600, 2 to 4 MiB more (measured) that the harness holds, not the code measured."""
     from fsdp_guide.memory import host_peak_rise
 
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        return host_peak_rise(fn)
+    finally:
+        logging.disable(previous)
+
+
+def test_the_conversion_holds_one_output_file_at_a_time_not_the_model(tmp_path):
     big = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=2048)
     base = _save_llama(tmp_path / "base", **big)
     launch(_save_initial, base, tmp_path / "ckpt", world_size=2, output="none")
     model_mib = sum(t.numel() * 4 for t in load_file(base / "model.safetensors").values()) / 2**20
     checkpoint = latest(tmp_path / "ckpt")
     to_hf(checkpoint, tmp_path / "warm-up", config=base, max_shard_size="2MB")  # imports, caches: not measured
-    # No log records while measuring: DCP logs 8 DEBUG records per load to a logger of its own that
-    # discards them, but once something in this process has made that logger propagate (seen in CI,
-    # after other tests in the same worker), pytest's capture keeps all 600 of this conversion's,
-    # 2 to 4 MiB more (measured) that the harness holds, not the conversion.
-    previous = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        out, resident, private = host_peak_rise(
-            lambda: to_hf(checkpoint, tmp_path / "hf", config=base, dtype="fp32", max_shard_size="2MB")
-        )
-    finally:
-        logging.disable(previous)
+    out, resident, private = _peak_rise_without_log_records(
+        lambda: to_hf(checkpoint, tmp_path / "hf", config=base, dtype="fp32", max_shard_size="2MB")
+    )
     assert model_mib > 30 and len(list(out.glob("*.safetensors"))) > 10
     # a 2 MB file filled and serialized, a 1 MiB tensor read into a buffer and copied: about 6 MiB (6.3
     # measured), never the model's 30+
@@ -145,11 +149,7 @@ def test_the_conversion_holds_one_output_file_at_a_time_not_the_model(tmp_path):
     # and the measurement sees a whole model when one is held: DCP's own conversion loads it all at once
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    logging.disable(logging.CRITICAL)  # measured as the conversion above
-    try:
-        _, whole, _ = host_peak_rise(lambda: dcp_to_torch_save(checkpoint, tmp_path / "whole.pt"))
-    finally:
-        logging.disable(previous)
+    _, whole, _ = _peak_rise_without_log_records(lambda: dcp_to_torch_save(checkpoint, tmp_path / "whole.pt"))
     assert whole > model_mib, (whole, model_mib)
 
 

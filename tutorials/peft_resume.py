@@ -327,8 +327,8 @@ pictures = {
     "full, accelerate 1.15": ways["FULL_STATE_DICT", "1.15"]["lora_B"],
 }
 figure, axes = plt.subplots(1, 3, figsize=(7, 3.2), sharey=True)
+top = float(trained_lora_b.abs().max())  # one colour scale: the trained values'
 for ax, (title, weight) in zip(axes, pictures.items()):
-    top = float(trained_lora_b.abs().max())
     ax.imshow(weight.abs().numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=top)
     ax.axhline(31.5, color="white", linewidth=1, linestyle="--")
     ax.set_title(title, fontsize=9)

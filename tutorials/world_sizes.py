@@ -153,19 +153,19 @@ def bit_equal(a, b):
 
 
 reference = runs["one process"]
+first_gaps = {name: float((run[1] - reference[1]).abs().max()) for name, run in runs.items()}
 rows = []
-for name, (losses, first, weights) in runs.items():
+for name, (losses, _, weights) in runs.items():
     twins = [other for other in runs if other != name and bit_equal(runs[other], runs[name])]
     rows.append(
         [
             name,
             f"{abs(losses[0] - reference[0][0]):.1e}",
-            f"{float((first - reference[1]).abs().max()):.1e}",
+            f"{first_gaps[name]:.1e}",
             f"{float((weights - reference[2]).abs().max()):.1e}",
             "; ".join(twins) or "none",
         ]
     )
-first_gaps = {name: float((run[1] - reference[1]).abs().max()) for name, run in runs.items()}
 floor = max(
     gap for name, gap in first_gaps.items() if "bug" not in name
 )  # the largest rounding here

@@ -142,12 +142,6 @@ def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], grou
         if mesh.get_local_rank() != dist.get_rank(process_group):  # a permuted mesh: its rows are not in group order
             raise ValueError("ShardedMuon needs a mesh whose ranks are in order (as init_device_mesh makes them)")
         shapes = [params[i].shape for i in indices]
-        for i in indices:
-            if updates[i].shape[0] != _rows(params[i].shape[0], mesh.size())[mesh.get_local_rank()]:
-                raise ValueError(
-                    f"a parameter of shape {tuple(params[i].shape)} whose local rows ({updates[i].shape[0]}) "
-                    "are not torch.chunk's: ShardedMuon takes fully_shard's (and distribute_tensor's) even split"
-                )
         rows = _route_and_orthogonalise(process_group, shapes, [updates[i] for i in indices], iterate)
         for i, mine in zip(indices, rows):
             result[i] = mine
@@ -178,6 +172,12 @@ def _route_and_orthogonalise(group, shapes, updates, iterate) -> list[torch.Tens
     world, me, n = dist.get_world_size(group), dist.get_rank(group), len(shapes)
     owner = _owners(shapes, world)
     rows = [_rows(shape[0], world) for shape in shapes]  # rows[i][r]: rank r's rows of matrix i
+    for shape, update, split in zip(shapes, updates, rows):
+        if update.shape[0] != split[me]:
+            raise ValueError(
+                f"a parameter of shape {tuple(shape)} whose local rows ({update.shape[0]}) are not "
+                "torch.chunk's: ShardedMuon takes fully_shard's (and distribute_tensor's) even split"
+            )
     size = [[r * shape[1] for r in rows[i]] for i, shape in enumerate(shapes)]  # elements, likewise
     mine = [i for i in range(n) if owner[i] == me]
     # Sent in the dtype torch's iteration computes in (it casts first: bfloat16 in 2.13), which
