@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import signal
@@ -249,6 +250,24 @@ def test_a_function_defined_in_a_scripts_main_is_shipped_by_value(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "results [0, 7]"
+
+
+def test_a_function_that_reads_torch_ops_is_shipped_by_value():
+    # As a selective-checkpointing policy written in a notebook does: cloudpickle alone sends
+    # torch.ops (a ModuleType subclass) by value, and fails.
+    namespace = {"__name__": "__main__"}  # a notebook's or a script's function: sent by value
+    exec(
+        textwrap.dedent(
+            """
+            import torch
+
+            def saved_by_the_policy():
+                return str(torch.ops.aten.mm.default)
+            """
+        ),
+        namespace,
+    )
+    assert launch(namespace["saved_by_the_policy"], world_size=2, output="none") == ["aten.mm.default"] * 2
 
 
 def test_ranks_import_from_the_parents_sys_path(tmp_path, monkeypatch):
@@ -762,70 +781,28 @@ def test_stopping_a_rank_that_has_exited_signals_no_process_that_took_its_number
 NS_LAST_PID = Path("/proc/sys/kernel/ns_last_pid")  # the last pid given out: writing N makes the next one N + 1
 
 
-def _rank_1_leaves_early(pid_folder):
-    import torch.distributed as dist
-
-    (Path(pid_folder) / f"rank{dist.get_rank()}.tmp").write_text(str(os.getpid()))
-    (Path(pid_folder) / f"rank{dist.get_rank()}.tmp").rename(Path(pid_folder) / f"rank{dist.get_rank()}.pid")
-    dist.barrier()  # both pids written
-    if dist.get_rank() == 1:
-        raise ValueError("rank 1 leaves early")
-    time.sleep(30)  # rank 0 works on; the launch stops it once it sees rank 1 fail
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # a zombie not yet reaped counts: its number is still taken
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _take_the_number_when_it_is_free(folder: Path, seen: dict, stop: threading.Event) -> None:
-    """Wait for rank 1's number to be free, note whether rank 0 still ran then, and start a `setsid sleep` to take it"""
-    while not (folder / "rank1.pid").exists() or not (folder / "rank0.pid").exists():
-        if stop.wait(0.001):
-            return
-    rank0, rank1 = int((folder / "rank0.pid").read_text()), int((folder / "rank1.pid").read_text())
-    while _alive(rank1):
-        if stop.wait(0.001):
-            return
-    seen["free while rank 0 ran"] = _alive(rank0)
-    for _ in range(50):  # another process may be given the number first: try again
-        NS_LAST_PID.write_text(str(rank1 - 1))
-        sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
-        if sleeper.pid == rank1:
-            seen["sleeper"] = sleeper
-            return
-        sleeper.kill()
-        sleeper.wait()
-
-
+@linux_only
 @pytest.mark.skipif(not os.access(NS_LAST_PID, os.W_OK), reason="steering pids needs root (ns_last_pid)")
 @pytest.mark.parametrize("warm", ["1", "0"], ids=["warm", "cold"])
-def test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_the_launch(warm, tmp_path, monkeypatch):
-    monkeypatch.setenv("FSDP_GUIDE_WARM", warm)
-    seen, stop = {}, threading.Event()
-    thief = threading.Thread(target=_take_the_number_when_it_is_free, args=(tmp_path, seen, stop))
-    thief.start()
-    try:
-        with pytest.raises(LaunchError, match="rank 1 leaves early"):
-            launch(_rank_1_leaves_early, str(tmp_path), world_size=2, output="none")
-        time.sleep(0.5)  # the sleep may have got the number after the launch: it must live on too
-    finally:
-        stop.set()
-        thief.join()
-    sleeper = seen.get("sleeper")
-    try:
-        assert sleeper is not None, "the sleep never got rank 1's number"
-        # Warm: the server reaped rank 1 as it exited, so its number was free while the launch
-        # still ran. Cold: the launch reaps its ranks only after it has signalled their groups.
-        assert seen["free while rank 0 ran"] == (warm == "1")
-        assert sleeper.poll() is None  # the launch's stop() left it alone
-    finally:
-        if sleeper is not None:
-            sleeper.kill()
-            sleeper.wait()
+def test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_the_launch(warm, tmp_path):
+    # In a pid namespace of its own (tests/pid_reuse.py says why): the sleep is then given
+    # rank 1's number whatever the rest of the machine starts meanwhile.
+    script = Path(__file__).with_name("pid_reuse.py")
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(script), str(tmp_path)],
+        env={**os.environ, "FSDP_GUIDE_WARM": warm},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert "rank 1 leaves early" in (seen["error"] or ""), seen
+    assert seen["numbers the sleep got"][-1:] == [seen["rank 1"]], f"the sleep never got rank 1's number: {seen}"
+    # Warm: the server reaped rank 1 as it exited, so its number was free while the launch
+    # still ran. Cold: the launch reaps its ranks only after it has signalled their groups.
+    assert seen["free while rank 0 ran"] == (warm == "1"), seen
+    assert seen["sleeper alive after the launch"], seen  # the launch's stop() left it alone
 
 
 def _touch(path):

@@ -565,6 +565,22 @@ def _checkpointed_compiled_block(out: str) -> None:
     assert found and float(found[1]) == 0, out  # aot_eager runs eager's kernels: exact; NaN fails
 
 
+def _each_layer_keeps_least_selective_between(out: str) -> None:
+    found = {
+        m[1]: (float(m[2]), float(m[3]), m[4])
+        for m in re.finditer(
+            r"^(.+): (\S+) MiB held for the backward, (\S+)x the matmul FLOPs, gradients equal to none: (\w+)$",
+            out,
+            re.M,
+        )
+    }
+    assert found.keys() == {"none", "each layer", "selective"}, out
+    held = {variant: mib for variant, (mib, _, _) in found.items()}
+    assert 0 < held["each layer"] < held["selective"] < held["none"], out  # NaN fails
+    assert found["each layer"][1] > 1.1 and found["selective"][1] == found["none"][1] == 1.0, out  # matmuls kept
+    assert all(equal == "True" for _, _, equal in found.values()), out
+
+
 def _optimizer_step_compiled(out: str) -> None:
     found = re.search(r"sharded parameters with a gradient after each backward: \[(.*)\] \(of (\d+)\)", out)
     assert found and {int(n) for n in found[1].split(",")} == {int(found[2])}, out  # every one, every step
@@ -779,6 +795,7 @@ CLAIMS = {
     "set_order": (2, _set_order_wrong_sorted_right),
     "compile": (2, _blocks_compile_whole_and_train_as_eager),
     "compile_recompiles": (2, _recompiles_counted),
+    "checkpoint_variants": (2, _each_layer_keeps_least_selective_between),
     "compile_checkpointing": (2, _checkpointed_compiled_block),
     "compiled_autograd": (2, _optimizer_step_compiled),
     "tensor_parallel": (4, _fsdp_x_tp),
@@ -808,6 +825,7 @@ LIBRARIES = {
     "qlora_cpu_repack": {"bitsandbytes", "peft", "transformers"},
     "qlora_pitfalls": {"bitsandbytes", "peft", "transformers"},
     "trainer_fsdp": {"transformers"},
+    "checkpoint_variants": {"transformers"},
     "fsdp_config_map": {"transformers"},
     "peft_resume": {"accelerate", "peft", "transformers"},
     "finetune_hf": {"transformers"},

@@ -59,6 +59,7 @@ def test_every_tutorial_is_tested():
         "collective_hooks",
         "communication",
         "compile",
+        "checkpoint_variants",
         "compile_checkpointing",
         "compile_recompiles",
         "compiled_autograd",
@@ -381,6 +382,35 @@ def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bugs_stand
     assert glued["data_bug_over_floor"] > 100 and glued["scale_bug_over_floor"] > 100, glued
     # the scale bug barely shows in the losses: far below the data bug's, within 10 times rounding's
     assert glued["scale_bug_losses"] < 10 * glued["rounding_losses"] and scale_bug[0] < data_bug[0] / 100, glued
+
+
+def test_checkpoint_variants_measures_each_variants_memory_and_recompute_with_gradients_unchanged(executed):
+    text = _text_outputs(executed["checkpoint_variants"])
+    rows = {row[0]: row[1:] for row in map(_cells, text.splitlines()) if len(row) == 8}
+    assert rows.pop("variant")[0] == "held for backward, MiB"  # the header
+    assert len(rows) == 7, rows
+    held, flops = {v: float(r[0]) for v, r in rows.items()}, {v: float(r[2]) for v, r in rows.items()}
+    peak = {v: float(r[1]) for v, r in rows.items()}
+    assert all(math.isfinite(x) and x > 0 for x in (*held.values(), *flops.values(), *peak.values())), rows
+    assert all(row[-1] == "equal" for row in rows.values()), rows  # the same gradients, bit for bit, on both ranks
+    gathers = {(row[4], row[5]) for row in rows.values()}
+    assert len(gathers) == 1, rows  # recomputed inside each unit: no variant gathers again
+    blocks = [v for v in rows if v.startswith("each block")]
+    assert len(blocks) == 3 and len({held[v] for v in blocks}) == 1, held  # three APIs, one result
+    block, child, selective = held[blocks[0]], held["each child of a block"], held["selective: matmuls saved"]
+    assert block < child < selective < held["none"] < held["offload to the host"], held
+    assert child > 1.3 * block, held  # each child's input kept: accelerate#3897
+    assert all(flops[v] > 1.1 for v in [*blocks, "each child of a block"]), flops  # the forward, again
+    assert flops["selective: matmuls saved"] == flops["offload to the host"] == flops["none"] == 1.0, flops
+    assert all(peak[v] < peak["none"] for v in [*blocks, "each child of a block", "selective: matmuls saved"]), peak
+    assert "rank 0 and rank 1 hold the same: True" in text
+    # the cache left on: the recomputed attention meets twice the keys
+    assert re.search(r"must match the size of tensor b \(\d+\)", text), text
+    glued = {
+        name: float(value.strip("'").replace(",", ""))
+        for name, value in _glued(executed["checkpoint_variants"]).items()
+    }
+    assert abs(glued["ac_held_block"] - block) <= 0.05 and glued["ac_child_over_block"] > 1.3, glued
 
 
 def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):

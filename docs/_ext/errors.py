@@ -246,6 +246,8 @@ FIXES = {
     "``torch._dynamo.disable``): compile each block after ``fully_shard``, not the root: :ref:`compile-where`.",
     "FSDP does not support deepcopy": "Keep an EMA as a copy of each shard instead of deep-copying the model: "
     ":ref:`beyond-ema`.",
+    "must match the size of tensor b": "From a backward through torch's checkpointing of a Hugging Face model: the "
+    "recomputed attention appended to the KV cache again; pass ``use_cache=False``: :ref:`tip-checkpoint-hf-cache`.",
     "Cannot access accelerator device": "``CPUOffloadPolicy(pin_memory=False)`` where there is no accelerator: "
     ":ref:`CPUOffloadPolicy <fsdp2-offloadpolicy>`.",
     "PREMUL_SUM with Gloo": "``set_force_sum_reduction_for_comms(True)`` on gloo: "

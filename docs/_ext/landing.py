@@ -70,6 +70,10 @@ GROUPS = {
         "Bytes per rank, bytes on the wire, and the knobs.",
         {
             "memory": ("Memory per rank", "A model of each rank's memory, checked against ZeRO."),
+            "checkpoint_variants": (
+                "Activation checkpointing, measured",
+                "Every variant's memory, recompute and collectives; the HF cache to turn off.",
+            ),
             "communication": ("Communication", "What FSDP sends and when, counted on the wire."),
             "collective_hooks": (
                 "Your own collectives",

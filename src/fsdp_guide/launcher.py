@@ -27,6 +27,8 @@ from __future__ import annotations
 import builtins
 import collections
 import contextlib
+import importlib
+import io
 import json
 import math
 import os
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -584,6 +587,30 @@ def _check_options(world_size, backend, timeout, collective_timeout, output) -> 
             )
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, and a module whose type subclasses ``ModuleType`` sent by its name.
+
+    cloudpickle sends a module by name only if its type is ``ModuleType`` itself; a function
+    that reads ``torch.ops.aten.mm`` refers to ``torch.ops``, an instance of a subclass (in
+    ``sys.modules`` as ``"torch.ops"``), which pickle then fails on: a checkpointing policy
+    written in a notebook could not be sent. Written here because cloudpickle has no option for it."""
+
+    def reducer_override(self, obj):
+        if (
+            isinstance(obj, types.ModuleType)
+            and type(obj) is not types.ModuleType
+            and sys.modules.get(obj.__name__) is obj
+        ):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(value) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def _serialise(fn, args, kwargs) -> bytes:
     # Serialise piece by piece first, so the error can name what cannot be sent.
     pieces = [("the function " + getattr(fn, "__qualname__", repr(fn)), fn)]
@@ -591,14 +618,14 @@ def _serialise(fn, args, kwargs) -> bytes:
     pieces += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
     for name, value in pieces:
         try:
-            cloudpickle.dumps(value)
+            _dumps(value)
         except Exception as exc:
             raise TypeError(
                 f"cannot send {name} (a {type(value).__name__}) to the ranks: {exc}. "
                 "Pass data the ranks can rebuild (numbers, lists, dicts, tensors, functions), "
                 "or create this object inside the function."
             ) from exc
-    return cloudpickle.dumps((fn, args, kwargs))
+    return _dumps((fn, args, kwargs))
 
 
 def _free_loopback_socket() -> socket.socket:
