@@ -18,9 +18,9 @@
 # **What you will learn**: what each way of checkpointing a transformer's activations keeps
 # for the backward and what it runs again, measured on one model under FSDP2: none, each
 # block (`checkpoint_wrapper`, torch's composable `checkpoint`, Hugging Face's
-# `gradient_checkpointing_enable`), each child of a block, selective (the matmuls saved),
-# and offload to the host; and the one setting an HF model needs before torch's own
-# checkpointing works on it.
+# `activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`), each child of
+# a block, selective (the matmuls saved), and offload to the host, alone or with each
+# block; and the one setting an HF model needs before torch's own checkpointing works on it.
 #
 # **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The code is written to run unchanged with one GPU per rank (NCCL): each rank computes on
@@ -92,6 +92,7 @@ def each_child(model):  # each of a layer's 4 children on its own (accelerate#38
 
 
 def save_matmuls(ctx, op, *args, **kwargs):
+    # eager attention's matmuls; with SDPA, add its kernel (aten._scaled_dot_product_flash_attention, ...)
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
     return CheckpointPolicy.MUST_SAVE if op in matmuls else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -111,6 +112,11 @@ def offload(model):  # each block's saved tensors copied to the host
         model.model.layers[i] = offload_wrapper(layer)
 
 
+def each_block_offloaded(model):  # what each block's checkpoint keeps, copied to the host
+    for i, layer in enumerate(model.model.layers):  # Accelerate's activation_checkpointing_offload
+        model.model.layers[i] = offload_wrapper(checkpoint_wrapper(layer))
+
+
 VARIANTS = {
     "none": lambda model: None,
     "each block (checkpoint_wrapper)": each_block,
@@ -119,6 +125,7 @@ VARIANTS = {
     "each child of a block": each_child,
     "selective: matmuls saved": selective,
     "offload to the host": offload,
+    "each block, offloaded": each_block_offloaded,
 }
 
 
@@ -158,14 +165,22 @@ import time
 
 from fsdp_guide import launch
 from fsdp_guide.collectives import count_collectives
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 MIB = 2**20
 
 
-def mib(snapshot):
-    return sum(by_kind["Total"] for by_kind in snapshot.values()) / MIB
+def on_device(snapshot, kind):
+    """MiB of `kind` (or "Total") on this rank's device: offloaded copies count apart."""
+    return snapshot.get(fsdp_guide.device(), {}).get(kind, 0) / MIB
+
+
+def synchronized_clock():
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()  # a GPU runs behind the Python that queued its work
+    return time.perf_counter()
 
 
 def measure(model, x):
@@ -174,9 +189,10 @@ def measure(model, x):
     tracker = MemTracker()
     with tracker:
         loss = model(input_ids=x, labels=x, use_cache=False).loss
-        held = mib(tracker.get_tracker_snapshot("current"))
+        held = on_device(tracker.get_tracker_snapshot("current"), _MemRefType.ACT)
+        forward_peak = on_device(tracker.get_tracker_snapshot("peak"), "Total")
         loss.backward()
-        peak = mib(tracker.get_tracker_snapshot("peak"))
+        peak = on_device(tracker.get_tracker_snapshot("peak"), "Total")
     grads = {
         n.replace("_checkpoint_wrapped_module.", ""): p.grad.to_local().clone()
         for n, p in model.named_parameters()
@@ -188,6 +204,7 @@ def measure(model, x):
     calls = {kind: n for _, kind, n, _ in seen.rows()}
     return {
         "held": held,
+        "forward peak": forward_peak,
         "peak": peak,
         "flops": flops.get_total_flops(),
         "calls": calls,
@@ -199,12 +216,15 @@ def every_variant(rounds=8):
     x = tokens()
     models = {variant: build(variant) for variant in VARIANTS}
     found = {variant: measure(model, x) for variant, model in models.items()}
+    with set_checkpoint_early_stop(False), FlopCounterMode(display=False) as flops:
+        step(models["each block (checkpoint_wrapper)"], x)  # recompute each block to its end
+    models["each block (checkpoint_wrapper)"].zero_grad(set_to_none=True)
     seconds = {variant: [] for variant in VARIANTS}
     for _ in range(rounds):  # interleaved: a busy moment of the machine slows every variant alike
         for variant, model in models.items():
-            start = time.perf_counter()
+            start = synchronized_clock()
             step(model, x)
-            seconds[variant].append(time.perf_counter() - start)
+            seconds[variant].append(synchronized_clock() - start)
             model.zero_grad(set_to_none=True)
     reference = found["none"]["grads"]
     for variant, row in found.items():
@@ -213,6 +233,10 @@ def every_variant(rounds=8):
             torch.equal(grads[n], g) for n, g in reference.items()
         )
         row["seconds"] = min(seconds[variant])
+    found["none"]["gradients finite, not all zero"] = all(
+        bool(g.isfinite().all()) for g in reference.values()
+    ) and any(bool(g.any()) for g in reference.values())
+    found["each block (checkpoint_wrapper)"]["flops without early stop"] = flops.get_total_flops()
     return found
 
 
@@ -222,15 +246,18 @@ found = ranks[0]
 # %%
 from fsdp_guide.table import Table
 from IPython.display import display
+from myst_nb import glue
 
-none = found["none"]
+none, block, child = (
+    found[v] for v in ("none", "each block (checkpoint_wrapper)", "each child of a block")
+)
 rows = []
 for variant, row in found.items():
     equal = all(rank[variant]["equal"] for rank in ranks)
     rows.append(
         [
             variant,
-            f"{row['held']:.1f}",
+            f"{row['held']:.2f}",
             f"{row['peak']:.1f}",
             f"{row['flops'] / none['flops']:.2f}",
             f"{row['seconds'] / none['seconds']:.2f}",
@@ -241,7 +268,7 @@ for variant, row in found.items():
     )
 header = [
     "variant",
-    "held for backward, MiB",
+    "activations held for backward, MiB",
     "peak, MiB",
     "matmul FLOPs ×",
     "time ×",
@@ -250,15 +277,26 @@ header = [
     "gradients",
 ]
 display(Table(header, rows))
+each_block = [v for v in VARIANTS if v.startswith("each block (")]
 print(
-    f"rank 0 and rank 1 hold the same: {all(ranks[0][v]['held'] == ranks[1][v]['held'] for v in VARIANTS)}"
+    f"the three each-block APIs hold the same bytes: {len({found[v]['held'] for v in each_block}) == 1}"
+)
+print(
+    f"no checkpointing's gradients finite and not all zero, on every rank: {all(r['none']['gradients finite, not all zero'] for r in ranks)}"
 )
 print(
     f"no checkpointing: {none['flops'] / 1e6:.0f} MFLOP a step in matmuls on rank 0, {none['seconds'] * 1e3:.0f} ms"
 )
+without_early_stop = block["flops without early stop"] / none["flops"]
+print(
+    f"each block, recomputed to its end (set_checkpoint_early_stop(False)): {without_early_stop:.2f}× the matmul FLOPs"
+)
+for variant in ("each block (checkpoint_wrapper)", "each child of a block"):
+    print(
+        f"{variant}: peak in the forward {found[variant]['forward peak']:.1f} MiB, in the step {found[variant]['peak']:.1f} MiB"
+    )
 
-from myst_nb import glue
-
+# the figures the text quotes, from this run (JupyterLab shows glue's roles unrendered)
 for name, variant in {
     "none": "none",
     "block": "each block (checkpoint_wrapper)",
@@ -268,37 +306,38 @@ for name, variant in {
 }.items():
     glue(f"ac_held_{name}", found[variant]["held"], display=False)
     glue(f"ac_peak_{name}", found[variant]["peak"], display=False)
-glue(
-    "ac_block_flops",
-    found["each block (checkpoint_wrapper)"]["flops"] / none["flops"],
-    display=False,
-)
-glue(
-    "ac_child_over_block",
-    found["each child of a block"]["held"] / found["each block (checkpoint_wrapper)"]["held"],
-    display=False,
-)
+glue("ac_block_flops", block["flops"] / none["flops"], display=False)
+glue("ac_block_flops_to_the_end", without_early_stop, display=False)
+glue("ac_child_over_block", child["held"] / block["held"], display=False)
+glue("ac_child_forward_peak", child["forward peak"], display=False)
 
 # %% [markdown]
 # The figures in this text are this run's, taken from the outputs by myst-nb's `glue`; in
 # JupyterLab, which does not render glue's roles, read them from the table.
 #
 # - **No checkpointing** keeps every activation of every layer: {glue:text}`ac_held_none:.1f` MiB
-#   at the end of the forward, on each rank.
+#   at the end of the forward, on each rank (the column counts the tensors `MemTracker` tags
+#   as activations on the rank's device: not the parameters, nor host copies).
 # - **Each block**, by any of the three APIs, keeps what enters each block (its hidden
 #   states, and the mask and rotary tables every block is given) and what the root computes
-#   outside the blocks (the embeddings, the logits, the loss): {glue:text}`ac_held_block:.1f` MiB. It
-#   runs each block's forward twice, once in the forward and once in the backward:
-#   {glue:text}`ac_block_flops:.2f` times the matmul FLOPs (the root's head is not recomputed). The
-#   three hold the same bytes and train the same gradients, bit for bit.
-#   `checkpoint_wrapper` renames the parameters under it (`model.layers.0._checkpoint_wrapped_module.…`);
-#   the composable `checkpoint` and HF's do not.
+#   outside the blocks (the final norm, the log-softmax of the loss): {glue:text}`ac_held_block:.2f` MiB.
+#   The backward runs each block's forward again, {glue:text}`ac_block_flops:.2f` times the matmul FLOPs:
+#   not to its end, as torch stops a recomputation once it has rebuilt the last tensor the
+#   backward needs (`set_checkpoint_early_stop`, on by default, `torch/utils/checkpoint.py`),
+#   so each block's last matmul (the MLP's `down_proj`) does not run again; recomputed to
+#   its end, {glue:text}`ac_block_flops_to_the_end:.2f` times. The three hold the same bytes and train the
+#   same gradients, bit for bit. `checkpoint_wrapper` adds `_checkpoint_wrapped_module.` to
+#   the names `named_parameters()` gives, not to `state_dict()`'s keys (the wrapper strips it,
+#   so checkpoints load either way).
 # - **Each child of a block** keeps what enters each child (the attention's norm, the
 #   attention, the MLP's norm, the MLP): {glue:text}`ac_child_over_block:.1f` times what each block keeps,
-#   for about the same recomputation. This is accelerate#3897's report: FSDP2's
-#   checkpointing there wrapped every child module and used "a lot more" memory. Its peak
-#   ({glue:text}`ac_peak_child:.1f` MiB, against {glue:text}`ac_peak_block:.1f` for each block) comes in the backward, which
-#   recomputes one child at a time where each block recomputes a whole block at once.
+#   for a little less recomputation (each child's last matmul is not rerun). This is
+#   accelerate#3897's report: FSDP2's checkpointing there wrapped every child module and used
+#   "a lot more" memory; Accelerate 1.15 wraps the matched layer itself
+#   (`apply_activation_checkpointing`, `accelerate/utils/fsdp_utils.py`). Its peak is lower
+#   ({glue:text}`ac_peak_child:.1f` MiB, against {glue:text}`ac_peak_block:.1f` for each block): the forward's peak
+#   is {glue:text}`ac_child_forward_peak:.1f` MiB (printed above), so the step's peak comes in the backward,
+#   which recomputes one child at a time where each block recomputes a whole block at once.
 # - **Selective, matmuls saved** recomputes only the norms, the activation function, the
 #   softmax and the element-wise work: the matmul FLOPs do not grow, and it keeps
 #   {glue:text}`ac_held_selective:.1f` MiB, the matmuls' outputs, the attention's scores
@@ -307,19 +346,26 @@ glue(
 #   size its time also carries the policy, a Python function called for every operator
 #   the block runs.
 # - **Offload to the host** (`offload_wrapper`, torch's `save_on_cpu(pin_memory=True)`) copies
-#   each saved tensor to a new host tensor: on a CPU rank the host is where the tensors
-#   already are, so it only adds copies: {glue:text}`ac_held_offload:.1f` MiB, more than none. Among the
-#   copies are the gathered weights that FSDP would have freed after the forward. On a GPU
-#   the same copies are expected to leave the GPU's memory and cost a host transfer each way
-#   (`torch/autograd/graph.py`, `save_on_cpu`); no GPU run here shows it.
+#   each saved tensor into a new host tensor, once for each time it is saved (its pack hook
+#   allocates and copies, `torch/autograd/graph.py`, whatever device the tensor is on,
+#   though the class's docstring says a CPU graph is not copied). On a CPU rank the host is
+#   where the tensors already are, so it only adds copies: {glue:text}`ac_held_offload:.1f` MiB, more than
+#   none, since a tensor several operators save (a norm's output, read by the q, k and v
+#   projections) is copied several times. **Each block, offloaded** (Accelerate's
+#   `activation_checkpointing_offload`: `offload_wrapper(checkpoint_wrapper(layer))`) copies
+#   only what the checkpoints keep, each block's input, once: on a CPU rank it holds what each
+#   block holds, as the copy replaces the saved input. On a GPU these copies are expected to leave the GPU's
+#   memory, at the cost of a host transfer each way, the saved weights coming back as new
+#   copies beside the ones FSDP gathers again; no GPU run here shows it.
 # - The all-gathers are the same in every variant: each block is gathered once in the
 #   forward and once in the backward, and the recomputation runs inside the block's
 #   backward, after its gather. Checkpointing placed outside the FSDP unit gathers again:
 #   {ref}`pitfalls-checkpoint-inside-unit`.
 # - The times are ratios of a step of tens of milliseconds on this CPU, on a machine shared
-#   with other work: read them as rough. The table's other columns do not vary between runs.
+#   with other work: read them as rough. The table's other columns depend only on the
+#   seeded weights, the tokens and the shapes.
 
-# %% mystnb={"image": {"alt": "A scatter of the seven variants: memory held for the backward in MiB against matmul FLOPs relative to no checkpointing; none and offload at 1.0 with the most memory, selective at 1.0 with less, the three each-block variants at the top of the FLOP axis with the least memory, each child slightly above them."}}
+# %% mystnb={"image": {"alt": "A scatter of the eight variants, activations held for the backward in MiB against matmul FLOPs relative to no checkpointing: none, selective and offload at 1.0, offload the highest and selective below none; the each-block variants, each child and each block offloaded near 1.25 with the least memory."}}
 import matplotlib.pyplot as plt
 
 figure, axis = plt.subplots(figsize=(6.4, 3.6))
@@ -328,7 +374,7 @@ for variant, row in found.items():
     axis.scatter([x], [y], s=30)
     axis.annotate(variant, (x, y), xytext=(6, -3), textcoords="offset points", fontsize=7)
 axis.set_xlabel("matmul FLOPs of a step, relative to none")
-axis.set_ylabel("held for backward, MiB")
+axis.set_ylabel("activations held for backward, MiB")
 axis.set_xlim(0.95, 1.5)
 axis.set_title("what each variant keeps against what it runs again (rank 0)", fontsize=10)
 figure.tight_layout()
@@ -352,6 +398,7 @@ def with_the_cache_on():
     model(input_ids=x, labels=x).loss.backward()  # use_cache left at the config's True
 
 
+print(f"SEQ = {SEQ}")
 try:
     launch(with_the_cache_on, output="none")
 except LaunchError as error:
@@ -359,7 +406,7 @@ except LaunchError as error:
 
 # %% [markdown]
 # Twice the keys (`2 × SEQ`) meet a mask for `SEQ`. HF's own
-# `gradient_checkpointing_enable` does not fail: its layers drop the cache when they
+# `activation_checkpointing_enable` does not fail: its layers drop the cache when they
 # checkpoint (`GradientCheckpointingLayer`, `transformers/modeling_layers.py`: "otherwise
 # the cache is updated a second time on the backward replay"), and they checkpoint
 # `forward`, so that FSDP2's hooks stay outside it. With `checkpoint_wrapper`, the

@@ -3,9 +3,10 @@
     torchrun --nproc-per-node=2 checkpoint_variants.py
 
 A small Llama (built from its config, no download) is sharded with each decoder layer an FSDP
-unit, three ways: no checkpointing, each layer checkpointed (checkpoint_wrapper), and selective
+unit, three ways: no checkpointing, each block checkpointed (checkpoint_wrapper), and selective
 checkpointing that keeps the matmuls' outputs and recomputes the rest. Rank 0 prints, for each,
-the tensor memory one forward leaves for the backward (torch's MemTracker), the matmul FLOPs of
+the activations one forward leaves for the backward on the rank's device (torch's MemTracker),
+the matmul FLOPs of
 a step (FlopCounterMode) and whether the gradients equal no checkpointing's on every rank.
 Needs torch and transformers; each rank computes on its accelerator (GPU) where there is one,
 else on the CPU (over gloo).
@@ -16,8 +17,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
@@ -34,6 +36,7 @@ CONFIG = LlamaConfig(
     attn_implementation="eager",  # its matmuls visible to the FLOP counter and the policy
 )
 ROWS, SEQ = 4, 128
+# eager attention's matmuls; with SDPA, add its kernel (aten._scaled_dot_product_flash_attention, ...)
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
 
@@ -44,15 +47,19 @@ def save_matmuls(ctx, op, *args, **kwargs):
 def build(variant, device):
     torch.manual_seed(0)  # the same weights in every variant
     model = LlamaForCausalLM(CONFIG).to(device)
+    # the mesh on the rank's device: fully_shard's default follows the build's accelerator
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for i, layer in enumerate(model.model.layers):
-        if variant == "each layer":
+        if variant == "each block":
             layer = checkpoint_wrapper(layer)
         elif variant == "selective":
             context = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
             layer = checkpoint_wrapper(layer, context_fn=context)
         model.model.layers[i] = layer
-        fully_shard(layer)  # checkpointing inside the unit: the recomputation runs after its gather
-    return fully_shard(model)
+        fully_shard(
+            layer, mesh=mesh
+        )  # checkpointing inside the unit: the recomputation runs after its gather
+    return fully_shard(model, mesh=mesh)
 
 
 def loss_of(model, x):
@@ -68,7 +75,7 @@ def measure(variant, x, device):
     with tracker:
         loss = loss_of(model, x)
         snapshot = tracker.get_tracker_snapshot("current")
-        held = sum(by_kind["Total"] for by_kind in snapshot.values())
+        held = snapshot.get(device, {}).get(_MemRefType.ACT, 0)  # activations on this rank's device
         loss.backward()
     grads = [p.grad.to_local().clone() for p in model.parameters()]  # this rank's shards
     model.zero_grad(set_to_none=True)
@@ -94,10 +101,17 @@ def main():
 
     g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own rows
     x = torch.randint(CONFIG.vocab_size, (ROWS, SEQ), generator=g).to(device)
-    runs = {variant: measure(variant, x, device) for variant in ("none", "each layer", "selective")}
+    runs = {variant: measure(variant, x, device) for variant in ("none", "each block", "selective")}
     _, none_flops, none_grads = runs["none"]
+    # equal gradients prove nothing if they are all zero, or NaN (torch.equal is False for a NaN)
+    usable = all(bool(g.isfinite().all()) for g in none_grads) and any(
+        bool(g.any()) for g in none_grads
+    )
+    usable = torch.tensor(int(usable), device=device)
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        print(f"no checkpointing's gradients finite and not all zero on every rank: {bool(usable)}")
     for variant, (held, flops, grads) in runs.items():
-        # NaN-safe: torch.equal is False for a NaN
         equal = torch.tensor(
             int(all(torch.equal(a, b) for a, b in zip(grads, none_grads))), device=device
         )
