@@ -116,6 +116,17 @@ PROCESS_TESTS = [
     "test_warm_ranks_share_the_string_hash_seed_where_cold_ones_do_not",
     "test_a_warm_rank_starts_with_the_hugging_face_modules_its_parent_imported",
     "test_a_notebook_kernel_that_launched_shuts_down_by_itself",
+    # which rank a failure names whatever order the ranks exit in, signals and the stacks they
+    # leave, what a rank started and a number an exited rank left, a warm rank's set-up and
+    # its process attributes: the launcher's bookkeeping of processes (about 45 s of CI's two
+    # torch sessions); the launcher tests that rest on torch (process groups set up and torn
+    # down, threads, torchrun, what a warm rank imports) stay.
+    "test_the_rank_that_raised_is_the_one_named_whatever_order_the_ranks_exit_in",
+    "test_a_rank_killed_by_a_fatal_signal_reports_every_threads_python_stack",
+    "test_what_a_rank_started_is_stopped_with_it",
+    "test_a_process_that_took_an_exited_ranks_number_and_leads_a_group_survives_the_launch",
+    "test_a_warm_rank_whose_set_up_raises_is_reported_as_raising",
+    "test_a_warm_rank_starts_with_the_umask_limits_and_nice_value_a_cold_one_would",
 ]
 # The same for the live ranks (fsdp_guide.live) and run's scripts: what they test of torch (state
 # across cells, a failure beside a collective, the page scripts under run) stays in the torch

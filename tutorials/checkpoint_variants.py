@@ -22,7 +22,7 @@
 # a block, selective (the matmuls saved), and offload to the host, alone or with each
 # block; and the one setting an HF model needs before torch's own checkpointing works on it.
 #
-# **What you need**: a CPU; 2 processes on gloo; about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; 2 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # The code is written to run unchanged with one GPU per rank (NCCL): each rank computes on
 # {func}`fsdp_guide.device`, its GPU `cuda:LOCAL_RANK` where it has one, else the CPU; no
 # GPU run of it is recorded, so what GPUs change is said as expectation. It follows
@@ -158,7 +158,7 @@ def step(model, x):
 # every tensor's storage, here from the step's start), the matmul FLOPs of forward and
 # backward (`FlopCounterMode`), the collectives (`fsdp_guide.collectives.count_collectives`),
 # the gradients against no checkpointing's (bit for bit, on each rank's shards), and the
-# step's time (the fastest of 8 rounds, each running every variant once).
+# step's time (the fastest of 5 rounds, each running every variant once).
 
 # %%
 import time
@@ -212,7 +212,7 @@ def measure(model, x):
     }
 
 
-def every_variant(rounds=8):
+def every_variant(rounds=5):
     x = tokens()
     models = {variant: build(variant) for variant in VARIANTS}
     found = {variant: measure(model, x) for variant, model in models.items()}
