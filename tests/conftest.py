@@ -185,9 +185,9 @@ def execution_cache(executed) -> Path:
     return executed.cache_path
 
 
-def sphinx(builder: str, out, *options: str) -> subprocess.CompletedProcess:
+def sphinx(builder: str, out, *options: str, doctrees=None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", builder, *options]
-    cmd += ["-d", str(out / "doctrees"), str(ROOT), str(out / builder)]
+    cmd += ["-d", str(doctrees or out / "doctrees"), str(ROOT), str(out / builder)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 

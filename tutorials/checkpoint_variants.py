@@ -72,7 +72,7 @@ CONFIG = LlamaConfig(
     max_position_embeddings=256,
     attn_implementation="eager",
 )
-ROWS, SEQ = 4, 128  # each rank's batch: activations, not weights, fill the memory
+ROWS, SEQ = 2, 128  # each rank's batch: activations, not weights, fill the memory
 
 
 def each_block(model):  # torch's module wrapper: names gain "_checkpoint_wrapped_module."

@@ -35,7 +35,7 @@ CONFIG = LlamaConfig(
     max_position_embeddings=256,
     attn_implementation="eager",  # its matmuls visible to the FLOP counter and the policy
 )
-ROWS, SEQ = 4, 128
+ROWS, SEQ = 2, 64
 # eager attention's matmuls; with SDPA, add its kernel (aten._scaled_dot_product_flash_attention, ...)
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
 
