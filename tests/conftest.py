@@ -191,14 +191,17 @@ def sphinx(builder: str, out, *options: str, doctrees=None) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
 
 
+def site_options(execution_cache) -> list[str]:
+    """The site build's options: a build with the same ones reuses its doctrees (reads no page again)."""
+    return ["-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}"]
+
+
 @pytest.fixture(scope="session")
 def site(tmp_path_factory, execution_cache):
     """The site built once per test run, with -W, showing the executions above; test_site and test_browser read it."""
     out = tmp_path_factory.mktemp("site")
     # The notebooks' outputs come from the execution above, through the cache: the build starts no kernel
     # (a page that failed there is executed again, and fails the build too).
-    build = sphinx(
-        "html", out, "-j", "auto", "-D", "nb_execution_mode=cache", "-D", f"nb_execution_cache_path={execution_cache}"
-    )
+    build = sphinx("html", out, "-j", "auto", *site_options(execution_cache))
     assert build.returncode == 0, build.stdout + build.stderr  # -W: a warning fails the build
     return out / "html"

@@ -55,6 +55,7 @@ from fsdp_guide import _warm
 from fsdp_guide.launcher import (
     LaunchError,
     _check_options,
+    _dumps,
     _interrupts_noted,
     _Ranks,
     _record,
@@ -177,7 +178,7 @@ class Ranks:
         """Give every rank these variables (each rank gets its own copy of the same values)."""
         if not values:
             raise ValueError("put() takes the variables to send as keywords: ranks.put(steps=10)")
-        self._call("put", cloudpickle.dumps(values), None)
+        self._call("put", _dumps(values), None)
 
     def restart(self) -> None:
         """Stop the ranks and start new ones: empty namespaces, a new process group."""
