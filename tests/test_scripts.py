@@ -742,6 +742,14 @@ def _two_ranks_are_two_micro_batches_the_bug_far_above(out: str) -> None:
     assert split == sharded and 0 < split < 1e-5 and bug > 100 * split, out  # NaN fails these
 
 
+def _zero_stages_equal_fsdp2(out: str) -> None:
+    assert "the weights moved, the losses finite: True" in out, out  # equal, and not as untrained or NaN
+    for stage in (1, 2, 3):
+        assert f"ZeRO-{stage}: losses and weights equal to FSDP2's: True" in out, out
+    assert "bf16, ZeRO-2 against FSDP2 with DeepSpeed's roundings: equal: True" in out, out
+    assert "deepspeed_shm_comm_op built" not in out, out  # no extension compiled
+
+
 # Each script: the ranks it runs on, the check of what it prints (the claim its page makes of it) and,
 # optionally, torchrun's arguments beside --standalone and --nproc-per-node.
 CLAIMS = {
@@ -755,6 +763,7 @@ CLAIMS = {
     "no_sync": (2, _no_sync_reduces_once),
     "enable_wrap": (2, _same_model_less_memory),
     "migration": (2, _fsdp1_fsdp2_losses),
+    "deepspeed_zero": (2, _zero_stages_equal_fsdp2),
     "state_attributes": (2, _state_timeline),
     "memory": (2, _states_against_zero3),
     "digits": (2, _digits_accuracy),
@@ -820,6 +829,7 @@ RUN_AS_DOCUMENTED = {"torchft_recovery"}
 # The library a page is about, beside torch, that its script may import (as the page's reader has it).
 LIBRARIES = {
     "digits": {"sklearn"},
+    "deepspeed_zero": {"deepspeed"},
     "lora": {"peft", "transformers"},
     "qlora": {"bitsandbytes", "peft", "transformers"},
     "qlora_adapters": {"bitsandbytes", "peft", "transformers"},

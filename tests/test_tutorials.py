@@ -35,6 +35,20 @@ def _cells(line: str) -> list[str]:
     return re.split(r"\s{2,}", line.strip())
 
 
+def _table_under(text: str, header: list[str]) -> dict[str, list[str]]:
+    """The rows of the displayed Table whose header is ``header``, by their first cell (the lines
+    under it with as many cells, or fewer where the last ones are empty)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if _cells(line) == header)
+    rows = {}
+    for line in lines[start + 1 :]:
+        cells = _cells(line)
+        if not 1 < len(cells) <= len(header):
+            break
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
 def _glued(notebook) -> dict:
     """The values a page glued for its prose (``myst_nb.glue``), by name, as their text (the
     ``text/plain`` that myst-nb records under its own mime type)."""
@@ -64,6 +78,7 @@ def test_every_tutorial_is_tested():
         "compile_recompiles",
         "compiled_autograd",
         "debugging_hangs",
+        "deepspeed_zero",
         "deterministic_init",
         "digits",
         "ema_and_teacher",
@@ -418,6 +433,30 @@ def test_checkpoint_variants_measures_each_variants_memory_and_recompute_with_gr
         for name, value in _glued(executed["checkpoint_variants"]).items()
     }
     assert abs(glued["ac_held_block"] - block) <= 0.005 and glued["ac_child_over_block"] > 1.3, glued
+
+
+def test_deepspeed_zero_stages_equal_fsdp2_bf16_matched_and_a_zero_checkpoint_resumed(executed):
+    text = _text_outputs(executed["deepspeed_zero"])
+    assert "every stage's losses and final weights equal FSDP2's on both ranks: True" in text
+    assert "the losses fell: True" in text  # equal, and trained (a NaN loss fails the comparison)
+    assert "DeepSpeed built its shared-memory extension: False" in text
+    assert "DeepSpeed's gradient_clipping when the config leaves it out: 1.0" in text  # on by default
+    losses = _table_under(text, ["step", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3"])
+    assert len(losses) == 8 and all(len(row) == 4 and len(set(row)) == 1 for row in losses.values()), losses
+    header = ["run", "distance to ZeRO-2's weights / its update", "weights that moved"]
+    runs = _table_under(text, [*header, "losses and weights bit-equal to ZeRO-2's"])
+    assert len(runs) == 6, runs
+    distance = {name: float(row[0]) for name, row in runs.items()}
+    moved = {name: float(row[1].rstrip("%")) for name, row in runs.items()}
+    bf16_weights, policy = "weights in bf16 (no float32 copy)", "policy(bf16, float32)"
+    rounded, matched = (f"policy(bf16, {dtype}), from bf16-rounded weights" for dtype in ("float32", "bf16"))
+    assert {name for name, row in runs.items() if row[2] == "True"} == {"ZeRO-2, bf16", matched}, runs
+    assert distance[matched] == 0 < distance[rounded] < distance[policy] < distance[bf16_weights], distance
+    assert moved[bf16_weights] < 90 and moved[policy] == moved[matched] == 100, moved  # updates lost in bf16
+    resumed = _table_under(text, ["step", "ZeRO-2, uninterrupted", "the recipe, resumed from ZeRO-2's step 4"])
+    assert [len(row) == 2 and row[0] == row[1] for row in resumed.values()] == [False] * 4 + [True] * 4, resumed
+    assert "the resumed steps' losses equal ZeRO-2's: True" in text
+    assert float(resumed["8"][0]) < float(resumed["1"][0]), resumed  # it trained
 
 
 def test_muon_sharded_equals_one_process_torch_muon_right_but_chatty_shard_local_wrong(executed):

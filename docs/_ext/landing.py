@@ -37,6 +37,10 @@ GROUPS = {
             ),
             "digits": ("A first real model", "A dataset split across ranks, a training loop, evaluation."),
             "migration": ("From FSDP1 to FSDP2", "Every FSDP1 argument's FSDP2 form, the same losses, the checkpoint."),
+            "deepspeed_zero": (
+                "From DeepSpeed ZeRO to FSDP2",
+                "The same losses as ZeRO-1, -2 and -3; bf16 matched; a ZeRO checkpoint resumed.",
+            ),
         },
     ),
     "right": Group(

@@ -1,0 +1,432 @@
+# ---
+# jupyter:
+#   jupytext:
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version,-jupytext.text_representation.format_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# (tutorial-deepspeed-zero)=
+# # From DeepSpeed ZeRO to FSDP2, step for step
+#
+# **What you will learn**: that one model trained with DeepSpeed ZeRO-1, -2 and -3 and with
+# FSDP2 gives the same losses bit for bit in float32; what DeepSpeed's bf16 does that FSDP2
+# must be told to do for the two to agree (and what goes wrong without its float32 master
+# weights); which `ds_config` keys have an FSDP2 setting; and how a ZeRO checkpoint becomes
+# a DCP one that the guide's recipe resumes exactly.
+#
+# **What you need**: a CPU; 2 processes on gloo; DeepSpeed (`pip install deepspeed`, this
+# page's extra: the package does not need it); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU per
+# rank (NCCL): each rank computes on {func}`fsdp_guide.device`; no GPU run of it is
+# recorded, so what GPUs change is said as expectation. The tips are listed
+# {ref}`at the end <deepspeed-zero-tips>`. Its idea as a plain torchrun script to copy:
+# {ref}`deepspeed-zero-script` ({download}`download <scripts/deepspeed_zero.py>`).
+
+# %%
+import sys
+
+import deepspeed
+import torch
+
+print(f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, Python {sys.version[:6]}")
+
+# %% [markdown]
+# The model is the guide's small GPT ({class}`fsdp_guide.gpt.GPT`), built whole on every rank from
+# one seed. FSDP2 shards each block, then the root; DeepSpeed takes the whole model and the
+# same torch `AdamW`. Each rank draws its own rows, the same ones in both runs.
+#
+# On a CPU, DeepSpeed compiles a C++ extension (`deepspeed_shm_comm`, with ninja and g++; 88.6 s
+# when timed once on a 2-core machine, then cached in `~/.cache/torch_extensions`) when its
+# communication starts, and its own Adam another (`fused_adam`, 90.6 s). Neither is needed:
+# the op serves inference's all-reduce only (`inference_all_reduce`, `deepspeed/comm/torch.py`;
+# training's collectives go through `torch.distributed`), so `avoid_deepspeed_builds` marks
+# it unavailable, and a torch optimizer replaces DeepSpeed's.
+
+# %%
+import warnings
+
+warnings.filterwarnings("ignore", message=".*is deprecated. Please use")  # DeepSpeed's calls
+
+import deepspeed.ops
+import fsdp_guide
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param
+from fsdp_guide.gpt import GPT, GPTConfig
+from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+from torch.distributed.fsdp import fully_shard
+
+CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
+STEPS, ROWS = 8, 4  # each rank's rows per step
+
+
+def avoid_deepspeed_builds():  # before deepspeed.initialize, which builds the op if this allows
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def build(rounded_to_bf16=False):
+    torch.manual_seed(0)  # the same weights on every rank and in every run
+    model = GPT(CONFIG).to(fsdp_guide.device())
+    model.init_weights()
+    if rounded_to_bf16:  # where DeepSpeed's bf16 starts its float32 master weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16())
+    return model
+
+
+def flat(tensors):
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
+def batches():
+    g = torch.Generator().manual_seed(100 + dist.get_rank())  # this rank's rows
+    size = (ROWS, CONFIG.block_size + 1)
+    return [torch.randint(256, size, generator=g).to(fsdp_guide.device()) for _ in range(STEPS)]
+
+
+def adamw(model, lr):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def train_fsdp2(lr=3e-3, policy=None, bf16_weights=False, rounded=False):
+    model = build(rounded)
+    if bf16_weights:  # the weights themselves in bf16: no float32 copy anywhere
+        model = model.bfloat16()
+    start = flat(model.parameters())
+    for block in [*model.blocks, model]:
+        fully_shard(block, mp_policy=policy or Policy())
+    optimizer, losses = adamw(model, lr), []
+    for tokens in batches():
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = flat(p.full_tensor() for p in model.parameters())
+    return dict(losses=losses, weights=weights, moved=(weights != start).float().mean())
+
+
+def train_zero(stage, lr=3e-3, bf16=False):
+    avoid_deepspeed_builds()
+    model, start = build(), flat(build(rounded_to_bf16=bf16).parameters())
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0; FSDP2 clips only when asked
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,  # a torch optimizer: no fused_adam to compile
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, lr), config=config)
+    losses = []
+    for tokens in batches():
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weights = flat(safe_get_full_fp32_param(p) for p in engine.module.parameters())  # gathered
+    built = deepspeed.comm.comm.cdb.shm_comm_op is not None  # the extension built and loaded?
+    moved = (weights != start).float().mean()
+    return dict(losses=losses, weights=weights, moved=moved, shm_op_built=built)
+
+
+# %% [markdown]
+# (deepspeed-zero-float32)=
+# ## Float32: the same losses, bit for bit
+#
+# Each ZeRO stage against FSDP2, 8 steps, the loss each step on rank 0:
+
+# %%
+from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+from fsdp_guide import launch
+from fsdp_guide.table import Table
+from myst_nb import glue
+
+
+def float32_runs():
+    return {"FSDP2": train_fsdp2(), **{f"ZeRO-{s}": train_zero(s) for s in (1, 2, 3)}}
+
+
+ranks = launch(float32_runs, output="none")
+fp32 = ranks[0]
+Table(
+    ["step", *fp32],
+    [[s + 1, *(f"{r['losses'][s]:.7f}" for r in fp32.values())] for s in range(STEPS)],
+)
+
+# %%
+every_stage_equal = all(
+    run["losses"] == runs["FSDP2"]["losses"]
+    and torch.equal(run["weights"], runs["FSDP2"]["weights"])
+    for runs in ranks
+    for run in runs.values()
+)
+print("every stage's losses and final weights equal FSDP2's on both ranks:", every_stage_equal)
+print("the losses fell:", fp32["FSDP2"]["losses"][-1] < fp32["FSDP2"]["losses"][0])
+built = any(runs[f"ZeRO-{s}"]["shm_op_built"] for runs in ranks for s in (1, 2, 3))
+print("DeepSpeed built its shared-memory extension:", built)
+print("DeepSpeed's gradient_clipping when the config leaves it out:", GRADIENT_CLIPPING_DEFAULT)
+glue("ds_clip_default", GRADIENT_CLIPPING_DEFAULT, display=False)
+glue("ds_fp32_equal", "equal" if every_stage_equal else "not equal", display=False)
+
+# %% [markdown]
+# Equal ({glue:text}`ds_fp32_equal`): the stages differ in what each rank keeps (ZeRO-1 the
+# optimizer's state, ZeRO-2 that and the gradients, ZeRO-3 the weights too, which is
+# FSDP2's layout), not in the arithmetic. Both average the gradients over the ranks (a sum
+# and a halving, both exact with 2 ranks), both run the same `AdamW` on the same float32
+# numbers. So when a migration's float32 losses differ from the first step, look for a
+# difference in the run (the data, the seed, a setting), not in the sharding. The first
+# setting to look at: DeepSpeed clips gradients at {glue:text}`ds_clip_default` unless its
+# config says otherwise (printed above); FSDP2 clips only where you call `clip_grad_norm_`.
+# With both clipping, the losses of the recipe's run {ref}`below <deepspeed-zero-convert>`
+# still agree; the global norm is a sum over the shards in each library's order, so on
+# another model they may part in the last bits.
+#
+# (deepspeed-zero-bf16)=
+# ## bf16: what DeepSpeed does, and FSDP2 must be told
+#
+# DeepSpeed's `"bf16": {"enabled": true}` casts the model to bf16, computes in it, averages
+# the gradients in bf16, and keeps a float32 copy of the weights (the master weights) that
+# the optimizer updates. FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` keeps
+# the sharded weights in float32 and casts a copy to bf16 for the forward and backward;
+# `reduce_dtype` picks the dtype the gradients are averaged in. The final weights of five
+# FSDP2 runs against ZeRO-2's with bf16, at a small learning rate (3e-5) where precision
+# shows:
+
+# %%
+bf16, f32 = torch.bfloat16, torch.float32
+BF16_RUNS = {  # MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    "weights in bf16 (no float32 copy)": dict(bf16_weights=True),
+    "policy(bf16, float32)": dict(policy=Policy(bf16, f32)),
+    "policy(bf16, bf16)": dict(policy=Policy(bf16, bf16)),
+    "policy(bf16, float32), from bf16-rounded weights": dict(
+        policy=Policy(bf16, f32), rounded=True
+    ),
+    "policy(bf16, bf16), from bf16-rounded weights": dict(policy=Policy(bf16, bf16), rounded=True),
+}
+
+
+def bf16_runs(lr=3e-5):
+    zero = train_zero(2, lr=lr, bf16=True)
+    update = (zero["weights"] - flat(build(rounded_to_bf16=True).parameters())).norm()
+    found = {"ZeRO-2, bf16": {"distance": 0.0, "moved": zero["moved"], "bit-equal": True}}
+    for name, kwargs in BF16_RUNS.items():
+        run = train_fsdp2(lr=lr, **kwargs)
+        same = torch.equal(run["weights"], zero["weights"]) and run["losses"] == zero["losses"]
+        distance = float((run["weights"] - zero["weights"]).norm() / update)
+        found[name] = {"distance": distance, "moved": run["moved"], "bit-equal": same}
+    return found
+
+
+bf16_found = launch(bf16_runs, output="none")
+found = bf16_found[0]
+columns = ["run", "distance to ZeRO-2's weights / its update", "weights that moved"]
+Table(
+    [*columns, "losses and weights bit-equal to ZeRO-2's"],
+    [
+        [
+            name,
+            f"{r['distance']:.2g}",
+            f"{r['moved']:.0%}",
+            all(b[name]["bit-equal"] for b in bf16_found),
+        ]
+        for name, r in found.items()
+    ],
+)
+
+# %%
+names = list(BF16_RUNS)
+glue("ds_bf16_moved", float(found[names[0]]["moved"]) * 100, display=False)
+glue("ds_bf16_params_distance", found[names[0]]["distance"], display=False)
+glue("ds_mp_distance", found[names[1]]["distance"], display=False)
+glue("ds_mp_rounded_distance", found[names[3]]["distance"], display=False)
+
+# %% [markdown]
+# - **Weights in bf16** (`model.bfloat16()` before `fully_shard`, the HF blog's case of a
+#   loss that would not fall): only {glue:text}`ds_bf16_moved:.0f`% of the weights moved at
+#   all in 8 steps. An update smaller than half a bf16 step of the weight rounds back to the
+#   weight. The run lands {glue:text}`ds_bf16_params_distance:.2f` of an update away from
+#   DeepSpeed's.
+# - **`MixedPrecisionPolicy`** keeps the float32 weights, and every update counts. It lands
+#   {glue:text}`ds_mp_distance:.2f` of an update away, and nearly all of that is where it
+#   starts: DeepSpeed casts the model to bf16, then copies it to float32 for its master
+#   weights, so they start from the bf16-rounded weights. Started from those, FSDP2 lands
+#   {glue:text}`ds_mp_rounded_distance:.4f` of an update away.
+# - **Bit-equal** takes the other rounding too: the gradients averaged in bf16
+#   (`reduce_dtype=torch.bfloat16`; DeepSpeed's `communication_data_type` sets its dtype).
+#   Neither is better than FSDP2's default: float32 averaging from the float32 weights
+#   rounds less. Match them to check a migration against the old run step for step; then go
+#   back to the defaults.
+#
+# (deepspeed-zero-map)=
+# ## `ds_config`, key by key
+#
+# | `ds_config` | FSDP2 | shown |
+# |---|---|---|
+# | `zero_optimization.stage` 1, 2 | no FSDP2 form: FSDP2 shards the weights too (ZeRO-3's layout); with gradients and optimizer state alike it trains the same numbers | executed above |
+# | `zero_optimization.stage` 3 | `fully_shard` each block, then the root | executed above |
+# | `bf16.enabled` | `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, float32 weights kept | executed above |
+# | `communication_data_type` | `MixedPrecisionPolicy(reduce_dtype=...)` | executed above (bf16) |
+# | `fp16.enabled` (with its loss scaler) | `param_dtype=torch.float16` and `torch.amp.GradScaler` | {ref}`tutorial-fp16-scaler` |
+# | `gradient_clipping` | `torch.nn.utils.clip_grad_norm_` on the `DTensor` parameters, which FSDP2 calls only when you do; DeepSpeed clips at {glue:text}`ds_clip_default` when the config leaves it out (printed above; the runs above set 0, off) | executed below (the recipe clips at 1.0) |
+# | `gradient_accumulation_steps` | a loop of micro-batches, each loss divided by their number, `set_requires_gradient_sync(False)` but on the last | {ref}`tutorial-loss-and-accumulation` |
+# | `offload_optimizer`, `offload_param` | `fully_shard(..., offload_policy=CPUOffloadPolicy())`: both at once, the optimizer stepping on the CPU | {ref}`fsdp-config-reference` |
+# | `reduce_bucket_size`, `allgather_bucket_size` | no equivalent: FSDP2 reduces and gathers one FSDP unit at a time; the units you shard are the buckets | {ref}`tutorial-communication` |
+# | `stage3_prefetch_bucket_size` | no size: `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` name the units to fetch early | {ref}`tutorial-fsdp2-controls` |
+# | `contiguous_gradients`, `overlap_comm` | no setting: each unit's gradients land in one reduce-scatter buffer, and the reduce-scatter overlaps the backward by itself | {ref}`tutorial-communication` |
+# | `train_micro_batch_size_per_gpu` | the batch you feed each rank | executed above |
+
+# %% [markdown]
+# (deepspeed-zero-convert)=
+# ## A ZeRO checkpoint, resumed by the recipe
+#
+# The guide's recipe ({func}`fsdp_guide.recipes.train_llm.train`) trains with DeepSpeed ZeRO-2
+# for 4 of 8 steps, on the recipe's model, data, optimizer and schedule, and saves a ZeRO
+# checkpoint. DeepSpeed's `ds_to_universal` turns it into a file per parameter (the weights
+# in float32 and Adam's two moments), which DCP's `set_model_state_dict` and
+# `set_optimizer_state_dict` give to the recipe's sharded model; `fsdp_guide.checkpoint`
+# saves that as the recipe's checkpoint, and the recipe resumes it. (`zero_to_fp32`, the
+# usual converter, gives the weights alone: a resume from it starts Adam afresh.)
+
+# %%
+import dataclasses
+import subprocess
+import tempfile
+from pathlib import Path
+
+from fsdp_guide import checkpoint
+from fsdp_guide.recipes import train_llm
+from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+RECIPE = train_llm.TrainConfig(
+    n_layer=2, block_size=32, batch_size=8, steps=8, precision="fp32", log_every=4, progress=False
+)
+SAVED_AT = 4
+
+
+def deepspeed_recipe_run(out):
+    """The recipe's run with ZeRO-2, which saves a ZeRO checkpoint after SAVED_AT steps."""
+    avoid_deepspeed_builds()
+    torch.manual_seed(RECIPE.seed)
+    model = GPT(RECIPE.model_config()).to(fsdp_guide.device())
+    model.init_weights()  # the recipe's weights, bit for bit (its init_sharded's promise)
+    optimizer, scheduler = train_llm.build_optimizer(model, RECIPE)
+    config = {
+        "train_micro_batch_size_per_gpu": RECIPE.batch_size // dist.get_world_size(),
+        "zero_optimization": {"stage": 2},  # ds_to_universal writes ZeRO-3's flat, without a step
+        "gradient_clipping": RECIPE.clip,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    batches, losses = train_llm.make_batches(RECIPE), []
+    for step in range(1, RECIPE.steps + 1):
+        _, loss = engine(*(t.to(fsdp_guide.device()) for t in next(batches)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+        if step == SAVED_AT:  # ds_to_universal asks for this entry; an empty one serves
+            info = {"universal_checkpoint_info": {}}
+            engine.save_checkpoint(out / "zero", tag="step4", client_state=info)
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)  # the recipe reports the loss averaged over the ranks
+    return (losses / dist.get_world_size()).tolist()
+
+
+def to_recipe_checkpoint(universal, out):
+    """ds_to_universal's files -> the recipe's sharded model and optimizer -> its checkpoint."""
+    model = train_llm.shard_model(RECIPE, fsdp_guide.device(), torch.float32)
+    optimizer, scheduler = train_llm.build_optimizer(model, RECIPE)
+    names = [n for n, _ in model.named_parameters()]  # the tied head once, as DeepSpeed saved it
+
+    def saved(name, what):
+        found = torch.load(universal / "zero" / name / f"{what}.pt", weights_only=True)
+        return found if what == "step" else found["param"]
+
+    weights = {n: saved(n, "fp32") for n in names}
+    set_model_state_dict(model, weights, options=Options(full_state_dict=True, strict=False))
+    state = {n: {k: saved(n, k) for k in ("step", "exp_avg", "exp_avg_sq")} for n in names}
+    groups = [{**g, "params": names} for g in optimizer.state_dict()["param_groups"]]
+    full = Options(full_state_dict=True)
+    set_optimizer_state_dict(
+        model, optimizer, {"state": state, "param_groups": groups}, options=full
+    )
+    for _ in range(SAVED_AT):  # the schedule at step 4, as DeepSpeed's engine stepped it
+        scheduler.step()
+    data = train_llm.make_batches(RECIPE)
+    data.load_state_dict({"seed": RECIPE.seed, "position": SAVED_AT})
+    settings = train_llm.RunSettings(RECIPE)
+    return checkpoint.save(
+        out / "recipe",
+        SAVED_AT,
+        model,
+        optimizer,
+        scheduler=scheduler,
+        data=data,
+        settings=settings,
+    )
+
+
+def resume(path):
+    return train_llm.train(dataclasses.replace(RECIPE, resume=str(path)))["losses"]
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp)
+    zero_losses = launch(deepspeed_recipe_run, out, output="none")[0]
+    folders = ["--input_folder", out / "zero" / "step4", "--output_folder", out / "universal"]
+    convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *folders]
+    subprocess.run(convert, check=True, capture_output=True)
+    path = launch(to_recipe_checkpoint, out / "universal", out, output="none")[0]
+    resumed_losses = launch(resume, path)[0]
+
+# %%
+columns = ["step", "ZeRO-2, uninterrupted", "the recipe, resumed from ZeRO-2's step 4"]
+resumed_column = [""] * SAVED_AT + [f"{loss:.7f}" for loss in resumed_losses]
+Table(columns, [[s + 1, f"{zero_losses[s]:.7f}", resumed_column[s]] for s in range(RECIPE.steps)])
+
+# %%
+resumed_exactly = resumed_losses == zero_losses[SAVED_AT:]
+print("the resumed steps' losses equal ZeRO-2's:", resumed_exactly)
+glue("ds_resumed", "equal" if resumed_exactly else "not equal", display=False)
+
+# %% [markdown]
+# Equal ({glue:text}`ds_resumed`): the recipe continues ZeRO-2's run as if it had never
+# stopped. What carries it over: the weights in float32 and Adam's moments and step count
+# (`ds_to_universal`'s files), the schedule at step 4, and the data at its fifth batch; the
+# recipe's checkpoint also holds its settings, so a resume with another model or data is
+# refused. Without the moments (a conversion with `zero_to_fp32`), the fifth step's loss would
+# still be equal (the weights are), and the next ones would not.
+#
+# `ds_to_universal` asks a checkpoint for `universal_checkpoint_info` (Megatron-DeepSpeed
+# writes it; an empty one serves here): save yours with it, or load and save it again.
+#
+# (deepspeed-zero-script)=
+# ## The script to copy
+#
+# {download}`scripts/deepspeed_zero.py`, torch and DeepSpeed alone: ZeRO-1, -2 and -3 against
+# FSDP2 in float32, and ZeRO-2's bf16 against FSDP2 with DeepSpeed's two roundings. The tests
+# run it under torchrun on 2 CPU ranks and check that each is equal (`tests/test_scripts.py`).
+#
+# ```{literalinclude} scripts/deepspeed_zero.py
+# :language: python
+# ```
+
+# %% [markdown]
+# (deepspeed-zero-tips)=
+# ## The tips behind this
+#
+# - {ref}`tip-deepspeed-float32-equal`
+# - {ref}`tip-deepspeed-bf16-master`
+
+# %% tags=["remove-input"]
+from fsdp_guide import executed_on
+
+executed_on("deepspeed_zero")
