@@ -41,12 +41,11 @@ print(f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, Python {sy
 # one seed. FSDP2 shards each block, then the root; DeepSpeed takes the whole model and the
 # same torch `AdamW`. Each rank draws its own rows, the same ones in both runs.
 #
-# On a CPU, DeepSpeed compiles a C++ extension (`deepspeed_shm_comm`, with ninja and g++; 88.6 s
-# when timed once on a 2-core machine, then cached in `~/.cache/torch_extensions`) when its
-# communication starts, and its own Adam another (`fused_adam`, 90.6 s). Neither is needed:
-# the op serves inference's all-reduce only (`inference_all_reduce`, `deepspeed/comm/torch.py`;
-# training's collectives go through `torch.distributed`), so `avoid_deepspeed_builds` marks
-# it unavailable, and a torch optimizer replaces DeepSpeed's.
+# On a CPU, DeepSpeed compiles a C++ extension with g++ when its communication starts
+# (`deepspeed_shm_comm`), and its own Adam another (`fused_adam`): minutes on 2 cores, then
+# cached. Neither is needed: the op serves inference's all-reduce only (`deepspeed/comm/torch.py`),
+# so `avoid_deepspeed_builds` marks it unavailable (DeepSpeed 0.19's `__compatible_ops__`,
+# read by `build_shm_op`), and a torch optimizer, passed in, replaces DeepSpeed's.
 
 # %%
 import warnings
@@ -120,8 +119,7 @@ def train_zero(stage, lr=3e-3, bf16=False):
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0; FSDP2 clips only when asked
         "bf16": {"enabled": bf16},
-        "zero_allow_untested_optimizer": True,  # a torch optimizer: no fused_adam to compile
-    }
+    }  # with a torch optimizer passed in, DeepSpeed builds none of its own (no fused_adam)
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, lr), config=config)
     losses = []
     for tokens in batches():
@@ -130,7 +128,7 @@ def train_zero(stage, lr=3e-3, bf16=False):
         engine.step()
         losses.append(loss.item())
     weights = flat(safe_get_full_fp32_param(p) for p in engine.module.parameters())  # gathered
-    built = deepspeed.comm.comm.cdb.shm_comm_op is not None  # the extension built and loaded?
+    built = deepspeed.comm.comm.cdb.shm_comm_op is not None  # built? (DeepSpeed 0.19's internals)
     moved = (weights != start).float().mean()
     return dict(losses=losses, weights=weights, moved=moved, shm_op_built=built)
 
@@ -175,26 +173,26 @@ glue("ds_clip_default", GRADIENT_CLIPPING_DEFAULT, display=False)
 glue("ds_fp32_equal", "equal" if every_stage_equal else "not equal", display=False)
 
 # %% [markdown]
-# Equal ({glue:text}`ds_fp32_equal`): the stages differ in what each rank keeps (ZeRO-1 the
-# optimizer's state, ZeRO-2 that and the gradients, ZeRO-3 the weights too, which is
-# FSDP2's layout), not in the arithmetic. Both average the gradients over the ranks (a sum
-# and a halving, both exact with 2 ranks), both run the same `AdamW` on the same float32
-# numbers. So when a migration's float32 losses differ from the first step, look for a
-# difference in the run (the data, the seed, a setting), not in the sharding. The first
-# setting to look at: DeepSpeed clips gradients at {glue:text}`ds_clip_default` unless its
-# config says otherwise (printed above); FSDP2 clips only where you call `clip_grad_norm_`.
-# With both clipping, the losses of the recipe's run {ref}`below <deepspeed-zero-convert>`
-# still agree; the global norm is a sum over the shards in each library's order, so on
-# another model they may part in the last bits.
+# Equal ({glue:text}`ds_fp32_equal`), on these 2 ranks: the stages differ in what each rank
+# keeps (ZeRO-1 the optimizer's state, ZeRO-2 that and the gradients, ZeRO-3 the weights
+# too, split from each flattened parameter where FSDP2 splits each parameter along its
+# first dimension), not in the arithmetic. Both average each gradient over the ranks, and
+# a sum of two numbers has one order; both run the same `AdamW` on the same float32
+# numbers. With more ranks, or NCCL's reductions on GPUs, expect the last bits to differ:
+# the libraries group their sums differently. So when a migration's float32 losses differ
+# from the first step by more than rounding, look for a difference in the run (the data,
+# the seed, a setting), not in the sharding. The first setting to look at: DeepSpeed clips
+# gradients at {glue:text}`ds_clip_default` unless its config says otherwise (printed
+# above); FSDP2 clips only where you call `clip_grad_norm_`.
 #
 # (deepspeed-zero-bf16)=
 # ## bf16: what DeepSpeed does, and FSDP2 must be told
 #
-# DeepSpeed's `"bf16": {"enabled": true}` casts the model to bf16, computes in it, averages
-# the gradients in bf16, and keeps a float32 copy of the weights (the master weights) that
-# the optimizer updates. FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` keeps
+# DeepSpeed's `"bf16": {"enabled": true}` casts the model's parameters to bf16, computes in
+# them, averages the gradients in bf16, and keeps a float32 copy of the weights (the master
+# weights) that the optimizer updates. FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` keeps
 # the sharded weights in float32 and casts a copy to bf16 for the forward and backward;
-# `reduce_dtype` picks the dtype the gradients are averaged in. The final weights of five
+# `reduce_dtype` picks the dtype the gradients are averaged in (left out, `param_dtype`'s). The final weights of five
 # FSDP2 runs against ZeRO-2's with bf16, at a small learning rate (3e-5) where precision
 # shows:
 
@@ -214,7 +212,7 @@ BF16_RUNS = {  # MixedPrecisionPolicy(param_dtype, reduce_dtype)
 def bf16_runs(lr=3e-5):
     zero = train_zero(2, lr=lr, bf16=True)
     update = (zero["weights"] - flat(build(rounded_to_bf16=True).parameters())).norm()
-    found = {"ZeRO-2, bf16": {"distance": 0.0, "moved": zero["moved"], "bit-equal": True}}
+    found = {"ZeRO-2, bf16": {"distance": 0.0, "moved": zero["moved"]}}
     for name, kwargs in BF16_RUNS.items():
         run = train_fsdp2(lr=lr, **kwargs)
         same = torch.equal(run["weights"], zero["weights"]) and run["losses"] == zero["losses"]
@@ -226,18 +224,11 @@ def bf16_runs(lr=3e-5):
 bf16_found = launch(bf16_runs, output="none")
 found = bf16_found[0]
 columns = ["run", "distance to ZeRO-2's weights / its update", "weights that moved"]
-Table(
-    [*columns, "losses and weights bit-equal to ZeRO-2's"],
-    [
-        [
-            name,
-            f"{r['distance']:.2g}",
-            f"{r['moved']:.0%}",
-            all(b[name]["bit-equal"] for b in bf16_found),
-        ]
-        for name, r in found.items()
-    ],
-)
+same = {
+    n: all(b[n]["bit-equal"] for b in bf16_found) if n in BF16_RUNS else "(itself)" for n in found
+}
+rows = [[n, f"{r['distance']:.2g}", f"{r['moved']:.0%}", same[n]] for n, r in found.items()]
+Table([*columns, "losses and weights bit-equal to ZeRO-2's"], rows)
 
 # %%
 names = list(BF16_RUNS)
@@ -247,51 +238,59 @@ glue("ds_mp_distance", found[names[1]]["distance"], display=False)
 glue("ds_mp_rounded_distance", found[names[3]]["distance"], display=False)
 
 # %% [markdown]
-# - **Weights in bf16** (`model.bfloat16()` before `fully_shard`, the HF blog's case of a
-#   loss that would not fall): only {glue:text}`ds_bf16_moved:.0f`% of the weights moved at
+# - **Weights in bf16** (`model.bfloat16()` before `fully_shard`, the case of a loss that
+#   would not fall in [Hugging Face's post on moving between DeepSpeed and
+#   FSDP](https://huggingface.co/blog/deepspeed-to-fsdp-and-back)): only {glue:text}`ds_bf16_moved:.0f`% of the weights moved at
 #   all in 8 steps. An update smaller than half a bf16 step of the weight rounds back to the
 #   weight. The run lands {glue:text}`ds_bf16_params_distance:.2f` of an update away from
 #   DeepSpeed's.
 # - **`MixedPrecisionPolicy`** keeps the float32 weights, and every update counts. It lands
 #   {glue:text}`ds_mp_distance:.2f` of an update away, and nearly all of that is where it
-#   starts: DeepSpeed casts the model to bf16, then copies it to float32 for its master
+#   starts: DeepSpeed casts the parameters to bf16, then copies them to float32 for its master
 #   weights, so they start from the bf16-rounded weights. Started from those, FSDP2 lands
 #   {glue:text}`ds_mp_rounded_distance:.4f` of an update away.
-# - **Bit-equal** takes the other rounding too: the gradients averaged in bf16
-#   (`reduce_dtype=torch.bfloat16`; DeepSpeed's `communication_data_type` sets its dtype).
-#   Neither is better than FSDP2's default: float32 averaging from the float32 weights
-#   rounds less. Match them to check a migration against the old run step for step; then go
-#   back to the defaults.
+# - **Bit-equal** takes the other rounding too: the gradients averaged in bf16, as
+#   `reduce_dtype` left out does (DeepSpeed's `communication_data_type` sets its dtype).
+#   Match both to check a migration against the old run step for step; then prefer the
+#   float32 weights as they are and `reduce_dtype=torch.float32`, which rounds less (the
+#   recipe's choice).
 #
 # (deepspeed-zero-map)=
 # ## `ds_config`, key by key
 #
 # | `ds_config` | FSDP2 | shown |
 # |---|---|---|
-# | `zero_optimization.stage` 1, 2 | no FSDP2 form: FSDP2 shards the weights too (ZeRO-3's layout); with gradients and optimizer state alike it trains the same numbers | executed above |
+# | `zero_optimization.stage` 1, 2 | no FSDP2 form: it shards the weights too, gathering them for the forward and again for the backward; `reshard_after_forward=False` keeps them gathered in between, as ZeRO-2 never drops them. The same numbers | executed above; {ref}`reshard_after_forward <fsdp2-fully-shard-reshard-after-forward>` |
 # | `zero_optimization.stage` 3 | `fully_shard` each block, then the root | executed above |
+# | `zero_hpz_partition_size`, `mics_shard_size` | HSDP (a 2-D mesh: shard within a group, replicate across), or `reshard_after_forward=` an int | {ref}`cluster`, {ref}`reshard_after_forward <fsdp2-fully-shard-reshard-after-forward>` |
+# | `zero.Init` | build on the meta device, shard, then `to_empty` and initialise | {ref}`tutorial-deterministic-init` |
 # | `bf16.enabled` | `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, float32 weights kept | executed above |
-# | `communication_data_type` | `MixedPrecisionPolicy(reduce_dtype=...)` | executed above (bf16) |
+# | `communication_data_type` | `MixedPrecisionPolicy(reduce_dtype=...)` | executed above |
+# | `prescale_gradients`, `gradient_predivide_factor` | `set_gradient_divide_factor` | {ref}`set_gradient_divide_factor <fsdp2-fsdpmodule-set-gradient-divide-factor>` |
 # | `fp16.enabled` (with its loss scaler) | `param_dtype=torch.float16` and `torch.amp.GradScaler` | {ref}`tutorial-fp16-scaler` |
 # | `gradient_clipping` | `torch.nn.utils.clip_grad_norm_` on the `DTensor` parameters, which FSDP2 calls only when you do; DeepSpeed clips at {glue:text}`ds_clip_default` when the config leaves it out (printed above; the runs above set 0, off) | executed below (the recipe clips at 1.0) |
 # | `gradient_accumulation_steps` | a loop of micro-batches, each loss divided by their number, `set_requires_gradient_sync(False)` but on the last | {ref}`tutorial-loss-and-accumulation` |
-# | `offload_optimizer`, `offload_param` | `fully_shard(..., offload_policy=CPUOffloadPolicy())`: both at once, the optimizer stepping on the CPU | {ref}`fsdp-config-reference` |
-# | `reduce_bucket_size`, `allgather_bucket_size` | no equivalent: FSDP2 reduces and gathers one FSDP unit at a time; the units you shard are the buckets | {ref}`tutorial-communication` |
+# | `offload_param` with `offload_optimizer` | `offload_policy=CPUOffloadPolicy()`: weights, gradients and the optimizer step on the CPU | {ref}`CPUOffloadPolicy <fsdp2-cpuoffloadpolicy>` |
+# | `offload_optimizer` alone (ZeRO-Offload), NVMe offload | no equivalent | the policy's fields, {ref}`OffloadPolicy <fsdp2-offloadpolicy>` |
+# | `reduce_bucket_size`, `allgather_bucket_size` | no equivalent: FSDP2 gathers and reduces one unit at a time; the units you shard are the buckets | {ref}`tutorial-communication` |
 # | `stage3_prefetch_bucket_size` | no size: `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` name the units to fetch early | {ref}`tutorial-fsdp2-controls` |
-# | `contiguous_gradients`, `overlap_comm` | no setting: each unit's gradients land in one reduce-scatter buffer, and the reduce-scatter overlaps the backward by itself | {ref}`tutorial-communication` |
+# | `contiguous_gradients`, `overlap_comm` | no setting: each unit's gradients are reduce-scattered from one buffer; on GPUs the reduce-scatter is expected to overlap the backward on its own stream | {ref}`tutorial-communication` |
+# | `stage3_gather_16bit_weights_on_model_save` | `get_model_state_dict(..., StateDictOptions(full_state_dict=True))` | {ref}`finetune-hf-export` |
 # | `train_micro_batch_size_per_gpu` | the batch you feed each rank | executed above |
 
 # %% [markdown]
 # (deepspeed-zero-convert)=
 # ## A ZeRO checkpoint, resumed by the recipe
 #
-# The guide's recipe ({func}`fsdp_guide.recipes.train_llm.train`) trains with DeepSpeed ZeRO-2
-# for 4 of 8 steps, on the recipe's model, data, optimizer and schedule, and saves a ZeRO
-# checkpoint. DeepSpeed's `ds_to_universal` turns it into a file per parameter (the weights
-# in float32 and Adam's two moments), which DCP's `set_model_state_dict` and
-# `set_optimizer_state_dict` give to the recipe's sharded model; `fsdp_guide.checkpoint`
-# saves that as the recipe's checkpoint, and the recipe resumes it. (`zero_to_fp32`, the
-# usual converter, gives the weights alone: a resume from it starts Adam afresh.)
+# The recipe's run ({func}`fsdp_guide.recipes.train_llm.train`: its model, data, AdamW,
+# schedule and clipping) trains with DeepSpeed ZeRO-3 for 8 steps and saves a ZeRO
+# checkpoint after 4. DeepSpeed's `ds_to_universal` turns it into a file per parameter: the
+# float32 weights and Adam's two moments (from ZeRO-3, flat and without Adam's step count,
+# which is the engine's steps not skipped). Rank 0 reads them; DCP's `set_model_state_dict`
+# and `set_optimizer_state_dict` send each rank its shards; the schedule comes from the
+# engine's file. `fsdp_guide.checkpoint` saves the recipe's checkpoint, and the recipe
+# resumes it. Beside it, a resume from the weights alone (all that `zero_to_fp32`,
+# DeepSpeed's usual converter, keeps), with Adam afresh:
 
 # %%
 import dataclasses
@@ -301,8 +300,11 @@ from pathlib import Path
 
 from fsdp_guide import checkpoint
 from fsdp_guide.recipes import train_llm
-from torch.distributed.checkpoint.state_dict import StateDictOptions as Options
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 RECIPE = train_llm.TrainConfig(
     n_layer=2, block_size=32, batch_size=8, steps=8, precision="fp32", log_every=4, progress=False
@@ -311,7 +313,7 @@ SAVED_AT = 4
 
 
 def deepspeed_recipe_run(out):
-    """The recipe's run with ZeRO-2, which saves a ZeRO checkpoint after SAVED_AT steps."""
+    """The recipe's run with ZeRO-3; saves a ZeRO checkpoint after SAVED_AT steps."""
     avoid_deepspeed_builds()
     torch.manual_seed(RECIPE.seed)
     model = GPT(RECIPE.model_config()).to(fsdp_guide.device())
@@ -319,58 +321,57 @@ def deepspeed_recipe_run(out):
     optimizer, scheduler = train_llm.build_optimizer(model, RECIPE)
     config = {
         "train_micro_batch_size_per_gpu": RECIPE.batch_size // dist.get_world_size(),
-        "zero_optimization": {"stage": 2},  # ds_to_universal writes ZeRO-3's flat, without a step
+        "zero_optimization": {"stage": 3},
         "gradient_clipping": RECIPE.clip,
-        "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
-    batches, losses = train_llm.make_batches(RECIPE), []
+    batches, losses, norms = train_llm.make_batches(RECIPE), [], []
     for step in range(1, RECIPE.steps + 1):
         _, loss = engine(*(t.to(fsdp_guide.device()) for t in next(batches)))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-        if step == SAVED_AT:  # ds_to_universal asks for this entry; an empty one serves
-            info = {"universal_checkpoint_info": {}}
-            engine.save_checkpoint(out / "zero", tag="step4", client_state=info)
+        norms.append(float(engine.get_global_grad_norm()))  # before clipping
+        if step == SAVED_AT:
+            engine.save_checkpoint(out / "zero", tag="step4")
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # the recipe reports the loss averaged over the ranks
-    return (losses / dist.get_world_size()).tolist()
+    return (losses / dist.get_world_size()).tolist(), norms
 
 
-def to_recipe_checkpoint(universal, out):
+def to_recipe_checkpoint(universal, out, with_moments=True):
     """ds_to_universal's files -> the recipe's sharded model and optimizer -> its checkpoint."""
     model = train_llm.shard_model(RECIPE, fsdp_guide.device(), torch.float32)
     optimizer, scheduler = train_llm.build_optimizer(model, RECIPE)
-    names = [n for n, _ in model.named_parameters()]  # the tied head once, as DeepSpeed saved it
+    engine_state = torch.load(next(universal.glob("*model_states.pt")), weights_only=True)
+    scheduler.load_state_dict(engine_state["lr_scheduler"])  # where DeepSpeed's run left it
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr  # the next step's rate: a scheduler's load leaves the optimizer's alone
 
-    def saved(name, what):
-        found = torch.load(universal / "zero" / name / f"{what}.pt", weights_only=True)
-        return found if what == "step" else found["param"]
+    def saved(name, what, shape):  # ZeRO-3's files: flat, and no step count
+        return torch.load(universal / "zero" / name / f"{what}.pt", weights_only=True).view(shape)
 
-    weights = {n: saved(n, "fp32") for n in names}
-    set_model_state_dict(model, weights, options=Options(full_state_dict=True, strict=False))
-    state = {n: {k: saved(n, k) for k in ("step", "exp_avg", "exp_avg_sq")} for n in names}
-    groups = [{**g, "params": names} for g in optimizer.state_dict()["param_groups"]]
-    full = Options(full_state_dict=True)
-    set_optimizer_state_dict(
-        model, optimizer, {"state": state, "param_groups": groups}, options=full
-    )
-    for _ in range(SAVED_AT):  # the schedule at step 4, as DeepSpeed's engine stepped it
-        scheduler.step()
+    weights, state = {}, {}
+    if dist.get_rank() == 0:  # rank 0 reads each tensor whole; the load sends each rank its shard
+        step = torch.tensor(float(engine_state["global_steps"] - engine_state["skipped_steps"]))
+        for name, p in model.named_parameters():  # the tied head once, as DeepSpeed saved it
+            weights[name] = saved(name, "fp32", p.shape)
+            moments = {k: saved(name, k, p.shape) for k in ("exp_avg", "exp_avg_sq")}
+            state[name] = {"step": step.clone(), **moments}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # strict=False: the tied head (lm_head.weight) is the embedding, loaded under its one name
+    set_model_state_dict(model, weights, options=dataclasses.replace(options, strict=False))
+    if with_moments:
+        groups = [{**g, "params": list(state)} for g in optimizer.state_dict()["param_groups"]]
+        moments = {"state": state, "param_groups": groups} if dist.get_rank() == 0 else {}
+        set_optimizer_state_dict(model, optimizer, moments, options=options)
     data = train_llm.make_batches(RECIPE)
     data.load_state_dict({"seed": RECIPE.seed, "position": SAVED_AT})
-    settings = train_llm.RunSettings(RECIPE)
+    settings, where = train_llm.RunSettings(RECIPE), out / ("recipe" if with_moments else "weights")
     return checkpoint.save(
-        out / "recipe",
-        SAVED_AT,
-        model,
-        optimizer,
-        scheduler=scheduler,
-        data=data,
-        settings=settings,
+        where, SAVED_AT, model, optimizer, scheduler=scheduler, data=data, settings=settings
     )
 
 
@@ -380,33 +381,44 @@ def resume(path):
 
 with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp)
-    zero_losses = launch(deepspeed_recipe_run, out, output="none")[0]
+    zero_losses, norms = launch(deepspeed_recipe_run, out, output="none")[0]
     folders = ["--input_folder", out / "zero" / "step4", "--output_folder", out / "universal"]
     convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *folders]
-    subprocess.run(convert, check=True, capture_output=True)
+    subprocess.run([*convert, "--inject_missing_state"], check=True, capture_output=True)
     path = launch(to_recipe_checkpoint, out / "universal", out, output="none")[0]
     resumed_losses = launch(resume, path)[0]
+    weights_only = launch(to_recipe_checkpoint, out / "universal", out, False, output="none")[0]
+    afresh_losses = launch(resume, weights_only, output="none")[0]
 
 # %%
-columns = ["step", "ZeRO-2, uninterrupted", "the recipe, resumed from ZeRO-2's step 4"]
-resumed_column = [""] * SAVED_AT + [f"{loss:.7f}" for loss in resumed_losses]
-Table(columns, [[s + 1, f"{zero_losses[s]:.7f}", resumed_column[s]] for s in range(RECIPE.steps)])
+columns = ["step", "ZeRO-3, uninterrupted", "the recipe, resumed", "weights only, Adam afresh"]
+resumed = [""] * SAVED_AT + [f"{loss:.7f}" for loss in resumed_losses]
+afresh = [""] * SAVED_AT + [f"{loss:.7f}" for loss in afresh_losses]
+rows = [[s + 1, f"{zero_losses[s]:.7f}", resumed[s], afresh[s]] for s in range(RECIPE.steps)]
+Table(columns, rows)
 
 # %%
 resumed_exactly = resumed_losses == zero_losses[SAVED_AT:]
-print("the resumed steps' losses equal ZeRO-2's:", resumed_exactly)
+print("the resumed steps' losses equal ZeRO-3's:", resumed_exactly)
+later = zip(afresh_losses[1:], zero_losses[SAVED_AT + 1 :])
+afresh_parts = afresh_losses[0] == zero_losses[SAVED_AT] and all(a != b for a, b in later)
+print("weights only: the first resumed step's loss equal, the later ones not:", afresh_parts)
+print(f"ZeRO-3's gradient norms before clipping: {', '.join(f'{n:.3f}' for n in norms)}")
+clipped = [s + 1 for s, n in enumerate(norms) if n > RECIPE.clip]
+print(f"clipped at {RECIPE.clip} on steps: {clipped}")
 glue("ds_resumed", "equal" if resumed_exactly else "not equal", display=False)
 
 # %% [markdown]
-# Equal ({glue:text}`ds_resumed`): the recipe continues ZeRO-2's run as if it had never
-# stopped. What carries it over: the weights in float32 and Adam's moments and step count
-# (`ds_to_universal`'s files), the schedule at step 4, and the data at its fifth batch; the
-# recipe's checkpoint also holds its settings, so a resume with another model or data is
-# refused. Without the moments (a conversion with `zero_to_fp32`), the fifth step's loss would
-# still be equal (the weights are), and the next ones would not.
+# Equal ({glue:text}`ds_resumed`): the recipe continues ZeRO-3's run as if it had never
+# stopped, with gradient clipping at work on every step (the norms above 1.0, printed). What
+# carries it over: the float32 weights, Adam's moments and step count, the schedule at step
+# 4 (and the optimizer's rate with it: loading a scheduler's state leaves the optimizer's
+# `lr` where it was), and the data at its fifth batch. The recipe's checkpoint also holds
+# its settings, so a resume with another model or data is refused. From the weights alone,
+# the fifth step's loss is equal (the weights are), and the next ones are not.
 #
-# `ds_to_universal` asks a checkpoint for `universal_checkpoint_info` (Megatron-DeepSpeed
-# writes it; an empty one serves here): save yours with it, or load and save it again.
+# `ds_to_universal` needs `--inject_missing_state` for a checkpoint that a plain DeepSpeed
+# engine saved (Megatron-DeepSpeed writes the state it checks for).
 #
 # (deepspeed-zero-script)=
 # ## The script to copy

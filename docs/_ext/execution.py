@@ -88,6 +88,7 @@ class Execution:
         # One warm server per environment for every page's launches (fsdp_guide._warm.ServerBroker),
         # where each kernel would start its own and import torch again: seconds of CPU per page.
         self._broker = ServerBroker(self._sockets)
+        self._environ = {**self._broker.environ(), **_deepspeed_environ()}
         self._kernels = itertools.count()  # short socket names: a Unix socket's path has ~100 bytes at most
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="page")
         self._cache_lock = threading.Lock()  # one writer at a time for the cache's sqlite database
@@ -212,9 +213,7 @@ class Execution:
                     allow_errors=False,
                     on_cell_execute=interruptible(before_cell),
                     extra_arguments=[KERNEL_FAULTHANDLER],
-                    kernel_manager_class=_unix_socket_kernels(
-                        self._sockets / str(next(self._kernels)), self._broker.environ()
-                    ),
+                    kernel_manager_class=_unix_socket_kernels(self._sockets / str(next(self._kernels)), self._environ),
                 )
             except DeadKernelError as error:
                 if self._interrupted.is_set():  # killed by stop()
@@ -270,6 +269,22 @@ def without_build_paths(notebook) -> None:
             for kind, value in output.get("data", {}).items():
                 if kind.startswith("text/"):
                     output["data"][kind] = shorter(value)
+
+
+def _deepspeed_environ() -> dict[str, str]:
+    """Where the pages run on the CPU, name it to DeepSpeed (``DS_ACCELERATOR``), unless already named.
+
+    transformers, peft and accelerate import DeepSpeed where it is installed (the DeepSpeed page's
+    extra), and DeepSpeed then logs, in every kernel and rank that finds no GPU, that it fell back to
+    the CPU: a line in the output of a dozen pages that are not about DeepSpeed, and words that
+    pull those pages up in the site's search. Named, it logs nothing. On GPUs its own detection
+    stands (nothing is set), as it does for a reader running a page in Jupyter."""
+    import torch
+
+    from fsdp_guide.devices import DEVICE_ENV
+
+    on_cpu = os.environ.get(DEVICE_ENV, "").strip().lower() == "cpu" or not torch.accelerator.is_available()
+    return {"DS_ACCELERATOR": "cpu"} if on_cpu and "DS_ACCELERATOR" not in os.environ else {}  # cpu-only: the CPU named
 
 
 def _unix_socket_kernels(prefix: Path, environ: dict[str, str]) -> type:

@@ -14,6 +14,7 @@ compiled: its shared-memory op (inference only) is marked unavailable, and the o
 torch's.
 """
 
+import gc
 import os
 import warnings
 
@@ -63,6 +64,10 @@ def batches(device):
     ]
 
 
+def flat(tensors):
+    return torch.cat([t.detach().float().flatten() for t in tensors])
+
+
 def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
@@ -78,7 +83,7 @@ def train_fsdp2(device, mp_policy=None, rounded=False):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, torch.cat([p.full_tensor().float().flatten() for p in model.parameters()])
+    return losses, flat(p.full_tensor() for p in model.parameters())
 
 
 def train_zero(device, stage, bf16=False):
@@ -88,8 +93,7 @@ def train_zero(device, stage, bf16=False):
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0; FSDP2 clips only when asked
         "bf16": {"enabled": bf16},
-        "zero_allow_untested_optimizer": True,  # a torch optimizer: no fused_adam to compile
-    }
+    }  # with a torch optimizer passed in, DeepSpeed builds none of its own (no fused_adam)
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model), config=config)
     losses = []
     for x, y in batches(device):
@@ -97,9 +101,7 @@ def train_zero(device, stage, bf16=False):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, torch.cat(
-        [safe_get_full_fp32_param(p).flatten() for p in engine.module.parameters()]
-    )
+    return losses, flat(safe_get_full_fp32_param(p) for p in engine.module.parameters())
 
 
 def main():
@@ -107,12 +109,13 @@ def main():
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     # Before DeepSpeed's communication starts, which would otherwise compile its shared-memory
-    # op with ninja and g++ on a CPU machine; the op serves inference's all-reduce only.
+    # op with ninja and g++ on a CPU machine; the op serves inference's all-reduce only. This is
+    # DeepSpeed 0.19's internals (read by build_shm_op in deepspeed/comm/torch.py).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=dist.get_default_backend_for_device(device))
     losses, weights = train_fsdp2(device)
-    start = torch.cat([p.detach().flatten() for p in build(device).parameters()])
-    trained = bool((weights != start).any()) and all(map(torch.isfinite, map(torch.tensor, losses)))
+    moved = bool((weights != flat(build(device).parameters())).any())
+    trained = moved and all(map(torch.isfinite, map(torch.tensor, losses)))
     equal = {}
     for stage in (1, 2, 3):
         zero_losses, zero_weights = train_zero(device, stage)
@@ -123,13 +126,20 @@ def main():
     )
     zero_bf16 = train_zero(device, 2, bf16=True)
     bf16_equal = matched[0] == zero_bf16[0] and torch.equal(matched[1], zero_bf16[1])
+    bf16_trained = bool((zero_bf16[1] != flat(build(device, True).parameters())).any())
     if dist.get_rank() == 0:
         print(
             f"float32, {STEPS} steps on {dist.get_world_size()} ranks; the weights moved, the losses finite: {trained}"
         )
         for stage, same in equal.items():
             print(f"ZeRO-{stage}: losses and weights equal to FSDP2's: {same}")
-        print(f"bf16, ZeRO-2 against FSDP2 with DeepSpeed's roundings: equal: {bf16_equal}")
+        print(
+            f"bf16, ZeRO-2 against FSDP2 with DeepSpeed's roundings: equal: {bf16_equal}; moved: {bf16_trained}"
+        )
+    # Free the models (reference cycles) while Python is whole: else gloo's threads may drop
+    # their last tensors during the interpreter's shutdown, which aborts the process ("terminate
+    # called without an active exception", pytorch/pytorch#179291): half the runs, here, without.
+    gc.collect()
     dist.destroy_process_group()
 
 
