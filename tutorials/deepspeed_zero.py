@@ -16,10 +16,10 @@
 # # From DeepSpeed ZeRO to FSDP2, step for step
 #
 # **What you will learn**: that one model trained with DeepSpeed ZeRO-1, -2 and -3 and with
-# FSDP2 gives the same losses bit for bit in float32; what DeepSpeed's bf16 does that FSDP2
-# must be told to do for the two to agree (and what goes wrong without its float32 master
-# weights); which `ds_config` keys have an FSDP2 setting; and how a ZeRO checkpoint becomes
-# a DCP one that the guide's recipe resumes exactly.
+# FSDP2 gives the same losses bit for bit in float32 (on 2 ranks); what DeepSpeed's bf16
+# does that FSDP2 must be told to do for the two to agree (and what goes wrong without its
+# float32 master weights); which `ds_config` keys have an FSDP2 setting; and how a ZeRO
+# checkpoint becomes a DCP one that the guide's recipe resumes exactly.
 #
 # **What you need**: a CPU; 2 processes on gloo; DeepSpeed (`pip install deepspeed`, this
 # page's extra: the package does not need it); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU per
