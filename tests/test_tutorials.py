@@ -35,18 +35,15 @@ def _cells(line: str) -> list[str]:
     return re.split(r"\s{2,}", line.strip())
 
 
-def _table_under(text: str, header: list[str]) -> dict[str, list[str]]:
-    """The rows of the displayed Table whose header is ``header``, by their first cell (the lines
-    under it with as many cells, or fewer where the last ones are empty)."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if _cells(line) == header)
-    rows = {}
-    for line in lines[start + 1 :]:
-        cells = _cells(line)
-        if not 1 < len(cells) <= len(header):
-            break
-        rows[cells[0]] = cells[1:]
-    return rows
+def _table_under(notebook, header: list[str]) -> dict[str, list[str]]:
+    """The rows of the displayed Table whose header is ``header``, by their first cell (a row with
+    fewer cells: its last ones empty). Read from that output alone, so a table shown next is not read."""
+    for cell in notebook.cells:
+        for out in cell.get("outputs", []):
+            lines = out.get("data", {}).get("text/plain", "").splitlines()
+            if lines and _cells(lines[0]) == header:
+                return {row[0]: row[1:] for row in map(_cells, lines[1:]) if 1 < len(row) <= len(header)}
+    raise AssertionError(f"no table headed {header}")
 
 
 def _glued(notebook) -> dict:
@@ -374,7 +371,7 @@ def test_world_sizes_says_what_is_bit_equal_from_its_own_runs_and_the_bugs_stand
     twins = {run: set(row[-1].split("; ")) - {"none"} for run, row in rows.items()}
     one = {"one process", "one process, again", "FSDP2, 1 rank", "DDP, 1 rank"}
     two = {"one process, 2 micro-batches", "FSDP2, 2 ranks", "DDP, 2 ranks"}
-    four = {"FSDP2, 4 ranks", "FSDP2, 4 ranks again"}
+    four = {"FSDP2, 4 ranks", "FSDP2, 4 ranks again", "FSDP2, 4 ranks, use_deterministic_algorithms"}
     for group in (one, two, four):  # each bit-equal to the others of its group, and to nothing else
         for run in group:
             assert twins[run] == group - {run}, (run, twins[run])
@@ -441,10 +438,11 @@ def test_deepspeed_zero_stages_equal_fsdp2_bf16_matched_and_a_zero_checkpoint_re
     assert "the losses fell: True" in text  # equal, and trained (a NaN loss fails the comparison)
     assert "DeepSpeed built its shared-memory extension: False" in text
     assert "DeepSpeed's gradient_clipping when the config leaves it out: 1.0" in text  # on by default
-    losses = _table_under(text, ["step", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3"])
+    page = executed["deepspeed_zero"]
+    losses = _table_under(page, ["step", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3"])
     assert len(losses) == 8 and all(len(row) == 4 and len(set(row)) == 1 for row in losses.values()), losses
     header = ["run", "distance to ZeRO-2's weights / its update", "weights that moved"]
-    runs = _table_under(text, [*header, "losses and weights bit-equal to ZeRO-2's"])
+    runs = _table_under(page, [*header, "losses and weights bit-equal to ZeRO-2's"])
     assert len(runs) == 6 and all(math.isfinite(float(row[0])) for row in runs.values()), runs
     distance = {name: float(row[0]) for name, row in runs.items()}
     moved = {name: float(row[1].rstrip("%")) for name, row in runs.items()}
@@ -456,7 +454,7 @@ def test_deepspeed_zero_stages_equal_fsdp2_bf16_matched_and_a_zero_checkpoint_re
     assert distance[rounded] < 0.1 * distance[policy], distance  # nearly all of it: the start
     assert moved[bf16_weights] < 50 and moved[policy] == moved[matched] == 100, moved  # most updates lost in bf16
     header = ["step", "ZeRO-3, uninterrupted", "the recipe, resumed", "weights only, Adam afresh"]
-    resumed = _table_under(text, header)
+    resumed = _table_under(page, header)
     assert [len(row) == 3 and row[0] == row[1] != row[2] for row in resumed.values()] == [False] * 5 + [True] * 3
     assert len(resumed["5"]) == 3 and len(set(resumed["5"])) == 1, resumed  # the converted weights: equal
     assert "the resumed steps' losses equal ZeRO-3's: True" in text

@@ -22,9 +22,9 @@
 # checkpoint becomes a DCP one that the guide's recipe resumes exactly.
 #
 # **What you need**: a CPU; 2 processes on gloo; DeepSpeed (`pip install deepspeed`, this
-# page's extra: the package does not need it); about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU per
-# rank (NCCL): each rank computes on {func}`fsdp_guide.device`; no GPU run of it is
-# recorded, so what GPUs change is said as expectation. The tips are listed
+# page's extra: the package does not need it); about 15 seconds on 2 CPU cores
+# ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU
+# per rank (NCCL), on {func}`fsdp_guide.device`; no GPU run of it is recorded. The tips:
 # {ref}`at the end <deepspeed-zero-tips>`. Its idea as a plain torchrun script to copy:
 # {ref}`deepspeed-zero-script` ({download}`download <scripts/deepspeed_zero.py>`).
 
@@ -42,19 +42,23 @@ print(f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}, Python {sy
 # same torch `AdamW`. Each rank draws its own rows, the same ones in both runs.
 #
 # On a CPU, DeepSpeed compiles a C++ extension with g++ when its communication starts
-# (`deepspeed_shm_comm`), and its own Adam another (`fused_adam`): minutes on 2 cores, then
-# cached. Neither is needed: the op serves inference's all-reduce only (`deepspeed/comm/torch.py`),
-# so `avoid_deepspeed_builds` marks it unavailable (DeepSpeed 0.19's `__compatible_ops__`,
-# read by `build_shm_op`), and a torch optimizer, passed in, replaces DeepSpeed's.
+# (`deepspeed_shm_comm`), and its own Adam another (`fused_adam`), once per machine, then
+# cached in `~/.cache/torch_extensions` (timed by `bench/deepspeed_builds.py`). Neither is
+# needed: the op serves inference's all-reduce only (`deepspeed/comm/torch.py`), so
+# `on_the_rank_device` marks it unavailable (DeepSpeed 0.19's `__compatible_ops__`, read by
+# `build_shm_op`), and a torch optimizer, passed in, replaces DeepSpeed's.
 
 # %%
 import warnings
+from types import SimpleNamespace
 
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use")  # DeepSpeed's calls
 
 import deepspeed.ops
 import fsdp_guide
 import torch.distributed as dist
+from deepspeed.accelerator import set_accelerator
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 from deepspeed.utils import safe_get_full_fp32_param
 from fsdp_guide.gpt import GPT, GPTConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
@@ -64,8 +68,12 @@ CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
 STEPS, ROWS = 8, 4  # each rank's rows per step
 
 
-def avoid_deepspeed_builds():  # before deepspeed.initialize, which builds the op if this allows
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+def on_the_rank_device():  # before deepspeed.initialize: returns its args
+    device = fsdp_guide.device()
+    if device.type == "cpu":  # else DeepSpeed takes a visible GPU by itself
+        set_accelerator(CPU_Accelerator())
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # initialize builds none
+    return SimpleNamespace(device_rank=device.index or 0)  # the engine's device
 
 
 def build(rounded_to_bf16=False):
@@ -112,7 +120,7 @@ def train_fsdp2(lr=3e-3, policy=None, bf16_weights=False, rounded=False):
 
 
 def train_zero(stage, lr=3e-3, bf16=False):
-    avoid_deepspeed_builds()
+    args = on_the_rank_device()
     model, start = build(), flat(build(rounded_to_bf16=bf16).parameters())
     config = {
         "train_micro_batch_size_per_gpu": ROWS,
@@ -120,7 +128,7 @@ def train_zero(stage, lr=3e-3, bf16=False):
         "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1.0; FSDP2 clips only when asked
         "bf16": {"enabled": bf16},
     }  # with a torch optimizer passed in, DeepSpeed builds none of its own (no fused_adam)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, lr), config=config)
+    engine, *_ = deepspeed.initialize(args, model, optimizer=adamw(model, lr), config=config)
     losses = []
     for tokens in batches():
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
@@ -137,7 +145,7 @@ def train_zero(stage, lr=3e-3, bf16=False):
 # (deepspeed-zero-float32)=
 # ## Float32: the same losses, bit for bit
 #
-# Each ZeRO stage against FSDP2, 8 steps, the loss each step on rank 0:
+# Each ZeRO stage against FSDP2, {glue:text}`ds_steps` steps, the loss each step on rank 0:
 
 # %%
 from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
@@ -170,31 +178,31 @@ built = any(runs[f"ZeRO-{s}"]["shm_op_built"] for runs in ranks for s in (1, 2, 
 print("DeepSpeed built its shared-memory extension:", built)
 print("DeepSpeed's gradient_clipping when the config leaves it out:", GRADIENT_CLIPPING_DEFAULT)
 glue("ds_clip_default", GRADIENT_CLIPPING_DEFAULT, display=False)
+glue("ds_steps", STEPS, display=False)
 glue("ds_fp32_equal", "equal" if every_stage_equal else "not equal", display=False)
 
 # %% [markdown]
 # Equal ({glue:text}`ds_fp32_equal`), on these 2 ranks: the stages differ in what each rank
 # keeps (ZeRO-1 the optimizer's state, ZeRO-2 that and the gradients, ZeRO-3 the weights
 # too, split from each flattened parameter where FSDP2 splits each parameter along its
-# first dimension), not in the arithmetic. Both average each gradient over the ranks, and
-# a sum of two numbers has one order; both run the same `AdamW` on the same float32
-# numbers. With more ranks, or NCCL's reductions on GPUs, expect the last bits to differ:
-# the libraries group their sums differently. So when a migration's float32 losses differ
-# from the first step by more than rounding, look for a difference in the run (the data,
-# the seed, a setting), not in the sharding. The first setting to look at: DeepSpeed clips
-# gradients at {glue:text}`ds_clip_default` unless its config says otherwise (printed
-# above); FSDP2 clips only where you call `clip_grad_norm_`.
+# first dimension), not in the arithmetic: both average each gradient over the ranks (a sum
+# of two numbers has one order) and run the same `AdamW`. With more ranks, or NCCL on GPUs,
+# expect the last bits to differ (the libraries group their sums differently). So when a
+# migration's float32 losses differ from the first step by more than rounding, look for a
+# difference in the run (data, seed, a setting) first: DeepSpeed clips gradients at
+# {glue:text}`ds_clip_default` unless its config says otherwise (printed above); FSDP2
+# clips only where you call `clip_grad_norm_`.
 #
 # (deepspeed-zero-bf16)=
 # ## bf16: what DeepSpeed does, and FSDP2 must be told
 #
-# DeepSpeed's `"bf16": {"enabled": true}` casts the model's parameters to bf16, computes in
-# them, averages the gradients in bf16, and keeps a float32 copy of the weights (the master
-# weights) that the optimizer updates. FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` keeps
-# the sharded weights in float32 and casts a copy to bf16 for the forward and backward;
-# `reduce_dtype` picks the dtype the gradients are averaged in (left out, `param_dtype`'s). The final weights of five
-# FSDP2 runs against ZeRO-2's with bf16, at a small learning rate (3e-5) where precision
-# shows:
+# DeepSpeed's `"bf16": {"enabled": true}` casts the parameters to bf16, computes in them,
+# averages the gradients in bf16, and keeps a float32 copy of the weights (the master
+# weights) that the optimizer updates. FSDP2's `MixedPrecisionPolicy(param_dtype=bf16)`
+# keeps the sharded weights in float32 and casts a copy to bf16 for forward and backward;
+# `reduce_dtype` is the dtype the gradients are averaged in (left out, `param_dtype`). The
+# final weights of five FSDP2 runs against ZeRO-2's with bf16, at a small learning rate
+# (`bf16_runs`' `lr`) where precision shows:
 
 # %%
 bf16, f32 = torch.bfloat16, torch.float32
@@ -228,27 +236,25 @@ same = {
     n: all(b[n]["bit-equal"] for b in bf16_found) if n in BF16_RUNS else "(itself)" for n in found
 }
 rows = [[n, f"{r['distance']:.2g}", f"{r['moved']:.0%}", same[n]] for n, r in found.items()]
-Table([*columns, "losses and weights bit-equal to ZeRO-2's"], rows)
-
-# %%
 names = list(BF16_RUNS)
 glue("ds_bf16_moved", float(found[names[0]]["moved"]) * 100, display=False)
 glue("ds_bf16_params_distance", found[names[0]]["distance"], display=False)
 glue("ds_mp_distance", found[names[1]]["distance"], display=False)
 glue("ds_mp_rounded_distance", found[names[3]]["distance"], display=False)
+Table([*columns, "losses and weights bit-equal to ZeRO-2's"], rows)
 
 # %% [markdown]
 # - **Weights in bf16** (`model.bfloat16()` before `fully_shard`, the case of a loss that
 #   would not fall in [Hugging Face's post on moving between DeepSpeed and
-#   FSDP](https://huggingface.co/blog/deepspeed-to-fsdp-and-back)): only {glue:text}`ds_bf16_moved:.0f`% of the weights moved at
-#   all in 8 steps. An update smaller than half a bf16 step of the weight rounds back to the
-#   weight. The run lands {glue:text}`ds_bf16_params_distance:.2f` of an update away from
-#   DeepSpeed's.
-# - **`MixedPrecisionPolicy`** keeps the float32 weights, and every update counts. It lands
-#   {glue:text}`ds_mp_distance:.2f` of an update away, and nearly all of that is where it
-#   starts: DeepSpeed casts the parameters to bf16, then copies them to float32 for its master
-#   weights, so they start from the bf16-rounded weights. Started from those, FSDP2 lands
-#   {glue:text}`ds_mp_rounded_distance:.4f` of an update away.
+#   FSDP](https://huggingface.co/blog/deepspeed-to-fsdp-and-back)): only
+#   {glue:text}`ds_bf16_moved:.0f`% of the weights moved at all in {glue:text}`ds_steps`
+#   steps: an update under half a bf16 step of the weight rounds back to the weight. It
+#   lands {glue:text}`ds_bf16_params_distance:.2f` of an update away from DeepSpeed's.
+# - **`MixedPrecisionPolicy`** keeps the float32 weights, and every update counts. It
+#   lands {glue:text}`ds_mp_distance:.2f` of an update away, and nearly all of that is
+#   where it starts: DeepSpeed casts the parameters to bf16, then copies them to float32
+#   for its master weights, so they start from the bf16-rounded weights. Started from
+#   those, FSDP2 lands {glue:text}`ds_mp_rounded_distance:.4f` of an update away.
 # - **Bit-equal** takes the other rounding too: the gradients averaged in bf16, as
 #   `reduce_dtype` left out does (DeepSpeed's `communication_data_type` sets its dtype).
 #   Match both to check a migration against the old run step for step; then prefer the
@@ -262,20 +268,21 @@ glue("ds_mp_rounded_distance", found[names[3]]["distance"], display=False)
 # |---|---|---|
 # | `zero_optimization.stage` 1, 2 | no FSDP2 form: it shards the weights too, gathering them for the forward and again for the backward; `reshard_after_forward=False` keeps them gathered in between, as ZeRO-2 never drops them. The same numbers | executed above; {ref}`reshard_after_forward <fsdp2-fully-shard-reshard-after-forward>` |
 # | `zero_optimization.stage` 3 | `fully_shard` each block, then the root | executed above |
-# | `zero_hpz_partition_size`, `mics_shard_size` | HSDP (a 2-D mesh: shard within a group, replicate across), or `reshard_after_forward=` an int | {ref}`cluster`, {ref}`reshard_after_forward <fsdp2-fully-shard-reshard-after-forward>` |
+# | `zero_hpz_partition_size` (ZeRO++'s second, smaller-group copy of the weights for the backward) | `reshard_after_forward=` an int: after the forward, resharded over that many ranks | {ref}`reshard_after_forward <fsdp2-fully-shard-reshard-after-forward>` |
+# | `mics_shard_size` (MiCS) | HSDP: a 2-D mesh, sharded within a group, replicated across | {ref}`cluster` |
 # | `zero.Init` | build on the meta device, shard, then `to_empty` and initialise | {ref}`tutorial-deterministic-init` |
 # | `bf16.enabled` | `MixedPrecisionPolicy(param_dtype=torch.bfloat16)`, float32 weights kept | executed above |
 # | `communication_data_type` | `MixedPrecisionPolicy(reduce_dtype=...)` | executed above |
-# | `prescale_gradients`, `gradient_predivide_factor` | `set_gradient_divide_factor` | {ref}`set_gradient_divide_factor <fsdp2-fsdpmodule-set-gradient-divide-factor>` |
+# | `prescale_gradients`, `gradient_predivide_factor` | no setting: these split the average's division into a part before the reduction and a part after, and FSDP2 splits it itself where the reduction is in float16; `set_gradient_divide_factor` changes the whole divisor, which these keys do not | {ref}`set_gradient_divide_factor <fsdp2-fsdpmodule-set-gradient-divide-factor>`; torch's `_get_gradient_divide_factors` (`_fsdp_collectives.py`) |
 # | `fp16.enabled` (with its loss scaler) | `param_dtype=torch.float16` and `torch.amp.GradScaler` | {ref}`tutorial-fp16-scaler` |
-# | `gradient_clipping` | `torch.nn.utils.clip_grad_norm_` on the `DTensor` parameters, which FSDP2 calls only when you do; DeepSpeed clips at {glue:text}`ds_clip_default` when the config leaves it out (printed above; the runs above set 0, off) | executed below (the recipe clips at 1.0) |
-# | `gradient_accumulation_steps` | a loop of micro-batches, each loss divided by their number, `set_requires_gradient_sync(False)` but on the last | {ref}`tutorial-loss-and-accumulation` |
+# | `gradient_clipping` | `torch.nn.utils.clip_grad_norm_` on the `DTensor` parameters, which FSDP2 calls only when you do; DeepSpeed clips at {glue:text}`ds_clip_default` when the config leaves it out (printed above; the runs above set 0, off) | executed below (the recipe clips at its `clip`) |
+# | `gradient_accumulation_steps` | a loop of micro-batches, each loss divided by their number. ZeRO-2 and -3 reduce-scatter every micro-batch's gradients, as FSDP2 does by default; ZeRO-1 reduces at the last, as `set_requires_gradient_sync(False)` on all but the last does (unsharded gradients held between) | {ref}`tutorial-loss-and-accumulation` |
 # | `offload_param` with `offload_optimizer` | `offload_policy=CPUOffloadPolicy()`: weights, gradients and the optimizer step on the CPU | {ref}`CPUOffloadPolicy <fsdp2-cpuoffloadpolicy>` |
 # | `offload_optimizer` alone (ZeRO-Offload), NVMe offload | no equivalent | the policy's fields, {ref}`OffloadPolicy <fsdp2-offloadpolicy>` |
 # | `reduce_bucket_size`, `allgather_bucket_size` | no equivalent: FSDP2 gathers and reduces one unit at a time; the units you shard are the buckets | {ref}`tutorial-communication` |
 # | `stage3_prefetch_bucket_size` | no size: `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` name the units to fetch early | {ref}`tutorial-fsdp2-controls` |
 # | `contiguous_gradients`, `overlap_comm` | no setting: each unit's gradients are reduce-scattered from one buffer; on GPUs the reduce-scatter is expected to overlap the backward on its own stream | {ref}`tutorial-communication` |
-# | `stage3_gather_16bit_weights_on_model_save` | `get_model_state_dict(..., StateDictOptions(full_state_dict=True))` | {ref}`finetune-hf-export` |
+# | `stage3_gather_16bit_weights_on_model_save` | `get_model_state_dict(..., StateDictOptions(full_state_dict=True))`, which under a bf16 policy gives the float32 weights: cast them to save 16-bit | {ref}`finetune-hf-export` |
 # | `train_micro_batch_size_per_gpu` | the batch you feed each rank | executed above |
 
 # %% [markdown]
@@ -283,14 +290,13 @@ glue("ds_mp_rounded_distance", found[names[3]]["distance"], display=False)
 # ## A ZeRO checkpoint, resumed by the recipe
 #
 # The recipe's run ({func}`fsdp_guide.recipes.train_llm.train`: its model, data, AdamW,
-# schedule and clipping) trains with DeepSpeed ZeRO-3 for 8 steps and saves a ZeRO
-# checkpoint after 4. DeepSpeed's `ds_to_universal` turns it into a file per parameter: the
-# float32 weights and Adam's two moments (from ZeRO-3, flat and without Adam's step count,
-# which is the engine's steps not skipped). Rank 0 reads them; DCP's `set_model_state_dict`
-# and `set_optimizer_state_dict` send each rank its shards; the schedule comes from the
-# engine's file. `fsdp_guide.checkpoint` saves the recipe's checkpoint, and the recipe
-# resumes it. Beside it, a resume from the weights alone (all that `zero_to_fp32`,
-# DeepSpeed's usual converter, keeps), with Adam afresh:
+# schedule and clipping) trains with ZeRO-3 for {glue:text}`ds_recipe_steps` steps and saves
+# a ZeRO checkpoint after {glue:text}`ds_saved_at`. DeepSpeed's `ds_to_universal` turns it
+# into a file per parameter: the float32 weights and Adam's moments (flat, without Adam's
+# step count: the engine's steps not skipped). Rank 0 reads them; DCP's
+# `set_model_state_dict` and `set_optimizer_state_dict` send each rank its shards; the
+# schedule comes from the engine's file; `fsdp_guide.checkpoint` saves, and the recipe
+# resumes. Beside it, a resume from the weights alone (all that `zero_to_fp32` keeps):
 
 # %%
 import dataclasses
@@ -300,21 +306,18 @@ from pathlib import Path
 
 from fsdp_guide import checkpoint
 from fsdp_guide.recipes import train_llm
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp
 
 RECIPE = train_llm.TrainConfig(
     n_layer=2, block_size=32, batch_size=8, steps=8, precision="fp32", log_every=4, progress=False
 )
 SAVED_AT = 4
+TAG = f"step{SAVED_AT}"  # the ZeRO checkpoint's folder
 
 
 def deepspeed_recipe_run(out):
     """The recipe's run with ZeRO-3; saves a ZeRO checkpoint after SAVED_AT steps."""
-    avoid_deepspeed_builds()
+    args = on_the_rank_device()
     torch.manual_seed(RECIPE.seed)
     model = GPT(RECIPE.model_config()).to(fsdp_guide.device())
     model.init_weights()  # the recipe's weights, bit for bit (its init_sharded's promise)
@@ -325,7 +328,7 @@ def deepspeed_recipe_run(out):
         "gradient_clipping": RECIPE.clip,
     }
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        args, model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
     batches, losses, norms = train_llm.make_batches(RECIPE), [], []
     for step in range(1, RECIPE.steps + 1):
@@ -335,7 +338,7 @@ def deepspeed_recipe_run(out):
         losses.append(loss.detach())
         norms.append(float(engine.get_global_grad_norm()))  # before clipping
         if step == SAVED_AT:
-            engine.save_checkpoint(out / "zero", tag="step4")
+            engine.save_checkpoint(out / "zero", tag=TAG)
     losses = torch.stack(losses)
     dist.all_reduce(losses)  # the recipe reports the loss averaged over the ranks
     return (losses / dist.get_world_size()).tolist(), norms
@@ -360,13 +363,13 @@ def to_recipe_checkpoint(universal, out, with_moments=True):
             weights[name] = saved(name, "fp32", p.shape)
             moments = {k: saved(name, k, p.shape) for k in ("exp_avg", "exp_avg_sq")}
             state[name] = {"step": step.clone(), **moments}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # strict=False: the tied head (lm_head.weight) is the embedding, loaded under its one name
-    set_model_state_dict(model, weights, options=dataclasses.replace(options, strict=False))
+    dcp.set_model_state_dict(model, weights, options=dataclasses.replace(options, strict=False))
     if with_moments:
         groups = [{**g, "params": list(state)} for g in optimizer.state_dict()["param_groups"]]
         moments = {"state": state, "param_groups": groups} if dist.get_rank() == 0 else {}
-        set_optimizer_state_dict(model, optimizer, moments, options=options)
+        dcp.set_optimizer_state_dict(model, optimizer, moments, options=options)
     data = train_llm.make_batches(RECIPE)
     data.load_state_dict({"seed": RECIPE.seed, "position": SAVED_AT})
     settings, where = train_llm.RunSettings(RECIPE), out / ("recipe" if with_moments else "weights")
@@ -382,11 +385,11 @@ def resume(path):
 with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp)
     zero_losses, norms = launch(deepspeed_recipe_run, out, output="none")[0]
-    folders = ["--input_folder", out / "zero" / "step4", "--output_folder", out / "universal"]
+    folders = ["--input_folder", out / "zero" / TAG, "--output_folder", out / "universal"]
     convert = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *folders]
-    subprocess.run([*convert, "--inject_missing_state"], check=True, capture_output=True)
+    subprocess.run(convert, check=True, capture_output=True)
     path = launch(to_recipe_checkpoint, out / "universal", out, output="none")[0]
-    resumed_losses = launch(resume, path)[0]
+    resumed_losses = launch(resume, path, output="none")[0]  # its log names the temporary folder
     weights_only = launch(to_recipe_checkpoint, out / "universal", out, False, output="none")[0]
     afresh_losses = launch(resume, weights_only, output="none")[0]
 
@@ -407,18 +410,20 @@ print(f"ZeRO-3's gradient norms before clipping: {', '.join(f'{n:.3f}' for n in 
 clipped = [s + 1 for s, n in enumerate(norms) if n > RECIPE.clip]
 print(f"clipped at {RECIPE.clip} on steps: {clipped}")
 glue("ds_resumed", "equal" if resumed_exactly else "not equal", display=False)
+glue("ds_recipe_steps", RECIPE.steps, display=False)
+glue("ds_saved_at", SAVED_AT, display=False)
 
 # %% [markdown]
 # Equal ({glue:text}`ds_resumed`): the recipe continues ZeRO-3's run as if it had never
-# stopped, with gradient clipping at work on every step (the norms above 1.0, printed). What
-# carries it over: the float32 weights, Adam's moments and step count, the schedule at step
-# 4 (and the optimizer's rate with it: loading a scheduler's state leaves the optimizer's
-# `lr` where it was), and the data at its fifth batch. The recipe's checkpoint also holds
-# its settings, so a resume with another model or data is refused. From the weights alone,
-# the fifth step's loss is equal (the weights are), and the next ones are not.
+# stopped, with clipping at work on every step (each norm above the recipe's `clip`,
+# printed). What carries it over: the float32 weights, Adam's moments and step count, the
+# schedule at the saved step (and the optimizer's rate: loading a scheduler's state leaves
+# `lr` alone), and the data at the next batch. From the weights alone, the first resumed
+# step's loss is equal (the weights are), the next ones are not.
 #
-# `ds_to_universal` needs `--inject_missing_state` for a checkpoint that a plain DeepSpeed
-# engine saved (Megatron-DeepSpeed writes the state it checks for).
+# From a ZeRO-1 or -2 checkpoint that a plain DeepSpeed engine saved, `ds_to_universal`
+# needs `--inject_missing_state` (Megatron-DeepSpeed writes the state it checks for); its
+# ZeRO-3 path reads no such flag (`main` in `deepspeed/checkpoint/ds_to_universal.py`).
 #
 # (deepspeed-zero-script)=
 # ## The script to copy

@@ -84,13 +84,16 @@ def one_process(micro_batches=1):
     return losses, first, flat(model.parameters())
 
 
-def sharded(kind, bug=None):
+def sharded(kind, bug=None, deterministic=False):
     import fsdp_guide
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device, rank, world = fsdp_guide.device(), dist.get_rank(), dist.get_world_size()
+    torch.use_deterministic_algorithms(
+        deterministic
+    )  # raises where an op has no deterministic kernel
     model = build().to(device)
     if kind == "FSDP2":
         for layer in model[::2]:
@@ -135,6 +138,9 @@ for world in (1, 2, 4):
         runs[name] = launch(sharded, kind, world_size=world, backend="gloo", output="none")[0]
 runs["FSDP2, 4 ranks again"] = launch(
     sharded, "FSDP2", world_size=4, backend="gloo", output="none"
+)[0]
+runs["FSDP2, 4 ranks, use_deterministic_algorithms"] = launch(
+    sharded, "FSDP2", None, True, world_size=4, backend="gloo", output="none"
 )[0]
 for bug in ("same rows", "gradients summed"):
     runs[f"FSDP2, 2 ranks, {bug} (a bug)"] = launch(
@@ -196,7 +202,9 @@ Table([*columns, "bit-equal (gradients and weights) to"], rows)
 # Read from the last column:
 #
 # - **The runs repeated here are bit-equal to their first runs** (one process, FSDP2 on 4
-#   ranks): on the CPU, a run is deterministic.
+#   ranks): on the CPU, a run is deterministic. So `torch.use_deterministic_algorithms(True)`
+#   changes nothing here (bit-equal to FSDP2 on 4 ranks without it): it makes a run
+#   repeatable (on a GPU, where it matters: below), not equal across world sizes.
 # - **1 rank is one process**, FSDP2 and DDP alike.
 # - **2 ranks are one process with 2 micro-batches**, FSDP2 and DDP alike, bit for bit:
 #   each rank's half-batch gradient is what that micro-batch computes; FSDP2 (gloo's

@@ -278,12 +278,14 @@ def _deepspeed_environ() -> dict[str, str]:
     extra), and DeepSpeed then logs, in every kernel and rank that finds no GPU, that it fell back to
     the CPU: a line in the output of a dozen pages that are not about DeepSpeed, and words that
     pull those pages up in the site's search. Named, it logs nothing. On GPUs its own detection
-    stands (nothing is set), as it does for a reader running a page in Jupyter."""
+    stands (nothing is set), as it does for a reader running a page in Jupyter; the DeepSpeed page
+    names the CPU itself in each rank that computes there (by ``fsdp_guide.device()``'s rule, which
+    takes CUDA GPUs only: on a machine with another accelerator the ranks compute on the CPU)."""
     import torch
 
     from fsdp_guide.devices import DEVICE_ENV
 
-    on_cpu = os.environ.get(DEVICE_ENV, "").strip().lower() == "cpu" or not torch.accelerator.is_available()
+    on_cpu = os.environ.get(DEVICE_ENV, "").strip().lower() == "cpu" or not torch.cuda.is_available()
     return {"DS_ACCELERATOR": "cpu"} if on_cpu and "DS_ACCELERATOR" not in os.environ else {}  # cpu-only: the CPU named
 
 
