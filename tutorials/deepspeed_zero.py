@@ -22,8 +22,7 @@
 # checkpoint becomes a DCP one that the guide's recipe resumes exactly.
 #
 # **What you need**: a CPU; 2 processes on gloo; DeepSpeed (`pip install deepspeed`, this
-# page's extra: the package does not need it); about 15 seconds on 2 CPU cores
-# ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU
+# page's extra: the package does not need it); about 20 seconds on 2 CPU cores ({ref}`measured <measured-times>`). The code is written to run unchanged with one GPU
 # per rank (NCCL), on {func}`fsdp_guide.device`; no GPU run of it is recorded. The tips:
 # {ref}`at the end <deepspeed-zero-tips>`. Its idea as a plain torchrun script to copy:
 # {ref}`deepspeed-zero-script` ({download}`download <scripts/deepspeed_zero.py>`).

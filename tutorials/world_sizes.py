@@ -20,7 +20,7 @@
 # and a rule for telling a real divergence from rounding: compare the first gradients with
 # one process's on the same batch in micro-batches.
 #
-# **What you need**: a CPU; up to 4 processes on gloo; about 10 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
+# **What you need**: a CPU; up to 4 processes on gloo; about 15 seconds on 2 CPU cores ({ref}`measured <measured-times>`).
 # This page is about the CPU: every run, ranks and one process, computes there (`backend="gloo"`),
 # where each is deterministic; what GPUs change is said below as expectation. The tips are listed {ref}`at the end <world-sizes-tips>`. Its idea as a plain
 # torchrun script to copy: {ref}`world-sizes-script` ({download}`download <scripts/world_sizes.py>`).
