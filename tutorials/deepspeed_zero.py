@@ -69,7 +69,7 @@ STEPS, ROWS = 8, 4  # each rank's rows per step
 
 def on_the_rank_device():  # before deepspeed.initialize: returns its args
     device = fsdp_guide.device()
-    if device.type == "cpu":  # else DeepSpeed takes a visible GPU by itself
+    if device.type == "cpu":  # cpu-only: else DeepSpeed takes any visible GPU
         set_accelerator(CPU_Accelerator())
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # initialize builds none
     return SimpleNamespace(device_rank=device.index or 0)  # the engine's device
